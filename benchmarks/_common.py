@@ -1,0 +1,54 @@
+"""Shared plumbing of the benchmark scripts: arguments, timing and the JSON report with its targets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", type=Path, required=True, help="where to write the JSON report")
+    p.add_argument("--quick", action="store_true", help="a small CPU run (under ~2 minutes)")
+    return p
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def best_of(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall time of `repeats` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def target(name: str, value: float, goal: str) -> dict[str, Any]:
+    """`goal` is '>= X' or '<= X'; `met` is computed here so nobody has to trust prose."""
+    op, bound = goal.split()
+    met = value >= float(bound) if op == ">=" else value <= float(bound)
+    return {"name": name, "value": round(value, 4), "goal": goal, "met": bool(met)}
+
+
+def write_report(path: Path, payload: dict[str, Any]) -> None:
+    payload.setdefault("machine", {"python": platform.python_version(), "torch": torch.__version__,
+                                   "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                                   "threads": torch.get_num_threads()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    print(json.dumps(payload["targets"], indent=2))

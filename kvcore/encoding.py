@@ -1,0 +1,133 @@
+"""Context-window encoding: run each fact behind the turns that preceded it, keep only the fact's K/V.
+
+Each job is `[prefix][window turns][target]`; the prefix is the chat frame up to the memory region (the
+system prompt), so a fact sees what it will see at serving time. Jobs are batched by a token budget,
+right-padded (so every row's real tokens sit at positions 0..len-1 and padding never leaks into them),
+and run through a `KVForward`. With `window=0` every fact is encoded on its own; with a window that
+holds all preceding memory the result equals a joint prefill of the whole memory exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvcore.conversation import Fact, FactLimits, Turn, context_window, validate_fact
+from kvcore.errors import InvalidFactError
+from kvcore.protocols import KVForward, ModelSpec, TokenEncoder
+from kvcore.record import EncodingParams, FactKV, dtype_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EncodingJob:
+    """One target sequence to encode and the context it is encoded behind (context K/V is discarded)."""
+
+    fact_id: str
+    context_ids: tuple[int, ...]
+    target_ids: tuple[int, ...]
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return len(self.context_ids) + len(self.target_ids)
+
+
+def plan_fact_jobs(
+    turns: Sequence[Turn],
+    facts: Sequence[Fact],
+    *,
+    window: int,
+    prefix_ids: Sequence[int],
+    tokenizer: TokenEncoder,
+    limits: FactLimits = FactLimits(),
+) -> list[EncodingJob]:
+    """Validate every fact first (nothing is encoded if one is bad), then tokenize jobs."""
+    if window < 0:
+        raise InvalidFactError(f"window must be >= 0, got {window}")
+    seen: set[str] = set()
+    for fact in facts:
+        validate_fact(fact, len(turns), limits)
+        if fact.fact_id in seen:
+            raise InvalidFactError(f"fact id {fact.fact_id!r} appears twice")
+        seen.add(fact.fact_id)
+    turn_ids: dict[int, list[int]] = {}
+    jobs = []
+    for fact in facts:
+        target = tokenizer.encode_text(fact.render())
+        if not target or len(target) > limits.max_tokens:
+            raise InvalidFactError(f"fact {fact.fact_id!r} has {len(target)} tokens; allowed 1..{limits.max_tokens}")
+        context = list(prefix_ids)
+        first = max(0, fact.anchor - window)
+        for index, turn in enumerate(context_window(turns, fact.anchor, window), start=first):
+            if index not in turn_ids:
+                turn_ids[index] = tokenizer.encode_text(turn.render())
+            context.extend(turn_ids[index])
+        jobs.append(EncodingJob(fact.fact_id, tuple(context), tuple(target), {"anchor": str(fact.anchor)}))
+    return jobs
+
+
+def encode_jobs(
+    jobs: Sequence[EncodingJob],
+    forward: KVForward,
+    spec: ModelSpec,
+    *,
+    tenant_id: str,
+    window: int,
+    dtype: torch.dtype,
+    version: int = 1,
+    max_batch_tokens: int = 16384,
+    pad_id: int = 0,
+) -> list[FactKV]:
+    """Encode `jobs` in token-budgeted batches; return one record per job, in the order given."""
+    params = EncodingParams(window=window, model_fingerprint=spec.fingerprint, rope=spec.rope, dtype=dtype_name(dtype))
+    records: list[FactKV | None] = [None] * len(jobs)
+    for batch in plan_batches(jobs, max_batch_tokens):
+        keys, values = _run_batch([jobs[i] for i in batch], forward, pad_id)  # [L, B, H, T, D]
+        for row, index in enumerate(batch):
+            job = jobs[index]
+            begin, end = len(job.context_ids), job.length
+            records[index] = FactKV(
+                tenant_id=tenant_id,
+                fact_id=job.fact_id,
+                token_ids=job.target_ids,
+                k=keys[:, row, :, begin:end].to(dtype).contiguous().cpu(),
+                v=values[:, row, :, begin:end].to(dtype).contiguous().cpu(),
+                params=params,
+                version=version,
+                meta=dict(job.meta),
+            )
+    log.debug("encoded %d jobs for tenant %s (window %d)", len(jobs), tenant_id, window)
+    return [r for r in records if r is not None]
+
+
+def plan_batches(jobs: Sequence[EncodingJob], max_batch_tokens: int) -> list[list[int]]:
+    """Group jobs of similar length so that rows x longest row stays within the budget."""
+    order = sorted(range(len(jobs)), key=lambda i: jobs[i].length, reverse=True)
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        longest = jobs[current[0]].length if current else jobs[index].length
+        if current and (len(current) + 1) * longest > max_batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _run_batch(batch: Sequence[EncodingJob], forward: KVForward, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(job.length for job in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, job in enumerate(batch):
+        ids = torch.tensor(job.context_ids + job.target_ids, dtype=torch.long)
+        input_ids[row, : len(ids)] = ids
+        mask[row, : len(ids)] = 1
+    with torch.inference_mode():
+        return forward(input_ids, mask)

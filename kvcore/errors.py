@@ -1,0 +1,25 @@
+"""The exceptions of the KV core: each names what went wrong and what the caller can do about it."""
+
+
+class KVCoreError(Exception):
+    """Base class of every error the KV core raises on purpose."""
+
+
+class UnsupportedModelError(KVCoreError):
+    """The model's architecture or rope scheme is outside what the core implements."""
+
+
+class InvalidFactError(KVCoreError, ValueError):
+    """A fact or conversation cannot be encoded as given (empty, too long, anchored out of range)."""
+
+
+class RecordCorruptError(KVCoreError):
+    """A stored fact record cannot be read back intact (truncated, bad header, checksum mismatch)."""
+
+
+class FingerprintMismatchError(KVCoreError):
+    """A record was encoded by another model (or another rope config) than the one serving it."""
+
+
+class IncompatibleRecordsError(KVCoreError, ValueError):
+    """Records that are composed together disagree on shape, dtype or model."""

@@ -1,0 +1,206 @@
+"""The fact KV record: one fact's pre-RoPE keys and values, with everything needed to trust them later.
+
+On disk a record is a safetensors file laid out layer by layer (`k.000`, `v.000`, `k.001`, ...), each
+tensor `[kv_heads, tokens, head_dim]`, so one layer loads without reading the others. The header holds
+the ids, token ids, encoding parameters and a CRC32 per tensor; a record whose model fingerprint differs
+from the serving model's is refused rather than injected.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from kvcore.conversation import check_identifier
+from kvcore.errors import FingerprintMismatchError, IncompatibleRecordsError, RecordCorruptError
+from kvcore.rope import RopeConfig
+from kvcore.safetensors_io import read_header, read_tensor, write_atomic
+
+FORMAT = "inferscale.factkv/1"
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in _DTYPE_NAMES.items():
+        if value == dtype:
+            return name
+    raise IncompatibleRecordsError(f"K/V dtype {dtype} is not supported (use float32, bfloat16 or float16)")
+
+
+@dataclass(frozen=True)
+class EncodingParams:
+    """How a record was made: enough to decide whether it may be served by a given model."""
+
+    window: int
+    model_fingerprint: str
+    rope: RopeConfig
+    dtype: str
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"window": self.window, "model_fingerprint": self.model_fingerprint, "rope": self.rope.to_dict(), "dtype": self.dtype},
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "EncodingParams":
+        raw = json.loads(text)
+        return cls(window=int(raw["window"]), model_fingerprint=raw["model_fingerprint"], rope=RopeConfig(**raw["rope"]), dtype=raw["dtype"])
+
+
+@dataclass(frozen=True, eq=False)
+class FactKV:
+    """K `[layers, kv_heads, tokens, head_dim]` before RoPE, V of the same shape, and their provenance."""
+
+    tenant_id: str
+    fact_id: str
+    token_ids: tuple[int, ...]
+    k: torch.Tensor
+    v: torch.Tensor
+    params: EncodingParams
+    version: int = 1
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_identifier("tenant id", self.tenant_id)
+        check_identifier("fact id", self.fact_id)
+        if self.k.shape != self.v.shape or self.k.dim() != 4:
+            raise IncompatibleRecordsError(f"K {tuple(self.k.shape)} and V {tuple(self.v.shape)} must both be [L, H, T, D]")
+        if self.k.shape[2] != len(self.token_ids):
+            raise IncompatibleRecordsError(f"K has {self.k.shape[2]} tokens but the record names {len(self.token_ids)}")
+        if self.k.dtype != self.v.dtype or dtype_name(self.k.dtype) != self.params.dtype:
+            raise IncompatibleRecordsError(f"K/V dtype {self.k.dtype} does not match params dtype {self.params.dtype}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+def save_record(record: FactKV, path: Path) -> None:
+    """Write `record` to `path` atomically (a crash leaves the old file or none, never half of one)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(record.num_layers):
+        tensors[f"k.{layer:03d}"] = record.k[layer]
+        tensors[f"v.{layer:03d}"] = record.v[layer]
+    crcs = {name: _crc(t) for name, t in tensors.items()}
+    metadata = {
+        "format": FORMAT,
+        "tenant_id": record.tenant_id,
+        "fact_id": record.fact_id,
+        "version": str(record.version),
+        "token_ids": json.dumps(list(record.token_ids)),
+        "params": record.params.to_json(),
+        "crc32": json.dumps(crcs, sort_keys=True),
+        "num_layers": str(record.num_layers),
+        "meta": json.dumps(record.meta, sort_keys=True),
+    }
+    write_atomic(Path(path), tensors, metadata)
+
+
+def load_record(path: Path, expected_fingerprint: str | None = None) -> FactKV:
+    """Read a whole record; refuse it if it is damaged or was encoded by another model."""
+    path = Path(path)
+    with _open(path) as handle:
+        header, start = read_header(handle, path)
+        meta = _metadata(header, path)
+        params = _check_fingerprint(meta, path, expected_fingerprint)
+        layers = range(int(meta["num_layers"]))
+        ks = [_read_checked(handle, path, header, start, f"k.{i:03d}", meta) for i in layers]
+        vs = [_read_checked(handle, path, header, start, f"v.{i:03d}", meta) for i in layers]
+    try:
+        return FactKV(
+            tenant_id=meta["tenant_id"],
+            fact_id=meta["fact_id"],
+            token_ids=tuple(json.loads(meta["token_ids"])),
+            k=torch.stack(ks),
+            v=torch.stack(vs),
+            params=params,
+            version=int(meta["version"]),
+            meta=json.loads(meta.get("meta", "{}")),
+        )
+    except (IncompatibleRecordsError, ValueError, RuntimeError) as exc:
+        raise RecordCorruptError(f"{path}: contents are inconsistent ({exc})") from None
+
+
+def load_layer(path: Path, layer: int, expected_fingerprint: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read only layer `layer` of a record: `(k, v)`, each `[kv_heads, tokens, head_dim]`."""
+    path = Path(path)
+    with _open(path) as handle:
+        header, start = read_header(handle, path)
+        meta = _metadata(header, path)
+        _check_fingerprint(meta, path, expected_fingerprint)
+        if not 0 <= layer < int(meta["num_layers"]):
+            raise IndexError(f"{path}: layer {layer} out of range 0..{int(meta['num_layers']) - 1}")
+        k = _read_checked(handle, path, header, start, f"k.{layer:03d}", meta)
+        v = _read_checked(handle, path, header, start, f"v.{layer:03d}", meta)
+    return k, v
+
+
+def check_compatible(records: Sequence[FactKV]) -> None:
+    """Records composed into one prompt must come from one model, one rope and one layout."""
+    if not records:
+        return
+    first = records[0]
+    for rec in records[1:]:
+        if rec.params.model_fingerprint != first.params.model_fingerprint:
+            raise IncompatibleRecordsError(f"fact {rec.fact_id!r} was encoded by another model than {first.fact_id!r}")
+        if rec.params.rope != first.params.rope:
+            raise IncompatibleRecordsError(f"fact {rec.fact_id!r} has another rope config than {first.fact_id!r}")
+        if rec.k.shape[:2] != first.k.shape[:2] or rec.k.shape[3] != first.k.shape[3] or rec.k.dtype != first.k.dtype:
+            raise IncompatibleRecordsError(f"fact {rec.fact_id!r} has another K/V layout than {first.fact_id!r}")
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    return zlib.crc32(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _open(path: Path):
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no fact record at {path}") from None
+
+
+def _metadata(header: dict, path: Path) -> dict[str, str]:
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != FORMAT:
+        raise RecordCorruptError(f"{path}: not an inferscale fact record (format {meta.get('format')!r})")
+    required = ("tenant_id", "fact_id", "version", "token_ids", "params", "crc32", "num_layers")
+    missing = [key for key in required if key not in meta]
+    if missing:
+        raise RecordCorruptError(f"{path}: header lacks {', '.join(missing)}")
+    return meta
+
+
+def _check_fingerprint(meta: dict[str, str], path: Path, expected: str | None) -> EncodingParams:
+    try:
+        params = EncodingParams.from_json(meta["params"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordCorruptError(f"{path}: encoding params are unreadable ({exc})") from None
+    if expected is not None and params.model_fingerprint != expected:
+        raise FingerprintMismatchError(
+            f"{path}: encoded by model {params.model_fingerprint}, but the serving model is {expected}; "
+            "re-encode the fact with the serving model"
+        )
+    return params
+
+
+def _read_checked(handle, path: Path, header: dict, start: int, name: str, meta: dict[str, str]) -> torch.Tensor:
+    tensor, raw = read_tensor(handle, path, header, start, name)
+    expected = json.loads(meta["crc32"]).get(name)
+    if expected is None or zlib.crc32(raw) != expected:
+        raise RecordCorruptError(f"{path}: checksum of {name!r} does not match; the file is damaged")
+    return tensor

@@ -1,0 +1,159 @@
+"""Rotary position embedding as free functions, so stored keys can move to any serving position.
+
+Keys are stored *before* RoPE. At injection they are rotated to wherever the fact lands in the prompt
+("chunked RoPE": each fact is one chunk of contiguous positions). Because R(a)ᵀR(b) = R(b−a), a fact
+encoded once is exact at every position. Angles are computed in float32 whatever the input dtype, the
+way the engines build their cos/sin caches, and the result is cast back to the input dtype.
+
+Supported: `default`, `linear`, `dynamic` (NTK) and `llama3` frequency schedules; the neox (half-split)
+and GPT-J (interleaved) layouts; partial rotary dimensions.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+import torch
+
+from kvcore.errors import UnsupportedModelError
+
+RopeType = Literal["default", "linear", "dynamic", "llama3"]
+RopeStyle = Literal["neox", "gptj"]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Everything that fixes the rotation of one model's keys."""
+
+    head_dim: int
+    theta: float = 10000.0
+    rope_type: RopeType = "default"
+    style: RopeStyle = "neox"
+    rotary_dim: int | None = None  # None: the whole head
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "linear", "dynamic", "llama3"):
+            raise UnsupportedModelError(f"rope type {self.rope_type!r} is not supported")
+        if self.style not in ("neox", "gptj"):
+            raise UnsupportedModelError(f"rope style {self.style!r} is not supported")
+        if self.dim % 2 or self.dim > self.head_dim or self.dim <= 0:
+            raise UnsupportedModelError(f"rotary dim {self.dim} does not fit head_dim {self.head_dim}")
+
+    @property
+    def dim(self) -> int:
+        """Number of rotated channels per head."""
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> "RopeConfig":
+        """Read the rope settings of a HF config dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        rotary_dim = None if partial == 1.0 else int(head_dim * partial)
+        return cls(
+            head_dim=int(head_dim),
+            theta=float(theta),
+            rope_type=rope_type,
+            rotary_dim=rotary_dim,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position=params.get(
+                "original_max_position_embeddings", config.get("max_position_embeddings")
+            ),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def inverse_frequencies(rope: RopeConfig, seq_len: int | None = None) -> torch.Tensor:
+    """The per-pair angular frequencies, float32 `[dim/2]`. `seq_len` matters only for dynamic NTK."""
+    return _inverse_frequencies(rope, seq_len if rope.rope_type == "dynamic" else None).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _inverse_frequencies(rope: RopeConfig, seq_len: int | None) -> torch.Tensor:
+    dim, base = rope.dim, rope.theta
+    if rope.rope_type == "dynamic" and seq_len is not None and rope.original_max_position:
+        if seq_len > rope.original_max_position:
+            ratio = rope.factor * seq_len / rope.original_max_position - (rope.factor - 1)
+            base = base * ratio ** (dim / (dim - 2))
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.rope_type == "linear":
+        inv = inv / rope.factor
+    elif rope.rope_type == "llama3":
+        inv = _llama3_schedule(inv, rope)
+    return inv
+
+
+def _llama3_schedule(inv: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1: slow the low frequencies by `factor`, keep the high ones, blend in between."""
+    if not rope.original_max_position:
+        raise UnsupportedModelError("llama3 rope needs original_max_position_embeddings")
+    old_len = rope.original_max_position
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def cos_sin(
+    positions: torch.Tensor, rope: RopeConfig, seq_len: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin of `positions[..., None] * inv_freq`, shape `[*positions.shape, dim/2]`."""
+    inv = _inverse_frequencies(rope, seq_len if rope.rope_type == "dynamic" else None).to(positions.device)
+    angles = positions.to(torch.float32)[..., None] * inv  # [..., T, dim/2]
+    return angles.cos(), angles.sin()
+
+
+def rotate(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    rope: RopeConfig,
+    *,
+    inverse: bool = False,
+    seq_len: int | None = None,
+) -> torch.Tensor:
+    """Apply R(p) (or R(p)ᵀ = R(−p) with `inverse`) to `x` `[..., T, head_dim]` at `positions`.
+
+    `positions` is `[T]` or broadcastable to `x.shape[:-1]`. Works on any device, vectorized over every
+    leading dimension (layers, heads, batch). Returns a new tensor of `x`'s dtype.
+    """
+    if x.shape[-1] != rope.head_dim:
+        raise ValueError(f"last dim {x.shape[-1]} is not head_dim {rope.head_dim}")
+    cos, sin = cos_sin(positions, rope, seq_len)  # [..., T, dim/2]
+    if inverse:
+        sin = -sin
+    xf = x.to(torch.float32)
+    rot, rest = xf[..., : rope.dim], xf[..., rope.dim :]
+    if rope.style == "neox":
+        half = rope.dim // 2
+        x1, x2 = rot[..., :half], rot[..., half:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    if rest.shape[-1]:
+        out = torch.cat((out, rest), dim=-1)
+    return out.to(x.dtype)
+
+
+def rotate_to(keys: torch.Tensor, start: int, rope: RopeConfig, seq_len: int | None = None) -> torch.Tensor:
+    """Rotate pre-RoPE keys `[..., T, head_dim]` to the contiguous positions `start .. start+T-1`."""
+    positions = torch.arange(start, start + keys.shape[-2], device=keys.device)
+    return rotate(keys, positions, rope, seq_len=seq_len)

@@ -1,0 +1,105 @@
+"""A small reader/writer of the safetensors format in pure Python, so the core needs no extra package.
+
+The format: an 8-byte little-endian header length, a JSON header naming each tensor's dtype, shape and
+byte range, then the raw little-endian data. Reading seeks to one tensor's bytes, which is what lets a
+single layer of a record load on its own. Files written here load with the `safetensors` package too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Mapping
+
+import torch
+
+from kvcore.errors import RecordCorruptError
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+}
+_BY_NAME = {v: k for k, v in _DTYPES.items()}
+_MAX_HEADER = 64 * 1024 * 1024
+
+
+def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """Write `tensors` in the given order; the file appears complete or not at all."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    blobs: list[bytes] = []
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"dtype {tensor.dtype} cannot be stored")
+        blob = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(struct.pack("<Q", len(raw)))
+            out.write(raw)
+            for blob in blobs:
+                out.write(blob)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_header(handle: BinaryIO, path: Path) -> tuple[dict, int]:
+    """Parse and sanity-check the header; return it and the offset where tensor data starts."""
+    size = os.fstat(handle.fileno()).st_size
+    head = handle.read(8)
+    if len(head) != 8:
+        raise RecordCorruptError(f"{path}: too short to be a safetensors file")
+    (length,) = struct.unpack("<Q", head)
+    if length > min(_MAX_HEADER, size - 8):
+        raise RecordCorruptError(f"{path}: header length {length} exceeds the file")
+    try:
+        header = json.loads(handle.read(length))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordCorruptError(f"{path}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise RecordCorruptError(f"{path}: header is not an object")
+    data_start = 8 + length
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info.get("data_offsets", (0, -1))
+        if info.get("dtype") not in _BY_NAME or not 0 <= begin <= end <= size - data_start:
+            raise RecordCorruptError(f"{path}: tensor {name!r} has a bad dtype or byte range")
+    return header, data_start
+
+
+def read_tensor(handle: BinaryIO, path: Path, header: dict, data_start: int, name: str) -> tuple[torch.Tensor, bytes]:
+    """Read one tensor (and its raw bytes, for checksums) by seeking straight to it."""
+    if name not in header:
+        raise RecordCorruptError(f"{path}: tensor {name!r} is missing")
+    info = header[name]
+    begin, end = info["data_offsets"]
+    dtype = _BY_NAME[info["dtype"]]
+    shape = info["shape"]
+    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if end - begin != expected:
+        raise RecordCorruptError(f"{path}: tensor {name!r} has {end - begin} bytes, its shape needs {expected}")
+    handle.seek(data_start + begin)
+    raw = handle.read(end - begin)
+    if len(raw) != end - begin:
+        raise RecordCorruptError(f"{path}: tensor {name!r} is truncated")
+    tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
+    return tensor, raw

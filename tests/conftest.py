@@ -1,0 +1,52 @@
+"""Shared fixtures: one real model per session, GPU tests skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def settings():
+    from config import load_settings
+
+    return load_settings()
+
+
+@pytest.fixture(scope="session")
+def loaded(settings):
+    """SmolLM2-135M-Instruct in float32, converted from the bundled GGUF once per cache."""
+    from models.loader import load_model
+
+    torch.manual_seed(0)
+    return load_model(settings.model.model_copy(update={"dtype": "float32"}))
+
+
+@pytest.fixture(scope="session")
+def frame(loaded, settings):
+    from models.chat import build_frame
+
+    return build_frame(loaded.tokenizer, settings.system_prompt)
+
+
+@pytest.fixture(scope="session")
+def forward(loaded):
+    from models.transformers_adapter import HFKVForward
+
+    return HFKVForward(loaded)
+
+
+@pytest.fixture(scope="session")
+def engine(loaded):
+    from models.transformers_adapter import ReferenceEngine
+
+    return ReferenceEngine(loaded)
