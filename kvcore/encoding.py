@@ -87,22 +87,47 @@ def encode_jobs(
     params = EncodingParams(window=window, model_fingerprint=spec.fingerprint, rope=spec.rope, dtype=dtype_name(dtype))
     records: list[FactKV | None] = [None] * len(jobs)
     for batch in plan_batches(jobs, max_batch_tokens):
-        keys, values = _run_batch([jobs[i] for i in batch], forward, pad_id)  # [L, B, H, T, D]
-        for row, index in enumerate(batch):
-            job = jobs[index]
-            begin, end = len(job.context_ids), job.length
+        rows = [jobs[i] for i in batch]
+        keys, values = _run_batch(rows, forward, pad_id)  # [L, B, H, T, D] each
+        k_all, v_all = _gather_targets(rows, keys, values, dtype)  # [L, H, N, D], on the CPU
+        offset = 0
+        for index, job in zip(batch, rows):
+            count = len(job.target_ids)
             records[index] = FactKV(
                 tenant_id=tenant_id,
                 fact_id=job.fact_id,
                 token_ids=job.target_ids,
-                k=keys[:, row, :, begin:end].to(dtype).contiguous().cpu(),
-                v=values[:, row, :, begin:end].to(dtype).contiguous().cpu(),
+                k=k_all[:, :, offset : offset + count],  # a view: the batch's host tensor is shared
+                v=v_all[:, :, offset : offset + count],
                 params=params,
                 version=version,
                 meta=dict(job.meta),
             )
+            offset += count
     log.debug("encoded %d jobs for tenant %s (window %d)", len(jobs), tenant_id, window)
     return [r for r in records if r is not None]
+
+
+def _gather_targets(
+    rows: Sequence[EncodingJob], keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick every row's target tokens on the device, in record layout, then copy to the host once."""
+    row_index = torch.cat([torch.full((len(j.target_ids),), r, dtype=torch.long) for r, j in enumerate(rows)])
+    col_index = torch.cat([torch.arange(len(j.context_ids), j.length) for j in rows])
+    row_index, col_index = row_index.to(keys.device), col_index.to(keys.device)
+    # advanced indices go first: [N, L, H, D] -> [L, H, N, D], made contiguous on the device
+    picked_k = keys[:, row_index, :, col_index].to(dtype).permute(1, 2, 0, 3).contiguous()
+    picked_v = values[:, row_index, :, col_index].to(dtype).permute(1, 2, 0, 3).contiguous()
+    return _to_host(picked_k), _to_host(picked_v)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """One device-to-host copy; into pinned memory from CUDA, which is several times faster than pageable."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor)
+    return host
 
 
 def plan_batches(jobs: Sequence[EncodingJob], max_batch_tokens: int) -> list[list[int]]:
