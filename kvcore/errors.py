@@ -23,3 +23,18 @@ class FingerprintMismatchError(KVCoreError):
 
 class IncompatibleRecordsError(KVCoreError, ValueError):
     """Records that are composed together disagree on shape, dtype or model."""
+
+
+class FactMissingError(KVCoreError, KeyError):
+    """A fact record named by a memory plan is not in the store."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class LayoutError(KVCoreError):
+    """The engine's paged KV cache has a layout the core does not recognise."""
+
+
+class PlanError(KVCoreError, ValueError):
+    """A memory plan is malformed or does not match the prompt it travels with."""

@@ -149,6 +149,30 @@ def load_layer(path: Path, layer: int, expected_fingerprint: str | None = None) 
     return k, v
 
 
+@dataclass(frozen=True)
+class RecordInfo:
+    """A record's header only: what the scheduler checks without reading any K/V."""
+
+    tenant_id: str
+    fact_id: str
+    token_ids: tuple[int, ...]
+    params: EncodingParams
+    version: int
+
+
+def read_info(path: Path) -> RecordInfo:
+    """Read just the header of a record (ids, tokens, params), never its tensors."""
+    path = Path(path)
+    with _open(path) as handle:
+        header, _ = read_header(handle, path)
+    meta = _metadata(header, path)
+    params = _check_fingerprint(meta, path, None)
+    try:
+        return RecordInfo(meta["tenant_id"], meta["fact_id"], tuple(json.loads(meta["token_ids"])), params, int(meta["version"]))
+    except (TypeError, ValueError) as exc:
+        raise RecordCorruptError(f"{path}: header is inconsistent ({exc})") from None
+
+
 def check_compatible(records: Sequence[FactKV]) -> None:
     """Records composed into one prompt must come from one model, one rope and one layout."""
     if not records:

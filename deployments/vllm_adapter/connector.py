@@ -1,0 +1,119 @@
+"""`InferscaleConnector`: vLLM's KV connector interface, forwarding to the engine-agnostic injector.
+
+Loaded by vLLM from `kv_connector_module_path`, in the scheduler and in every worker process. Each
+method is a one-line forward to `InjectionScheduler` (scheduler role) or `InjectionWorker` (worker
+role); version drift of vLLM stays in this file. Extra config (`kv_connector_extra_config`):
+`store_root` (a LocalFactStore directory), `fingerprint` (of the served model), `on_load_failure`
+(`recompute` or `fail`, mirrored in vLLM's `kv_load_failure_policy`), `device_cache_bytes` (records
+kept on the worker's device).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcore.injection import InjectionScheduler, InjectionWorker, LoadSpec
+from kvcore.paged import detect_layout
+from kvcore.rope import RopeConfig
+from kvcore.store import LocalFactStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InferscaleMetadata(KVConnectorMetadata):
+    """Scheduler-to-worker data of one step: the loads to perform."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+class InferscaleConnector(KVConnectorBase_V1):
+    """Injects memory K/V into vLLM's paged cache; no engine changes."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        store = LocalFactStore(Path(extra["store_root"]))
+        fingerprint = str(extra["fingerprint"])
+        self._block_size = vllm_config.cache_config.block_size
+        self._vllm_config = vllm_config
+        self._scheduler: InjectionScheduler | None = None
+        self._worker: InjectionWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            policy = extra.get("on_load_failure", "recompute")
+            self._scheduler = InjectionScheduler(store, fingerprint, self._block_size, policy)
+        else:
+            rope = RopeConfig.from_hf_config(vllm_config.model_config.hf_config.to_dict())
+            self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", 1 << 30)))
+
+    # ---- scheduler side ----
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = self._scheduler.match(request.request_id, request.prompt_token_ids or [],
+                                       request.kv_transfer_params, num_computed_tokens)
+        return tokens, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self._scheduler.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return InferscaleMetadata(loads=self._scheduler.take_loads())
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._scheduler.finished(request.request_id)
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        name, cache = next(iter(kv_caches.items()))
+        model = self._vllm_config.model_config
+        layout = detect_layout(cache, self._block_size, model.get_total_num_kv_heads(), model.get_head_size(),
+                               engine_write=self._engine_writer(name))
+        log.info("paged KV layout: %s", layout)
+        self._worker.register(kv_caches, layout)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        self._worker.start(metadata.loads if isinstance(metadata, InferscaleMetadata) else [])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.load_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing to save: facts are encoded offline, never from serving traffic."""
+
+    def wait_for_save(self) -> None:
+        self._worker.finish_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks()
+
+    def _engine_writer(self, layer_name: str):
+        """The attention backend's own cache-write path, used to probe the layout on a scratch cache."""
+        layer = self._vllm_config.compilation_config.static_forward_context[layer_name]
+        impl = layer.impl
+        if not hasattr(layer, "isa") and type(impl).__module__.endswith("cpu_attn"):
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            layer.isa = _get_attn_isa(self._vllm_config.model_config.dtype, self._block_size,
+                                      self._vllm_config.model_config.get_head_size())
+
+        def write(scratch: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+            impl.do_kv_cache_update(layer, k, v, scratch, slots)
+
+        return write

@@ -1,0 +1,56 @@
+"""Build a vLLM engine with the inferscale connector, and turn memory plans into requests.
+
+A request with memory carries its prompt as token ids `[memory region][query]`, the plan in
+`sampling_params.extra_args["kv_transfer_params"]` and the plan's prefix-cache salt, so its blocks are
+reused only by requests of the same tenant and store version. Engine knobs pass through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+from vllm.inputs import TokensPrompt
+
+from kvcore.plan import MemoryPlan
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_CLASS = "InferscaleConnector"
+CONNECTOR_MODULE = "deployments.vllm_adapter.connector"
+
+
+def kv_transfer_config(store_root: Path, fingerprint: str, on_load_failure: Literal["recompute", "fail"] = "recompute",
+                       device_cache_bytes: int = 1 << 30) -> KVTransferConfig:
+    """The `KVTransferConfig` that loads `InferscaleConnector` out of tree."""
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_CLASS,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        kv_load_failure_policy=on_load_failure,
+        kv_connector_extra_config={"store_root": str(store_root), "fingerprint": fingerprint,
+                                   "on_load_failure": on_load_failure, "device_cache_bytes": device_cache_bytes},
+    )
+
+
+def build_llm(model: str | Path, store_root: Path, fingerprint: str, *,
+              on_load_failure: Literal["recompute", "fail"] = "recompute", device_cache_bytes: int = 1 << 30,
+              **engine_kwargs: Any) -> LLM:
+    """An offline `LLM` with prefix caching on and KV injection wired in."""
+    engine_kwargs.setdefault("enable_prefix_caching", True)
+    config = kv_transfer_config(store_root, fingerprint, on_load_failure, device_cache_bytes)
+    return LLM(model=str(model), kv_transfer_config=config, **engine_kwargs)
+
+
+def memory_request(prompt_ids: Sequence[int], plan: MemoryPlan | None, params: SamplingParams) -> tuple[TokensPrompt, SamplingParams]:
+    """A token prompt and sampling params carrying `plan` (or a plain request when `plan` is None)."""
+    prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+    if plan is None:
+        return prompt, params
+    prompt["cache_salt"] = plan.cache_salt
+    params = params.clone()
+    params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": plan.to_params()}
+    return prompt, params

