@@ -1,14 +1,17 @@
 """Greedy equivalence of KV injection through vLLM against plain prefill, over many prompts.
 
 Ten generated conversations (five turns each) are encoded jointly-exact (each turn behind all earlier
-ones, Corollary 9) with the transformers reference model, stored as records in the engine's dtype and
-injected through InferscaleConnector; five questions each give 50 prompts (`--quick`: 2 x 5 on CPU).
+ones, Corollary 9), stored, and injected through InferscaleConnector; five questions each give 50
+prompts (`--quick`: 2 x 5 on CPU). `--encoder engine` (default) encodes with the serving engine itself
+(capture plans), `--encoder transformers` with the transformers reference model in the served dtype;
+the gap between the two is the kernel rounding of two implementations of one model.
 Each prompt is answered greedily twice, by plain prefill and with injection, in the same engine. Reports
 the share of identical greedy continuations and the largest logprob gap before any divergence.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
@@ -51,47 +54,69 @@ def conversation(person) -> tuple[list[Turn], list[str]]:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--encoder", choices=["engine", "transformers"], default="engine")
     args = p.parse_args()
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may touch CUDA first
     gpu = torch.cuda.is_available()
-    dtype = "bfloat16" if gpu else "float32"
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
     people = PEOPLE[:2] if args.quick else PEOPLE
 
     from vllm import SamplingParams
 
     from config import load_settings
-    from deployments.vllm_adapter.engine import build_llm, memory_request
+    from deployments.vllm_adapter.engine import build_llm, capture_request, memory_request
+    from kvcore.plan import CapturePlan, CaptureSpan
     from models.chat import TokenizerEncoder, build_frame
     from models.loader import load_model
     from models.transformers_adapter import HFKVForward
 
     settings = load_settings()
-    reference = load_model(settings.model.model_copy(update={"dtype": "float32"}))  # encode in fp32
-    served = load_model(settings.model.model_copy(update={"dtype": dtype})).path
+    reference = load_model(settings.model.model_copy(update={"dtype": dtype}))  # the weights vLLM serves
+    served = reference.path
     if gpu:
         reference.model.to("cuda")
     fingerprint = reference.spec.fingerprint  # the same for every dtype of these weights
     frame = build_frame(reference.tokenizer, settings.system_prompt)
     forward = HFKVForward(reference)
     store = LocalFactStore(Path(tempfile.mkdtemp(prefix="facts-")))
-    prompts = []
+    conversations = []
     for index, person in enumerate(people):
         turns, questions = conversation(person)
         tenant = f"person{index}"
         facts = [Fact(f"turn{i}", t.render().rstrip("\n"), i) for i, t in enumerate(turns)]
-        jobs = plan_fact_jobs(turns, facts, window=len(turns), prefix_ids=frame.prefix_ids,
-                              tokenizer=TokenizerEncoder(reference.tokenizer))
-        jobs.append(EncodingJob("prefix", (), frame.prefix_ids))
-        for record in encode_jobs(jobs, forward, reference.spec, tenant_id=tenant, window=len(turns), dtype=getattr(torch, dtype)):
-            store.put(record)
-        plan = MemoryPlan(tenant, ("prefix", *[f.fact_id for f in facts]), store.version(tenant))
-        memory = [t for rid in plan.record_ids for t in store.info(tenant, rid).token_ids]
-        prompts += [(memory + frame.query_ids(reference.tokenizer, q), plan) for q in questions]
+        if args.encoder == "transformers":
+            jobs = plan_fact_jobs(turns, facts, window=len(turns), prefix_ids=frame.prefix_ids,
+                                  tokenizer=TokenizerEncoder(reference.tokenizer))
+            jobs.append(EncodingJob("prefix", (), frame.prefix_ids))
+            for record in encode_jobs(jobs, forward, reference.spec, tenant_id=tenant, window=len(turns),
+                                      dtype=getattr(torch, dtype)):
+                store.put(record)
+        segments = [("prefix", list(frame.prefix_ids))] + [(f.fact_id, reference.tokenizer.encode(
+            f.render(), add_special_tokens=False)) for f in facts]
+        conversations.append((tenant, segments, questions))
+    questions_ids = [[frame.query_ids(reference.tokenizer, q) for q in qs] for _, _, qs in conversations]
     del reference, forward
     torch.cuda.empty_cache() if gpu else None
 
     engine_kwargs = {"gpu_memory_utilization": 0.5} if gpu else {"kv_cache_memory_bytes": 512 << 20}
     llm = build_llm(served, store.root, fingerprint, dtype=dtype, enforce_eager=True,
                     max_model_len=2048, seed=0, **engine_kwargs)
+    if args.encoder == "engine":  # one prefill per conversation stores every segment as a record
+        captures = []
+        for tenant, segments, _ in conversations:
+            spans, cursor = [], 0
+            for fact_id, ids in segments:
+                spans.append(CaptureSpan(fact_id, cursor, cursor + len(ids)))
+                cursor += len(ids)
+            captures.append(capture_request([t for _, ids in segments for t in ids],
+                                            CapturePlan(tenant, tuple(spans), window=len(segments))))
+        llm.generate([c[0] for c in captures], [c[1] for c in captures], use_tqdm=False)
+    prompts = []
+    for (tenant, segments, _), queries in zip(conversations, questions_ids):
+        plan = MemoryPlan(tenant, tuple(f for f, _ in segments), store.version(tenant))
+        memory = [t for rid in plan.record_ids for t in store.info(tenant, rid).token_ids]
+        prompts += [(memory + query, plan) for query in queries]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
     plain = llm.generate([memory_request(ids, None, params)[0] for ids, _ in prompts], params, use_tqdm=False)
     requests = [memory_request(ids, plan, params) for ids, plan in prompts]
@@ -110,7 +135,8 @@ def main() -> None:
     share = equal / len(prompts)
     print(f"{equal}/{len(prompts)} identical greedy continuations; max logprob gap {max(gaps):.3g}", flush=True)
     write_report(args.out, {
-        "benchmark": "injection_equivalence", "quick": args.quick, "gpu": gpu, "dtype": dtype, "prompts": len(prompts),
+        "benchmark": "injection_equivalence", "quick": args.quick, "gpu": gpu, "dtype": dtype, "encoder": args.encoder,
+        "prompts": len(prompts),
         "identical": equal, "max_logprob_gap": max(gaps), "mean_logprob_gap": statistics.fmean(gaps),
         "requests_served_from_injected_kv": injected_tokens,
         "targets": [target("greedy_identical_share", share, ">= 0.95"),

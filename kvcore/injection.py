@@ -28,8 +28,7 @@ import torch
 from kvcore.errors import KVCoreError, PlanError
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import MemoryPlan
-from kvcore.record import FactKV
-from kvcore.rope import RopeConfig, rotate
+from kvcore.rope import RopeConfig, apply_rotation, cos_sin
 from kvcore.store import FactStore
 
 log = logging.getLogger(__name__)
@@ -142,27 +141,44 @@ class InjectionScheduler:
 
 
 @dataclass
-class _Staged:
-    k: torch.Tensor  # [L, H, T, D] on the device (pre-RoPE until `start` rotates the whole step)
-    v: torch.Tensor
-    positions: torch.Tensor  # [T]
+class _Part:
+    """One request's load: its records' K/V slices (never concatenated across all layers)."""
+
+    ks: list[torch.Tensor]  # each [L, H, t_i, D] pre-RoPE, on the device (views of cached records)
+    vs: list[torch.Tensor]
+    positions: torch.Tensor  # [sum t_i]
+    slots: torch.Tensor
+
+
+@dataclass
+class _Step:
+    """What one forward step writes: all requests' tokens, in one order."""
+
+    parts: list[_Part]
+    cos: torch.Tensor  # [T, dim/2] float32, shared by every layer
+    sin: torch.Tensor
     slots: torch.Tensor  # [T]
+    k_all: torch.Tensor | None = None  # [L, H, T, D] rotated, when small enough to do in one go
+    v_all: torch.Tensor | None = None
 
 
 class InjectionWorker:
     """Worker-side loads into one engine's paged caches."""
 
-    def __init__(self, store: FactStore, fingerprint: str, rope: RopeConfig, device_cache_bytes: int = 1 << 30) -> None:
+    def __init__(self, store: FactStore, fingerprint: str, rope: RopeConfig, device_cache_bytes: int = 1 << 30,
+                 prerotate_bytes: int = 256 << 20) -> None:
         self._store = store
-        self._device_cache: OrderedDict[tuple[str, str], tuple[FactKV, torch.Tensor, torch.Tensor]] = OrderedDict()
-        self._device_cache_bytes = device_cache_bytes
-        self._device_held = 0
         self._fingerprint = fingerprint
         self._rope = rope
+        self._device_cache: OrderedDict[tuple[str, str], tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._device_cache_bytes = device_cache_bytes
+        self._device_held = 0
+        self._prerotate_bytes = prerotate_bytes
         self._caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
         self._layout: PagedLayout | None = None
-        self._batch: _Staged | None = None
+        self._table_dtype: torch.dtype | None = None
+        self._step: _Step | None = None
         self._failed: set[int] = set()
 
     def register(self, caches: dict[str, torch.Tensor], layout: PagedLayout) -> None:
@@ -170,72 +186,94 @@ class InjectionWorker:
         self._caches = dict(caches)
         self._layer_of = {name: index for index, name in enumerate(sorted(caches, key=_layer_number))}
         self._layout = layout
+        self._table_dtype = table_dtype_of(next(iter(caches.values())).dtype)
 
     @property
     def layout(self) -> PagedLayout | None:
         return self._layout
 
+    @property
+    def layer_index(self) -> dict[str, int]:
+        return dict(self._layer_of)
+
     def start(self, loads: Sequence[LoadSpec]) -> None:
-        """Fetch and stage every valid load's K/V; failed ones become failed block ids."""
-        staged: list[_Staged] = []
+        """Fetch every valid load's K/V onto the device; failed ones become failed block ids."""
+        parts: list[_Part] = []
         device = next(iter(self._caches.values())).device if self._caches else torch.device("cpu")
         for load in loads:
             if not load.valid:
                 self._fail(load, load.reason)
                 continue
             try:
-                staged.append(self._stage(load, device))
+                parts.append(self._stage(load, device))
             except (KVCoreError, OSError) as exc:
                 self._fail(load, str(exc))
-        if not staged:
-            self._batch = None
+        if not parts:
+            self._step = None
             return
-        positions = torch.cat([s.positions for s in staged])
-        keys = torch.cat([s.k for s in staged], dim=2) if len(staged) > 1 else staged[0].k
-        values = torch.cat([s.v for s in staged], dim=2) if len(staged) > 1 else staged[0].v
-        self._batch = _Staged(k=rotate(keys, positions, self._rope), v=values, positions=positions,
-                              slots=torch.cat([s.slots for s in staged]))
+        positions = torch.cat([p.positions for p in parts]) if len(parts) > 1 else parts[0].positions
+        cos, sin = cos_sin(positions, self._rope)
+        step = _Step(parts, cos, sin, torch.cat([p.slots for p in parts]) if len(parts) > 1 else parts[0].slots)
+        layers, heads, _, dim = parts[0].ks[0].shape
+        if layers * heads * positions.numel() * dim * 4 <= self._prerotate_bytes:
+            # small step (the latency case): rotate every layer at once, few kernel launches
+            k = _cat([k for p in parts for k in p.ks], dim=2)
+            step.k_all = apply_rotation(k, cos, sin, self._rope, table_dtype=self._table_dtype)
+            step.v_all = _cat([v for p in parts for v in p.vs], dim=2)
+        self._step = step
 
     def load_layer(self, layer_name: str) -> None:
-        """Write this layer's (already rotated) K and V of every staged request into the paged cache."""
-        if self._batch is None or layer_name not in self._layer_of:
+        """Write this layer's rotated K and V of every staged request into the paged cache."""
+        step = self._step
+        if step is None or layer_name not in self._layer_of:
             return
         index = self._layer_of[layer_name]
-        self._layout.scatter(self._caches[layer_name], self._batch.k[index], self._batch.v[index], self._batch.slots)
+        if step.k_all is not None:
+            keys, values = step.k_all[index], step.v_all[index]
+        else:  # large step (the throughput case): one layer at a time bounds the memory used
+            keys = _cat([k[index] for p in step.parts for k in p.ks], dim=1)
+            values = _cat([v[index] for p in step.parts for v in p.vs], dim=1)
+            keys = apply_rotation(keys, step.cos, step.sin, self._rope, table_dtype=self._table_dtype)
+        self._layout.scatter(self._caches[layer_name], keys, values, step.slots)
 
     def finish_step(self) -> None:
-        self._batch = None
+        self._step = None
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
 
-    def _stage(self, load: LoadSpec, device: torch.device) -> _Staged:
+    def _stage(self, load: LoadSpec, device: torch.device) -> _Part:
         plan = load.plan
-        parts = [self._on_device(plan.tenant_id, record_id, device) for record_id in plan.record_ids]
-        lo, hi = load.begin - plan.region_start, load.end - plan.region_start
-        k = torch.cat([p[0] for p in parts], dim=2)[:, :, lo:hi]  # [L, H, T, D]
-        v = torch.cat([p[1] for p in parts], dim=2)[:, :, lo:hi]
-        if k.shape[2] != load.end - load.begin:
-            raise PlanError(f"records hold {k.shape[2]} tokens for a load of {load.end - load.begin}")
+        ks, vs, cursor = [], [], plan.region_start  # keep the slice of each record inside [begin, end)
+        for record_id in plan.record_ids:
+            k, v = self._on_device(plan.tenant_id, record_id, device)
+            lo, hi = max(load.begin - cursor, 0), min(load.end - cursor, k.shape[2])
+            if lo < hi:
+                ks.append(k[:, :, lo:hi])
+                vs.append(v[:, :, lo:hi])
+            cursor += k.shape[2]
+        if cursor < load.end or sum(k.shape[2] for k in ks) != load.end - load.begin:
+            raise PlanError(f"records end at {cursor}, the load needs positions up to {load.end}")
         positions = torch.arange(load.begin, load.end, device=device)
         slots = slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size).to(device)
-        return _Staged(k, v, positions, slots)
+        return _Part(ks, vs, positions, slots)
 
     def _on_device(self, tenant_id: str, record_id: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A record's K/V on `device`, from the byte-bounded device cache while the store's copy is unchanged."""
+        """A record's K/V on `device`; kept in a byte-bounded device cache while the stored file is unchanged."""
+        key = (tenant_id, record_id)
+        stamp = self._store.stamp(tenant_id, record_id)
+        hit = self._device_cache.get(key)
+        if hit is not None and hit[0] == stamp:
+            self._device_cache.move_to_end(key)
+            return hit[1], hit[2]
         record = self._store.get(tenant_id, record_id)
         if record.params.model_fingerprint != self._fingerprint:
             raise PlanError(f"fact {record_id!r} was encoded by another model")
-        key = (tenant_id, record_id)
-        hit = self._device_cache.get(key)
-        if hit is not None and hit[0] is record:
-            self._device_cache.move_to_end(key)
-            return hit[1], hit[2]
         k, v = record.k.to(device, non_blocking=True), record.v.to(device, non_blocking=True)
         if device.type != "cpu":
             self._evict(key)
-            self._device_cache[key] = (record, k, v)
+            self._device_cache[key] = (stamp, k, v)
             self._device_held += record.nbytes
             while self._device_held > self._device_cache_bytes and len(self._device_cache) > 1:
                 self._evict(next(iter(self._device_cache)))
@@ -244,7 +282,7 @@ class InjectionWorker:
     def _evict(self, key: tuple[str, str]) -> None:
         hit = self._device_cache.pop(key, None)
         if hit is not None:
-            self._device_held -= hit[0].nbytes
+            self._device_held -= hit[1].numel() * hit[1].element_size() * 2
 
     def _fail(self, load: LoadSpec, reason: str) -> None:
         size = self._layout.block_size if self._layout else 1
@@ -252,6 +290,15 @@ class InjectionWorker:
         blocks = set(load.block_ids[first : last + 1])
         log.warning("request %s: injection failed (%s); %d blocks reported", load.request_id, reason, len(blocks))
         self._failed |= blocks
+
+
+def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
+def table_dtype_of(cache_dtype: torch.dtype) -> torch.dtype | None:
+    """Half-precision engines rotate keys with a cos/sin table in that precision: match its rounding."""
+    return cache_dtype if cache_dtype in (torch.bfloat16, torch.float16) else None
 
 
 def _layer_number(name: str) -> tuple[int, str]:

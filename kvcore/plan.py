@@ -62,3 +62,54 @@ class MemoryPlan:
                        store_version=int(raw["store_version"]), region_start=int(raw.get("region_start", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"malformed memory plan: {exc}") from None
+
+
+CAPTURE_KEY = "inferscale_capture"
+
+
+@dataclass(frozen=True)
+class CaptureSpan:
+    """One fact to keep from a prefilled prompt: its id and token range `[begin, end)`."""
+
+    fact_id: str
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """Encode facts with the serving engine: prefill the prompt, keep the K/V of each span as a record."""
+
+    tenant_id: str
+    spans: tuple[CaptureSpan, ...]
+    window: int = 0
+    version: int = 1
+
+    def __post_init__(self) -> None:
+        try:
+            check_identifier("tenant id", self.tenant_id)
+            for span in self.spans:
+                check_identifier("fact id", span.fact_id)
+        except InvalidFactError as exc:
+            raise PlanError(str(exc)) from None
+        if not self.spans or any(not 0 <= s.begin < s.end for s in self.spans):
+            raise PlanError("a capture plan needs spans with 0 <= begin < end")
+
+    @property
+    def end(self) -> int:
+        return max(s.end for s in self.spans)
+
+    def to_params(self) -> dict[str, Any]:
+        return {CAPTURE_KEY: {"tenant_id": self.tenant_id, "window": self.window, "version": self.version,
+                              "spans": [[s.fact_id, s.begin, s.end] for s in self.spans]}}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> "CapturePlan | None":
+        if not params or CAPTURE_KEY not in params:
+            return None
+        raw = params[CAPTURE_KEY]
+        try:
+            spans = tuple(CaptureSpan(str(f), int(b), int(e)) for f, b, e in raw["spans"])
+            return cls(raw["tenant_id"], spans, int(raw.get("window", 0)), int(raw.get("version", 1)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed capture plan: {exc}") from None

@@ -137,12 +137,30 @@ def rotate(
     `positions` is `[T]` or broadcastable to `x.shape[:-1]`. Works on any device, vectorized over every
     leading dimension (layers, heads, batch). Returns a new tensor of `x`'s dtype.
     """
+    cos, sin = cos_sin(positions, rope, seq_len)  # [..., T, dim/2]
+    return apply_rotation(x, cos, -sin if inverse else sin, rope)
+
+
+def apply_rotation(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeConfig, *,
+    table_dtype: torch.dtype | None = None, invert: bool = False,
+) -> torch.Tensor:
+    """Rotate `x` by precomputed `cos`/`sin` (from `cos_sin`), so many layers can share one table.
+
+    The math is float32. `table_dtype` first rounds cos/sin to that dtype, as vLLM does with its
+    cos/sin cache for bf16/fp16 models, so injected keys carry the same table rounding as keys the
+    engine rotated itself.
+    `invert=True` applies the exact inverse of that (possibly rounded) rotation, scaling by
+    1/(cos²+sin²), so keys read back from an engine's cache return to pre-RoPE without drift.
+    """
     if x.shape[-1] != rope.head_dim:
         raise ValueError(f"last dim {x.shape[-1]} is not head_dim {rope.head_dim}")
-    cos, sin = cos_sin(positions, rope, seq_len)  # [..., T, dim/2]
-    if inverse:
-        sin = -sin
-    xf = x.to(torch.float32)
+    if table_dtype is not None:
+        cos, sin = cos.to(table_dtype), sin.to(table_dtype)
+    xf, cos, sin = x.to(torch.float32), cos.to(torch.float32), sin.to(torch.float32)
+    if invert:
+        norm = cos * cos + sin * sin
+        cos, sin = cos / norm, -sin / norm
     rot, rest = xf[..., : rope.dim], xf[..., rope.dim :]
     if rope.style == "neox":
         half = rope.dim // 2

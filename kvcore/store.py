@@ -36,6 +36,9 @@ class FactStore(Protocol):
     def version(self, tenant_id: str) -> int:
         """The tenant's current store version (bumped by every write)."""
 
+    def stamp(self, tenant_id: str, record_id: str) -> tuple[int, ...]:
+        """Changes whenever the stored record changes: lets callers keep their own copies valid."""
+
 
 class LocalFactStore:
     """Records on a local disk, with a byte-bounded LRU cache in front."""
@@ -96,6 +99,9 @@ class LocalFactStore:
                 self._infos.clear()
             self._infos[(tenant_id, record_id)] = (signature, info)
         return info
+
+    def stamp(self, tenant_id: str, record_id: str) -> tuple[int, ...]:
+        return _signature(self.path(tenant_id, record_id), tenant_id, record_id)
 
     def version(self, tenant_id: str) -> int:
         marker = self.root / check_identifier("tenant id", tenant_id) / "VERSION"

@@ -22,8 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvcore.capture import CaptureSpec, CaptureTracker, CaptureWorker
+from kvcore.errors import PlanError
 from kvcore.injection import InjectionScheduler, InjectionWorker, LoadSpec
 from kvcore.paged import detect_layout
+from kvcore.plan import CapturePlan
 from kvcore.rope import RopeConfig
 from kvcore.store import LocalFactStore
 
@@ -39,13 +42,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InferscaleMetadata(KVConnectorMetadata):
-    """Scheduler-to-worker data of one step: the loads to perform."""
+    """Scheduler-to-worker data of one step: the loads to perform and the spans to capture."""
 
     loads: list[LoadSpec] = field(default_factory=list)
+    captures: list[CaptureSpec] = field(default_factory=list)
 
 
 class InferscaleConnector(KVConnectorBase_V1):
-    """Injects memory K/V into vLLM's paged cache; no engine changes."""
+    """Injects memory K/V into vLLM's paged cache, and captures the engine's own K/V as records."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -55,16 +59,27 @@ class InferscaleConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._vllm_config = vllm_config
         self._scheduler: InjectionScheduler | None = None
+        self._tracker = CaptureTracker()
         self._worker: InjectionWorker | None = None
+        self._capture: CaptureWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             policy = extra.get("on_load_failure", "recompute")
             self._scheduler = InjectionScheduler(store, fingerprint, self._block_size, policy)
         else:
             rope = RopeConfig.from_hf_config(vllm_config.model_config.hf_config.to_dict())
             self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", 1 << 30)))
+            self._capture = CaptureWorker(store, fingerprint, rope)
 
     # ---- scheduler side ----
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        try:
+            capture = CapturePlan.from_params(request.kv_transfer_params)
+        except PlanError as exc:
+            log.warning("request %s: %s", request.request_id, exc)
+            return 0, False
+        if capture is not None:
+            self._tracker.add(request.request_id, capture, request.prompt_token_ids or [])
+            return 0, False
         tokens = self._scheduler.match(request.request_id, request.prompt_token_ids or [],
                                        request.kv_transfer_params, num_computed_tokens)
         return tokens, False
@@ -73,9 +88,17 @@ class InferscaleConnector(KVConnectorBase_V1):
         self._scheduler.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return InferscaleMetadata(loads=self._scheduler.take_loads())
+        counts = scheduler_output.num_scheduled_tokens
+        steps = [(r.req_id, r.block_ids[0], r.num_computed_tokens, counts.get(r.req_id, 0))
+                 for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            steps.append((req_id, blocks[0] if blocks else None, cached.num_computed_tokens[i], counts.get(req_id, 0)))
+        return InferscaleMetadata(loads=self._scheduler.take_loads(), captures=self._tracker.step(steps))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tracker.drop(request.request_id)
         return False, self._scheduler.finished(request.request_id)
 
     # ---- worker side ----
@@ -86,18 +109,25 @@ class InferscaleConnector(KVConnectorBase_V1):
                                engine_write=self._engine_writer(name))
         log.info("paged KV layout: %s", layout)
         self._worker.register(kv_caches, layout)
+        self._capture.register(self._worker.layer_index, layout)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
-        self._worker.start(metadata.loads if isinstance(metadata, InferscaleMetadata) else [])
+        if not isinstance(metadata, InferscaleMetadata):
+            metadata = InferscaleMetadata()
+        self._worker.start(metadata.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.load_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing to save: facts are encoded offline, never from serving traffic."""
+        """Only requests with a capture plan are read back; serving traffic is never stored."""
+        metadata = self._get_connector_metadata()
+        if isinstance(metadata, InferscaleMetadata) and metadata.captures:
+            self._capture.save_layer(layer_name, kv_layer, metadata.captures)
 
     def wait_for_save(self) -> None:
+        self._capture.end_step()
         self._worker.finish_step()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -15,7 +15,7 @@ from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
-from kvcore.plan import MemoryPlan
+from kvcore.plan import CapturePlan, MemoryPlan
 
 log = logging.getLogger(__name__)
 
@@ -54,3 +54,10 @@ def memory_request(prompt_ids: Sequence[int], plan: MemoryPlan | None, params: S
     params = params.clone()
     params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": plan.to_params()}
     return prompt, params
+
+
+def capture_request(prompt_ids: Sequence[int], plan: CapturePlan) -> tuple[TokensPrompt, SamplingParams]:
+    """A one-token request whose prefill stores the K/V of `plan`'s spans as records (engine encoding)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                            extra_args={"kv_transfer_params": plan.to_params()})
+    return TokensPrompt(prompt_token_ids=list(prompt_ids)), params

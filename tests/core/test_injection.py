@@ -73,10 +73,11 @@ def test_fail_policy_claims_then_reports_every_block_failed(store):
     assert worker.take_failed_blocks() == set()
 
 
-def test_worker_writes_rotated_keys_and_values_layer_by_layer(store):
+@pytest.mark.parametrize("prerotate_bytes", [1 << 30, 0], ids=["whole-step", "layer-by-layer"])
+def test_worker_writes_rotated_keys_and_values_layer_by_layer(store, prerotate_bytes):
     layout = PagedLayout("rows", BS, 2, 8)
     caches = {f"model.layers.{i}.attn": torch.zeros(12, 2, BS, 16) for i in (10, 2, 0)}  # unordered names
-    worker = InjectionWorker(store, FP, ROPE)
+    worker = InjectionWorker(store, FP, ROPE, prerotate_bytes=prerotate_bytes)
     worker.register(caches, layout)
     sched = InjectionScheduler(store, FP, BS)
     plan_a = MemoryPlan("t1", ("p", "a"), 4)
@@ -115,3 +116,21 @@ def test_worker_reports_a_record_deleted_after_scheduling(store):
     worker.load_layer("l0")
     assert worker.take_failed_blocks() == {1, 2}
     assert not cache.any()  # nothing half-written
+
+
+def test_worker_writes_only_the_part_the_engine_did_not_cache(store):
+    layout = PagedLayout("rows", BS, 2, 8)
+    cache = torch.zeros(8, 2, BS, 16)
+    worker = InjectionWorker(store, FP, ROPE)
+    worker.register({"l0": cache}, layout)
+    sched = InjectionScheduler(store, FP, BS)
+    plan = MemoryPlan("t1", ("p", "a", "b"), 4)
+    assert sched.match("r", prompt_for(store, plan.record_ids), plan.to_params(), 4) == 6  # 4 cached locally
+    sched.allocated("r", [6, 2, 5], 6)
+    worker.start(sched.take_loads())
+    worker.load_layer("l0")
+    full = compose([store.get("t1", i) for i in plan.record_ids], start=0)
+    k, v = layout.gather(cache, slot_mapping([6, 2, 5], 4, 10, BS))
+    assert torch.allclose(k, full.k[0][:, 4:10], atol=1e-6) and torch.equal(v, full.v[0][:, 4:10])
+    k_cached, _ = layout.gather(cache, slot_mapping([6, 2, 5], 0, 4, BS))
+    assert not k_cached.any()  # positions the engine already had are left alone

@@ -135,3 +135,31 @@ def test_record_from_another_model_is_never_injected(llm, loaded, forward, frame
     plan = MemoryPlan("maya-alien", tuple(ids), store.version("maya-alien"))
     (_, _, _, report), = ask(llm, [(region(store, plan) + frame.query_ids(loaded.tokenizer, QUESTIONS[0]), plan)])
     assert report["injected_tokens"] == 0 and "encoded by model" in report["fallback"]
+
+
+def test_engine_captured_records_reproduce_plain_prefill_exactly(llm, loaded, frame, store):
+    """Encoding with the serving engine itself: injected at the same positions, logprobs are identical."""
+    from deployments.vllm_adapter.engine import capture_request
+    from kvcore.plan import CapturePlan, CaptureSpan
+
+    encode = lambda text: loaded.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    turns = [Turn("Maya", "Captured by the engine: my sister Ana lives in Braga.")] + TURNS
+    segments = [("prefix", list(frame.prefix_ids))] + [(f"turn{i}", encode(t.render())) for i, t in enumerate(turns)]
+    spans, cursor, memory = [], 0, []
+    for fact_id, ids in segments:
+        spans.append(CaptureSpan(fact_id, cursor, cursor + len(ids)))
+        memory += ids
+        cursor += len(ids)
+    llm.generate(*map(list, zip(capture_request(memory, CapturePlan("maya-engine", tuple(spans), window=len(turns))))),
+                 use_tqdm=False)
+    record = store.get("maya-engine", "turn2")
+    assert record.token_ids == tuple(encode(turns[2].render()))
+    assert record.meta["encoder"] == "engine" and record.params.model_fingerprint == loaded.spec.fingerprint
+
+    plan = MemoryPlan("maya-engine", tuple(f for f, _ in segments), store.version("maya-engine"))
+    query = frame.query_ids(loaded.tokenizer, "Where does Maya's sister live?")
+    plain = ask(llm, [(memory + query, None)])[0]
+    injected = ask(llm, [(memory + query, plan)])[0]
+    assert injected[3]["injected_tokens"] > 0 and injected[2] == len(memory)
+    assert injected[0] == plain[0]
+    assert max(abs(a - b) for a, b in zip(injected[1], plain[1])) < 1e-5

@@ -1,0 +1,135 @@
+"""Encoding with the serving engine: keep the K/V the engine itself computed for chosen prompt spans.
+
+Records encoded by another implementation of the same model (transformers, say) differ from the
+engine's own K/V by kernel rounding, which in bf16 flips greedy tokens now and then. Capturing from
+the engine's paged cache after a normal prefill gives records with exactly the engine's numerics.
+
+Scheduler half (`CaptureTracker`): remembers which requests carry a `CapturePlan`, follows their
+blocks across (possibly chunked) prefill steps, and hands the worker a `CaptureSpec` in the step
+that completes the last span. Worker half (`CaptureWorker`): after each layer's attention it reads
+the spans' K/V back from the paged cache; once every layer is in, it undoes the engine's rotation
+exactly (the inverse of the rounded cos/sin table, in float32) and stores one record per span, in
+float32 so that re-rotating to the same position reproduces the cached values bit for bit. It relies
+only on the per-layer save hook, not on when the engine calls `start_load_kv` (vLLM 0.32 calls it
+after the forward in steps without synchronous loads).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvcore.errors import KVCoreError
+from kvcore.injection import table_dtype_of
+from kvcore.paged import PagedLayout, slot_mapping
+from kvcore.plan import CapturePlan
+from kvcore.record import EncodingParams, FactKV
+from kvcore.rope import RopeConfig, apply_rotation, cos_sin
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """A capture to perform in this step: the plan, the prompt's token ids and its blocks from 0."""
+
+    request_id: str
+    plan: CapturePlan
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class _Pending:
+    plan: CapturePlan
+    token_ids: tuple[int, ...]
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CaptureTracker:
+    """Scheduler-side: which requests capture, and when their spans are all in the cache."""
+
+    _pending: dict[str, _Pending] = field(default_factory=dict)
+
+    def add(self, request_id: str, plan: CapturePlan, prompt_ids: Sequence[int]) -> None:
+        if plan.end > len(prompt_ids):
+            log.warning("request %s: capture spans end at %d, past the prompt (%d)", request_id, plan.end, len(prompt_ids))
+            return
+        self._pending.setdefault(request_id, _Pending(plan, tuple(prompt_ids)))
+
+    def step(self, scheduled: Sequence[tuple[str, Sequence[int] | None, int, int]]) -> list[CaptureSpec]:
+        """`scheduled`: (request id, newly allocated block ids, tokens computed before, tokens this step)."""
+        ready = []
+        for request_id, new_blocks, computed, count in scheduled:
+            pending = self._pending.get(request_id)
+            if pending is None:
+                continue
+            pending.block_ids.extend(new_blocks or ())
+            if computed + count >= pending.plan.end:
+                ready.append(CaptureSpec(request_id, pending.plan, pending.token_ids, tuple(pending.block_ids)))
+                del self._pending[request_id]
+        return ready
+
+    def drop(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+
+class CaptureWorker:
+    """Worker-side: read spans from the paged cache layer by layer, store them as records."""
+
+    def __init__(self, store, fingerprint: str, rope: RopeConfig) -> None:
+        self._store = store
+        self._fingerprint = fingerprint
+        self._rope = rope
+        self._layout: PagedLayout | None = None
+        self._layer_of: dict[str, int] = {}
+        self._active: dict[str, tuple[CaptureSpec, torch.Tensor, list]] = {}
+
+    def register(self, layer_of: dict[str, int], layout: PagedLayout) -> None:
+        self._layer_of, self._layout = dict(layer_of), layout
+
+    def save_layer(self, layer_name: str, cache: torch.Tensor, captures: Sequence[CaptureSpec]) -> None:
+        """Read this layer's spans of every capture of the step; store the captures that are complete."""
+        index = self._layer_of.get(layer_name)
+        if index is None:
+            return
+        for spec in captures:
+            if spec.request_id not in self._active:
+                slots = slot_mapping(spec.block_ids, 0, spec.plan.end, self._layout.block_size).to(cache.device)
+                self._active[spec.request_id] = (spec, slots, [None] * len(self._layer_of))
+            _, slots, layers = self._active[spec.request_id]
+            k, v = self._layout.gather(cache, slots)  # [H, T, D], post-RoPE as the engine stored them
+            layers[index] = (k.clone(), v.clone())
+            if all(layer is not None for layer in layers):
+                del self._active[spec.request_id]
+                self._finish(spec, layers)
+
+    def end_step(self) -> None:
+        """Captures still incomplete at the end of their step never will be: drop them loudly."""
+        for request_id in list(self._active):
+            log.error("request %s: capture saw only some layers; no record written", request_id)
+        self._active.clear()
+
+    def _finish(self, spec: CaptureSpec, layers: list) -> None:
+        try:
+            self._store_spec(spec, layers)
+        except (KVCoreError, OSError, RuntimeError) as exc:
+            log.error("request %s: capture failed (%s); no record written", spec.request_id, exc)
+
+    def _store_spec(self, spec: CaptureSpec, layers: list) -> None:
+        k = torch.stack([layer[0] for layer in layers])  # [L, H, T, D]
+        v = torch.stack([layer[1] for layer in layers])
+        positions = torch.arange(spec.plan.end, device=k.device)
+        cos, sin = cos_sin(positions, self._rope)
+        pre_rope = apply_rotation(k.float(), cos, sin, self._rope, table_dtype=table_dtype_of(k.dtype), invert=True)
+        params = EncodingParams(window=spec.plan.window, model_fingerprint=self._fingerprint, rope=self._rope, dtype="float32")
+        for span in spec.plan.spans:
+            self._store.put(FactKV(
+                tenant_id=spec.plan.tenant_id, fact_id=span.fact_id, token_ids=spec.token_ids[span.begin : span.end],
+                k=pre_rope[:, :, span.begin : span.end].contiguous().cpu(),
+                v=v[:, :, span.begin : span.end].float().contiguous().cpu(),
+                params=params, version=spec.plan.version, meta={"encoder": "engine", "position": str(span.begin)}))

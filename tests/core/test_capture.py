@@ -1,0 +1,74 @@
+"""Capture (encoding with the serving engine): tracking across steps, and bit-exact round trips."""
+
+import pytest
+import torch
+
+from kvcore.capture import CaptureTracker, CaptureWorker
+from kvcore.errors import PlanError
+from kvcore.injection import InjectionScheduler, InjectionWorker
+from kvcore.paged import PagedLayout, slot_mapping
+from kvcore.plan import CAPTURE_KEY, CapturePlan, CaptureSpan, MemoryPlan
+from kvcore.rope import apply_rotation, cos_sin
+from kvcore.store import LocalFactStore
+from tests.core.factories import ROPE
+
+BS, H, D, L = 4, 2, 8, 3
+FP = "f" * 24
+
+
+def test_capture_plan_round_trips_and_rejects_bad_spans():
+    plan = CapturePlan("t1", (CaptureSpan("a", 0, 3), CaptureSpan("b", 3, 9)), window=2)
+    assert CapturePlan.from_params(plan.to_params()) == plan and plan.end == 9
+    assert CapturePlan.from_params({"x": 1}) is None
+    with pytest.raises(PlanError):
+        CapturePlan.from_params({CAPTURE_KEY: {"tenant_id": "t1", "spans": [["a", 5, 2]]}})
+
+
+def test_tracker_follows_blocks_across_chunked_prefill():
+    tracker = CaptureTracker()
+    plan = CapturePlan("t1", (CaptureSpan("a", 2, 10),))
+    tracker.add("r", plan, list(range(12)))
+    assert tracker.step([("r", [7, 3], 0, 6)]) == []  # first chunk: 6 of 10 tokens
+    (spec,) = tracker.step([("other", [1], 0, 4), ("r", [9], 6, 6)])
+    assert spec.block_ids == (7, 3, 9) and spec.token_ids == tuple(range(12))
+    assert tracker.step([("r", None, 12, 1)]) == []  # delivered once
+
+
+def test_engine_cache_round_trips_bit_exactly_through_a_record(tmp_path):
+    """K/V an engine wrote (bf16, bf16 cos/sin table) -> captured record -> injected: identical bits."""
+    layout = PagedLayout("rows", BS, H, D)
+    tokens = 10
+    gen = torch.Generator().manual_seed(3)
+    k_pre = torch.randn(L, H, tokens, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(L, H, tokens, D, generator=gen).to(torch.bfloat16)
+    cos, sin = cos_sin(torch.arange(tokens), ROPE)
+    engine_keys = apply_rotation(k_pre, cos, sin, ROPE, table_dtype=torch.bfloat16)  # what the engine caches
+    blocks = [5, 1, 3]
+    source = {f"layer.{i}": torch.zeros(6, H, BS, 2 * D, dtype=torch.bfloat16) for i in range(L)}
+    for i, cache in enumerate(source.values()):
+        layout.scatter(cache, engine_keys[i], v[i], slot_mapping(blocks, 0, tokens, BS))
+
+    store = LocalFactStore(tmp_path)
+    capture = CaptureWorker(store, FP, ROPE)
+    capture.register({name: i for i, name in enumerate(source)}, layout)
+    tracker = CaptureTracker()
+    plan = CapturePlan("t1", (CaptureSpan("head", 0, 4), CaptureSpan("tail", 4, tokens)))
+    tracker.add("r", plan, list(range(100, 100 + tokens)))
+    specs = tracker.step([("r", blocks, 0, tokens)])
+    for name, cache in source.items():
+        capture.save_layer(name, cache, specs)
+    capture.end_step()
+    assert store.get("t1", "tail").k.dtype == torch.float32 and store.get("t1", "tail").token_ids == tuple(range(104, 110))
+
+    target = {name: torch.zeros_like(cache) for name, cache in source.items()}
+    worker = InjectionWorker(store, FP, ROPE)
+    worker.register(target, layout)
+    sched = InjectionScheduler(store, FP, BS)
+    memory = MemoryPlan("t1", ("head", "tail"), store.version("t1"))
+    assert sched.match("q", list(range(100, 100 + tokens)) + [1], memory.to_params(), 0) == tokens
+    sched.allocated("q", blocks, tokens)
+    worker.start(sched.take_loads())
+    for name in target:
+        worker.load_layer(name)
+    for name in source:
+        assert torch.equal(target[name], source[name])
