@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings)
     encoding: EncodingSettings = Field(default_factory=EncodingSettings)
     system_prompt: str = Field(
-        "You are a helpful assistant. Answer in one short sentence using these facts about the user:",
+        "Remembered facts about the user:",
         description="System prompt placed before the memory region.",
     )
     log_level: str = Field("INFO", description="Root log level.")

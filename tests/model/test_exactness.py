@@ -12,20 +12,14 @@ import pytest
 import torch
 
 from kvcore.compose import compose
-from kvcore.conversation import Fact, Turn
+from kvcore.conversation import Fact
+from tests.conversations import MAYA as TURNS
 from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs
 from models.chat import TokenizerEncoder
 
 pytestmark = pytest.mark.model
 
 TOL = 1e-4
-TURNS = [
-    Turn("Maya", "I moved to Porto in March for a job at the aquarium."),
-    Turn("Assistant", "Congratulations! What will you work on?"),
-    Turn("Maya", "Octopus behaviour. I also adopted a grey cat called Pixel."),
-    Turn("Assistant", "Pixel is a great name."),
-    Turn("Maya", "I am allergic to peanuts and I run half marathons."),
-]
 QUESTION = "What is the name of Maya's cat?"
 
 

@@ -8,19 +8,13 @@ import pytest
 import torch
 
 from kvcore.conversation import Fact, Turn
+from tests.conversations import MAYA as TURNS
 from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs
 from kvcore.store import LocalFactStore
 from models.chat import TokenizerEncoder
 
 BLOCK = 32
 
-TURNS = [
-    Turn("Maya", "I moved to Porto in March for a job at the aquarium."),
-    Turn("Assistant", "Congratulations! What will you work on?"),
-    Turn("Maya", "Octopus behaviour. I also adopted a grey cat called Pixel."),
-    Turn("Assistant", "Pixel is a great name."),
-    Turn("Maya", "I am allergic to peanuts and I run half marathons."),
-]
 
 
 def pytest_collection_modifyitems(items):
