@@ -62,11 +62,15 @@ def run_demo(settings: Settings, *, max_new_tokens: int, out: TextIO) -> None:
     for question in QUESTIONS:
         query = frame.query_ids(tokenizer, question)
         prompt = list(memory.token_ids) + query
-        plain = tokenizer.decode(engine.generate_plain(prompt, max_new_tokens)).strip()
-        injected = tokenizer.decode(engine.generate_injected(memory, query, max_new_tokens)).strip()
+        plain = _one_line(tokenizer.decode(engine.generate_plain(prompt, max_new_tokens)))
+        injected = _one_line(tokenizer.decode(engine.generate_injected(memory, query, max_new_tokens)))
         saved_total += len(prompt) - len(query)
         print(f"\nQ: {question}", file=out)
         print(f"  prompt injection (prefills {len(prompt)} tokens): {plain}", file=out)
         print(f"  KV injection     (prefills {len(query)} tokens): {injected}", file=out)
         print(f"  prefill tokens saved: {len(prompt) - len(query)} of {len(prompt)}", file=out)
     print(f"\ntotal prefill tokens saved over {len(QUESTIONS)} questions: {saved_total}", file=out)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
