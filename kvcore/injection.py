@@ -157,7 +157,8 @@ class _Step:
     parts: list[_Part]
     cos: torch.Tensor  # [T, dim/2] float32, shared by every layer
     sin: torch.Tensor
-    slots: torch.Tensor  # [T]
+    blocks: torch.Tensor  # [T] cache block of each token
+    offsets: torch.Tensor  # [T] offset inside that block
     k_all: torch.Tensor | None = None  # [L, H, T, D] rotated, when small enough to do in one go
     v_all: torch.Tensor | None = None
 
@@ -213,7 +214,8 @@ class InjectionWorker:
             return
         positions = torch.cat([p.positions for p in parts]) if len(parts) > 1 else parts[0].positions
         cos, sin = cos_sin(positions, self._rope)
-        step = _Step(parts, cos, sin, torch.cat([p.slots for p in parts]) if len(parts) > 1 else parts[0].slots)
+        slots = torch.cat([p.slots for p in parts]) if len(parts) > 1 else parts[0].slots
+        step = _Step(parts, cos, sin, *self._layout.split(slots))
         layers, heads, _, dim = parts[0].ks[0].shape
         if layers * heads * positions.numel() * dim * 4 <= self._prerotate_bytes:
             # small step (the latency case): rotate every layer at once, few kernel launches
@@ -234,7 +236,7 @@ class InjectionWorker:
             keys = _cat([k[index] for p in step.parts for k in p.ks], dim=1)
             values = _cat([v[index] for p in step.parts for v in p.vs], dim=1)
             keys = apply_rotation(keys, step.cos, step.sin, self._rope, table_dtype=self._table_dtype)
-        self._layout.scatter(self._caches[layer_name], keys, values, step.slots)
+        self._layout.write(self._caches[layer_name], keys, values, step.blocks, step.offsets)
 
     def finish_step(self) -> None:
         self._step = None

@@ -61,8 +61,15 @@ class PagedLayout:
 
     def scatter(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write `k`, `v` `[kv_heads, T, head_dim]` into the cache slots `slots` `[T]` (block*size+offset)."""
+        self.write(cache, k, v, *self.split(slots))
+
+    def split(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots to (block, offset) pairs, once per step rather than once per layer."""
+        return slots // self.block_size, slots % self.block_size
+
+    def write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+        """One indexed write of K and one of V `[kv_heads, T, head_dim]` at (block, offset) pairs."""
         k_view, v_view = self.kv_views(cache)
-        blocks, offsets = slots // self.block_size, slots % self.block_size
         k_view[blocks, offsets] = k.transpose(0, 1).to(cache.dtype)  # [T, H, D]
         v_view[blocks, offsets] = v.transpose(0, 1).to(cache.dtype)
 
