@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kvcore.conversation import Fact, Turn
-from tests.conversations import MAYA as TURNS
 from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs
 from kvcore.store import LocalFactStore
 from models.chat import TokenizerEncoder

@@ -11,7 +11,8 @@ from vllm import SamplingParams
 from deployments.vllm_adapter.engine import memory_request
 from kvcore.conversation import Turn
 from kvcore.plan import MemoryPlan
-from tests.vllm.conftest import BLOCK, TURNS, encode_conversation
+from tests.conversations import MAYA as TURNS
+from tests.vllm.conftest import BLOCK, encode_conversation
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
 QUESTIONS = ["What is the name of Maya's cat?", "Where does Maya work?", "What is Maya allergic to?"]

@@ -7,7 +7,8 @@ from vllm import SamplingParams
 
 from deployments.vllm_adapter.engine import build_llm, memory_request
 from kvcore.plan import MemoryPlan
-from tests.vllm.conftest import BLOCK, TURNS, encode_conversation
+from tests.conversations import MAYA as TURNS
+from tests.vllm.conftest import BLOCK, encode_conversation
 
 
 @pytest.fixture(scope="module")
