@@ -54,10 +54,13 @@ class InferscaleConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        missing = [key for key in ("store_root", "fingerprint") if key not in extra]
+        if missing:
+            raise ValueError(f"InferscaleConnector needs kv_connector_extra_config keys {missing} "
+                             "(use deployments.vllm_adapter.engine.kv_transfer_config)")
         store = LocalFactStore(Path(extra["store_root"]))
         fingerprint = str(extra["fingerprint"])
         self._block_size = vllm_config.cache_config.block_size
-        self._vllm_config = vllm_config
         self._scheduler: InjectionScheduler | None = None
         self._tracker = CaptureTracker()
         self._worker: InjectionWorker | None = None
