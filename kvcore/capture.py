@@ -23,11 +23,10 @@ from typing import Sequence
 import torch
 
 from kvcore.errors import KVCoreError
-from kvcore.injection import table_dtype_of
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import CapturePlan
 from kvcore.record import EncodingParams, FactKV
-from kvcore.rope import RopeConfig, apply_rotation, cos_sin
+from kvcore.rope import RopeConfig, apply_rotation, cos_sin, table_dtype_of
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import torch
 from kvcore.errors import KVCoreError, PlanError
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import MemoryPlan
-from kvcore.rope import RopeConfig, apply_rotation, cos_sin
+from kvcore.rope import RopeConfig, apply_rotation, cos_sin, table_dtype_of
 from kvcore.store import FactStore
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,6 @@ class InjectionScheduler:
 
     store: FactStore
     fingerprint: str
-    block_size: int
     policy: Policy = "recompute"
     _claims: dict[str, _Claim] = field(default_factory=dict)
     _ready: list[LoadSpec] = field(default_factory=list)
@@ -190,10 +189,6 @@ class InjectionWorker:
         self._table_dtype = table_dtype_of(next(iter(caches.values())).dtype)
 
     @property
-    def layout(self) -> PagedLayout | None:
-        return self._layout
-
-    @property
     def layer_index(self) -> dict[str, int]:
         return dict(self._layer_of)
 
@@ -212,10 +207,9 @@ class InjectionWorker:
         if not parts:
             self._step = None
             return
-        positions = torch.cat([p.positions for p in parts]) if len(parts) > 1 else parts[0].positions
+        positions = _cat([p.positions for p in parts], dim=0)
         cos, sin = cos_sin(positions, self._rope)
-        slots = torch.cat([p.slots for p in parts]) if len(parts) > 1 else parts[0].slots
-        step = _Step(parts, cos, sin, *self._layout.split(slots))
+        step = _Step(parts, cos, sin, *self._layout.split(_cat([p.slots for p in parts], dim=0)))
         layers, heads, _, dim = parts[0].ks[0].shape
         if layers * heads * positions.numel() * dim * 4 <= self._prerotate_bytes:
             # small step (the latency case): rotate every layer at once, few kernel launches
@@ -296,11 +290,6 @@ class InjectionWorker:
 
 def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
-
-
-def table_dtype_of(cache_dtype: torch.dtype) -> torch.dtype | None:
-    """Half-precision engines rotate keys with a cos/sin table in that precision: match its rounding."""
-    return cache_dtype if cache_dtype in (torch.bfloat16, torch.float16) else None
 
 
 def _layer_number(name: str) -> tuple[int, str]:

@@ -174,6 +174,11 @@ def apply_rotation(
     return out.to(x.dtype)
 
 
+def table_dtype_of(cache_dtype: torch.dtype) -> torch.dtype | None:
+    """Half-precision engines rotate keys with a cos/sin table in that precision: match its rounding."""
+    return cache_dtype if cache_dtype in (torch.bfloat16, torch.float16) else None
+
+
 def rotate_to(keys: torch.Tensor, start: int, rope: RopeConfig, seq_len: int | None = None) -> torch.Tensor:
     """Rotate pre-RoPE keys `[..., T, head_dim]` to the contiguous positions `start .. start+T-1`."""
     positions = torch.arange(start, start + keys.shape[-2], device=keys.device)

@@ -67,7 +67,7 @@ class InferscaleConnector(KVConnectorBase_V1):
         self._capture: CaptureWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             policy = extra.get("on_load_failure", "recompute")
-            self._scheduler = InjectionScheduler(store, fingerprint, self._block_size, policy)
+            self._scheduler = InjectionScheduler(store, fingerprint, policy)
         else:
             rope = RopeConfig.from_hf_config(vllm_config.model_config.hf_config.to_dict())
             self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", 1 << 30)))

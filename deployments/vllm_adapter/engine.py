@@ -7,7 +7,6 @@ reused only by requests of the same tenant and store version. Engine knobs pass 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -16,8 +15,6 @@ from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
 from kvcore.plan import CapturePlan, MemoryPlan
-
-log = logging.getLogger(__name__)
 
 CONNECTOR_CLASS = "InferscaleConnector"
 CONNECTOR_MODULE = "deployments.vllm_adapter.connector"

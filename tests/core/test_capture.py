@@ -63,7 +63,7 @@ def test_engine_cache_round_trips_bit_exactly_through_a_record(tmp_path):
     target = {name: torch.zeros_like(cache) for name, cache in source.items()}
     worker = InjectionWorker(store, FP, ROPE)
     worker.register(target, layout)
-    sched = InjectionScheduler(store, FP, BS)
+    sched = InjectionScheduler(store, FP)
     memory = MemoryPlan("t1", ("head", "tail"), store.version("t1"))
     assert sched.match("q", list(range(100, 100 + tokens)) + [1], memory.to_params(), 0) == tokens
     sched.allocated("q", blocks, tokens)

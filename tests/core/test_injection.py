@@ -29,7 +29,7 @@ def prompt_for(store, ids, query=(7, 8, 9)):
 
 
 def test_claims_the_uncached_part_of_the_region(store):
-    sched = InjectionScheduler(store, FP, BS)
+    sched = InjectionScheduler(store, FP)
     plan = MemoryPlan("t1", ("p", "a", "b"), 4)
     prompt = prompt_for(store, plan.record_ids)  # region 0..10, query 10..13
     assert sched.match("r1", prompt, plan.to_params(), 0) == 10
@@ -48,7 +48,7 @@ def test_claims_the_uncached_part_of_the_region(store):
      (("p", "a"), "tokens", "are not the tokens"), (("p", "a"), "no-query", "at least one query token")],
 )
 def test_unusable_plans_fall_back_to_recompute(store, ids, tamper, reason):
-    sched = InjectionScheduler(store, FP, BS, policy="recompute")
+    sched = InjectionScheduler(store, FP, policy="recompute")
     real = [i for i in ids if i != "missing"]
     prompt = prompt_for(store, real, query=() if tamper == "no-query" else (7, 8))
     if tamper == "tokens":
@@ -59,7 +59,7 @@ def test_unusable_plans_fall_back_to_recompute(store, ids, tamper, reason):
 
 
 def test_fail_policy_claims_then_reports_every_block_failed(store):
-    sched = InjectionScheduler(store, FP, BS, policy="fail")
+    sched = InjectionScheduler(store, FP, policy="fail")
     prompt = prompt_for(store, ("p",)) + [1, 2, 3, 4, 5]
     claimed = sched.match("r", prompt, MemoryPlan("t1", ("p", "missing"), 1).to_params(), 0)
     assert claimed == len(prompt) - 1
@@ -79,7 +79,7 @@ def test_worker_writes_rotated_keys_and_values_layer_by_layer(store, prerotate_b
     caches = {f"model.layers.{i}.attn": torch.zeros(12, 2, BS, 16) for i in (10, 2, 0)}  # unordered names
     worker = InjectionWorker(store, FP, ROPE, prerotate_bytes=prerotate_bytes)
     worker.register(caches, layout)
-    sched = InjectionScheduler(store, FP, BS)
+    sched = InjectionScheduler(store, FP)
     plan_a = MemoryPlan("t1", ("p", "a"), 4)
     plan_b = MemoryPlan("t1", ("b",), 4, region_start=2)
     prompt_b = [0, 0] + prompt_for(store, ("b",))
@@ -103,7 +103,7 @@ def test_worker_writes_rotated_keys_and_values_layer_by_layer(store, prerotate_b
 
 
 def test_worker_reports_a_record_deleted_after_scheduling(store):
-    sched = InjectionScheduler(store, FP, BS)
+    sched = InjectionScheduler(store, FP)
     plan = MemoryPlan("t1", ("p", "a"), 4)
     sched.match("r", prompt_for(store, plan.record_ids), plan.to_params(), 0)
     sched.allocated("r", [1, 2], 8)
@@ -123,7 +123,7 @@ def test_worker_writes_only_the_part_the_engine_did_not_cache(store):
     cache = torch.zeros(8, 2, BS, 16)
     worker = InjectionWorker(store, FP, ROPE)
     worker.register({"l0": cache}, layout)
-    sched = InjectionScheduler(store, FP, BS)
+    sched = InjectionScheduler(store, FP)
     plan = MemoryPlan("t1", ("p", "a", "b"), 4)
     assert sched.match("r", prompt_for(store, plan.record_ids), plan.to_params(), 4) == 6  # 4 cached locally
     sched.allocated("r", [6, 2, 5], 6)
