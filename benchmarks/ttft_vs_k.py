@@ -1,9 +1,10 @@
 """TTFT against the number of memory facts k, KV injection vs the same facts pasted into the prompt.
 
 One engine (prefix caching on), one process. For k in {0, 5, 10, 20, 50} facts of 30 tokens: TTFT
-(`max_tokens=1`, one request at a time, median) for (a) KV injection, (b) the same facts pasted into
-the prompt, a new random fact set per request as retrieval gives; (c) k=0. Then 100 concurrent requests
-at k=50 (16 output tokens) for (a) and (b). Records hold random K/V: this measures speed only; the
+(`max_tokens=1`, one request at a time, median, all variants interleaved) for (a) KV injection, (b) the same facts pasted into
+the prompt, a new random fact set per request as retrieval gives; (c) k=0; and, as the floor, the same
+facts pasted on every request so the engine's own prefix cache holds them. Then 100 concurrent requests
+at k=50 (16 output tokens) for (a), (b) and the floor. Records hold random K/V: this measures speed only; the
 tests prove the values. `--config` runs a model shape with dummy weights (the GPU run).
 """
 
@@ -73,7 +74,7 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
     ks = (0, 5, 20) if args.quick else (0, 5, 10, 20, 50)
-    repeats = 5 if args.quick else 21
+    repeats = 5 if args.quick else 31
     concurrent, k_concurrent = (8, 20) if args.quick else (100, 50)
 
     from vllm import SamplingParams
@@ -94,25 +95,23 @@ def main() -> None:
     rng = random.Random(1)
     fact_ids = [f for f in tokens if f != "prefix"]
 
-    def request(k: int, inject: bool, out_tokens: int = 1):
-        chosen = rng.sample(fact_ids, k)
+    def request(k: int, inject: bool, out_tokens: int = 1, chosen: list[str] | None = None):
+        chosen = rng.sample(fact_ids, k) if chosen is None else chosen
         query = [rng.randrange(100, config["vocab_size"] - 1) for _ in range(QUERY_TOKENS)]
         prompt = tokens["prefix"] + [t for f in chosen for t in tokens[f]] + query
         plan = MemoryPlan(TENANT, ("prefix", *chosen), version) if inject and k else None
         params = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         return memory_request(prompt, plan, params)
 
-    def ttft(k: int, inject: bool) -> tuple[float, int]:
-        times, fallbacks = [], 0
-        for i in range(repeats + 2):
-            prompt, params = request(k, inject)
-            start = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
-            if i >= 2:  # two warm-up requests
-                times.append(time.perf_counter() - start)
-            report = (out.kv_transfer_params or {}).get("inferscale")
-            fallbacks += bool(inject and k and (report is None or report["fallback"]))
-        return statistics.median(times), fallbacks
+    def once(k: int, variant: str, fixed: list[str]) -> tuple[float, bool]:
+        """One request's TTFT, and whether an injection fell back."""
+        inject = variant == "inject"
+        prompt, params = request(k, inject, chosen=fixed if variant == "paste_prefix_cached" else None)
+        start = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - start
+        report = (out.kv_transfer_params or {}).get("inferscale")
+        return elapsed, bool(inject and k and (report is None or report["fallback"]))
 
     # the fact pool is hot: one pass loads every record into the worker's device cache (HBM on a GPU)
     for first in range(0, len(fact_ids), 50):
@@ -122,16 +121,32 @@ def main() -> None:
                                         SamplingParams(max_tokens=1, detokenize=False))
         llm.generate([prompt], params, use_tqdm=False)
 
+    # round robin over every (k, variant), so drifts of the machine hit all of them alike
+    variants = ("inject", "paste", "paste_prefix_cached")
+    fixed = {k: rng.sample(fact_ids, k) for k in ks}
+    times = {(k, v): [] for k in ks for v in variants}
+    fallbacks = dict.fromkeys(ks, 0)
+    for repeat in range(repeats + 2):
+        for k in ks:
+            for variant in variants:
+                elapsed, fell_back = once(k, variant, fixed[k])
+                fallbacks[k] += fell_back
+                if repeat >= 2:  # two warm-up rounds
+                    times[k, variant].append(elapsed)
     rows = []
     for k in ks:
-        inj, bad = ttft(k, True)
-        paste, _ = ttft(k, False)
-        rows.append({"k": k, "ttft_inject_ms": inj * 1e3, "ttft_paste_ms": paste * 1e3, "inject_fallbacks": bad})
-        print(f"k={k:>2}: inject {inj * 1e3:7.1f} ms   paste {paste * 1e3:7.1f} ms   fallbacks {bad}", flush=True)
+        inj, paste, cached = (statistics.median(times[k, v]) * 1e3 for v in variants)
+        rows.append({"k": k, "ttft_inject_ms": inj, "ttft_paste_ms": paste, "ttft_paste_prefix_cached_ms": cached,
+                     "inject_fallbacks": fallbacks[k]})
+        print(f"k={k:>2}: inject {inj:7.1f} ms   paste {paste:7.1f} ms   paste, prefix-cached {cached:7.1f} ms   "
+              f"fallbacks {fallbacks[k]}", flush=True)
 
     throughput = {}
-    for label, inject in (("inject", True), ("paste", False)):
-        batch = [request(k_concurrent, inject, out_tokens=16) for _ in range(concurrent)]
+    fixed = rng.sample(fact_ids, k_concurrent)
+    for label, inject, chosen in (("inject", True, None), ("paste", False, None), ("paste_prefix_cached", False, fixed)):
+        if chosen is not None:  # fill the engine's prefix cache with this fact set first
+            llm.generate(*request(k_concurrent, False, chosen=chosen), use_tqdm=False)
+        batch = [request(k_concurrent, inject, out_tokens=16, chosen=chosen) for _ in range(concurrent)]
         start = time.perf_counter()
         llm.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False)
         throughput[label] = concurrent / (time.perf_counter() - start)

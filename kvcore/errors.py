@@ -38,3 +38,11 @@ class LayoutError(KVCoreError):
 
 class PlanError(KVCoreError, ValueError):
     """A memory plan is malformed or does not match the prompt it travels with."""
+
+
+class StaleRecordError(FactMissingError):
+    """The stored record changed after the scheduler checked it; the checked version is gone."""
+
+
+class ArenaFullError(KVCoreError):
+    """The device arena cannot hold a step's records without evicting ones the same step uses."""

@@ -18,6 +18,7 @@ and `detect_layout` keeps the one that reads back what the engine's own write pa
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
@@ -61,17 +62,22 @@ class PagedLayout:
 
     def scatter(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write `k`, `v` `[kv_heads, T, head_dim]` into the cache slots `slots` `[T]` (block*size+offset)."""
-        self.write(cache, k, v, *self.split(slots))
+        self.target(cache).write(k.transpose(0, 1), v.transpose(0, 1), *self.split(slots))
+
+    def target(self, cache: torch.Tensor) -> "CacheTarget":
+        """`cache` with its write views prepared once, so a per-layer write is one or two indexed copies."""
+        k_view, v_view = self.kv_views(cache)
+        kv_rows = None
+        if self.form == "channels":
+            try:  # each token's [K | V] adjacent in memory: one row per slot
+                kv_rows = cache.permute(0, 2, 1, 3).view(-1, self.num_kv_heads, 2 * self.head_dim)
+            except RuntimeError:
+                kv_rows = None
+        return CacheTarget(self, k_view, v_view, kv_rows)
 
     def split(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots to (block, offset) pairs, once per step rather than once per layer."""
         return slots // self.block_size, slots % self.block_size
-
-    def write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
-        """One indexed write of K and one of V `[kv_heads, T, head_dim]` at (block, offset) pairs."""
-        k_view, v_view = self.kv_views(cache)
-        k_view[blocks, offsets] = k.transpose(0, 1).to(cache.dtype)  # [T, H, D]
-        v_view[blocks, offsets] = v.transpose(0, 1).to(cache.dtype)
 
     def gather(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read K and V `[kv_heads, T, head_dim]` back from `slots` (tests and layout probing)."""
@@ -80,12 +86,31 @@ class PagedLayout:
         return k_view[blocks, offsets].transpose(0, 1), v_view[blocks, offsets].transpose(0, 1)
 
 
+@dataclass(frozen=True)
+class CacheTarget:
+    """One layer's cache seen through its layout: K and V views, and a joint row view when one exists."""
+
+    layout: PagedLayout
+    k_view: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    v_view: torch.Tensor
+    kv_rows: torch.Tensor | None  # [num_blocks * block_size, kv_heads, 2 * head_dim]: K then V per slot
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+        """K and V `[T, kv_heads, head_dim]` into slots given as (block, offset)."""
+        self.k_view[blocks, offsets] = k.to(self.k_view.dtype)
+        self.v_view[blocks, offsets] = v.to(self.v_view.dtype)
+
+    def write_joint(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """`[T, kv_heads, 2 * head_dim]` (K then V channels) into `slots` with one indexed copy."""
+        self.kv_rows.index_copy_(0, slots, kv.to(self.kv_rows.dtype))
+
+
 def slot_mapping(block_ids: Sequence[int], begin: int, end: int, block_size: int) -> torch.Tensor:
     """Cache slots of token positions `begin..end-1` of a request whose blocks are `block_ids` (from 0)."""
     if end > len(block_ids) * block_size:
         raise LayoutError(f"positions up to {end} need {-(-end // block_size)} blocks, the request has {len(block_ids)}")
     positions = torch.arange(begin, end)
-    table = torch.tensor(list(block_ids), dtype=torch.long)
+    table = torch.frombuffer(array("q", block_ids), dtype=torch.int64) if block_ids else torch.empty(0, dtype=torch.int64)
     return table[positions // block_size] * block_size + positions % block_size
 
 

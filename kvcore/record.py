@@ -12,7 +12,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import BinaryIO, Sequence
 
 import torch
 
@@ -114,12 +114,17 @@ def load_record(path: Path, expected_fingerprint: str | None = None) -> FactKV:
     """Read a whole record; refuse it if it is damaged or was encoded by another model."""
     path = Path(path)
     with _open(path) as handle:
-        header, start = read_header(handle, path)
-        meta = _metadata(header, path)
-        params = _check_fingerprint(meta, path, expected_fingerprint)
-        layers = range(int(meta["num_layers"]))
-        ks = [_read_checked(handle, path, header, start, f"k.{i:03d}", meta) for i in layers]
-        vs = [_read_checked(handle, path, header, start, f"v.{i:03d}", meta) for i in layers]
+        return read_record(handle, path, expected_fingerprint)
+
+
+def read_record(handle: BinaryIO, path: Path, expected_fingerprint: str | None = None) -> FactKV:
+    """`load_record` from a file already open (so callers can `fstat` the very file they read)."""
+    header, start = read_header(handle, path)
+    meta = _metadata(header, path)
+    params = _check_fingerprint(meta, path, expected_fingerprint)
+    layers = range(int(meta["num_layers"]))
+    ks = [_read_checked(handle, path, header, start, f"k.{i:03d}", meta) for i in layers]
+    vs = [_read_checked(handle, path, header, start, f"v.{i:03d}", meta) for i in layers]
     try:
         return FactKV(
             tenant_id=meta["tenant_id"],
@@ -164,7 +169,12 @@ def read_info(path: Path) -> RecordInfo:
     """Read just the header of a record (ids, tokens, params), never its tensors."""
     path = Path(path)
     with _open(path) as handle:
-        header, _ = read_header(handle, path)
+        return read_info_from(handle, path)
+
+
+def read_info_from(handle: BinaryIO, path: Path) -> RecordInfo:
+    """`read_info` from a file already open."""
+    header, _ = read_header(handle, path)
     meta = _metadata(header, path)
     params = _check_fingerprint(meta, path, None)
     try:

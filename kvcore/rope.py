@@ -174,9 +174,52 @@ def apply_rotation(
     return out.to(x.dtype)
 
 
+def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeConfig) -> None:
+    """`apply_rotation` of `x` written straight into `out` (any float dtype, e.g. a slice of a larger buffer).
+
+    float32 math in four kernels with no float32 copy of `x`: what the injection hot path needs.
+    `cos`/`sin` are float32 as `cos_sin` or a `RotationTable` give them.
+    """
+    if rope.style == "neox":
+        half = rope.dim // 2
+        x1, x2, o1, o2 = x[..., :half], x[..., half : rope.dim], out[..., :half], out[..., half : rope.dim]
+    else:
+        x1, x2, o1, o2 = x[..., 0 : rope.dim : 2], x[..., 1 : rope.dim : 2], out[..., 0 : rope.dim : 2], out[..., 1 : rope.dim : 2]
+    torch.addcmul(x1 * cos, x2, sin, value=-1, out=o1)
+    torch.addcmul(x2 * cos, x1, sin, value=1, out=o2)
+    if rope.dim < rope.head_dim:
+        out[..., rope.dim :] = x[..., rope.dim :]
+
+
 def table_dtype_of(cache_dtype: torch.dtype) -> torch.dtype | None:
     """Half-precision engines rotate keys with a cos/sin table in that precision: match its rounding."""
     return cache_dtype if cache_dtype in (torch.bfloat16, torch.float16) else None
+
+
+class RotationTable:
+    """cos/sin of positions 0..n-1 kept on one device, rounded as the engine's table, grown on demand.
+
+    Rotating a step's keys then costs one row lookup instead of computing angles per request.
+    Dynamic-NTK models use their base frequencies, as the engines' fixed cos/sin caches do.
+    """
+
+    def __init__(self, rope: RopeConfig, device: torch.device, table_dtype: torch.dtype | None = None) -> None:
+        self._rope, self._device, self._table_dtype = rope, device, table_dtype
+        self._cos = self._sin = torch.empty(0, rope.dim // 2, device=device)
+
+    def reserve(self, length: int) -> None:
+        """Make positions `0..length-1` available (doubling, so growth is rare)."""
+        if length <= self._cos.shape[0]:
+            return
+        size = max(length, 2 * self._cos.shape[0], 4096)
+        cos, sin = cos_sin(torch.arange(size, device=self._device), self._rope)
+        if self._table_dtype is not None:
+            cos, sin = cos.to(self._table_dtype).float(), sin.to(self._table_dtype).float()
+        self._cos, self._sin = cos, sin
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin `[*positions.shape, dim/2]`; `reserve` the largest position first."""
+        return self._cos[positions], self._sin[positions]
 
 
 def rotate_to(keys: torch.Tensor, start: int, rope: RopeConfig, seq_len: int | None = None) -> torch.Tensor:

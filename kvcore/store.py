@@ -14,45 +14,58 @@ import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from kvcore.conversation import check_identifier
-from kvcore.errors import FactMissingError
-from kvcore.record import FactKV, RecordInfo, load_record, read_info, save_record
+from kvcore.errors import FactMissingError, StaleRecordError
+from kvcore.record import FactKV, RecordInfo, read_info_from, read_record, save_record
 
 log = logging.getLogger(__name__)
 _MAX_INFOS = 100_000  # headers are small; the scheduler checks them on every request
 
 
-class FactStore(Protocol):
-    """Read access to fact records, by tenant and id."""
+Stamp = tuple[int, ...]
 
-    def get(self, tenant_id: str, record_id: str) -> FactKV:
-        """The record, or `FactMissingError`; `RecordCorruptError` if it cannot be read intact."""
+
+class FactStore(Protocol):
+    """Read access to fact records, by tenant and id.
+
+    A stamp names one stored version of a record. The scheduler checks headers with their stamps; the
+    worker then asks for exactly those versions, so a fact rewritten in between is refused, not mixed in.
+    """
+
+    def get(self, tenant_id: str, record_id: str, stamp: Stamp | None = None) -> FactKV:
+        """The record (only the version `stamp` names, if given: else `StaleRecordError`);
+        `FactMissingError` if absent, `RecordCorruptError` if it cannot be read intact."""
 
     def info(self, tenant_id: str, record_id: str) -> RecordInfo:
         """The record's header (token ids, params) without its tensors; errors as `get`."""
 
+    def checked_infos(self, tenant_id: str, record_ids: Sequence[str]) -> list[tuple[Stamp, RecordInfo]]:
+        """Current headers of several records with their stamps (one request's worth, checked cheaply)."""
+
     def version(self, tenant_id: str) -> int:
         """The tenant's current store version (bumped by every write)."""
 
-    def stamp(self, tenant_id: str, record_id: str) -> tuple[int, ...]:
-        """Changes whenever the stored record changes: lets callers keep their own copies valid."""
-
 
 class LocalFactStore:
-    """Records on a local disk, with a byte-bounded LRU cache in front."""
+    """Records on a local disk, with a byte-bounded LRU of records and a cache of headers in front.
+
+    A header checked while the tenant's VERSION marker was unchanged is trusted without another `stat`
+    (every write replaces the marker after the record), so checking a 50-fact plan costs one `stat`.
+    """
 
     def __init__(self, root: Path, cache_bytes: int = 512 * 1024 * 1024) -> None:
         self.root = Path(root)
-        self._cache: OrderedDict[tuple[str, str], tuple[tuple[int, int, int], FactKV]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[Stamp, FactKV]] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._held = 0
-        self._infos: dict[tuple[str, str], tuple[tuple[int, int, int], RecordInfo]] = {}
+        self._infos: dict[tuple[str, str], tuple[Stamp, RecordInfo, Stamp | None]] = {}
+        self._paths: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
 
     def path(self, tenant_id: str, record_id: str) -> Path:
-        return self.root / check_identifier("tenant id", tenant_id) / f"{check_identifier('fact id', record_id)}.safetensors"
+        return Path(self._path(tenant_id, record_id))
 
     def put(self, record: FactKV) -> int:
         """Store `record` (atomically) and return the tenant's new store version."""
@@ -61,16 +74,20 @@ class LocalFactStore:
             self._drop((record.tenant_id, record.fact_id))
             return self._bump(record.tenant_id)
 
-    def get(self, tenant_id: str, record_id: str) -> FactKV:
-        path = self.path(tenant_id, record_id)
-        signature = _signature(path, tenant_id, record_id)
+    def get(self, tenant_id: str, record_id: str, stamp: Stamp | None = None) -> FactKV:
         key = (tenant_id, record_id)
+        path = self._path(tenant_id, record_id)
+        wanted = stamp if stamp is not None else _signature(path, tenant_id, record_id)
         with self._lock:
             hit = self._cache.get(key)
-            if hit is not None and hit[0] == signature:
+            if hit is not None and hit[0] == wanted:
                 self._cache.move_to_end(key)
                 return hit[1]
-        record = load_record(path)
+        with _open(path, tenant_id, record_id) as handle:
+            signature = _fstat_signature(handle)
+            if stamp is not None and signature != stamp:
+                raise StaleRecordError(f"fact {record_id!r} of tenant {tenant_id!r} was rewritten after it was checked")
+            record = read_record(handle, Path(path))
         if record.tenant_id != tenant_id or record.fact_id != record_id:
             raise FactMissingError(f"{path} holds {record.tenant_id}/{record.fact_id}, not {tenant_id}/{record_id}")
         with self._lock:
@@ -82,30 +99,53 @@ class LocalFactStore:
         return record
 
     def info(self, tenant_id: str, record_id: str) -> RecordInfo:
-        path = self.path(tenant_id, record_id)
-        signature = _signature(path, tenant_id, record_id)
-        with self._lock:
-            hit = self._cache.get((tenant_id, record_id))
-        if hit is not None and hit[0] == signature:
-            record = hit[1]
-            return RecordInfo(record.tenant_id, record.fact_id, record.token_ids, record.params, record.version)
-        with self._lock:
-            known = self._infos.get((tenant_id, record_id))
-        if known is not None and known[0] == signature:
-            return known[1]
-        info = read_info(path)
-        with self._lock:
-            if len(self._infos) >= _MAX_INFOS:
-                self._infos.clear()
-            self._infos[(tenant_id, record_id)] = (signature, info)
-        return info
+        return self.checked_infos(tenant_id, (record_id,))[0][1]
 
-    def stamp(self, tenant_id: str, record_id: str) -> tuple[int, ...]:
-        return _signature(self.path(tenant_id, record_id), tenant_id, record_id)
+    def checked_infos(self, tenant_id: str, record_ids: Sequence[str]) -> list[tuple[Stamp, RecordInfo]]:
+        marker = self._marker(tenant_id)
+        found = []
+        for record_id in record_ids:
+            key = (tenant_id, record_id)
+            known = self._infos.get(key)
+            if known is not None and marker is not None and known[2] == marker:
+                found.append((known[0], known[1]))
+                continue
+            path = self._path(tenant_id, record_id)
+            signature = _signature(path, tenant_id, record_id)
+            if known is None or known[0] != signature:
+                with _open(path, tenant_id, record_id) as handle:
+                    signature, info = _fstat_signature(handle), read_info_from(handle, Path(path))
+                if info.tenant_id != tenant_id or info.fact_id != record_id:
+                    raise FactMissingError(f"{path} holds {info.tenant_id}/{info.fact_id}, not {tenant_id}/{record_id}")
+                known = (signature, info, None)
+            with self._lock:
+                if len(self._infos) >= _MAX_INFOS:
+                    self._infos.clear()
+                self._infos[key] = (known[0], known[1], marker)
+            found.append((known[0], known[1]))
+        return found
 
     def version(self, tenant_id: str) -> int:
         marker = self.root / check_identifier("tenant id", tenant_id) / "VERSION"
         return int(marker.read_text()) if marker.exists() else 0
+
+    def _path(self, tenant_id: str, record_id: str) -> str:
+        key = (tenant_id, record_id)
+        path = self._paths.get(key)
+        if path is None:
+            path = os.path.join(self.root, check_identifier("tenant id", tenant_id),
+                                f"{check_identifier('fact id', record_id)}.safetensors")
+            if len(self._paths) >= _MAX_INFOS:
+                self._paths.clear()
+            self._paths[key] = path
+        return path
+
+    def _marker(self, tenant_id: str) -> Stamp | None:
+        try:
+            stat = os.stat(os.path.join(self.root, tenant_id, "VERSION"))
+        except FileNotFoundError:
+            return None
+        return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
     def _bump(self, tenant_id: str) -> int:
         marker = self.root / tenant_id / "VERSION"
@@ -116,14 +156,27 @@ class LocalFactStore:
         return version
 
     def _drop(self, key: tuple[str, str]) -> None:
+        self._infos.pop(key, None)
         hit = self._cache.pop(key, None)
         if hit is not None:
             self._held -= hit[1].nbytes
 
 
-def _signature(path: Path, tenant_id: str, record_id: str) -> tuple[int, int, int]:
+def _signature(path: str, tenant_id: str, record_id: str) -> Stamp:
     try:
-        stat = path.stat()
+        stat = os.stat(path)
     except FileNotFoundError:
         raise FactMissingError(f"tenant {tenant_id!r} has no fact {record_id!r}") from None
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _fstat_signature(handle) -> Stamp:
+    stat = os.fstat(handle.fileno())
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _open(path: str, tenant_id: str, record_id: str):
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise FactMissingError(f"tenant {tenant_id!r} has no fact {record_id!r}") from None

@@ -4,8 +4,8 @@ Loaded by vLLM from `kv_connector_module_path`, in the scheduler and in every wo
 method is a one-line forward to `InjectionScheduler` (scheduler role) or `InjectionWorker` (worker
 role); version drift of vLLM stays in this file. Extra config (`kv_connector_extra_config`):
 `store_root` (a LocalFactStore directory), `fingerprint` (of the served model), `on_load_failure`
-(`recompute` or `fail`, mirrored in vLLM's `kv_load_failure_policy`), `device_cache_bytes` (records
-kept on the worker's device).
+(`recompute` or `fail`, mirrored in vLLM's `kv_load_failure_policy`), `device_cache_bytes` (the size of the
+worker's device arena of records).
 """
 
 from __future__ import annotations

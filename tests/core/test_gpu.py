@@ -28,3 +28,31 @@ def test_compose_on_cuda_matches_cpu():
     cpu = compose(records, start=123)
     gpu = compose(records, start=123, device="cuda")
     assert gpu.k.is_cuda and torch.allclose(gpu.k.cpu(), cpu.k, atol=1e-5) and torch.equal(gpu.v.cpu(), cpu.v)
+
+
+def test_injection_worker_on_cuda_matches_cpu(tmp_path):
+    """Arena, pinned index copy and the joint write on the device give the CPU worker's values."""
+    from kvcore.injection import InjectionScheduler, InjectionWorker
+    from kvcore.paged import PagedLayout
+    from kvcore.plan import MemoryPlan
+    from kvcore.store import LocalFactStore
+    from tests.core.factories import ROPE
+
+    store = LocalFactStore(tmp_path)
+    for i in range(4):
+        store.put(make_record(f"f{i}", 5 + i, seed=i))
+    layout, plan = PagedLayout("channels", 4, 2, 8), MemoryPlan("t1", ("f0", "f1", "f2", "f3"), 4)
+    prompt = [t for i in plan.record_ids for t in store.info("t1", i).token_ids] + [1, 2]
+    results = []
+    for device in ("cpu", "cuda"):
+        caches = {f"l{i}": torch.zeros(16, 4, 2, 16, device=device).permute(0, 2, 1, 3) for i in range(3)}
+        sched, worker = InjectionScheduler(store, "f" * 24), InjectionWorker(store, "f" * 24, ROPE)
+        worker.register(caches, layout)
+        claimed = sched.match("r", prompt, plan.to_params(), 0)
+        sched.allocated("r", [5, 1, 9, 12, 3, 7, 2], claimed)
+        worker.start(sched.take_loads())
+        for name in caches:
+            worker.load_layer(name)
+        results.append([cache.cpu() for cache in caches.values()])
+    assert claimed == 26 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*results))
+    assert any(cache.any() for cache in results[0])

@@ -7,6 +7,7 @@ from kvcore.compose import compose
 from kvcore.injection import InjectionScheduler, InjectionWorker
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import MemoryPlan
+from kvcore.record import FactKV, save_record
 from kvcore.store import LocalFactStore
 from tests.core.factories import ROPE, make_record
 
@@ -73,11 +74,11 @@ def test_fail_policy_claims_then_reports_every_block_failed(store):
     assert worker.take_failed_blocks() == set()
 
 
-@pytest.mark.parametrize("prerotate_bytes", [1 << 30, 0], ids=["whole-step", "layer-by-layer"])
-def test_worker_writes_rotated_keys_and_values_layer_by_layer(store, prerotate_bytes):
+@pytest.mark.parametrize("rotate_bytes", [1 << 30, 0], ids=["whole-step", "layer-by-layer"])
+def test_worker_writes_rotated_keys_and_values_layer_by_layer(store, rotate_bytes):
     layout = PagedLayout("rows", BS, 2, 8)
     caches = {f"model.layers.{i}.attn": torch.zeros(12, 2, BS, 16) for i in (10, 2, 0)}  # unordered names
-    worker = InjectionWorker(store, FP, ROPE, prerotate_bytes=prerotate_bytes)
+    worker = InjectionWorker(store, FP, ROPE, rotate_bytes=rotate_bytes)
     worker.register(caches, layout)
     sched = InjectionScheduler(store, FP)
     plan_a = MemoryPlan("t1", ("p", "a"), 4)
@@ -102,7 +103,7 @@ def test_worker_writes_rotated_keys_and_values_layer_by_layer(store, prerotate_b
     assert worker.take_failed_blocks() == set()
 
 
-def test_worker_reports_a_record_deleted_after_scheduling(store):
+def test_worker_reports_a_record_deleted_after_scheduling(store, caplog):
     sched = InjectionScheduler(store, FP)
     plan = MemoryPlan("t1", ("p", "a"), 4)
     sched.match("r", prompt_for(store, plan.record_ids), plan.to_params(), 0)
@@ -110,19 +111,23 @@ def test_worker_reports_a_record_deleted_after_scheduling(store):
     store.path("t1", "a").unlink()
     fresh = LocalFactStore(store.root)
     worker = InjectionWorker(fresh, FP, ROPE)
-    cache = torch.zeros(4, 2, BS, 16)
-    worker.register({"l0": cache}, PagedLayout("rows", BS, 2, 8))
-    worker.start(sched.take_loads())
-    worker.load_layer("l0")
+    caches = {f"l{i}": torch.zeros(4, 2, BS, 16) for i in range(3)}
+    worker.register(caches, PagedLayout("rows", BS, 2, 8))
+    with caplog.at_level("WARNING"):
+        worker.start(sched.take_loads())
+    for name in caches:
+        worker.load_layer(name)
     assert worker.take_failed_blocks() == {1, 2}
-    assert not cache.any()  # nothing half-written
+    assert "no fact 'a'" in caplog.text
+    assert not any(cache.any() for cache in caches.values())  # nothing half-written
 
 
 def test_worker_writes_only_the_part_the_engine_did_not_cache(store):
     layout = PagedLayout("rows", BS, 2, 8)
-    cache = torch.zeros(8, 2, BS, 16)
+    caches = {f"l{i}": torch.zeros(8, 2, BS, 16) for i in range(3)}
+    cache = caches["l0"]
     worker = InjectionWorker(store, FP, ROPE)
-    worker.register({"l0": cache}, layout)
+    worker.register(caches, layout)
     sched = InjectionScheduler(store, FP)
     plan = MemoryPlan("t1", ("p", "a", "b"), 4)
     assert sched.match("r", prompt_for(store, plan.record_ids), plan.to_params(), 4) == 6  # 4 cached locally
@@ -134,3 +139,88 @@ def test_worker_writes_only_the_part_the_engine_did_not_cache(store):
     assert torch.allclose(k, full.k[0][:, 4:10], atol=1e-6) and torch.equal(v, full.v[0][:, 4:10])
     k_cached, _ = layout.gather(cache, slot_mapping([6, 2, 5], 0, 4, BS))
     assert not k_cached.any()  # positions the engine already had are left alone
+
+
+def run_step(store, layout, caches, plans, worker=None, **worker_kwargs):
+    """Schedule `plans` ((request id, plan, blocks)) through one step of a fresh or given worker."""
+    worker = worker or InjectionWorker(store, FP, ROPE, **worker_kwargs)
+    if worker.layer_index == {}:
+        worker.register(caches, layout)
+    sched = InjectionScheduler(store, FP)
+    for request_id, plan, blocks in plans:
+        claimed = sched.match(request_id, prompt_for(store, plan.record_ids), plan.to_params(), 0)
+        sched.allocated(request_id, blocks, claimed)
+    worker.start(sched.take_loads())
+    for name in caches:
+        worker.load_layer(name)
+    worker.finish_step()
+    return worker
+
+
+def assert_region(store, layout, caches, plan, blocks):
+    full = compose([store.get("t1", i) for i in plan.record_ids], start=0)
+    for layer, cache in enumerate(caches.values()):
+        k, v = layout.gather(cache, slot_mapping(blocks, 0, full.num_tokens, BS))
+        assert torch.allclose(k, full.k[layer], atol=1e-6) and torch.equal(v, full.v[layer])
+
+
+def test_a_step_larger_than_the_arena_stages_the_rest_on_its_own(store, caplog):
+    layout = PagedLayout("rows", BS, 2, 8)
+    caches = {f"l{i}": torch.zeros(12, 2, BS, 16) for i in range(3)}
+    page_bytes = 3 * 2 * 8 * 4 * 2 * 16  # one 16-token page of 3 layers, float32 K and V
+    plan_a, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
+    with caplog.at_level("INFO"):
+        worker = run_step(store, layout, caches, [("ra", plan_a, [3, 7]), ("rb", plan_b, [9])],
+                          device_cache_bytes=2 * page_bytes)  # room for p and a only
+    assert "staging its records on their own" in caplog.text
+    assert_region(store, layout, caches, plan_a, [3, 7])
+    assert_region(store, layout, caches, plan_b, [9])
+    assert worker.take_failed_blocks() == set()
+
+
+def test_a_record_rewritten_after_scheduling_is_refused_not_mixed_in(store, caplog):
+    layout = PagedLayout("rows", BS, 2, 8)
+    caches = {f"l{i}": torch.zeros(6, 2, BS, 16) for i in range(3)}
+    worker = InjectionWorker(store, FP, ROPE)
+    worker.register(caches, layout)
+    sched = InjectionScheduler(store, FP)
+    plan = MemoryPlan("t1", ("p", "a"), 4)
+    sched.match("r", prompt_for(store, plan.record_ids), plan.to_params(), 0)
+    sched.allocated("r", [1, 2], 8)
+    save_record(make_record("a", 5, seed=77), store.path("t1", "a"))  # behind the scheduler's back
+    with caplog.at_level("WARNING"):
+        worker.start(sched.take_loads())
+    assert worker.take_failed_blocks() == {1, 2} and "rewritten after it was checked" in caplog.text
+    assert not any(cache.any() for cache in caches.values())
+
+
+def test_the_arena_serves_a_rewritten_record_only_in_its_new_version(store):
+    layout = PagedLayout("rows", BS, 2, 8)
+    caches = {f"l{i}": torch.zeros(6, 2, BS, 16) for i in range(3)}
+    plan = MemoryPlan("t1", ("p", "a"), 4)
+    worker = run_step(store, layout, caches, [("r1", plan, [1, 2])])  # p and a now resident
+    other = LocalFactStore(store.root)  # another writer, e.g. an encoder job
+    new_a = make_record("a", 5, seed=10)
+    other.put(FactKV("t1", "a", new_a.token_ids, new_a.k * 3, new_a.v - 1, new_a.params))
+    run_step(store, layout, caches, [("r2", plan, [4, 5])], worker=worker)
+    assert_region(store, layout, caches, plan, [4, 5])
+    assert torch.equal(store.get("t1", "a").v, new_a.v - 1)
+
+
+@pytest.mark.parametrize("rotate_bytes", [1 << 30, 0], ids=["whole-step", "layer-by-layer"])
+def test_caches_with_joint_kv_rows_get_the_same_values(store, rotate_bytes):
+    """vLLM CUDA's layout (K | V adjacent per token, NHD memory) takes the one-copy-per-layer path."""
+    rows_layout, channels = PagedLayout("rows", BS, 2, 8), PagedLayout("channels", BS, 2, 8)
+    nhd = {f"l{i}": torch.zeros(12, BS, 2, 16).permute(0, 2, 1, 3) for i in range(3)}
+    assert all(channels.target(c).kv_rows is not None for c in nhd.values())
+    plans = [("ra", MemoryPlan("t1", ("p", "a"), 4), [3, 7]), ("rb", MemoryPlan("t1", ("b",), 4), [9])]
+    run_step(store, channels, nhd, plans, rotate_bytes=rotate_bytes)
+    for _, plan, blocks in plans:
+        assert_region(store, channels, nhd, plan, blocks)
+    plain = {f"l{i}": torch.zeros(12, 2, BS, 16) for i in range(3)}
+    run_step(store, rows_layout, plain, plans, rotate_bytes=rotate_bytes)
+    for name in nhd:
+        for _, plan, blocks in plans:
+            slots = slot_mapping(blocks, 0, 8 if len(plan.record_ids) == 2 else 2, BS)
+            got, want = channels.gather(nhd[name], slots), rows_layout.gather(plain[name], slots)
+            assert torch.allclose(got[0], want[0], atol=1e-6) and torch.equal(got[1], want[1])

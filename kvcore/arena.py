@@ -1,0 +1,120 @@
+"""The device arena: pre-RoPE fact K/V resident on the serving device, so a hot fact is never re-copied.
+
+One pair of tensors `[layers, capacity, kv_heads, head_dim]` (K and V) holds many records, each in
+whole pages of `page_tokens` rows. A step gathers the rows of all its records with one indexed read
+per tensor, whatever the number of records. Records are kept least-recently-used first and evicted
+to make room, except those the current step already uses (their rows are in the step's index). A
+record is identified by its store key *and* the stamp the scheduler checked, so a rewritten fact is
+never served from its old rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+from kvcore.errors import ArenaFullError, IncompatibleRecordsError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Entry:
+    stamp: Hashable
+    pages: list[int]
+    rows: list[int]  # the record's rows in the arena, in token order
+    step: int  # the last step that used it
+
+
+class DeviceArena:
+    """A byte-bounded, paged pool of records' K/V on one device (allocated at the first insert)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, device: torch.device, capacity_bytes: int,
+                 page_tokens: int = 16) -> None:
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.device, self.page_tokens = torch.device(device), page_tokens
+        self._capacity_bytes = capacity_bytes
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self._free: list[int] = []
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._step = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    @property
+    def records(self) -> int:
+        return len(self._entries)
+
+    def begin_step(self) -> None:
+        """Records used from here on are kept until the next step begins."""
+        self._step += 1
+
+    def rows(self, key: Hashable, stamp: Hashable) -> list[int] | None:
+        """The record's rows if it is resident at `stamp` (and mark it used by this step), else None."""
+        entry = self._entries.get(key)
+        if entry is None or entry.stamp != stamp:
+            return None
+        self._entries.move_to_end(key)
+        entry.step = self._step
+        return entry.rows
+
+    def insert(self, key: Hashable, stamp: Hashable, k: torch.Tensor, v: torch.Tensor) -> list[int]:
+        """Copy a record's K/V `[layers, kv_heads, tokens, head_dim]` in; return its rows.
+
+        Raises `ArenaFullError` when the room can only come from records this step uses, and
+        `IncompatibleRecordsError` when the record's shape is not the engine's.
+        """
+        layers, heads, tokens, dim = k.shape
+        if (layers, heads, dim) != (self.layers, self.kv_heads, self.head_dim) or v.shape != k.shape:
+            raise IncompatibleRecordsError(f"record K/V {tuple(k.shape)} do not fit the engine's "
+                                           f"{self.layers} layers x {self.kv_heads} kv heads x head dim {self.head_dim}")
+        self._allocate(k.dtype)
+        old = self._entries.get(key)
+        if old is not None:
+            if old.step == self._step:
+                raise ArenaFullError(f"record {key} changed while this step still uses its old version")
+            self._release(key)
+        pages = self._take(-(-tokens // self.page_tokens))
+        rows = [page * self.page_tokens + offset for page in pages for offset in range(self.page_tokens)][:tokens]
+        index = torch.tensor(rows, device=self.device)
+        self.k.index_copy_(1, index, k.to(self.device, self.k.dtype).permute(0, 2, 1, 3))
+        self.v.index_copy_(1, index, v.to(self.device, self.v.dtype).permute(0, 2, 1, 3))
+        self._entries[key] = _Entry(stamp, pages, rows, self._step)
+        return rows
+
+    def _allocate(self, dtype: torch.dtype) -> None:
+        if self.k is not None:
+            if dtype != self.k.dtype:
+                log.warning("record dtype %s stored as the arena's %s", dtype, self.k.dtype)
+            return
+        per_token = self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size() * 2
+        pages = self._capacity_bytes // (per_token * self.page_tokens)
+        if pages < 1:
+            raise ArenaFullError(f"device arena of {self._capacity_bytes} bytes holds not even one page of {self.page_tokens} tokens")
+        shape = (self.layers, pages * self.page_tokens, self.kv_heads, self.head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=dtype, device=self.device)
+        self._free = list(range(pages - 1, -1, -1))
+        log.info("device arena: %d tokens (%.1f MiB) on %s", shape[1], 2 * self.k.nbytes / 2**20, self.device)
+
+    def _take(self, count: int) -> list[int]:
+        if count * self.page_tokens > self.capacity_tokens:
+            raise ArenaFullError(f"a record of {count} pages exceeds the device arena ({self.capacity_tokens} tokens)")
+        while len(self._free) < count:
+            victim = next((key for key, entry in self._entries.items() if entry.step != self._step), None)
+            if victim is None:
+                raise ArenaFullError(f"device arena ({self.capacity_tokens} tokens) is full with this step's records")
+            self._release(victim)
+        taken, self._free = self._free[-count:][::-1], self._free[:-count]
+        return taken
+
+    def _release(self, key: Hashable) -> None:
+        entry = self._entries.pop(key)
+        self._free.extend(entry.pages)

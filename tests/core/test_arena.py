@@ -1,0 +1,69 @@
+"""The device arena: records in pages, least-recently-used eviction, nothing evicted that a step still uses."""
+
+import pytest
+import torch
+
+from kvcore.arena import DeviceArena
+from kvcore.errors import ArenaFullError, IncompatibleRecordsError
+
+L, H, D, PAGE = 2, 2, 4, 4
+PER_PAGE = L * H * D * 4 * 2 * PAGE  # float32 K and V bytes of one page
+
+
+def kv(tokens, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(L, H, tokens, D, generator=gen), torch.randn(L, H, tokens, D, generator=gen)
+
+
+def read(arena, rows):
+    return arena.k[:, rows].permute(0, 2, 1, 3), arena.v[:, rows].permute(0, 2, 1, 3)
+
+
+def test_rows_read_back_what_was_inserted_and_stamps_must_match():
+    arena = DeviceArena(L, H, D, torch.device("cpu"), 4 * PER_PAGE, page_tokens=PAGE)
+    arena.begin_step()
+    k, v = kv(6, seed=1)
+    rows = arena.insert("a", (1,), k, v)
+    assert rows == list(range(6))  # two pages, in token order
+    got_k, got_v = read(arena, rows)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert arena.rows("a", (1,)) == rows
+    assert arena.rows("a", (2,)) is None  # another version of the record is not resident
+    assert arena.rows("b", (1,)) is None
+
+
+def test_least_recently_used_records_make_room():
+    arena = DeviceArena(L, H, D, torch.device("cpu"), 4 * PER_PAGE, page_tokens=PAGE)
+    for step, name in enumerate("abcd"):
+        arena.begin_step()
+        arena.insert(name, (0,), *kv(PAGE, seed=step))
+    arena.begin_step()
+    arena.rows("a", (0,))  # a is used again: b is now the oldest
+    k, v = kv(PAGE, seed=9)
+    rows = arena.insert("e", (0,), k, v)
+    assert arena.rows("b", (0,)) is None and arena.rows("a", (0,)) is not None and arena.records == 4
+    assert torch.equal(read(arena, rows)[0], k)
+
+
+def test_records_of_the_current_step_are_never_evicted():
+    arena = DeviceArena(L, H, D, torch.device("cpu"), 2 * PER_PAGE, page_tokens=PAGE)
+    arena.begin_step()
+    first = arena.insert("a", (0,), *kv(PAGE, seed=0))
+    arena.insert("b", (0,), *kv(PAGE, seed=1))
+    with pytest.raises(ArenaFullError, match="full with this step"):
+        arena.insert("c", (0,), *kv(PAGE, seed=2))
+    with pytest.raises(ArenaFullError, match="changed while this step"):
+        arena.insert("a", (1,), *kv(PAGE, seed=3))
+    assert torch.equal(read(arena, first)[0], kv(PAGE, seed=0)[0])  # untouched
+    arena.begin_step()
+    arena.insert("c", (0,), *kv(PAGE, seed=2))  # the next step may evict them
+    with pytest.raises(ArenaFullError, match="exceeds"):
+        arena.insert("huge", (0,), *kv(3 * PAGE, seed=4))
+
+
+def test_a_record_of_another_shape_is_refused():
+    arena = DeviceArena(L, H, D, torch.device("cpu"), 4 * PER_PAGE, page_tokens=PAGE)
+    arena.begin_step()
+    k = torch.zeros(L + 1, H, 3, D)
+    with pytest.raises(IncompatibleRecordsError, match="do not fit"):
+        arena.insert("a", (0,), k, k)
