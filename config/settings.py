@@ -31,6 +31,23 @@ class EncodingSettings(BaseModel):
     max_batch_tokens: int = Field(16384, ge=256, description="Padded tokens per encoding batch.")
 
 
+class RedisSettings(BaseModel):
+    """Where fact metadata lives; without `url` the project starts its own redis-server."""
+
+    url: str | None = Field(None, description="redis://host:port/db of an existing server; None starts a local one.")
+    port: int = Field(0, ge=0, le=65535, description="Port of the local server; 0 picks a free private port.")
+    appendfsync: Literal["always", "everysec", "no"] = Field("everysec", description="AOF fsync policy of the local server.")
+
+
+class TenantSettings(BaseModel):
+    """Per-tenant limits and defaults."""
+
+    max_facts: int = Field(100_000, ge=1, description="Default quota: facts per tenant.")
+    max_bytes: int = Field(4 << 30, ge=1, description="Default quota: bytes of fact text and K/V per tenant.")
+    max_fact_chars: int = Field(2000, ge=1, description="Longest fact text accepted.")
+    reconcile_after_s: float = Field(60.0, ge=0, description="Half-done changes older than this are repaired.")
+
+
 class Settings(BaseSettings):
     """The root of the settings tree."""
 
@@ -38,6 +55,10 @@ class Settings(BaseSettings):
 
     model: ModelSettings = Field(default_factory=ModelSettings)
     encoding: EncodingSettings = Field(default_factory=EncodingSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    tenants: TenantSettings = Field(default_factory=TenantSettings)
+    state_dir: Path = Field(default_factory=lambda: Path.home() / ".local" / "share" / "inferscale",
+                            description="Records, indexes and the local redis-server's data live here.")
     system_prompt: str = Field(
         "Remembered facts about the user:",
         description="System prompt placed before the memory region.",

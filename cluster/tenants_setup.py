@@ -1,0 +1,47 @@
+"""Bootstrap the tenants layer from settings: Redis (given, or a local redis-server), records, indexes, MiniLM."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from cluster.redis_server import LocalRedis
+from config.settings import Settings
+from kvcore.store import LocalFactStore
+from models.minilm import MiniLMEmbedder
+from tenants.embedding import Embedder
+from tenants.index_sync import TenantIndexes
+from tenants.reconcile import reconcile
+from tenants.redis_meta import RedisMeta
+from tenants.service import TenantService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tenants:
+    service: TenantService
+    redis: LocalRedis | None  # the server this process started, if any
+
+    def close(self) -> None:
+        self.service.indexes.save_all()
+        self.service.meta.close()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def open_tenants(settings: Settings, embedder: Embedder | None = None) -> Tenants:
+    """Connect (starting redis-server under the state folder when no URL is set) and repair old half-done changes."""
+    server = None
+    url = settings.redis.url
+    if url is None:
+        server = LocalRedis(settings.state_dir / "redis", settings.redis.port, settings.redis.appendfsync).start()
+        url = server.url
+    meta = RedisMeta(url)
+    embedder = embedder or MiniLMEmbedder()
+    records = LocalFactStore(settings.state_dir / "records")
+    limits = settings.tenants
+    service = TenantService(meta, records, embedder, TenantIndexes(meta, embedder.dim, settings.state_dir / "indexes"),
+                            max_facts=limits.max_facts, max_bytes=limits.max_bytes, max_fact_chars=limits.max_fact_chars)
+    reconcile(meta, records, older_than_s=limits.reconcile_after_s)
+    return Tenants(service, server)

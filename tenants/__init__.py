@@ -1,0 +1,1 @@
+"""Tenants: isolated per-tenant fact stores (text, K/V records, retrieval index) with metadata in Redis."""

@@ -1,0 +1,66 @@
+"""A fact as the tenants layer returns it, and the validation of what callers send in."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from kvcore.conversation import check_identifier
+from kvcore.errors import InvalidFactError
+from tenants.errors import InvalidInputError
+
+VISIBLE = ("active", "updating")  # an update in flight still shows the committed version
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One committed fact of a tenant."""
+
+    id: str
+    text: str
+    version: int
+    record_id: str | None  # its K/V record; None until encoded (then served by prompt injection)
+    encoding: dict | None  # window, model fingerprint, rope and dtype of that record
+    source_turn: int | None
+    created: float
+    updated: float
+
+    @property
+    def kv_ready(self) -> bool:
+        return self.record_id is not None
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "Fact":
+        return cls(meta["id"], meta["text"], int(meta["version"]), meta.get("record_id"), meta.get("encoding"),
+                   meta.get("source_turn"), float(meta["created"]), float(meta["updated"]))
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "text": self.text, "version": self.version, "kv_ready": self.kv_ready,
+                "record_id": self.record_id, "encoding": self.encoding, "source_turn": self.source_turn, "created": self.created,
+                "updated": self.updated}
+
+
+def check_text(text: object, max_chars: int) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidInputError("fact text must be a non-empty string")
+    if len(text) > max_chars:
+        raise InvalidInputError(f"fact text has {len(text)} characters; at most {max_chars} are accepted")
+    if "\x00" in text:
+        raise InvalidInputError("fact text must not contain NUL characters")
+    return text
+
+
+def check_id(kind: str, value: object) -> str:
+    try:
+        return check_identifier(kind, value)  # type: ignore[arg-type]
+    except InvalidFactError as exc:
+        raise InvalidInputError(str(exc)) from None
+
+
+def new_fact_id() -> str:
+    return f"f-{uuid.uuid4().hex[:20]}"
+
+
+def record_id_for(fact_id: str, version: int) -> str:
+    """The K/V record of one version of a fact: a new version never overwrites the served one."""
+    return f"{fact_id}.v{version}"

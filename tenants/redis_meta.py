@@ -1,0 +1,275 @@
+"""Tenant registry, fact metadata, usage, placement and change log in Redis (the only module importing redis).
+
+Keys, all under one tenant's hash tag so a cluster keeps a tenant on one shard:
+
+    is:tenants                    set of tenant ids
+    is:admin                      hash of the admin key
+    is:t:{tid}                    registry: key hash, quotas, window, model fingerprint, created
+    is:t:{tid}:facts              fact id -> metadata JSON (state pending | active | updating)
+    is:t:{tid}:emb / :pemb        fact id -> embedding bytes (committed / of an update in flight)
+    is:t:{tid}:usage              facts, bytes (committed plus reserved)
+    is:t:{tid}:place              fact id -> placement JSON (tier, replica, version)
+    is:t:{tid}:version            bumped by every committed change (the prefix-cache salt uses it)
+    is:t:{tid}:seq                retrieval-index ids
+    is:t:{tid}:log                stream of committed changes, which every process's index replays
+
+Every multi-key change is one Lua script, so it is atomic and checks its preconditions (state and
+version of the fact, quotas) in the same step that writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Iterable
+
+import redis
+
+from tenants.errors import ConflictError, FactExistsError, FactNotFoundError, QuotaExceededError, TenantExistsError, UnknownTenantError
+
+log = logging.getLogger(__name__)
+LOG_MAXLEN = 100_000
+
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.error_reply('EXISTS tenant') end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+redis.call('SADD', KEYS[2], ARGV[2])
+return 1
+"""
+
+_RESERVE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return redis.error_reply('UNKNOWN tenant') end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return redis.error_reply('EXISTS fact') end
+local facts = tonumber(redis.call('HGET', KEYS[4], 'facts') or '0')
+local bytes = tonumber(redis.call('HGET', KEYS[4], 'bytes') or '0')
+if facts + 1 > tonumber(redis.call('HGET', KEYS[1], 'max_facts')) then return redis.error_reply('QUOTA facts') end
+if bytes + tonumber(ARGV[4]) > tonumber(redis.call('HGET', KEYS[1], 'max_bytes')) then return redis.error_reply('QUOTA bytes') end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+redis.call('HINCRBY', KEYS[4], 'facts', 1)
+redis.call('HINCRBY', KEYS[4], 'bytes', ARGV[4])
+return 1
+"""
+
+_BEGIN_UPDATE = """
+local cur = redis.call('HGET', KEYS[2], ARGV[1])
+if not cur then return redis.error_reply('GONE') end
+local m = cjson.decode(cur)
+if m['state'] ~= 'active' or tostring(m['version']) ~= ARGV[2] then return redis.error_reply('CONFLICT') end
+local bytes = tonumber(redis.call('HGET', KEYS[4], 'bytes') or '0')
+if bytes + tonumber(ARGV[5]) > tonumber(redis.call('HGET', KEYS[1], 'max_bytes')) then return redis.error_reply('QUOTA bytes') end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
+redis.call('HINCRBY', KEYS[4], 'bytes', ARGV[5])
+return 1
+"""
+
+_COMMIT = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return redis.error_reply('GONE') end
+local m = cjson.decode(cur)
+if m['state'] ~= ARGV[2] or tostring(m['version']) ~= ARGV[3] then return redis.error_reply('CONFLICT') end
+local delta = tonumber(ARGV[6])
+if delta > 0 then
+  local bytes = tonumber(redis.call('HGET', KEYS[4], 'bytes') or '0')
+  if bytes + delta > tonumber(redis.call('HGET', KEYS[7], 'max_bytes')) then return redis.error_reply('QUOTA bytes') end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[4])
+if ARGV[8] == '1' then
+  local e = redis.call('HGET', KEYS[3], ARGV[1])
+  if e then redis.call('HSET', KEYS[2], ARGV[1], e) end
+  redis.call('HDEL', KEYS[3], ARGV[1])
+end
+if delta ~= 0 then redis.call('HINCRBY', KEYS[4], 'bytes', delta) end
+local v = redis.call('INCR', KEYS[5])
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[9], '*', 'op', ARGV[5], 'fid', ARGV[1], 'iid', ARGV[7], 'v', v)
+return v
+"""
+
+_DELETE = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return redis.error_reply('GONE') end
+local m = cjson.decode(cur)
+if m['state'] == 'pending' then return redis.error_reply('GONE') end
+local release = tonumber(m['bytes'])
+if type(m['pending']) == 'table' then release = release + tonumber(m['pending']['bytes']) end
+for i = 1, 3 do redis.call('HDEL', KEYS[i], ARGV[1]) end
+redis.call('HDEL', KEYS[7], ARGV[1])
+redis.call('HINCRBY', KEYS[4], 'facts', -1)
+if release ~= 0 then redis.call('HINCRBY', KEYS[4], 'bytes', 0 - release) end
+local v = redis.call('INCR', KEYS[5])
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[2], '*', 'op', 'remove', 'fid', ARGV[1], 'iid', tostring(m['index_id']), 'v', v)
+return cur
+"""
+
+_ROLLBACK = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return 0 end
+local m = cjson.decode(cur)
+if m['state'] ~= ARGV[2] or tostring(m['version']) ~= ARGV[3] then return 0 end
+if ARGV[4] == '' then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[1])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[4])
+end
+redis.call('HDEL', KEYS[3], ARGV[1])
+if tonumber(ARGV[5]) ~= 0 then redis.call('HINCRBY', KEYS[4], 'facts', 0 - tonumber(ARGV[5])) end
+if tonumber(ARGV[6]) ~= 0 then redis.call('HINCRBY', KEYS[4], 'bytes', 0 - tonumber(ARGV[6])) end
+return 1
+"""
+
+
+class RedisMeta:
+    """Typed access to the keys above; errors come back as the tenants layer's own exceptions."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._redis = redis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
+        self._scripts = {name: self._redis.register_script(body) for name, body in (
+            ("create", _CREATE), ("reserve", _RESERVE), ("begin_update", _BEGIN_UPDATE), ("commit", _COMMIT),
+            ("delete", _DELETE), ("rollback", _ROLLBACK))}
+
+    def ping(self) -> bool:
+        return bool(self._redis.ping())
+
+    def close(self) -> None:
+        self._redis.close()
+
+    # ---- tenants and the admin key ----
+    def create_tenant(self, tenant_id: str, fields: dict[str, Any]) -> None:
+        flat = [str(x) for kv in {"id": tenant_id, **fields}.items() for x in kv]
+        self._run("create", [_t(tenant_id), b"is:tenants"], flat)
+
+    def tenant(self, tenant_id: str) -> dict[str, str] | None:
+        raw = self._redis.hgetall(_t(tenant_id))
+        return {k.decode(): v.decode() for k, v in raw.items()} if raw else None
+
+    def update_tenant(self, tenant_id: str, fields: dict[str, Any]) -> None:
+        self._redis.hset(_t(tenant_id), mapping={k: str(v) for k, v in fields.items()})
+
+    def tenant_ids(self) -> list[str]:
+        return sorted(x.decode() for x in self._redis.smembers("is:tenants"))
+
+    def admin_hash(self) -> str | None:
+        raw = self._redis.get("is:admin")
+        return raw.decode() if raw else None
+
+    def set_admin_hash(self, digest: str, replace: bool = False) -> bool:
+        return bool(self._redis.set("is:admin", digest, nx=not replace))
+
+    # ---- facts ----
+    def next_index_id(self, tenant_id: str) -> int:
+        return int(self._redis.incr(_t(tenant_id, "seq")))
+
+    def reserve(self, tenant_id: str, fact_id: str, meta: dict, embedding: bytes, nbytes: int) -> None:
+        keys = [_t(tenant_id), _t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "usage")]
+        self._run("reserve", keys, [fact_id, _json(meta), embedding, nbytes])
+
+    def begin_update(self, tenant_id: str, fact_id: str, version: int, meta: dict, embedding: bytes, nbytes: int) -> None:
+        keys = [_t(tenant_id), _t(tenant_id, "facts"), _t(tenant_id, "pemb"), _t(tenant_id, "usage")]
+        self._run("begin_update", keys, [fact_id, version, _json(meta), embedding, nbytes])
+
+    def commit(self, tenant_id: str, fact_id: str, state: str, version: int, meta: dict, op: str,
+               bytes_delta: int = 0, move_pending_embedding: bool = False) -> int:
+        """Replace the fact's metadata if it is still in (`state`, `version`), add `bytes_delta` to its usage
+        (within quota), log `op`; return the tenant's new version."""
+        keys = [_t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "pemb"), _t(tenant_id, "usage"),
+                _t(tenant_id, "version"), _t(tenant_id, "log"), _t(tenant_id)]
+        args = [fact_id, state, version, _json(meta), op, bytes_delta, meta["index_id"],
+                "1" if move_pending_embedding else "0", LOG_MAXLEN]
+        return int(self._run("commit", keys, args))
+
+    def delete(self, tenant_id: str, fact_id: str) -> dict:
+        """Remove a visible fact in one step; return the metadata it had."""
+        keys = [_t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "pemb"), _t(tenant_id, "usage"),
+                _t(tenant_id, "version"), _t(tenant_id, "log"), _t(tenant_id, "place")]
+        return json.loads(self._run("delete", keys, [fact_id, LOG_MAXLEN]))
+
+    def rollback(self, tenant_id: str, fact_id: str, state: str, version: int, restored: dict | None,
+                 facts: int, nbytes: int) -> bool:
+        """Undo a change still in (`state`, `version`): restore `restored` (or drop the fact) and release quota."""
+        keys = [_t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "pemb"), _t(tenant_id, "usage")]
+        args = [fact_id, state, version, _json(restored) if restored else "", facts, nbytes]
+        return bool(self._run("rollback", keys, args))
+
+    def fact(self, tenant_id: str, fact_id: str) -> dict | None:
+        raw = self._redis.hget(_t(tenant_id, "facts"), fact_id)
+        return json.loads(raw) if raw else None
+
+    def facts(self, tenant_id: str, fact_ids: Iterable[str]) -> list[dict | None]:
+        fact_ids = list(fact_ids)
+        if not fact_ids:
+            return []
+        return [json.loads(raw) if raw else None for raw in self._redis.hmget(_t(tenant_id, "facts"), fact_ids)]
+
+    def all_facts(self, tenant_id: str) -> dict[str, dict]:
+        return {k.decode(): json.loads(v) for k, v in self._redis.hgetall(_t(tenant_id, "facts")).items()}
+
+    def fact_ids(self, tenant_id: str) -> list[str]:
+        return sorted(k.decode() for k in self._redis.hkeys(_t(tenant_id, "facts")))
+
+    def embeddings(self, tenant_id: str, fact_ids: list[str]) -> list[bytes | None]:
+        return self._redis.hmget(_t(tenant_id, "emb"), fact_ids) if fact_ids else []
+
+    def all_embeddings(self, tenant_id: str) -> dict[str, bytes]:
+        return {k.decode(): v for k, v in self._redis.hgetall(_t(tenant_id, "emb")).items()}
+
+    def usage(self, tenant_id: str) -> dict[str, int]:
+        raw = self._redis.hgetall(_t(tenant_id, "usage"))
+        return {"facts": int(raw.get(b"facts", 0)), "bytes": int(raw.get(b"bytes", 0))}
+
+    def version(self, tenant_id: str) -> int:
+        return int(self._redis.get(_t(tenant_id, "version")) or 0)
+
+    # ---- the change log ----
+    def log_after(self, tenant_id: str, last_id: str, count: int = 10_000) -> list[tuple[str, dict[str, str]]]:
+        """Committed changes after stream id `last_id` ("0" for all that are kept)."""
+        entries = self._redis.xrange(_t(tenant_id, "log"), min=f"({last_id}" if last_id != "0" else "-", count=count)
+        return [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in entries]
+
+    def log_last_id(self, tenant_id: str) -> str | None:
+        last = self._redis.xrevrange(_t(tenant_id, "log"), count=1)
+        return last[0][0].decode() if last else None
+
+    def log_first_id(self, tenant_id: str) -> str | None:
+        first = self._redis.xrange(_t(tenant_id, "log"), count=1)
+        return first[0][0].decode() if first else None
+
+    # ---- placement ----
+    def set_placement(self, tenant_id: str, fact_id: str, placement: dict) -> None:
+        self._redis.hset(_t(tenant_id, "place"), fact_id, _json(placement))
+
+    def placement(self, tenant_id: str, fact_id: str) -> dict | None:
+        raw = self._redis.hget(_t(tenant_id, "place"), fact_id)
+        return json.loads(raw) if raw else None
+
+    def _run(self, name: str, keys: list, args: list):
+        try:
+            return self._scripts[name](keys=keys, args=args)
+        except redis.ResponseError as exc:
+            raise _translate(str(exc)) from None
+
+
+def _t(tenant_id: str, part: str | None = None) -> str:
+    return f"is:t:{{{tenant_id}}}" + (f":{part}" if part else "")
+
+
+def _json(value: dict) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def _translate(message: str) -> Exception:
+    if message.startswith("EXISTS tenant"):
+        return TenantExistsError("a tenant with this id exists already")
+    if message.startswith("EXISTS fact"):
+        return FactExistsError("the tenant already has a fact with this id")
+    if message.startswith("UNKNOWN"):
+        return UnknownTenantError("unknown tenant")
+    if message.startswith("QUOTA"):
+        return QuotaExceededError(f"quota of {message.split()[1]} exceeded")
+    if message.startswith("GONE"):
+        return FactNotFoundError("no such fact")
+    if message.startswith("CONFLICT"):
+        return ConflictError("the fact changed concurrently; read it again and retry")
+    return RuntimeError(f"redis: {message}")

@@ -1,0 +1,287 @@
+"""The tenants layer: admin operations, authentication, and one tenant's facts behind its API key.
+
+Every fact operation is a method of `Tenant`, which only `TenantService.authenticate` hands out, and
+every key it touches (Redis, record files, index) is derived from that tenant's id: there is no call
+that takes another tenant's id. Changes are ordered so a crash between any two steps leaves nothing
+visible that was not acknowledged and loses nothing that was:
+
+- insert: reserve (metadata `pending`, invisible; quota counted) -> write the K/V record, if given ->
+  commit (`active`, logged for the indexes). Acknowledged after the commit.
+- update: begin (`updating`: the committed version stays visible) -> write the new version's record ->
+  commit (swap, logged) -> remove the old version's record.
+- delete: one atomic step (gone from metadata, quota and retrieval at once) -> remove its records.
+
+`reconcile` rolls back changes that never committed and removes record files nothing refers to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+
+from kvcore.record import FactKV
+from kvcore.store import LocalFactStore
+from tenants.auth import hash_key, matches, new_admin_key, new_tenant_key, tenant_of
+from tenants.embedding import Embedder
+from tenants.errors import AuthError, ConflictError, FactNotFoundError, InvalidInputError, UnknownTenantError
+from tenants.facts import VISIBLE, Fact, check_id, check_text, new_fact_id, record_id_for
+from tenants.index_sync import TenantIndexes
+from tenants.redis_meta import RedisMeta
+
+log = logging.getLogger(__name__)
+MAX_K = 1000
+Fault = Callable[[str], None]  # called at each step boundary; tests raise there to simulate a crash
+
+
+def _no_fault(step: str) -> None:
+    return None
+
+
+class TenantService:
+    """Admin operations and authentication over one Redis, one record store and one index directory."""
+
+    def __init__(self, meta: RedisMeta, records: LocalFactStore, embedder: Embedder, indexes: TenantIndexes, *,
+                 max_facts: int = 100_000, max_bytes: int = 4 << 30, max_fact_chars: int = 2000,
+                 fault: Fault = _no_fault) -> None:
+        self.meta, self.records, self.embedder, self.indexes = meta, records, embedder, indexes
+        self.defaults = {"max_facts": max_facts, "max_bytes": max_bytes}
+        self.max_fact_chars = max_fact_chars
+        self.fault = fault
+
+    # ---- admin ----
+    def ensure_admin_key(self) -> str | None:
+        """Create the admin key if there is none; the key is returned (and shown) only this once."""
+        key = new_admin_key()
+        return key if self.meta.set_admin_hash(hash_key(key)) else None
+
+    def check_admin(self, key: object) -> None:
+        if not isinstance(key, str) or not matches(key, self.meta.admin_hash()):
+            raise AuthError("missing or wrong admin key")
+
+    def create_tenant(self, admin_key: str, tenant_id: str, *, max_facts: int | None = None,
+                      max_bytes: int | None = None, window: int = 5, model_fingerprint: str = "") -> tuple[dict, str]:
+        """Register a tenant; returns its registry entry and its API key (shown only this once)."""
+        self.check_admin(admin_key)
+        tenant_id = check_id("tenant id", tenant_id)
+        limits = {"max_facts": max_facts or self.defaults["max_facts"], "max_bytes": max_bytes or self.defaults["max_bytes"]}
+        if any(not isinstance(v, int) or v < 1 for v in limits.values()) or not isinstance(window, int) or window < 0:
+            raise InvalidInputError("quotas must be positive integers and the window a non-negative integer")
+        key = new_tenant_key(tenant_id)
+        fields = {"key_hash": hash_key(key), **limits, "window": window, "model_fingerprint": model_fingerprint,
+                  "created": time.time()}
+        self.meta.create_tenant(tenant_id, fields)
+        return self.tenant_info(admin_key, tenant_id), key
+
+    def tenant_info(self, admin_key: str, tenant_id: str) -> dict:
+        self.check_admin(admin_key)
+        info = self.meta.tenant(check_id("tenant id", tenant_id))
+        if info is None:
+            raise UnknownTenantError(f"unknown tenant {tenant_id!r}")
+        return _public(info) | {"usage": self.meta.usage(tenant_id)}
+
+    def list_tenants(self, admin_key: str) -> list[str]:
+        self.check_admin(admin_key)
+        return self.meta.tenant_ids()
+
+    def rotate_key(self, admin_key: str, tenant_id: str) -> str:
+        """A new API key for the tenant; the old one stops working at once."""
+        self.check_admin(admin_key)
+        if self.meta.tenant(check_id("tenant id", tenant_id)) is None:
+            raise UnknownTenantError(f"unknown tenant {tenant_id!r}")
+        key = new_tenant_key(tenant_id)
+        self.meta.update_tenant(tenant_id, {"key_hash": hash_key(key)})
+        return key
+
+    # ---- tenants ----
+    def authenticate(self, api_key: object) -> "Tenant":
+        tenant_id = tenant_of(api_key)
+        info = self.meta.tenant(tenant_id)
+        if info is None or not matches(api_key, info.get("key_hash")):  # type: ignore[arg-type]
+            raise AuthError("missing or wrong API key")  # the same answer for an unknown tenant
+        return Tenant(self, tenant_id, info)
+
+
+class Tenant:
+    """One authenticated tenant's facts."""
+
+    def __init__(self, service: TenantService, tenant_id: str, info: dict[str, str]) -> None:
+        self._s, self.id, self._info = service, tenant_id, info
+
+    @property
+    def window(self) -> int:
+        return int(self._info.get("window", 0))
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self._info.get("model_fingerprint", "")
+
+    def usage(self) -> dict[str, int]:
+        return self._s.meta.usage(self.id) | {"max_facts": int(self._info["max_facts"]), "max_bytes": int(self._info["max_bytes"])}
+
+    def version(self) -> int:
+        """Bumped by every committed change (salts the engine's prefix cache)."""
+        return self._s.meta.version(self.id)
+
+    # ---- writes ----
+    def add_fact(self, text: str, *, fact_id: str | None = None, source_turn: int | None = None,
+                 kv: FactKV | None = None) -> Fact:
+        return self.add_facts([text], fact_ids=[fact_id], source_turns=[source_turn], kvs=[kv])[0]
+
+    def add_facts(self, texts: list[str], *, fact_ids: list[str | None] | None = None,
+                  source_turns: list[int | None] | None = None, kvs: list[FactKV | None] | None = None) -> list[Fact]:
+        """Insert facts (embedded in one batch); each is acknowledged only once committed."""
+        count = len(texts)
+        fact_ids, source_turns, kvs = fact_ids or [None] * count, source_turns or [None] * count, kvs or [None] * count
+        if not (len(fact_ids) == len(source_turns) == len(kvs) == count):
+            raise InvalidInputError("texts, ids, turns and K/V records must line up")
+        texts = [check_text(t, self._s.max_fact_chars) for t in texts]
+        ids = [check_id("fact id", f) if f is not None else new_fact_id() for f in fact_ids]
+        for turn in source_turns:
+            if turn is not None and (not isinstance(turn, int) or turn < 0):
+                raise InvalidInputError("source_turn must be a non-negative integer")
+        vectors = self._s.embedder.embed(texts) if texts else np.empty((0, self._s.embedder.dim))
+        return [self._insert(*args) for args in zip(ids, texts, source_turns, kvs, vectors)]
+
+    def update_fact(self, fact_id: str, text: str, *, kv: FactKV | None = None, version: int | None = None) -> Fact:
+        """A new version of the fact's text (and K/V, if given); `version` guards against lost updates."""
+        fact_id, text = check_id("fact id", fact_id), check_text(text, self._s.max_fact_chars)
+        current = self._visible_meta(fact_id)
+        if version is not None and version != current["version"]:
+            raise ConflictError(f"fact {fact_id!r} is at version {current['version']}, not {version}")
+        vector = self._s.embedder.embed([text])[0]
+        new_version = current["version"] + 1
+        record_id = record_id_for(fact_id, new_version) if kv is not None else None
+        nbytes = _size(text, kv)
+        now = time.time()
+        pending = {"text": text, "version": new_version, "record_id": record_id, "bytes": nbytes, "started": now}
+        meta = self._s.meta
+        meta.begin_update(self.id, fact_id, current["version"], {**current, "state": "updating", "pending": pending},
+                          vector.astype(np.float32).tobytes(), nbytes)
+        self._s.fault("update:begun")
+        try:
+            if kv is not None:
+                self._write_record(record_id, kv, new_version)
+            self._s.fault("update:record-written")
+            committed = {**current, "text": text, "version": new_version, "record_id": record_id, "bytes": nbytes,
+                         "encoding": _encoding(kv), "state": "active", "pending": None, "updated": now}
+            meta.commit(self.id, fact_id, "updating", current["version"], committed, "update",
+                        bytes_delta=-current["bytes"], move_pending_embedding=True)
+        except Exception:
+            meta.rollback(self.id, fact_id, "updating", current["version"], current, 0, nbytes)
+            if record_id:
+                self._s.records.delete(self.id, record_id)
+            raise
+        self._s.fault("update:committed")
+        if current.get("record_id"):
+            self._s.records.delete(self.id, current["record_id"])
+        return Fact.from_meta(committed)
+
+    def attach_kv(self, fact_id: str, version: int, kv: FactKV) -> Fact:
+        """Store the K/V of one version of a fact (encoder jobs); refused if the fact moved on meanwhile."""
+        current = self._visible_meta(check_id("fact id", fact_id))
+        if current["state"] != "active" or current["version"] != version:
+            raise ConflictError(f"fact {fact_id!r} is at version {current['version']}, not {version}")
+        if current.get("record_id"):
+            return Fact.from_meta(current)  # already encoded
+        record_id = record_id_for(fact_id, version)
+        self._write_record(record_id, kv, version)  # an orphan until committed; the reconciler removes it then
+        updated = {**current, "record_id": record_id, "encoding": _encoding(kv), "bytes": current["bytes"] + kv.nbytes}
+        try:
+            self._s.meta.commit(self.id, fact_id, "active", version, updated, "kv", bytes_delta=kv.nbytes)
+        except Exception:
+            self._s.records.delete(self.id, record_id)
+            raise
+        return Fact.from_meta(updated)
+
+    def delete_fact(self, fact_id: str) -> None:
+        """Gone from retrieval, listing and quota in one step; its records are removed after."""
+        old = self._s.meta.delete(self.id, check_id("fact id", fact_id))
+        self._s.fault("delete:committed")
+        for record_id in (old.get("record_id"), (old.get("pending") or {}).get("record_id")):
+            if record_id:
+                self._s.records.delete(self.id, record_id)
+
+    # ---- reads ----
+    def get_fact(self, fact_id: str) -> Fact:
+        return Fact.from_meta(self._visible_meta(check_id("fact id", fact_id)))
+
+    def list_facts(self, offset: int = 0, limit: int = 100) -> list[Fact]:
+        if not isinstance(offset, int) or not isinstance(limit, int) or offset < 0 or not 1 <= limit <= 10_000:
+            raise InvalidInputError("offset must be >= 0 and limit within 1..10000")
+        ids = self._s.meta.fact_ids(self.id)[offset : offset + limit]
+        return [Fact.from_meta(m) for m in self._s.meta.facts(self.id, ids) if m and m["state"] in VISIBLE]
+
+    def search(self, query: str, k: int = 10) -> list[tuple[Fact, float]]:
+        """The top-k facts of this tenant for `query`, with cosine scores, best first."""
+        query = check_text(query, self._s.max_fact_chars)
+        if not isinstance(k, int) or not 1 <= k <= MAX_K:
+            raise InvalidInputError(f"k must be within 1..{MAX_K}")
+        vector = self._s.embedder.embed([query])[0]
+        hits = self._s.indexes.search(self.id, vector, k + 16)  # room for entries changed since the sync
+        metas = self._s.meta.facts(self.id, [fid for fid, _ in hits])
+        found = [(Fact.from_meta(m), score) for (fid, score), m in zip(hits, metas) if m and m["state"] in VISIBLE]
+        return found[:k]
+
+    def placement(self, fact_id: str) -> dict | None:
+        self._visible_meta(check_id("fact id", fact_id))
+        return self._s.meta.placement(self.id, fact_id)
+
+    def set_placement(self, fact_id: str, tier: str, replica: str) -> None:
+        """Record where this fact's K/V is held (tier `gpu|cpu|disk`, replica name)."""
+        current = self._visible_meta(check_id("fact id", fact_id))
+        if tier not in ("gpu", "cpu", "disk") or not isinstance(replica, str) or not replica:
+            raise InvalidInputError("tier must be gpu, cpu or disk and replica a non-empty name")
+        self._s.meta.set_placement(self.id, fact_id, {"tier": tier, "replica": replica, "version": current["version"],
+                                                      "at": time.time()})
+
+    # ---- internals ----
+    def _insert(self, fact_id: str, text: str, source_turn: int | None, kv: FactKV | None, vector: np.ndarray) -> Fact:
+        meta = self._s.meta
+        now = time.time()
+        record_id = record_id_for(fact_id, 1) if kv is not None else None
+        nbytes = _size(text, kv)
+        pending = {"id": fact_id, "text": text, "version": 1, "state": "pending", "index_id": meta.next_index_id(self.id),
+                   "record_id": record_id, "encoding": _encoding(kv), "bytes": nbytes, "source_turn": source_turn,
+                   "created": now, "updated": now, "started": now, "pending": None}
+        meta.reserve(self.id, fact_id, pending, vector.astype(np.float32).tobytes(), nbytes)
+        self._s.fault("insert:reserved")
+        try:
+            if kv is not None:
+                self._write_record(record_id, kv, 1)
+            self._s.fault("insert:record-written")
+            active = {**pending, "state": "active"}
+            meta.commit(self.id, fact_id, "pending", 1, active, "add")
+        except Exception:
+            meta.rollback(self.id, fact_id, "pending", 1, None, 1, nbytes)
+            if record_id:
+                self._s.records.delete(self.id, record_id)
+            raise
+        return Fact.from_meta(active)
+
+    def _write_record(self, record_id: str, kv: FactKV, version: int) -> None:
+        self._s.records.put(FactKV(self.id, record_id, kv.token_ids, kv.k, kv.v, kv.params, version, kv.meta))
+
+    def _visible_meta(self, fact_id: str) -> dict:
+        meta = self._s.meta.fact(self.id, fact_id)
+        if meta is None or meta["state"] not in VISIBLE:
+            raise FactNotFoundError(f"no fact {fact_id!r}")
+        return meta
+
+
+def _encoding(kv: FactKV | None) -> dict | None:
+    """How the fact's K/V was made (window, model fingerprint, rope, dtype), as metadata."""
+    return json.loads(kv.params.to_json()) if kv is not None else None
+
+
+def _size(text: str, kv: FactKV | None) -> int:
+    return len(text.encode()) + (kv.nbytes if kv is not None else 0)
+
+
+def _public(info: dict[str, str]) -> dict:
+    return {"id": info["id"], "max_facts": int(info["max_facts"]), "max_bytes": int(info["max_bytes"]),
+            "window": int(info["window"]), "model_fingerprint": info.get("model_fingerprint", ""),
+            "created": float(info["created"])}
