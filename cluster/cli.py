@@ -6,8 +6,12 @@ import argparse
 import logging
 import sys
 
+from pathlib import Path
+
 from config import load_settings
+from encoder_jobs.inputs import JobInputError
 from kvcore.errors import KVCoreError
+from tenants.errors import TenantError
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +23,17 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--window", type=int, default=None, help="context window in turns (default: settings)")
     demo.add_argument("--max-new-tokens", type=int, default=40)
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    encode = sub.add_parser("encode", help="encode a tenant's facts (explicit, or extracted from a conversation) on Ray")
+    encode.add_argument("--tenant", required=True)
+    encode.add_argument("--input", required=True, type=Path, help="JSON: turns + facts, or a LoCoMo conversation")
+    encode.add_argument("--window", type=int, default=None, help="context window in turns (default: the tenant's)")
+    encode.add_argument("--workers", type=int, default=1, help="encoding actors")
+    encode.add_argument("--batch-size", type=int, default=16, help="facts per actor call")
+    encode.add_argument("--submit", metavar="DASHBOARD_URL", default=None,
+                        help="submit through the Ray Jobs API of an existing cluster instead of running here")
+    tenants = sub.add_parser("tenant", help="create a tenant (prints its API key once)")
+    tenants.add_argument("name")
+    tenants.add_argument("--window", type=int, default=5)
     return parser
 
 
@@ -27,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings()
     if getattr(args, "dtype", None):
         settings.model.dtype = args.dtype
-    if getattr(args, "window", None) is not None:
+    if getattr(args, "window", None) is not None and args.command == "demo":
         if args.window < 0:
             print("inferscale: error: --window must be >= 0", file=sys.stderr)
             return 2
@@ -39,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
             run_demo(settings, max_new_tokens=args.max_new_tokens, out=sys.stdout)
             return 0
-    except (KVCoreError, FileNotFoundError) as exc:
+        if args.command in ("encode", "tenant"):
+            from cluster.jobs_cli import run_encode, run_tenant_create
+
+            return run_encode(settings, args) if args.command == "encode" else run_tenant_create(settings, args)
+    except (KVCoreError, FileNotFoundError, JobInputError, TenantError, ValueError) as exc:
         print(f"inferscale: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -7,12 +7,10 @@ from dataclasses import dataclass
 
 from cluster.redis_server import LocalRedis
 from config.settings import Settings
-from kvcore.store import LocalFactStore
 from models.minilm import MiniLMEmbedder
+from tenants.connect import connect_service
 from tenants.embedding import Embedder
-from tenants.index_sync import TenantIndexes
 from tenants.reconcile import reconcile
-from tenants.redis_meta import RedisMeta
 from tenants.service import TenantService
 
 log = logging.getLogger(__name__)
@@ -37,11 +35,6 @@ def open_tenants(settings: Settings, embedder: Embedder | None = None) -> Tenant
     if url is None:
         server = LocalRedis(settings.state_dir / "redis", settings.redis.port, settings.redis.appendfsync).start()
         url = server.url
-    meta = RedisMeta(url)
-    embedder = embedder or MiniLMEmbedder()
-    records = LocalFactStore(settings.state_dir / "records")
-    limits = settings.tenants
-    service = TenantService(meta, records, embedder, TenantIndexes(meta, embedder.dim, settings.state_dir / "indexes"),
-                            max_facts=limits.max_facts, max_bytes=limits.max_bytes, max_fact_chars=limits.max_fact_chars)
-    reconcile(meta, records, older_than_s=limits.reconcile_after_s)
+    service = connect_service(url, settings.state_dir, embedder or MiniLMEmbedder(), settings.tenants)
+    reconcile(service.meta, service.records, older_than_s=settings.tenants.reconcile_after_s)
     return Tenants(service, server)

@@ -28,3 +28,33 @@ def test_bad_arguments_give_an_error_line():
     assert "inferscale: error: --window must be >= 0" in result.stderr
     missing = subprocess.run([sys.executable, "-m", "cluster.cli", "frobnicate"], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "invalid choice" in missing.stderr
+
+
+@pytest.mark.model
+@pytest.mark.redis
+def test_tenant_then_encode_on_the_embedded_default(tmp_path):
+    """`inferscale tenant` and `inferscale encode` start their own redis-server and Ray, like a user's first run."""
+    import json
+    import os
+
+    from tests.encoder_jobs.test_job import write_input
+
+    env = {**os.environ, "INFERSCALE_STATE_DIR": str(tmp_path / "state"), "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("INFERSCALE_ADMIN_KEY", None)
+    created = subprocess.run([sys.executable, "-m", "cluster.cli", "tenant", "maya", "--window", "2"], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert created.returncode == 0, created.stderr
+    admin = re.search(r"admin key .*: (isa\.\S+)", created.stderr).group(1)
+    assert json.loads(created.stdout)["api_key"].startswith("isk.maya.")
+    env["INFERSCALE_ADMIN_KEY"] = admin
+    path = write_input(tmp_path / "in.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"turns": []}x')
+    refused = subprocess.run([sys.executable, "-m", "cluster.cli", "encode", "--tenant", "maya", "--input", str(bad)],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "inferscale: error:" in refused.stderr and "not valid JSON" in refused.stderr
+    done = subprocess.run([sys.executable, "-m", "cluster.cli", "encode", "--tenant", "maya", "--input", str(path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (report["total"], report["encoded"], report["failed"]) == (4, 4, 0) and "encoding [" in done.stderr

@@ -1,0 +1,117 @@
+"""Throughput of the encoding job (Ray Data actors, store writes included) against plain prefill.
+
+One process, one model: for w in {0, 5, 20}, facts of ~30 tokens behind turns of ~24 tokens go through
+`run_job` (validation, planning, Ray Data `map_batches` over an actor, context-window encoding, MiniLM
+embedding, tenant-store writes in Redis and on disk), timed end to end after Ray is up; the same
+tokens (context and fact) then go through a plain prefill of the same model in the same batch shapes.
+Target on the GPU: the job keeps >= 50% of plain prefill's token throughput; the CPU figure is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import parser, target, write_report  # noqa: E402
+from cluster.redis_server import LocalRedis  # noqa: E402
+from config import load_settings  # noqa: E402
+from encoder_jobs.job import run_job  # noqa: E402
+from kvcore.conversation import Fact, Turn  # noqa: E402
+from kvcore.encoding import plan_batches, plan_fact_jobs  # noqa: E402
+from models.chat import TokenizerEncoder, build_frame  # noqa: E402
+from models.loader import load_model  # noqa: E402
+from models.minilm import MiniLMEmbedder  # noqa: E402
+from tenants.connect import connect_service  # noqa: E402
+
+WORDS = "river quiet garden number yellow market seven window travel piano coffee letter mountain silver".split()
+
+
+def sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    facts_per_run = 32 if args.quick else 256
+    windows = (0, 5, 20)
+    rng = random.Random(0)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    folder = Path(tempfile.mkdtemp(prefix="encode-job-"))
+    settings = load_settings(state_dir=folder / "state")
+    if torch.cuda.is_available():
+        settings.model.dtype = "bfloat16"
+    server = LocalRedis(folder / "redis").start()
+    import ray
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+    loaded = load_model(settings.model)
+    frame = build_frame(loaded.tokenizer, settings.system_prompt)
+    encoder = TokenizerEncoder(loaded.tokenizer)
+    service = connect_service(server.url, settings.state_dir, MiniLMEmbedder(), settings.tenants)
+    admin = service.ensure_admin_key()
+    rows = []
+    try:
+        for window in windows:
+            tenant = f"bench-w{window}"
+            service.create_tenant(admin, tenant, window=window)
+            turns = [Turn("User" if i % 2 else "Assistant", sentence(rng, 18)) for i in range(facts_per_run + 20)]
+            facts = [(sentence(rng, 22), 20 + i) for i in range(facts_per_run)]
+            path = folder / f"{tenant}.json"
+            path.write_text(json.dumps({"turns": [{"speaker": t.speaker, "text": t.text} for t in turns],
+                                        "facts": [{"text": text, "turn": turn} for text, turn in facts]}))
+            start = time.perf_counter()
+            report = run_job(settings, redis_url=server.url, admin_key=admin, tenant_id=tenant, input_path=path,
+                             window=window, batch_size=64)
+            job_s = time.perf_counter() - start
+            assert report.encoded == facts_per_run, report.errors
+            jobs = plan_fact_jobs(turns, [Fact(f"f{i}", t, n) for i, (t, n) in enumerate(facts)], window=window,
+                                  prefix_ids=frame.prefix_ids, tokenizer=encoder)
+            tokens = sum(job.length for job in jobs)
+            prefill_s = _plain_prefill(loaded, jobs, settings.encoding.max_batch_tokens)
+            rows.append({"window": window, "facts": facts_per_run, "tokens": tokens, "job_s": job_s,
+                         "job_facts_per_s": facts_per_run / job_s, "job_tokens_per_s": tokens / job_s,
+                         "prefill_tokens_per_s": tokens / prefill_s, "ratio": prefill_s / job_s})
+            print(f"w={window:>2}: job {facts_per_run / job_s:7.1f} facts/s ({tokens / job_s:8.0f} tok/s), "
+                  f"plain prefill {tokens / prefill_s:8.0f} tok/s, ratio {prefill_s / job_s:.2f}", flush=True)
+    finally:
+        ray.shutdown()
+        server.stop()
+    gpu = torch.cuda.is_available()
+    targets = [target(f"job_over_prefill_w{r['window']}", r["ratio"], ">= 0.5" if gpu else ">= 0.1") for r in rows]
+    write_report(args.out, {"benchmark": "encode_job", "quick": args.quick, "gpu": gpu, "rows": rows, "targets": targets})
+
+
+def _plain_prefill(loaded, jobs, max_batch_tokens: int) -> float:
+    """Seconds for a plain forward of the same sequences, in the same token-budgeted batches (best of 2)."""
+    model, device = loaded.model, next(loaded.model.parameters()).device
+    batches = plan_batches(jobs, max_batch_tokens)
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        for batch in batches:
+            rows = [jobs[i] for i in batch]
+            width = max(job.length for job in rows)
+            ids = torch.zeros((len(rows), width), dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, job in enumerate(rows):
+                seq = torch.tensor(job.context_ids + job.target_ids)
+                ids[r, : len(seq)], mask[r, : len(seq)] = seq, 1
+            with torch.inference_mode():
+                model(input_ids=ids.to(device), attention_mask=mask.to(device))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+if __name__ == "__main__":
+    main()

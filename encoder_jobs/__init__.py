@@ -1,0 +1,1 @@
+"""Encoder jobs: a tenant's conversation in, context-window-encoded facts out, through the tenant store."""

@@ -1,0 +1,108 @@
+"""Run one encoding job: validate the input, decide what to store, encode on a Ray Data actor pool.
+
+The driver validates the whole input first (a malformed file writes nothing), extracts facts when the
+input is a conversation, applies UPDATE / DELETE decisions, then sends every fact that still lacks its
+K/V through `map_batches(EncodeWorker)` (GPU actors when CUDA is present) and reports progress and a
+summary with per-fact errors. Facts already encoded are skipped before any work, which is what makes
+re-running a finished job a no-op and a killed one resumable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from config.settings import Settings
+from encoder_jobs.extract import extract_facts
+from encoder_jobs.inputs import load_input
+from encoder_jobs.tasks import task_rows
+from encoder_jobs.worker import EncodeWorker
+from models.generation import ChatGenerator
+from models.loader import load_model
+from models.minilm import MiniLMEmbedder
+from tenants.connect import connect_service
+from tenants.errors import TenantError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobReport:
+    total: int = 0
+    encoded: int = 0
+    skipped: int = 0
+    failed: int = 0
+    updated: int = 0
+    deleted: int = 0
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def run_job(settings: Settings, *, redis_url: str, admin_key: str, tenant_id: str, input_path: Path,
+            window: int | None = None, workers: int = 1, batch_size: int = 16,
+            progress: Callable[[JobReport], None] = lambda report: None) -> JobReport:
+    job_input = load_input(input_path, settings.tenants.max_fact_chars)  # before anything is written
+    service = connect_service(redis_url, settings.state_dir, MiniLMEmbedder(), settings.tenants)
+    tenant = service.tenant_for_admin(admin_key, tenant_id)
+    window = tenant.window if window is None else window
+    if window < 0:
+        raise ValueError("window must be >= 0")
+    report = JobReport()
+    facts = job_input.facts
+    if facts is None:  # a conversation: extract facts and decide what each one does to the store
+        generate = ChatGenerator(load_model(settings.model))
+        search = lambda q, k: [(f.id, f.text, s) for f, s in tenant.search(q, k)] if tenant.usage()["facts"] else []  # noqa: E731
+        decisions = extract_facts(job_input.turns, job_input.sessions, generate, search)
+        facts = []
+        for decision in decisions:
+            try:
+                if decision.event == "DELETE":
+                    tenant.delete_fact(decision.target_id)
+                    report.deleted += 1
+                elif decision.event == "UPDATE":
+                    tenant.update_fact(decision.target_id, decision.fact.text)
+                    report.updated += 1
+                elif decision.event == "ADD":
+                    facts.append(decision.fact)
+            except TenantError as exc:
+                report.errors[decision.target_id or decision.fact.text[:40]] = str(exc)
+    rows = task_rows(tenant_id, job_input.turns, facts, window)
+    report.total = len(rows)
+    existing = service.meta.facts(tenant_id, [r["fact_id"] for r in rows])
+    todo = [r for r, meta in zip(rows, existing) if not (meta and meta.get("record_id") and meta["state"] == "active")]
+    report.skipped = len(rows) - len(todo)
+    progress(report)
+    if todo:
+        _run_on_ray(settings, redis_url, admin_key, tenant_id, window, todo, workers, batch_size, report, progress)
+    return report
+
+
+def _run_on_ray(settings: Settings, redis_url: str, admin_key: str, tenant_id: str, window: int, rows: list[dict],
+                workers: int, batch_size: int, report: JobReport, progress: Callable[[JobReport], None]) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    gpu = torch.cuda.is_available()
+    dataset = ray.data.from_items(rows).map_batches(
+        EncodeWorker, batch_size=batch_size, concurrency=workers, num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1,
+        fn_constructor_kwargs={"settings": settings.model_dump(mode="json"), "redis_url": redis_url,
+                               "admin_key": admin_key, "tenant_id": tenant_id, "window": window})
+    for batch in dataset.iter_batches(batch_size=None, batch_format="default"):
+        for fact_id, status, error in zip(batch["fact_id"], batch["status"], batch["error"]):
+            if status == "encoded":
+                report.encoded += 1
+            elif status == "skipped":
+                report.skipped += 1
+            else:
+                report.failed += 1
+                report.errors[str(fact_id)] = str(error)
+        progress(report)

@@ -1,0 +1,101 @@
+"""The encoding worker: one model per process, batches of task rows in, one status row per fact out.
+
+Used as a Ray Data actor (`map_batches(EncodeWorker, ...)`), and directly in tests. Writes go through
+the tenant store: a new fact is inserted with its K/V; a fact that exists without K/V gets it attached;
+one that already has it is skipped. A fact that fails (too long, bad text) is reported, the rest go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from config.settings import Settings
+from kvcore.conversation import Fact, FactLimits, Turn
+from kvcore.encoding import encode_jobs, plan_fact_jobs
+from kvcore.errors import KVCoreError
+from models.chat import TokenizerEncoder, build_frame
+from models.loader import load_model
+from models.minilm import MiniLMEmbedder
+from models.transformers_adapter import HFKVForward
+from tenants.connect import connect_service
+from tenants.errors import FactExistsError, TenantError
+
+log = logging.getLogger(__name__)
+CRASH_ENV = "INFERSCALE_ENCODER_CRASH_AFTER"  # tests: SIGKILL this worker after that many facts are stored
+
+
+class EncodeWorker:
+    def __init__(self, settings: dict[str, Any], redis_url: str, admin_key: str, tenant_id: str, window: int) -> None:
+        self._settings = Settings(**settings)
+        self._loaded = load_model(self._settings.model)
+        self._forward = HFKVForward(self._loaded)
+        self._frame = build_frame(self._loaded.tokenizer, self._settings.system_prompt)
+        self._encoder = TokenizerEncoder(self._loaded.tokenizer)
+        service = connect_service(redis_url, Path(self._settings.state_dir), MiniLMEmbedder(), self._settings.tenants)
+        self._tenant = service.tenant_for_admin(admin_key, tenant_id)
+        self._window = window
+        self._limits = FactLimits(self._settings.encoding.max_fact_chars, self._settings.encoding.max_fact_tokens)
+        self._stored = 0
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        rows = [_plain(dict(zip(batch, values))) for values in zip(*batch.values())]
+        statuses: dict[str, tuple[str, str]] = {}
+        todo = []
+        for row in rows:
+            try:
+                existing = self._tenant.get_fact(row["fact_id"])
+            except TenantError:
+                existing = None
+            if existing is not None and existing.kv_ready:
+                statuses[row["fact_id"]] = ("skipped", "")
+            else:
+                todo.append(row)
+        for row, record in self._encode(todo, statuses):
+            statuses[row["fact_id"]] = self._store(row, record)
+        return {"fact_id": [r["fact_id"] for r in rows], "status": [statuses[r["fact_id"]][0] for r in rows],
+                "error": [statuses[r["fact_id"]][1] for r in rows]}
+
+    def _encode(self, rows: list[dict], statuses: dict[str, tuple[str, str]]):
+        """(row, record) per fact that encodes; the others are marked failed with their reason."""
+        planned = []
+        for row in rows:
+            turns = [Turn(t["speaker"], t["text"], t["time"]) for t in row["context"]]
+            try:
+                job = plan_fact_jobs(turns, [Fact(row["fact_id"], row["text"], len(turns))], window=self._window,
+                                     prefix_ids=self._frame.prefix_ids, tokenizer=self._encoder, limits=self._limits)[0]
+                planned.append((row, job))
+            except KVCoreError as exc:
+                statuses[row["fact_id"]] = ("failed", str(exc))
+        if not planned:
+            return []
+        records = encode_jobs([job for _, job in planned], self._forward, self._loaded.spec, tenant_id=self._tenant.id,
+                              window=self._window, dtype=self._loaded.dtype,
+                              max_batch_tokens=self._settings.encoding.max_batch_tokens)
+        return [(row, record) for (row, _), record in zip(planned, records)]
+
+    def _store(self, row: dict, record) -> tuple[str, str]:
+        try:
+            try:
+                self._tenant.add_fact(row["text"], fact_id=row["fact_id"], source_turn=row["anchor"], kv=record)
+                status = "encoded"
+            except FactExistsError:  # stored by an earlier run without its K/V: attach it
+                fact = self._tenant.get_fact(row["fact_id"])
+                self._tenant.attach_kv(fact.id, fact.version, record)
+                status = "encoded"
+        except TenantError as exc:
+            return "failed", str(exc)
+        self._stored += 1
+        if os.environ.get(CRASH_ENV) and self._stored >= int(os.environ[CRASH_ENV]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return status, ""
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """Ray Data hands columns over as numpy arrays: back to Python values."""
+    return {"fact_id": str(row["fact_id"]), "text": str(row["text"]), "anchor": int(row["anchor"]),
+            "context": [{"speaker": str(t["speaker"]), "text": str(t["text"]), "time": None if t["time"] is None else str(t["time"])}
+                        for t in row["context"]]}

@@ -1,0 +1,45 @@
+"""A local Ray, a redis-server and a tenant for the encoder-job tests (real model, real Ray, real Redis)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cluster.redis_server import LocalRedis
+from config.settings import Settings
+from models.minilm import MiniLMEmbedder
+from tenants.connect import connect_service
+
+
+@pytest.fixture(scope="session")
+def ray_local(tmp_path_factory):
+    for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                       "RAY_AUTH_MODE": "disabled"}.items():
+        os.environ.setdefault(key, value)
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def job_redis(tmp_path_factory):
+    server = LocalRedis(tmp_path_factory.mktemp("job-redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def job_env(job_redis, tmp_path):
+    """Settings on a fresh state folder, the admin key and a tenant with window 2."""
+    import redis
+
+    redis.Redis.from_url(job_redis.url).flushall()
+    settings = Settings(state_dir=tmp_path / "state")
+    service = connect_service(job_redis.url, settings.state_dir, MiniLMEmbedder(), settings.tenants)
+    admin = service.ensure_admin_key()
+    service.create_tenant(admin, "maya", window=2)
+    return settings, service, admin
