@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     encode.add_argument("--batch-size", type=int, default=16, help="facts per actor call")
     encode.add_argument("--submit", metavar="DASHBOARD_URL", default=None,
                         help="submit through the Ray Jobs API of an existing cluster instead of running here")
+    jobs = sub.add_parser("job", help="status or stop of a submitted encoding job")
+    jobs.add_argument("action", choices=["status", "stop"])
+    jobs.add_argument("job_id")
+    jobs.add_argument("--submit", metavar="DASHBOARD_URL", required=True, help="the cluster's Ray Jobs API")
     tenants = sub.add_parser("tenant", help="create a tenant (prints its API key once)")
     tenants.add_argument("name")
     tenants.add_argument("--window", type=int, default=5)
@@ -54,10 +58,11 @@ def main(argv: list[str] | None = None) -> int:
 
             run_demo(settings, max_new_tokens=args.max_new_tokens, out=sys.stdout)
             return 0
-        if args.command in ("encode", "tenant"):
-            from cluster.jobs_cli import run_encode, run_tenant_create
+        if args.command in ("encode", "tenant", "job"):
+            from cluster.jobs_cli import run_encode, run_job_action, run_tenant_create
 
-            return run_encode(settings, args) if args.command == "encode" else run_tenant_create(settings, args)
+            handler = {"encode": run_encode, "tenant": run_tenant_create, "job": run_job_action}[args.command]
+            return handler(settings, args)
     except (KVCoreError, FileNotFoundError, JobInputError, TenantError, ValueError) as exc:
         print(f"inferscale: error: {exc}", file=sys.stderr)
         return 2

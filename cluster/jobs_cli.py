@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -91,7 +92,15 @@ def _submit(args: argparse.Namespace) -> int:
         command += ["--window", str(args.window)]
     env = {k: v for k, v in os.environ.items() if k.startswith("INFERSCALE_")}
     client = JobSubmissionClient(args.submit)
-    job_id = client.submit_job(entrypoint=" ".join(command), runtime_env={"working_dir": str(folder), "env_vars": env})
+    deadline = time.monotonic() + 120
+    while True:  # a head that just started has no job agent for a few seconds
+        try:
+            job_id = client.submit_job(entrypoint=" ".join(command), runtime_env={"working_dir": str(folder), "env_vars": env})
+            break
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
     print(f"submitted {job_id}", file=sys.stderr)
     import asyncio
 
@@ -103,3 +112,17 @@ def _submit(args: argparse.Namespace) -> int:
     status = client.get_job_status(job_id)
     print(json.dumps({"job_id": job_id, "status": str(status)}))
     return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+def run_job_action(settings: Settings, args: argparse.Namespace) -> int:
+    """`inferscale job status|stop JOB_ID --submit URL`."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(args.submit)
+    if args.action == "stop":
+        stopped = client.stop_job(args.job_id)
+        print(json.dumps({"job_id": args.job_id, "stopped": bool(stopped)}))
+        return 0
+    info = client.get_job_info(args.job_id)
+    print(json.dumps({"job_id": args.job_id, "status": str(info.status), "message": info.message}))
+    return 0

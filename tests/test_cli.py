@@ -58,3 +58,63 @@ def test_tenant_then_encode_on_the_embedded_default(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert (report["total"], report["encoded"], report["failed"]) == (4, 4, 0) and "encoding [" in done.stderr
+
+
+@pytest.mark.model
+@pytest.mark.redis
+def test_encode_submits_through_the_ray_jobs_api(tmp_path):
+    """`--submit` sends the job to a running Ray cluster (`ray start --head`) and follows it to the end."""
+    import json
+    import os
+    import socket
+    from pathlib import Path
+
+    from tests.encoder_jobs.test_job import write_input
+
+    def free_port():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    venv_bin = str(Path(sys.executable).parent)
+    env = {**os.environ, "INFERSCALE_STATE_DIR": str(tmp_path / "state"), "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "PATH": venv_bin + os.pathsep + os.environ["PATH"]}
+    env.pop("INFERSCALE_ADMIN_KEY", None)
+    env.pop("RAY_ADDRESS", None)
+    created = subprocess.run([sys.executable, "-m", "cluster.cli", "tenant", "maya", "--window", "1"], env=env,
+                             capture_output=True, text=True, timeout=300, check=True)
+    env["INFERSCALE_ADMIN_KEY"] = re.search(r"admin key .*: (isa\.\S+)", created.stderr).group(1)
+    port, dashboard = free_port(), free_port()
+    import tempfile
+
+    ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix sockets must fit 107 characters
+    ray = [os.path.join(venv_bin, "ray")]
+    subprocess.run(ray + ["start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=true",
+                          f"--dashboard-port={dashboard}", "--num-cpus=2", f"--temp-dir={ray_dir}"],
+                   env=env, capture_output=True, text=True, timeout=180, check=True)
+    try:
+        url = f"http://127.0.0.1:{dashboard}"
+        done = subprocess.run([sys.executable, "-m", "cluster.cli", "encode", "--tenant", "maya", "--input",
+                               str(write_input(tmp_path / "in.json")), "--submit", url],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result["status"] == "SUCCEEDED" and '"encoded": 4' in done.stderr
+        status = subprocess.run([sys.executable, "-m", "cluster.cli", "job", "status", result["job_id"], "--submit", url],
+                                env=env, capture_output=True, text=True, timeout=120, check=True)
+        assert json.loads(status.stdout)["status"] == "SUCCEEDED"
+    finally:
+        _kill_processes_mentioning(ray_dir)  # only this head: `ray stop` would stop every Ray here
+
+
+def _kill_processes_mentioning(marker: str) -> None:
+    import os
+
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.pid != os.getpid() and any(marker in part for part in proc.info["cmdline"] or []):
+                proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
