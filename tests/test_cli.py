@@ -90,7 +90,11 @@ def test_encode_submits_through_the_ray_jobs_api(tmp_path):
     ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix sockets must fit 107 characters
     ray = [os.path.join(venv_bin, "ray")]
     subprocess.run(ray + ["start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=true",
-                          f"--dashboard-port={dashboard}", "--num-cpus=2", f"--temp-dir={ray_dir}"],
+                          f"--dashboard-port={dashboard}", "--num-cpus=2", f"--temp-dir={ray_dir}",
+                          # its own agent ports: another Ray of this test session already holds the defaults
+                          f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                          f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+                          f"--ray-client-server-port={free_port()}"],
                    env=env, capture_output=True, text=True, timeout=180, check=True)
     try:
         url = f"http://127.0.0.1:{dashboard}"
