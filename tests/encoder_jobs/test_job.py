@@ -95,3 +95,21 @@ def test_a_malformed_file_writes_nothing(job_env, tmp_path):
     with pytest.raises(JobInputError, match="facts\\[0\\].turn"):
         run(job_env, tmp_path / "bad.json")
     assert service.meta.fact_ids("maya") == [] and service.records.record_ids("maya") == []
+
+
+def test_a_locomo_conversation_goes_through_extraction_with_the_model(ray_local, job_env, tmp_path):
+    """The real model extracts (modestly, at 135M); whatever it adds is stored, encoded and counted once."""
+    settings, service, admin = job_env
+    tenant = service.tenant_for_admin(admin, "maya")
+    tenant.add_fact("Maya lives in Porto.")  # something for the ADD/UPDATE/DELETE/NOOP step to compare with
+    sessions = {f"session_{n + 1}": [{"speaker": s, "dia_id": f"D{n + 1}:{i}", "text": t} for i, (s, t) in enumerate(session)]
+                for n, session in enumerate(SESSIONS[:2])}
+    path = tmp_path / "locomo.json"
+    path.write_text(json.dumps({"conversation": {"speaker_a": "Maya", "speaker_b": "Sam", **sessions}}))
+    report = run(job_env, path)
+    assert report.failed == 0 and report.encoded + report.skipped == report.total
+    facts = tenant.list_facts()
+    assert len(facts) == 1 + report.encoded - report.deleted
+    assert all(f.kv_ready for f in facts if f.id.startswith("ej-"))
+    again = run(job_env, path)  # greedy extraction repeats itself: nothing new is encoded
+    assert again.encoded == 0 and len(tenant.list_facts()) == len(facts)
