@@ -1,0 +1,90 @@
+"""Chunk summaries: the q·k bound holds wherever a fact is placed; LeoAM's and a fixed-position Quest box do not."""
+
+import pytest
+import torch
+
+from kvcore.rope import RopeConfig, rotate
+from kvcore.summaries import adaptive_spans, exact_max_scores, summarize, upper_bound
+
+ROPES = [
+    RopeConfig(head_dim=64, theta=100000.0),  # SmolLM2
+    RopeConfig(head_dim=128, theta=500000.0, rope_type="llama3", factor=8.0, original_max_position=8192),
+    RopeConfig(head_dim=32, theta=10000.0, style="gptj", rotary_dim=16),  # partial, interleaved
+]
+
+
+def sample(rope, seed, layers=4, heads=4, tokens=32):
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.rand(rope.head_dim, generator=gen) * 3  # uneven channels, as real keys have
+    keys = torch.randn(layers, heads, tokens, rope.head_dim, generator=gen) * scale + torch.randn(rope.head_dim, generator=gen)
+    return keys, gen
+
+
+def norm_only(summaries, query, rope):
+    """The placement-free bound from pair norms alone (plus the box of non-rotated channels)."""
+    from kvcore.summaries import pair_index
+
+    first, second = pair_index(rope)
+    q_norm = torch.sqrt(query[..., first] ** 2 + query[..., second] ** 2)
+    rest = torch.arange(rope.dim, rope.head_dim)
+    box = torch.maximum(query[..., rest] * summaries.low[..., rest], query[..., rest] * summaries.high[..., rest]).sum(-1)
+    return (q_norm * summaries.norms).sum(-1) + box
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=["smollm2", "llama31", "gptj-partial"])
+def test_the_bound_holds_over_a_million_samples(rope):
+    """Random facts, chunkings, queries, placements and query positions: zero violations in >= 10^6 checks."""
+    key_scores = violations = 0
+    tightness = []
+    for seed in range(40):
+        keys, gen = sample(rope, seed)
+        spans = adaptive_spans(torch.rand(keys.shape[2], generator=gen), min_size=2, max_size=8)
+        summaries = summarize(keys, spans, rope)
+        for trial in range(64):
+            query = torch.randn(keys.shape[0], keys.shape[1], rope.head_dim, generator=gen) * 2
+            start = int(torch.randint(0, 60000, (1,), generator=gen))
+            position = start + keys.shape[2] + int(torch.randint(0, 4000, (1,), generator=gen))
+            bound = upper_bound(summaries, query, position, start, rope)
+            exact = exact_max_scores(keys, spans, query, position, start, rope)  # each chunk's best key
+            key_scores += keys.shape[0] * keys.shape[1] * keys.shape[2]  # every key is under its chunk's max
+            violations += int((exact > bound + 1e-3 * (1 + exact.abs())).sum())
+            tightness.append(float((bound - exact).mean() / (norm_only(summaries, query, rope) - exact).mean()))
+    assert key_scores >= 10**6 and violations == 0
+    assert max(tightness) <= 1 + 1e-4 and sum(tightness) / len(tightness) < 0.995  # tighter than norms alone
+
+
+def test_position_free_alternatives_are_not_bounds():
+    rope = ROPES[0]
+    keys, gen = sample(rope, 99)
+    spans = [(j, j + 1) for j in range(32)]  # one-token chunks: a box is the key itself, so nothing hides the error
+    summaries = summarize(keys, spans, rope)
+    leoam = quest = 0
+    for _ in range(200):
+        query = torch.randn(4, 4, rope.head_dim, generator=gen)
+        start, position = int(torch.randint(0, 5000, (1,), generator=gen)), 6000
+        exact = exact_max_scores(keys, spans, query, position, start, rope)
+        # LeoAM: element-wise q * max over the chunk, summed (mixed-sign queries break it)
+        leoam += int((exact > (query[None] * summaries.high).sum(-1) + 1e-4).sum())
+        # Quest's box (keys at their encoded offsets) with the query at its absolute position: the fact moved
+        q_absolute = rotate(query[..., None, :], torch.tensor([position]), rope)[..., 0, :]
+        quest_bound = torch.maximum(q_absolute * summaries.low, q_absolute * summaries.high).sum(-1)
+        quest += int((exact > quest_bound + 1e-4).sum())
+    assert leoam > 0 and quest > 0
+
+
+def test_adaptive_spans_cover_the_fact_and_refine_where_importance_is():
+    importance = torch.zeros(64)
+    importance[40:44] = 10.0
+    spans = adaptive_spans(importance, min_size=2, max_size=16)
+    assert spans[0][0] == 0 and spans[-1][1] == 64 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    size_at = {t: e - s for s, e in spans for t in range(s, e)}
+    assert size_at[41] <= 2 and size_at[5] == 16
+
+
+def test_summaries_are_small_and_refuse_bad_spans():
+    rope = ROPES[0]
+    keys, _ = sample(rope, 1)
+    summaries = summarize(keys, [(0, 16), (16, 32)], rope)
+    assert summaries.nbytes < keys.numel() * 4 / 4  # under a quarter of the keys they stand for
+    with pytest.raises(ValueError, match="outside"):
+        summarize(keys, [(30, 40)], rope)
