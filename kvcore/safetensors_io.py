@@ -26,6 +26,7 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.int64: "I64",
     torch.int32: "I32",
     torch.uint8: "U8",
+    torch.int8: "I8",
 }
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 64 * 1024 * 1024

@@ -1,0 +1,270 @@
+"""Fact K/V across three tiers of one replica: device memory, (pinned) host memory and disk.
+
+Every entry lives in exactly one tier. `put` places it as high as its budget allows, spilling the
+entries that score lowest (recency, frequency, importance) one tier down; the lower tiers keep int8
+codes (`compress_lower`) and the disk keeps layer-contiguous files, so one layer is read on its own.
+Loads are two-phase: `begin_load` pins the entry (nothing evicts or moves it) and hands out a reader
+of one layer at a time, on the device, so a connector can fetch layer l while layer l-1 computes;
+`end_load` unpins it and may promote it. `on_move(key, tier)` reports every placement (the tenants
+layer records it in Redis); `TieredStore` reopened on the same folder finds its disk entries again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+
+from kvcore.conversation import check_identifier
+from kvcore.quantize import Quantized, dequantize, quantize
+from kvcore.safetensors_io import read_header, read_tensor, write_atomic
+
+log = logging.getLogger(__name__)
+Tier = Literal["gpu", "cpu", "disk"]
+ORDER: tuple[Tier, ...] = ("gpu", "cpu", "disk")
+Key = tuple[str, str]  # (tenant id, record id)
+
+
+@dataclass
+class _Entry:
+    tier: Tier
+    data: object  # (k, v) tensors, (Quantized, Quantized), or a Path on disk
+    nbytes: int
+    layers: int
+    dtype: torch.dtype
+    importance: float = 0.0
+    hits: int = 0
+    last_use: float = 0.0
+    loading: int = 0
+
+
+class LayerReader:
+    """One pinned entry's K/V, a layer at a time, on the store's device."""
+
+    def __init__(self, store: "TieredStore", key: Key, entry: _Entry) -> None:
+        self._store, self.key, self._entry = store, key, entry
+        self.tier, self.layers = entry.tier, entry.layers
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[H, T, D]` of one layer, in the entry's original dtype, on the device."""
+        entry, device = self._entry, self._store.device
+        if entry.tier == "disk":
+            k, v = _read_layer(entry.data, index)
+        else:
+            k, v = entry.data
+            k, v = (k.layer(index), v.layer(index)) if isinstance(k, Quantized) else (k[index], v[index])
+        if isinstance(k, Quantized):
+            k, v = k.to(device, non_blocking=True), v.to(device, non_blocking=True)
+            return dequantize(k, entry.dtype), dequantize(v, entry.dtype)
+        return k.to(device, non_blocking=True), v.to(device, non_blocking=True)
+
+
+class TieredStore:
+    def __init__(self, device: torch.device | str, gpu_bytes: int, cpu_bytes: int, disk_dir: Path, *,
+                 compress_lower: bool = True, age_scale_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 on_move: Callable[[Key, Tier], None] = lambda key, tier: None) -> None:
+        self.device = torch.device(device)
+        self._budget = {"gpu": gpu_bytes, "cpu": cpu_bytes, "disk": math.inf}
+        self._used = {"gpu": 0, "cpu": 0, "disk": 0}
+        self._dir = Path(disk_dir)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._compress, self._age, self._clock, self._on_move = compress_lower, age_scale_s, clock, on_move
+        self._entries: dict[Key, _Entry] = {}
+        self._recover()
+
+    # ---- queries ----
+    def tier_of(self, key: Key) -> Tier | None:
+        entry = self._entries.get(key)
+        return entry.tier if entry else None
+
+    def used(self, tier: Tier) -> int:
+        return self._used[tier]
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._entries
+
+    # ---- writes ----
+    def put(self, key: Key, k: torch.Tensor, v: torch.Tensor, importance: float = 0.0) -> Tier:
+        """Store a fact's K/V `[L, H, T, D]` as high as room can be made; return where it went."""
+        _check_key(key)
+        if key in self._entries:
+            self.remove(key)
+        entry = _Entry("disk", None, 0, k.shape[0], k.dtype, importance, 0, self._clock())
+        self._entries[key] = entry
+        entry.loading += 1  # protected while it finds its place
+        try:
+            for tier in ORDER:
+                data, nbytes = self._encode(key, k, v, tier)
+                if tier == "disk" or self._make_room(tier, nbytes, keep=key):
+                    self._place(key, entry, tier, data, nbytes)
+                    return tier
+        finally:
+            entry.loading -= 1
+        raise AssertionError("unreachable: the disk tier always has room")
+
+    def remove(self, key: Key) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        if entry.loading:
+            self._entries[key] = entry
+            raise RuntimeError(f"{key} is being loaded and cannot be removed")
+        self._release(entry)
+
+    def touch(self, key: Key, importance: float | None = None) -> None:
+        """A retrieval hit: raises the entry's recency and frequency (and importance, if higher)."""
+        entry = self._entries[key]
+        entry.hits += 1
+        entry.last_use = self._clock()
+        if importance is not None:
+            entry.importance = max(entry.importance, importance)
+
+    # ---- two-phase loads ----
+    def begin_load(self, key: Key) -> LayerReader:
+        entry = self._entries[key]
+        entry.loading += 1
+        self.touch(key)
+        return LayerReader(self, key, entry)
+
+    def end_load(self, reader: LayerReader, promote: bool = True) -> None:
+        entry = self._entries.get(reader.key)
+        if entry is None:
+            return
+        entry.loading -= 1
+        if promote and entry.loading == 0 and entry.tier != "gpu":
+            self.promote(reader.key)
+
+    def promote(self, key: Key) -> Tier:
+        """Move an entry to the highest tier above it where room can be made by spilling lower-scoring entries."""
+        entry = self._entries[key]
+        if entry.tier == "gpu" or entry.loading:
+            return entry.tier
+        k, v = self._decode(entry)
+        entry.loading += 1
+        try:
+            for up in ORDER[: ORDER.index(entry.tier)]:
+                data, nbytes = self._encode(key, k, v, up)
+                if self._make_room(up, nbytes, keep=key):
+                    old = (entry.tier, entry.data, entry.nbytes)
+                    self._place(key, entry, up, data, nbytes)
+                    self._free(*old)
+                    break
+        finally:
+            entry.loading -= 1
+        return entry.tier
+
+    # ---- internals ----
+    def _score(self, entry: _Entry) -> float:
+        return entry.importance + math.log1p(entry.hits) - (self._clock() - entry.last_use) / self._age
+
+    def _make_room(self, tier: Tier, nbytes: int, keep: Key) -> bool:
+        if nbytes > self._budget[tier]:
+            return False
+        while self._used[tier] + nbytes > self._budget[tier]:
+            movable = [(self._score(e), key) for key, e in self._entries.items()
+                       if e.tier == tier and not e.loading and key != keep and e.data is not None]
+            if not movable:
+                return False
+            _, victim = min(movable)
+            self._demote(victim)
+        return True
+
+    def _demote(self, key: Key) -> None:
+        entry = self._entries[key]
+        down = ORDER[ORDER.index(entry.tier) + 1]
+        k, v = self._decode(entry)
+        data, nbytes = self._encode(key, k, v, down)
+        entry.loading += 1
+        try:
+            if down != "disk" and not self._make_room(down, nbytes, keep=key):
+                down = "disk"
+                data, nbytes = self._encode(key, k, v, down)
+            old = (entry.tier, entry.data, entry.nbytes)
+            self._place(key, entry, down, data, nbytes)
+            self._free(*old)
+        finally:
+            entry.loading -= 1
+
+    def _place(self, key: Key, entry: _Entry, tier: Tier, data: object, nbytes: int) -> None:
+        entry.tier, entry.data, entry.nbytes = tier, data, nbytes
+        self._used[tier] += nbytes
+        self._on_move(key, tier)
+
+    def _free(self, tier: Tier, data: object, nbytes: int) -> None:
+        self._used[tier] -= nbytes
+        if tier == "disk" and isinstance(data, Path):
+            data.unlink(missing_ok=True)
+
+    def _release(self, entry: _Entry) -> None:
+        self._free(entry.tier, entry.data, entry.nbytes)
+
+    def _encode(self, key: Key, k: torch.Tensor, v: torch.Tensor, tier: Tier) -> tuple[object, int]:
+        if tier == "gpu":
+            k, v = k.to(self.device), v.to(self.device)
+            return (k, v), _nbytes(k) + _nbytes(v)
+        packed = (quantize(k), quantize(v)) if self._compress else (k.cpu(), v.cpu())
+        if tier == "cpu":
+            if self.device.type == "cuda":
+                packed = tuple(_pin(x) for x in packed)
+            return packed, sum(_nbytes(x) for x in packed)
+        path = self._dir / f"{key[0]}__{key[1]}.kv"
+        tensors: dict[str, torch.Tensor] = {}
+        for layer in range(k.shape[0]):
+            for name, x in zip("kv", packed):
+                if isinstance(x, Quantized):
+                    tensors[f"{name}.{layer:03d}.codes"], tensors[f"{name}.{layer:03d}.scales"] = x.codes[layer], x.scales[layer]
+                else:
+                    tensors[f"{name}.{layer:03d}"] = x[layer].contiguous()
+        write_atomic(path, tensors, {"tenant": key[0], "record": key[1], "layers": str(k.shape[0]),
+                                     "dtype": str(k.dtype).split(".")[-1], "quantized": str(self._compress)})
+        return path, path.stat().st_size
+
+    def _decode(self, entry: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
+        if entry.tier == "disk":
+            layers = [_read_layer(entry.data, i) for i in range(entry.layers)]
+            ks, vs = zip(*layers)
+            if isinstance(ks[0], Quantized):
+                return (torch.stack([dequantize(x, entry.dtype) for x in ks]), torch.stack([dequantize(x, entry.dtype) for x in vs]))
+            return torch.stack(ks), torch.stack(vs)
+        k, v = entry.data
+        if isinstance(k, Quantized):
+            return dequantize(k, entry.dtype), dequantize(v, entry.dtype)
+        return k, v
+
+    def _recover(self) -> None:
+        """Entries a previous store left on disk are this store's disk tier."""
+        for path in sorted(self._dir.glob("*.kv")):
+            with open(path, "rb") as handle:
+                meta = read_header(handle, path)[0].get("__metadata__", {})
+            key = (meta.get("tenant", ""), meta.get("record", ""))
+            dtype = getattr(torch, meta.get("dtype", "float32"))
+            self._entries[key] = _Entry("disk", path, path.stat().st_size, int(meta.get("layers", 0)), dtype,
+                                        last_use=self._clock())
+            self._used["disk"] += path.stat().st_size
+
+
+def _read_layer(path: Path, index: int):
+    with open(path, "rb") as handle:
+        header, start = read_header(handle, path)
+        if f"k.{index:03d}.codes" in header:
+            return tuple(Quantized(read_tensor(handle, path, header, start, f"{n}.{index:03d}.codes")[0],
+                                   read_tensor(handle, path, header, start, f"{n}.{index:03d}.scales")[0]) for n in "kv")
+        return tuple(read_tensor(handle, path, header, start, f"{n}.{index:03d}")[0] for n in "kv")
+
+
+def _check_key(key: Key) -> None:
+    check_identifier("tenant id", key[0])
+    check_identifier("record id", key[1])
+
+
+def _nbytes(x: object) -> int:
+    return x.nbytes if isinstance(x, Quantized) else x.numel() * x.element_size()
+
+
+def _pin(x: object) -> object:
+    return Quantized(x.codes.pin_memory(), x.scales.pin_memory()) if isinstance(x, Quantized) else x.pin_memory()

@@ -1,0 +1,98 @@
+"""The three-tier store: round trips per tier, int8 error bound, spill order, protected loads, recovery."""
+
+import pytest
+import torch
+
+from kvcore.quantize import dequantize, quantize
+from kvcore.tiers import TieredStore
+
+L, H, T, D = 3, 2, 6, 8
+ENTRY = L * H * T * D * 4 * 2  # float32 K and V of one fact
+
+
+def kv(seed):
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.rand(D, generator=gen) * 5
+    return torch.randn(L, H, T, D, generator=gen) * scale, torch.randn(L, H, T, D, generator=gen)
+
+
+def read_all(store, key):
+    reader = store.begin_load(key)
+    layers = [reader.layer(i) for i in range(reader.layers)]
+    store.end_load(reader, promote=False)
+    return torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_int8_codes_stay_within_half_a_step_per_channel():
+    k = torch.randn(L, H, 30, D) * torch.rand(D) * 5  # a fact of 30 tokens
+    q = quantize(k)
+    assert q.codes.dtype == torch.int8 and q.nbytes < k.numel() * 4 / 3  # scales included
+    assert ((dequantize(q) - k).abs() <= q.scales / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["full", "int8"])
+def test_every_tier_gives_back_what_was_stored(tmp_path, compress):
+    moves = []
+    one_on_cpu = 2 * quantize(kv(0)[0]).nbytes if compress else ENTRY
+    store = TieredStore("cpu", ENTRY, one_on_cpu, tmp_path, compress_lower=compress,
+                        on_move=lambda key, tier: moves.append((key[1], tier)))
+    originals = {f"f{i}": kv(i) for i in range(3)}
+    for name, (k, v) in originals.items():
+        store.put(("t", name), k, v)
+    assert [store.tier_of(("t", n)) for n in originals] == ["disk", "cpu", "gpu"]  # older ones spilled down
+    assert moves[:2] == [("f0", "gpu"), ("f0", "cpu")] and ("f0", "disk") in moves
+    for name, (k, v) in originals.items():
+        got_k, got_v = read_all(store, ("t", name))
+        tier = store.tier_of(("t", name))
+        if tier == "gpu" or not compress:
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)  # bit-exact at full precision
+        else:
+            assert torch.allclose(got_k, k, atol=float(quantize(k).scales.max()) / 2 + 1e-6)
+
+
+def test_the_lowest_scoring_entry_spills_first(tmp_path):
+    clock = Clock()
+    store = TieredStore("cpu", 2 * ENTRY, 10 * ENTRY, tmp_path, compress_lower=False, clock=clock)
+    store.put(("t", "old"), *kv(1))
+    clock.now = 100
+    store.put(("t", "hot"), *kv(2))
+    for _ in range(5):
+        store.touch(("t", "old"), importance=2.0)  # old but retrieved often and strongly
+    clock.now = 110
+    store.put(("t", "new"), *kv(3))
+    assert store.tier_of(("t", "old")) == "gpu" and store.tier_of(("t", "hot")) == "cpu"
+
+
+def test_an_entry_being_loaded_is_never_evicted(tmp_path):
+    store = TieredStore("cpu", ENTRY, ENTRY, tmp_path, compress_lower=False)
+    store.put(("t", "a"), *kv(1))
+    reader = store.begin_load(("t", "a"))
+    assert store.put(("t", "b"), *kv(2)) == "cpu"  # no room made by moving a: b goes below
+    assert store.tier_of(("t", "a")) == "gpu" and torch.equal(reader.layer(2)[0], kv(1)[0][2])
+    with pytest.raises(RuntimeError, match="being loaded"):
+        store.remove(("t", "a"))
+    store.end_load(reader)
+    store.put(("t", "c"), *kv(3))
+    assert store.tier_of(("t", "a")) in ("cpu", "disk")  # free to move once loaded
+
+
+def test_promotion_after_a_load_and_recovery_of_the_disk_tier(tmp_path):
+    store = TieredStore("cpu", ENTRY, 0, tmp_path, compress_lower=True)
+    store.put(("t", "a"), *kv(1))
+    store.put(("t", "b"), *kv(2))
+    assert store.tier_of(("t", "a")) == "disk"
+    reader = store.begin_load(("t", "a"))
+    assert torch.allclose(reader.layer(1)[1], kv(1)[1][1], atol=0.05)  # one layer read on its own
+    store.end_load(reader)  # promoted: b spills to disk
+    assert store.tier_of(("t", "a")) == "gpu" and store.tier_of(("t", "b")) == "disk"
+    reopened = TieredStore("cpu", ENTRY, 0, tmp_path)
+    assert reopened.tier_of(("t", "b")) == "disk" and reopened.tier_of(("t", "a")) is None
+    assert torch.allclose(read_all(reopened, ("t", "b"))[0], kv(2)[0], atol=float(quantize(kv(2)[0]).scales.max()) / 2 + 1e-6)
