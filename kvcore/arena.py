@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -34,7 +34,7 @@ class DeviceArena:
     """A byte-bounded, paged pool of records' K/V on one device (allocated at the first insert)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, device: torch.device, capacity_bytes: int,
-                 page_tokens: int = 16) -> None:
+                 page_tokens: int = 16, on_evict: Callable[[Hashable, Hashable, torch.Tensor, torch.Tensor], None] | None = None) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.device, self.page_tokens = torch.device(device), page_tokens
         self._capacity_bytes = capacity_bytes
@@ -43,6 +43,7 @@ class DeviceArena:
         self._free: list[int] = []
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._step = 0
+        self._on_evict = on_evict  # (key, stamp, k, v [L, H, T, D]) of a record about to leave the arena
 
     @property
     def capacity_tokens(self) -> int:
@@ -111,6 +112,11 @@ class DeviceArena:
             victim = next((key for key, entry in self._entries.items() if entry.step != self._step), None)
             if victim is None:
                 raise ArenaFullError(f"device arena ({self.capacity_tokens} tokens) is full with this step's records")
+            if self._on_evict is not None:
+                entry = self._entries[victim]
+                index = torch.tensor(entry.rows, device=self.device)
+                self._on_evict(victim, entry.stamp, self.k.index_select(1, index).permute(0, 2, 1, 3),
+                               self.v.index_select(1, index).permute(0, 2, 1, 3))
             self._release(victim)
         taken, self._free = self._free[-count:][::-1], self._free[:-count]
         return taken

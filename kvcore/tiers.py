@@ -124,6 +124,10 @@ class TieredStore:
         if importance is not None:
             entry.importance = max(entry.importance, importance)
 
+    def read(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole entry `[L, H, T, D]` in its original dtype (dequantized), on the host or device it is on."""
+        return self._decode(self._entries[key])
+
     # ---- two-phase loads ----
     def begin_load(self, key: Key) -> LayerReader:
         entry = self._entries[key]

@@ -5,7 +5,9 @@ method is a one-line forward to `InjectionScheduler` (scheduler role) or `Inject
 role); version drift of vLLM stays in this file. Extra config (`kv_connector_extra_config`):
 `store_root` (a LocalFactStore directory), `fingerprint` (of the served model), `on_load_failure`
 (`recompute` or `fail`, mirrored in vLLM's `kv_load_failure_policy`), `device_cache_bytes` (the size of the
-worker's device arena of records).
+worker's device arena of records); with `disk_cache_dir` set, records evicted from the arena spill to
+pinned host memory (`host_cache_bytes`) and disk, int8 unless `compress_lower` is false, and stream back
+layer by layer.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvcore.paged import detect_layout
 from kvcore.plan import CapturePlan
 from kvcore.rope import RopeConfig
 from kvcore.store import LocalFactStore
+from kvcore.tiers import TieredStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,7 +73,12 @@ class InferscaleConnector(KVConnectorBase_V1):
             self._scheduler = InjectionScheduler(store, fingerprint, policy)
         else:
             rope = RopeConfig.from_hf_config(vllm_config.model_config.hf_config.to_dict())
-            self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", 1 << 30)))
+            tiers = None
+            if extra.get("disk_cache_dir"):  # lower tiers below the device arena (pinned host, then disk)
+                tiers = TieredStore(vllm_config.device_config.device, 0, int(extra.get("host_cache_bytes", 1 << 30)),
+                                    Path(extra["disk_cache_dir"]), compress_lower=bool(extra.get("compress_lower", True)))
+            self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", 1 << 30)),
+                                           tiers=tiers)
             self._capture = CaptureWorker(store, fingerprint, rope)
 
     # ---- scheduler side ----

