@@ -12,13 +12,13 @@ stay in HBM; a miss copies the exact version the scheduler checked), sends the s
 (arena row, position, cache slot) to the device in one copy and, for latency-sized steps, gathers and
 rotates every layer's keys with a handful of kernels; `load_layer` then writes that layer's K and V of
 all requests with one indexed copy, so a slower tier can later overlap with compute layer by layer.
-Large steps gather and rotate per layer in bounded chunks. Loads that fail are reported as block ids
-(`take_failed_blocks`), never silently skipped.
+Large steps gather and rotate per layer in bounded chunks. With lower tiers configured, the arena's
+evictions spill there and loads that need them are streamed layer by layer (`kvcore/streaming.py`).
+Loads that fail are reported as block ids (`take_failed_blocks`), never silently skipped.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 from array import array
@@ -34,7 +34,8 @@ from kvcore.plan import MemoryPlan
 from kvcore.record import FactKV
 from kvcore.rope import RopeConfig, RotationTable, rotate_into, table_dtype_of
 from kvcore.store import FactStore, Stamp
-from kvcore.tiers import LayerReader, TieredStore
+from kvcore.streaming import TierStreams
+from kvcore.tiers import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -179,29 +180,6 @@ class _Step:
         return self._where
 
 
-@dataclass
-class _StreamPart:
-    """One record of a streamed load: its arena rows, or a reader of the tier that holds it."""
-
-    record_id: str
-    stamp: Stamp
-    lo: int
-    hi: int
-    rows: torch.Tensor | None
-    reader: LayerReader | None
-
-
-@dataclass
-class _Stream:
-    """A load read from the lower tiers during the forward, one layer per `wait_for_layer_load`."""
-
-    tenant_id: str
-    parts: list[_StreamPart]
-    slots: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
 class InjectionWorker:
     """Worker-side loads into one engine's paged caches, from a device arena of hot records."""
 
@@ -219,8 +197,8 @@ class InjectionWorker:
         self._arena: DeviceArena | None = None
         self._table: RotationTable | None = None
         self._step: _Step | None = None
-        self._streams: list[_Stream] = []
         self._tiers = tiers  # lower tiers below the arena: evicted records spill there, and stream back
+        self._streams: TierStreams | None = None
         self._failed: set[int] = set()
 
     def register(self, caches: dict[str, torch.Tensor], layout: PagedLayout) -> None:
@@ -231,9 +209,11 @@ class InjectionWorker:
         self._joint = all(target.kv_rows is not None for target in self._targets.values())
         self._layout = layout
         first = caches[names[0]]
+        self._table = RotationTable(self._rope, first.device, table_dtype_of(first.dtype))
         self._arena = DeviceArena(len(names), layout.num_kv_heads, layout.head_dim, first.device, self._device_cache_bytes,
                                   on_evict=self._spill if self._tiers is not None else None)
-        self._table = RotationTable(self._rope, first.device, table_dtype_of(first.dtype))
+        if self._tiers is not None:
+            self._streams = TierStreams(self._tiers, self._arena, self._rope, layout, self._table)
 
     @property
     def layer_index(self) -> dict[str, int]:
@@ -241,7 +221,7 @@ class InjectionWorker:
 
     def start(self, loads: Sequence[LoadSpec]) -> None:
         """Index every valid load's tokens and (for small steps) rotate all layers at once."""
-        self._step, self._streams = None, []
+        self._step = None
         if not loads or self._arena is None:
             return
         self._arena.begin_step()
@@ -252,9 +232,7 @@ class InjectionWorker:
                 self._fail(load, load.reason)
                 continue
             try:
-                stream = self._stream_from_tiers(load)
-                if stream is not None:
-                    self._streams.append(stream)
+                if self._streams is not None and self._streams.begin(load, list(self._spans(load)), self._fetch):
                     continue
                 try:
                     arena_parts.append((self._arena_rows(load), load))
@@ -274,14 +252,15 @@ class InjectionWorker:
     def load_layer(self, layer_name: str) -> None:
         """Write this layer's rotated K and V of every staged token into the paged cache."""
         step = self._step
-        if step is None and not self._streams:
+        streaming = self._streams is not None and self._streams.active
+        if step is None and not streaming:
             return
         index = self._layer_of.get(layer_name)
         if index is None:
             return
         target = self._targets[layer_name]
-        for stream in self._streams:
-            self._write_stream(stream, index, target)
+        if streaming:
+            self._streams.write_layer(index, target)
         if step is None:
             return
         if step.joint is not None:
@@ -309,85 +288,12 @@ class InjectionWorker:
                 target.write(out, values[part], blocks[part], offsets[part])
 
     def finish_step(self) -> None:
-        """End the step's tier loads and bring what they read into the arena (spilling colder records)."""
         self._step = None
-        streams, self._streams = self._streams, []
-        for stream in streams:
-            for part in stream.parts:
-                if part.reader is not None:
-                    self._tiers.end_load(part.reader, promote=False)
-        for stream in streams:
-            for part in stream.parts:
-                if part.reader is not None and part.reader.key in self._tiers:
-                    self._promote(part)
-
-    def _stream_from_tiers(self, load: LoadSpec) -> "_Stream | None":
-        """A load that needs a record held only in the lower tiers is read from there, layer by layer."""
-        if self._tiers is None:
-            return None
-        tenant = load.plan.tenant_id
-        spans = list(self._spans(load))
-        resident = [self._arena.rows((tenant, record_id), stamp) for record_id, stamp, _, _ in spans]
-        if not any(rows is None and _tier_key(tenant, r, st) in self._tiers for rows, (r, st, _, _) in zip(resident, spans)):
-            return None  # nothing of it in the lower tiers: the arena path takes it
-        parts: list[_StreamPart] = []
-        try:
-            for rows, (record_id, stamp, lo, hi) in zip(resident, spans):
-                if rows is not None:
-                    parts.append(_StreamPart(record_id, stamp, lo, hi, torch.tensor(rows[lo:hi], device=self._arena.device), None))
-                    continue
-                key = _tier_key(tenant, record_id, stamp)
-                if key not in self._tiers:  # neither here nor there: it joins the load through the tiers
-                    record = self._fetch(tenant, record_id, stamp, hi)
-                    self._tiers.put(key, record.k, record.v)
-                parts.append(_StreamPart(record_id, stamp, lo, hi, None, self._tiers.begin_load(key)))
-        except BaseException:
-            for part in parts:  # unpin what this load had pinned
-                if part.reader is not None:
-                    self._tiers.end_load(part.reader, promote=False)
-            raise
-        device = self._arena.device
-        positions = torch.arange(load.begin, load.end, device=device)
-        slots = slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size).to(device)
-        self._table.reserve(load.end)
-        cos, sin = self._table.lookup(positions)
-        return _Stream(load.plan.tenant_id, parts, slots, cos[:, None], sin[:, None])
-
-    def _write_stream(self, stream: "_Stream", index: int, target: CacheTarget) -> None:
-        keys, values = [], []
-        for part in stream.parts:
-            if part.reader is not None:  # from the host or disk tier: this layer only, on the device
-                k, v = part.reader.layer(index)
-                keys.append(k[:, part.lo : part.hi].transpose(0, 1))
-                values.append(v[:, part.lo : part.hi].transpose(0, 1))
-            else:
-                keys.append(self._arena.k[index].index_select(0, part.rows))
-                values.append(self._arena.v[index].index_select(0, part.rows))
-        keys, values = _cat(keys, dim=0), _cat(values, dim=0)
-        dim = keys.shape[-1]
-        if target.kv_rows is not None:
-            joint = torch.empty(*keys.shape[:-1], 2 * dim, dtype=target.kv_rows.dtype, device=keys.device)
-            rotate_into(joint[..., :dim], keys, stream.cos, stream.sin, self._rope)
-            joint[..., dim:] = values
-            target.kv_rows.index_copy_(0, stream.slots, joint)
-        else:
-            rotated = torch.empty_like(keys, dtype=target.k_view.dtype)
-            rotate_into(rotated, keys, stream.cos, stream.sin, self._rope)
-            target.write(rotated, values, *self._layout.split(stream.slots))
-
-    def _promote(self, part: "_StreamPart") -> None:
-        key = part.reader.key
-        tenant = key[0]
-        k, v = self._tiers.read(key)
-        try:
-            self._arena.insert((tenant, part.record_id), part.stamp, k, v)
-        except ArenaFullError:
-            return
-        self._tiers.remove(key)
+        if self._streams is not None:
+            self._streams.finish()
 
     def _spill(self, key: tuple[str, str], stamp: Stamp, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A record leaving the arena goes to the lower tiers rather than away."""
-        self._tiers.put(_tier_key(key[0], key[1], stamp), k.to("cpu"), v.to("cpu"))
+        self._streams.spill(key, stamp, k, v)
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -484,12 +390,6 @@ class InjectionWorker:
         blocks = set(load.block_ids[first : last + 1])
         log.warning("request %s: injection failed (%s); %d blocks reported", load.request_id, reason, len(blocks))
         self._failed |= blocks
-
-
-def _tier_key(tenant_id: str, record_id: str, stamp: Stamp) -> tuple[str, str]:
-    """A tier entry names the exact record version (its stamp), so a rewritten fact is never served stale."""
-    digest = hashlib.sha1(repr(stamp).encode()).hexdigest()[:12]
-    return tenant_id, f"{record_id[:100]}.{digest}"
 
 
 def _long_tensor(values: list[int]) -> torch.Tensor:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvcore.compose import compose
-from kvcore.injection import InjectionScheduler, InjectionWorker, _tier_key
+from kvcore.injection import InjectionScheduler, InjectionWorker
+from kvcore.streaming import tier_key
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import MemoryPlan
 from kvcore.record import FactKV, save_record
@@ -239,7 +240,7 @@ def test_records_spilled_from_the_arena_stream_back_from_the_lower_tiers(store, 
     plan_pa, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
     run_step(store, layout, caches, [("r1", plan_pa, [0, 1])], worker=worker)
     run_step(store, layout, caches, [("r2", plan_b, [2])], worker=worker)  # evicts p: it spills
-    p_key = _tier_key("t1", "p", store.checked_infos("t1", ["p"])[0][0])
+    p_key = tier_key("t1", "p", store.checked_infos("t1", ["p"])[0][0])
     assert p_key in tiers and tiers.tier_of(p_key) in ("cpu", "disk")
     run_step(store, layout, caches, [("r3", plan_pa, [5, 6])], worker=worker)  # p streams back from the tiers
     assert p_key not in tiers  # promoted into the arena after the step

@@ -1,0 +1,144 @@
+"""Loads whose records sit in the lower tiers (pinned host, disk), read layer by layer during the forward.
+
+A record evicted from the device arena is spilled to the tiers under its exact version (stamp). When a
+later load needs it, the load is streamed: `begin` pins its tier entries (two-phase load), every
+`write_layer` reads that one layer of each record (host/disk -> device, dequantized), rotates the keys to
+their positions and writes the layer into the paged cache, so a layer's transfer can overlap the
+previous layer's compute; `finish` unpins and promotes the records back into the arena.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from kvcore.arena import DeviceArena
+from kvcore.errors import ArenaFullError
+from kvcore.paged import CacheTarget, PagedLayout, slot_mapping
+from kvcore.record import FactKV
+from kvcore.rope import RopeConfig, RotationTable, rotate_into
+from kvcore.store import Stamp
+from kvcore.tiers import LayerReader, TieredStore
+
+log = logging.getLogger(__name__)
+Span = tuple[str, Stamp, int, int]  # record id, stamp, first and end token inside the record
+Fetch = Callable[[str, str, Stamp, int], FactKV]  # tenant, record, stamp, tokens needed -> record
+
+
+def tier_key(tenant_id: str, record_id: str, stamp: Stamp) -> tuple[str, str]:
+    """A tier entry names the exact record version (its stamp), so a rewritten fact is never served stale."""
+    digest = hashlib.sha1(repr(stamp).encode()).hexdigest()[:12]
+    return tenant_id, f"{record_id[:100]}.{digest}"
+
+
+@dataclass
+class _Part:
+    """One record of a streamed load: its arena rows, or a reader of the tier that holds it."""
+
+    record_id: str
+    stamp: Stamp
+    lo: int
+    hi: int
+    rows: torch.Tensor | None
+    reader: LayerReader | None
+
+
+@dataclass
+class _Stream:
+    tenant_id: str
+    parts: list[_Part]
+    slots: torch.Tensor
+    cos: torch.Tensor  # [T, 1, dim/2]
+    sin: torch.Tensor
+
+
+class TierStreams:
+    def __init__(self, tiers: TieredStore, arena: DeviceArena, rope: RopeConfig, layout: PagedLayout,
+                 table: RotationTable) -> None:
+        self._tiers, self._arena, self._rope, self._layout, self._table = tiers, arena, rope, layout, table
+        self._streams: list[_Stream] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._streams)
+
+    def spill(self, key: tuple[str, str], stamp: Stamp, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A record leaving the arena goes to the lower tiers rather than away."""
+        self._tiers.put(tier_key(key[0], key[1], stamp), k.to("cpu"), v.to("cpu"))
+
+    def begin(self, load, spans: Sequence[Span], fetch: Fetch) -> bool:
+        """Stream `load` if one of its records is held only in the tiers (True); else leave it to the arena."""
+        tenant = load.plan.tenant_id
+        resident = [self._arena.rows((tenant, record_id), stamp) for record_id, stamp, _, _ in spans]
+        if not any(rows is None and tier_key(tenant, r, st) in self._tiers for rows, (r, st, _, _) in zip(resident, spans)):
+            return False
+        parts: list[_Part] = []
+        try:
+            for rows, (record_id, stamp, lo, hi) in zip(resident, spans):
+                if rows is not None:
+                    parts.append(_Part(record_id, stamp, lo, hi, torch.tensor(rows[lo:hi], device=self._arena.device), None))
+                    continue
+                key = tier_key(tenant, record_id, stamp)
+                if key not in self._tiers:  # neither here nor there: it joins the load through the tiers
+                    record = fetch(tenant, record_id, stamp, hi)
+                    self._tiers.put(key, record.k, record.v)
+                parts.append(_Part(record_id, stamp, lo, hi, None, self._tiers.begin_load(key)))
+        except BaseException:
+            self._unpin(parts)
+            raise
+        device = self._arena.device
+        slots = slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size).to(device)
+        self._table.reserve(load.end)
+        cos, sin = self._table.lookup(torch.arange(load.begin, load.end, device=device))
+        self._streams.append(_Stream(tenant, parts, slots, cos[:, None], sin[:, None]))
+        return True
+
+    def write_layer(self, index: int, target: CacheTarget) -> None:
+        for stream in self._streams:
+            keys, values = [], []
+            for part in stream.parts:
+                if part.reader is not None:  # from the host or disk tier: this layer only, on the device
+                    k, v = part.reader.layer(index)
+                    keys.append(k[:, part.lo : part.hi].transpose(0, 1))
+                    values.append(v[:, part.lo : part.hi].transpose(0, 1))
+                else:
+                    keys.append(self._arena.k[index].index_select(0, part.rows))
+                    values.append(self._arena.v[index].index_select(0, part.rows))
+            keys, values = torch.cat(keys), torch.cat(values)
+            dim = keys.shape[-1]
+            if target.kv_rows is not None:
+                joint = torch.empty(*keys.shape[:-1], 2 * dim, dtype=target.kv_rows.dtype, device=keys.device)
+                rotate_into(joint[..., :dim], keys, stream.cos, stream.sin, self._rope)
+                joint[..., dim:] = values
+                target.kv_rows.index_copy_(0, stream.slots, joint)
+            else:
+                rotated = torch.empty_like(keys, dtype=target.k_view.dtype)
+                rotate_into(rotated, keys, stream.cos, stream.sin, self._rope)
+                target.write(rotated, values, *self._layout.split(stream.slots))
+
+    def finish(self) -> None:
+        """Unpin the step's tier entries and bring what they held into the arena (spilling colder records)."""
+        streams, self._streams = self._streams, []
+        for stream in streams:
+            self._unpin(stream.parts)
+        for stream in streams:
+            for part in stream.parts:
+                if part.reader is not None and part.reader.key in self._tiers:
+                    self._promote(stream.tenant_id, part)
+
+    def _promote(self, tenant_id: str, part: _Part) -> None:
+        k, v = self._tiers.read(part.reader.key)
+        try:
+            self._arena.insert((tenant_id, part.record_id), part.stamp, k, v)
+        except ArenaFullError:
+            return
+        self._tiers.remove(part.reader.key)
+
+    def _unpin(self, parts: list[_Part]) -> None:
+        for part in parts:
+            if part.reader is not None:
+                self._tiers.end_load(part.reader, promote=False)
