@@ -19,12 +19,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from cluster.redis_server import LocalRedis
+from cluster.tenants_setup import open_tenants
 from config.settings import Settings
 from encoder_jobs.inputs import load_input
 from encoder_jobs.job import JobReport, run_job
-from models.minilm import MiniLMEmbedder
-from tenants.connect import connect_service
 from tenants.service import TenantService
 
 ADMIN_ENV = "INFERSCALE_ADMIN_KEY"
@@ -33,13 +31,9 @@ ADMIN_ENV = "INFERSCALE_ADMIN_KEY"
 @contextmanager
 def _store(settings: Settings) -> Iterator[tuple[str, TenantService, str]]:
     """(redis url, service, admin key) for this command."""
-    server = None
-    url = settings.redis.url
-    if url is None:
-        server = LocalRedis(settings.state_dir / "redis", settings.redis.port, settings.redis.appendfsync).start()
-        url = server.url
+    tenants = open_tenants(settings)
     try:
-        service = connect_service(url, settings.state_dir, MiniLMEmbedder(), settings.tenants)
+        service = tenants.service
         admin = os.environ.get(ADMIN_ENV)
         created = service.ensure_admin_key()
         if created:
@@ -47,10 +41,9 @@ def _store(settings: Settings) -> Iterator[tuple[str, TenantService, str]]:
             admin = created
         if not admin:
             raise ValueError(f"set {ADMIN_ENV} to the admin key of this store")
-        yield url, service, admin
+        yield service.meta.url, service, admin
     finally:
-        if server is not None:
-            server.stop()
+        tenants.close()
 
 
 def run_tenant_create(settings: Settings, args: argparse.Namespace) -> int:
