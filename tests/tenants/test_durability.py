@@ -6,10 +6,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
-
-import pytest
 
 from cluster.redis_server import LocalRedis
 from kvcore.store import LocalFactStore
