@@ -16,6 +16,12 @@ from tenants.redis_meta import RedisMeta
 from tenants.service import TenantService
 
 
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/tenants/" in str(item.fspath) or "tests/encoder_jobs/" in str(item.fspath):
+            item.add_marker(pytest.mark.redis)
+
+
 class WordEmbedder:
     """A fast stand-in for MiniLM in logic tests: hashed bag of words, normalised (shared words -> close)."""
 
