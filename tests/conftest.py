@@ -16,6 +16,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One real redis-server for the session (tests flush it as they need)."""
+    from cluster.redis_server import LocalRedis
+
+    server = LocalRedis(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def settings():
     from config import load_settings
 

@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from cluster.redis_server import LocalRedis
 from config.settings import Settings
 from models.minilm import MiniLMEmbedder
 from tenants.connect import connect_service
@@ -25,21 +24,14 @@ def ray_local(tmp_path_factory):
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
-def job_redis(tmp_path_factory):
-    server = LocalRedis(tmp_path_factory.mktemp("job-redis")).start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture()
-def job_env(job_redis, tmp_path):
+def job_env(redis_server, tmp_path):
     """Settings on a fresh state folder, the admin key and a tenant with window 2."""
     import redis
 
-    redis.Redis.from_url(job_redis.url).flushall()
+    redis.Redis.from_url(redis_server.url).flushall()
     settings = Settings(state_dir=tmp_path / "state")
-    service = connect_service(job_redis.url, settings.state_dir, MiniLMEmbedder(), settings.tenants)
+    service = connect_service(redis_server.url, settings.state_dir, MiniLMEmbedder(), settings.tenants)
     admin = service.ensure_admin_key()
     service.create_tenant(admin, "maya", window=2)
     return settings, service, admin

@@ -1,4 +1,4 @@
-"""One real redis-server for the tenants tests (flushed between tests), and services built on it."""
+"""The session's redis-server, flushed between tenants tests, and services built on it."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ import numpy as np
 import pytest
 import redis
 
-from cluster.redis_server import LocalRedis
-from kvcore.store import LocalFactStore
-from tenants.index_sync import TenantIndexes
-from tenants.redis_meta import RedisMeta
-from tenants.service import TenantService
+from config.settings import TenantSettings
+from tenants.connect import connect_service
 
 
 def pytest_collection_modifyitems(items):
@@ -36,13 +33,6 @@ class WordEmbedder:
         return out
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    server = LocalRedis(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture()
 def redis_url(redis_server):
     redis.Redis.from_url(redis_server.url).flushall()
@@ -53,10 +43,7 @@ def redis_url(redis_server):
 def make_service(redis_url, tmp_path):
     """Build a service (a fresh one per call acts like another process over the same Redis and disk)."""
     def build(fault=None, embedder=None, **limits):
-        meta = RedisMeta(redis_url)
-        embedder = embedder or WordEmbedder()
-        service = TenantService(meta, LocalFactStore(tmp_path / "records"), embedder,
-                                TenantIndexes(meta, embedder.dim, tmp_path / "indexes"), **limits)
+        service = connect_service(redis_url, tmp_path, embedder or WordEmbedder(), TenantSettings(**limits))
         if fault is not None:
             service.fault = fault
         return service

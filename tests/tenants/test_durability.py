@@ -9,19 +9,15 @@ import threading
 from pathlib import Path
 
 from cluster.redis_server import LocalRedis
-from kvcore.store import LocalFactStore
-from tenants.index_sync import TenantIndexes
+from tenants.connect import connect_service
 from tenants.reconcile import reconcile
-from tenants.redis_meta import RedisMeta
-from tenants.service import TenantService
 from tests.tenants.conftest import WordEmbedder
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def build(url, folder):
-    meta = RedisMeta(url)
-    return TenantService(meta, LocalFactStore(folder / "records"), WordEmbedder(), TenantIndexes(meta, 384, folder / "idx"))
+    return connect_service(url, folder, WordEmbedder())
 
 
 def test_acknowledged_facts_survive_kill_9_of_redis(tmp_path):
