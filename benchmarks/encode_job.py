@@ -69,7 +69,7 @@ def main() -> None:
             path.write_text(json.dumps({"turns": [{"speaker": t.speaker, "text": t.text} for t in turns],
                                         "facts": [{"text": text, "turn": turn} for text, turn in facts]}))
             start = time.perf_counter()
-            report = run_job(settings, redis_url=server.url, admin_key=admin, tenant_id=tenant, input_path=path,
+            report = run_job(settings, redis_url=server.url, key=admin, tenant_id=tenant, input_path=path,
                              window=window, batch_size=64)
             job_s = time.perf_counter() - start
             assert report.encoded == facts_per_run, report.errors

@@ -23,6 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--window", type=int, default=None, help="context window in turns (default: settings)")
     demo.add_argument("--max-new-tokens", type=int, default=40)
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    up = sub.add_parser("up", help="start redis-server, a local Ray head and the serving app; create a demo tenant")
+    up.add_argument("--port", type=int, default=None, help="HTTP port (default 8000, or a free one)")
+    sub.add_parser("down", help="stop what `inferscale up` started")
+    serve = sub.add_parser("serve", help="deploy a Serve config YAML onto the Ray cluster at RAY_ADDRESS")
+    serve.add_argument("--config", required=True, type=Path)
     encode = sub.add_parser("encode", help="encode a tenant's facts (explicit, or extracted from a conversation) on Ray")
     encode.add_argument("--tenant", required=True)
     encode.add_argument("--input", required=True, type=Path, help="JSON: turns + facts, or a LoCoMo conversation")
@@ -58,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
 
             run_demo(settings, max_new_tokens=args.max_new_tokens, out=sys.stdout)
             return 0
+        if args.command in ("up", "down", "serve"):
+            from cluster import up
+
+            if args.command == "up":
+                return up.run_up(settings, port=args.port or up.default_port(), out=sys.stdout)
+            return up.run_down(settings) if args.command == "down" else up.run_serve(args.config)
         if args.command in ("encode", "tenant", "job"):
             from cluster.jobs_cli import run_encode, run_job_action, run_tenant_create
 

@@ -58,7 +58,7 @@ def run_encode(settings: Settings, args: argparse.Namespace) -> int:
     if args.submit:
         return _submit(args)
     with _store(settings) as (url, _, admin):
-        report = run_job(settings, redis_url=url, admin_key=admin, tenant_id=args.tenant, input_path=args.input,
+        report = run_job(settings, redis_url=url, key=admin, tenant_id=args.tenant, input_path=args.input,
                          window=args.window, workers=args.workers, batch_size=args.batch_size, progress=_progress)
     print(file=sys.stderr)
     print(json.dumps(report.to_dict()))

@@ -42,7 +42,7 @@ class LocalRedis:
         args = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
                 "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "",
                 "--protected-mode", "yes", "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log")]
-        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -53,6 +53,10 @@ class LocalRedis:
             time.sleep(0.05)
         self.kill()
         raise RedisServerError(f"redis-server did not answer on port {self.port} within {timeout_s} s")
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
 
     def kill(self) -> None:
         """SIGKILL: what a crash looks like (the AOF keeps what `appendfsync` flushed)."""

@@ -45,12 +45,12 @@ class JobReport:
         return self.__dict__.copy()
 
 
-def run_job(settings: Settings, *, redis_url: str, admin_key: str, tenant_id: str, input_path: Path,
+def run_job(settings: Settings, *, redis_url: str, key: str, tenant_id: str, input_path: Path,
             window: int | None = None, workers: int = 1, batch_size: int = 16,
             progress: Callable[[JobReport], None] = lambda report: None) -> JobReport:
     job_input = load_input(input_path, settings.tenants.max_fact_chars)  # before anything is written
     service = connect_service(redis_url, settings.state_dir, MiniLMEmbedder(), settings.tenants)
-    tenant = service.tenant_for_admin(admin_key, tenant_id)
+    tenant = service.open_tenant(key, tenant_id)
     window = tenant.window if window is None else window
     if window < 0:
         raise ValueError("window must be >= 0")
@@ -80,11 +80,11 @@ def run_job(settings: Settings, *, redis_url: str, admin_key: str, tenant_id: st
     report.skipped = len(rows) - len(todo)
     progress(report)
     if todo:
-        _run_on_ray(settings, redis_url, admin_key, tenant_id, window, todo, workers, batch_size, report, progress)
+        _run_on_ray(settings, redis_url, key, tenant_id, window, todo, workers, batch_size, report, progress)
     return report
 
 
-def _run_on_ray(settings: Settings, redis_url: str, admin_key: str, tenant_id: str, window: int, rows: list[dict],
+def _run_on_ray(settings: Settings, redis_url: str, key: str, tenant_id: str, window: int, rows: list[dict],
                 workers: int, batch_size: int, report: JobReport, progress: Callable[[JobReport], None]) -> None:
     import ray
 
@@ -95,7 +95,7 @@ def _run_on_ray(settings: Settings, redis_url: str, admin_key: str, tenant_id: s
     dataset = ray.data.from_items(rows).map_batches(
         EncodeWorker, batch_size=batch_size, concurrency=workers, num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1,
         fn_constructor_kwargs={"settings": settings.model_dump(mode="json"), "redis_url": redis_url,
-                               "admin_key": admin_key, "tenant_id": tenant_id, "window": window})
+                               "key": key, "tenant_id": tenant_id, "window": window})
     for batch in dataset.iter_batches(batch_size=None, batch_format="default"):
         for fact_id, status, error in zip(batch["fact_id"], batch["status"], batch["error"]):
             if status == "encoded":

@@ -29,14 +29,14 @@ CRASH_ENV = "INFERSCALE_ENCODER_CRASH_AFTER"  # tests: SIGKILL this worker after
 
 
 class EncodeWorker:
-    def __init__(self, settings: dict[str, Any], redis_url: str, admin_key: str, tenant_id: str, window: int) -> None:
+    def __init__(self, settings: dict[str, Any], redis_url: str, key: str, tenant_id: str, window: int) -> None:
         self._settings = Settings(**settings)
         self._loaded = load_model(self._settings.model)
         self._forward = HFKVForward(self._loaded)
         self._frame = build_frame(self._loaded.tokenizer, self._settings.system_prompt)
         self._encoder = TokenizerEncoder(self._loaded.tokenizer)
         service = connect_service(redis_url, Path(self._settings.state_dir), MiniLMEmbedder(), self._settings.tenants)
-        self._tenant = service.tenant_for_admin(admin_key, tenant_id)
+        self._tenant = service.open_tenant(key, tenant_id)
         self._window = window
         self._limits = FactLimits(self._settings.encoding.max_fact_chars, self._settings.encoding.max_fact_tokens)
         self._stored = 0

@@ -19,6 +19,12 @@ PLAN_KEY = "inferscale_memory"
 MAX_RECORDS = 1024
 
 
+def cache_salt(tenant_id: str, store_version: int) -> str:
+    """Prefix-cache salt: one namespace per tenant and store version, never shared across tenants."""
+    digest = hashlib.sha256(f"{tenant_id}\x00{store_version}".encode()).hexdigest()[:32]
+    return f"inferscale-{digest}"
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """Tenant, ordered record ids, store version and where the memory region starts in the prompt."""
@@ -42,9 +48,7 @@ class MemoryPlan:
 
     @property
     def cache_salt(self) -> str:
-        """Prefix-cache salt: one namespace per tenant and store version, never shared across tenants."""
-        digest = hashlib.sha256(f"{self.tenant_id}\x00{self.store_version}".encode()).hexdigest()[:32]
-        return f"inferscale-{digest}"
+        return cache_salt(self.tenant_id, self.store_version)
 
     def to_params(self) -> dict[str, Any]:
         """The `kv_transfer_params` entry for this plan (JSON-safe)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -84,6 +85,16 @@ class LocalFactStore:
             self._drop((tenant_id, record_id))
             self._bump(tenant_id)
         return True
+
+    def drop_tenant(self, tenant_id: str) -> int:
+        """Remove every record of a tenant (its folder); returns how many there were."""
+        folder = self.root / check_identifier("tenant id", tenant_id)
+        records = self.record_ids(tenant_id)
+        shutil.rmtree(folder, ignore_errors=True)
+        with self._lock:
+            for key in [k for k in self._infos if k[0] == tenant_id] + [k for k in self._cache if k[0] == tenant_id]:
+                self._drop(key)
+        return len(records)
 
     def record_ids(self, tenant_id: str) -> list[str]:
         """Ids of the records stored for a tenant."""

@@ -8,7 +8,7 @@ role works; templates without one put the memory at the start of the user messag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 _MEMORY = "\u2063MEMORY\u2063"
 _QUERY = "\u2063QUERY\u2063"
@@ -45,6 +45,27 @@ def build_frame(tokenizer: Any, system_prompt: str) -> ChatFrame:
     between, tail = rest.split(_QUERY)
     prefix_ids = tokenizer.encode(head, add_special_tokens=False)
     return ChatFrame(prefix_ids=tuple(prefix_ids), query_head=between, query_tail=tail)
+
+
+def split_chat(tokenizer: Any, system_prompt: str, messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """An OpenAI-style conversation cut around the memory region: (tokens before it, tokens after it).
+
+    The memory goes at the end of the serving system prompt; the caller's own system messages follow it,
+    then the conversation and the reply header, which are what a request prefills.
+    """
+    own_system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"]
+    system = f"{system_prompt}\n{_MEMORY}" + (f"\n{own_system}" if own_system else "")
+    try:
+        text = tokenizer.apply_chat_template([{"role": "system", "content": system}, *turns], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - no system role: the memory opens the first user message
+        first, *rest = turns
+        text = tokenizer.apply_chat_template(
+            [{"role": first["role"], "content": system + "\n" + first["content"]}, *rest], tokenize=False,
+            add_generation_prompt=True)
+    head, tail = text.split(_MEMORY)
+    return (tokenizer.encode(head, add_special_tokens=False), tokenizer.encode(tail, add_special_tokens=False))
 
 
 class TokenizerEncoder:

@@ -158,3 +158,26 @@ def model_spec(model: Any) -> ModelSpec:
         rope=RopeConfig.from_hf_config(config),
         fingerprint=model_fingerprint(config, model.named_parameters()),
     )
+
+
+def model_path(settings: "ModelSettings") -> Path:
+    """The directory an engine loads: the configured one, or the bundled model converted to `settings.dtype`."""
+    path = Path(settings.path) if settings.path else ensure_bundled_model(settings.cache_dir, settings.dtype)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+    return path
+
+
+def checkpoint_fingerprint(path: Path) -> str:
+    """The fingerprint `model_spec` gives, read from a checkpoint's config and safetensors without building
+    the model (a serving process needs it to check records, not the weights in transformers)."""
+    force_offline()
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path).to_dict()
+    handles = [safe_open(str(f), framework="pt") for f in sorted(Path(path).glob("*.safetensors"))]
+    if not handles:
+        raise FileNotFoundError(f"{path} holds no .safetensors weights")
+    tensors = ((name, handle.get_tensor(name)) for handle in handles for name in handle.keys())
+    return model_fingerprint(config, tensors)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: creates .venv, installs what the command needs, then runs it.
-#   bash scripts/dev.sh demo   -> the main job (`inferscale demo`) on the bundled SmolLM2, on CPU
+#   bash scripts/dev.sh up     -> the main job: `inferscale up` (redis-server, local Ray, the serving app on the
+#                                 bundled SmolLM2, a demo tenant); `bash scripts/dev.sh down` stops it
+#   bash scripts/dev.sh demo   -> the offline demo (`inferscale demo`): both memory routes side by side
 #   bash scripts/dev.sh test   -> the test suite
 #   bash scripts/dev.sh setup  -> install only
 set -euo pipefail
@@ -47,7 +49,7 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
     setup) setup ;;
-    demo) setup; exec "$VENV/bin/inferscale" demo "$@" ;;
+    up|down|demo) setup; PATH="$PWD/$VENV/bin:$PATH" exec "$VENV/bin/inferscale" "$cmd" "$@" ;;
     test) setup; exec "$VENV/bin/python" -m pytest "$@" ;;
-    *) echo "usage: bash scripts/dev.sh {demo|test|setup} [args...]" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/dev.sh {up|down|demo|test|setup} [args...]" >&2; exit 2 ;;
 esac

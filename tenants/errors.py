@@ -31,6 +31,12 @@ class FactNotFoundError(TenantError):
     http_status = 404
 
 
+class JobNotFoundError(TenantError):
+    """The tenant has no encoding job with this id."""
+
+    http_status = 404
+
+
 class FactExistsError(TenantError):
     """The tenant already has a fact with this id."""
 
@@ -51,5 +57,17 @@ class InvalidInputError(TenantError):
 
 class QuotaExceededError(TenantError):
     """The change would take the tenant past its quota of facts or bytes."""
+
+    http_status = 413
+
+
+class RateLimitedError(TenantError):
+    """The tenant sent more requests than its rate allows; retry after a moment."""
+
+    http_status = 429
+
+
+class PayloadTooLargeError(TenantError):
+    """The request body is larger than the configured limit."""
 
     http_status = 413

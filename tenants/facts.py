@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ from kvcore.errors import InvalidFactError
 from tenants.errors import InvalidInputError
 
 VISIBLE = ("active", "updating")  # an update in flight still shows the committed version
+_FACT_RECORD = re.compile(r"\.v[0-9]+$")
 
 
 @dataclass(frozen=True)
@@ -64,3 +66,13 @@ def new_fact_id() -> str:
 def record_id_for(fact_id: str, version: int) -> str:
     """The K/V record of one version of a fact: a new version never overwrites the served one."""
     return f"{fact_id}.v{version}"
+
+
+def is_fact_record(record_id: str) -> bool:
+    """Whether a record holds a fact version (others, like the chat-frame record, belong to the engine)."""
+    return _FACT_RECORD.search(record_id) is not None
+
+
+def frame_record_id(fingerprint: str) -> str:
+    """The record of the chat template's text before the memory region, encoded once per tenant and model."""
+    return f"chat-frame-{fingerprint[:16]}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,9 +75,11 @@ class TenantIndexes:
         for tenant_id in list(self._tenants):
             self.save(tenant_id)
 
-    def forget(self, tenant_id: str) -> None:
+    def forget(self, tenant_id: str, remove_snapshot: bool = False) -> None:
         with self._lock:
             self._tenants.pop(tenant_id, None)
+        if remove_snapshot:
+            shutil.rmtree(self._dir / tenant_id, ignore_errors=True)
 
     def _state(self, tenant_id: str) -> _TenantIndex:
         with self._lock:

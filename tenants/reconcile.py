@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from kvcore.store import LocalFactStore
+from tenants.facts import is_fact_record
 from tenants.redis_meta import RedisMeta
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def reconcile(meta: RedisMeta, records: LocalFactStore, older_than_s: float = 60
             referenced.add((fact.get("pending") or {}).get("record_id"))
         for record_id in records.record_ids(tenant_id):
             path = records.path(tenant_id, record_id)
-            if record_id not in referenced and now - os.path.getmtime(path) >= older_than_s:
+            if is_fact_record(record_id) and record_id not in referenced and now - os.path.getmtime(path) >= older_than_s:
                 records.delete(tenant_id, record_id)
                 repairs.orphan_records_removed += 1
     if repairs != Repairs():

@@ -12,6 +12,7 @@ Keys, all under one tenant's hash tag so a cluster keeps a tenant on one shard:
     is:t:{tid}:version            bumped by every committed change (the prefix-cache salt uses it)
     is:t:{tid}:seq                retrieval-index ids
     is:t:{tid}:log                stream of committed changes, which every process's index replays
+    is:t:{tid}:jobs               job id -> status JSON of the tenant's encoding jobs
 
 Every multi-key change is one Lua script, so it is atomic and checks its preconditions (state and
 version of the fact, quotas) in the same step that writes.
@@ -157,6 +158,23 @@ class RedisMeta:
 
     def set_admin_hash(self, digest: str, replace: bool = False) -> bool:
         return bool(self._redis.set("is:admin", digest, nx=not replace))
+
+    def delete_tenant(self, tenant_id: str) -> bool:
+        """Drop the tenant and every key under its hash tag in one transaction (True if it existed)."""
+        parts = ("facts", "emb", "pemb", "usage", "place", "version", "seq", "log", "jobs")
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.srem("is:tenants", tenant_id)
+            pipe.delete(_t(tenant_id), *(_t(tenant_id, part) for part in parts))
+            removed, _ = pipe.execute()
+        return bool(removed)
+
+    # ---- encoding jobs ----
+    def set_job(self, tenant_id: str, job_id: str, status: dict) -> None:
+        self._redis.hset(_t(tenant_id, "jobs"), job_id, _json(status))
+
+    def job(self, tenant_id: str, job_id: str) -> dict | None:
+        raw = self._redis.hget(_t(tenant_id, "jobs"), job_id)
+        return json.loads(raw) if raw else None
 
     # ---- facts ----
     def next_index_id(self, tenant_id: str) -> int:

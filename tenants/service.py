@@ -25,9 +25,10 @@ import numpy as np
 
 from kvcore.record import FactKV
 from kvcore.store import LocalFactStore
-from tenants.auth import hash_key, matches, new_admin_key, new_tenant_key, tenant_of
+from tenants.auth import TENANT_PREFIX, hash_key, matches, new_admin_key, new_tenant_key, tenant_of
 from tenants.embedding import Embedder
-from tenants.errors import AuthError, ConflictError, FactNotFoundError, InvalidInputError, UnknownTenantError
+from tenants.errors import (AuthError, ConflictError, FactNotFoundError, InvalidInputError, JobNotFoundError,
+                            UnknownTenantError)
 from tenants.facts import VISIBLE, Fact, check_id, check_text, new_fact_id, record_id_for
 from tenants.index_sync import TenantIndexes
 from tenants.redis_meta import RedisMeta
@@ -57,6 +58,12 @@ class TenantService:
         """Create the admin key if there is none; the key is returned (and shown) only this once."""
         key = new_admin_key()
         return key if self.meta.set_admin_hash(hash_key(key)) else None
+
+    def install_admin_key(self, key: str) -> bool:
+        """Use `key` as the admin key when none is stored yet (True if it was installed)."""
+        if not isinstance(key, str) or not key.startswith("isa."):
+            raise InvalidInputError("an admin key starts with 'isa.'")
+        return self.meta.set_admin_hash(hash_key(key))
 
     def check_admin(self, key: object) -> None:
         if not isinstance(key, str) or not matches(key, self.meta.admin_hash()):
@@ -96,6 +103,14 @@ class TenantService:
         self.meta.update_tenant(tenant_id, {"key_hash": hash_key(key)})
         return key
 
+    def delete_tenant(self, admin_key: str, tenant_id: str) -> None:
+        """Remove a tenant: its key stops working at once, then its records and index are removed."""
+        self.check_admin(admin_key)
+        if not self.meta.delete_tenant(check_id("tenant id", tenant_id)):
+            raise UnknownTenantError(f"unknown tenant {tenant_id!r}")
+        self.records.drop_tenant(tenant_id)
+        self.indexes.forget(tenant_id, remove_snapshot=True)
+
     def tenant_for_admin(self, admin_key: str, tenant_id: str) -> "Tenant":
         """A tenant's facts opened with the admin key (encoder jobs write on a tenant's behalf)."""
         self.check_admin(admin_key)
@@ -103,6 +118,15 @@ class TenantService:
         if info is None:
             raise UnknownTenantError(f"unknown tenant {tenant_id!r}")
         return Tenant(self, tenant_id, info)
+
+    def open_tenant(self, key: str, tenant_id: str) -> "Tenant":
+        """A tenant's facts opened with the admin key or the tenant's own key (jobs act with either)."""
+        if isinstance(key, str) and key.startswith(f"{TENANT_PREFIX}."):
+            tenant = self.authenticate(key)
+            if tenant.id != tenant_id:
+                raise AuthError("missing or wrong API key")
+            return tenant
+        return self.tenant_for_admin(key, tenant_id)
 
     # ---- tenants ----
     def authenticate(self, api_key: object) -> "Tenant":
@@ -237,6 +261,16 @@ class Tenant:
     def placement(self, fact_id: str) -> dict | None:
         self._visible_meta(check_id("fact id", fact_id))
         return self._s.meta.placement(self.id, fact_id)
+
+    def record_job(self, job_id: str, status: dict) -> None:
+        """Status of one of this tenant's encoding jobs (ids are the caller's: `check_id` applies)."""
+        self._s.meta.set_job(self.id, check_id("job id", job_id), status)
+
+    def job(self, job_id: str) -> dict:
+        status = self._s.meta.job(self.id, check_id("job id", job_id))
+        if status is None:
+            raise JobNotFoundError(f"no job {job_id!r}")
+        return status
 
     def set_placement(self, fact_id: str, tier: str, replica: str) -> None:
         """Record where this fact's K/V is held (tier `gpu|cpu|disk`, replica name)."""

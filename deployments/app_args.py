@@ -1,0 +1,73 @@
+"""The serving application's arguments: what `build_app(args)` accepts, from Python or a Serve config YAML.
+
+vLLM engine arguments (`llm.engine_kwargs`) pass through untouched; everything else is validated here,
+so a bad config fails at deploy time with the field that is wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CPU_ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "block_size": 32,
+    "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": 32,
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class LLMArgs(Strict):
+    """The LLM server replicas: engine, connector and scaling."""
+
+    model: str | None = Field(None, description="A local HF model directory; None: the bundled SmolLM2.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Which converted copy of the bundled model.")
+    served_name: str = Field("inferscale-smollm2", description="The model id `/v1/models` lists.")
+    fingerprint: str | None = Field(None, description="Model fingerprint; None reads it from the checkpoint.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments, as given.")
+    on_load_failure: Literal["recompute", "fail"] = "recompute"
+    device_cache_bytes: int = Field(256 << 20, ge=0, description="The connector's device arena of records.")
+    tiers: dict[str, Any] | None = Field(None, description="disk_cache_dir / host_cache_bytes / compress_lower.")
+    num_replicas: int | Literal["auto"] = 1
+    autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve autoscaling, as given.")
+    max_ongoing_requests: int = Field(64, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+    env: dict[str, str] = Field(default_factory=dict, description="Environment of the replica (VLLM_* knobs).")
+    spill_queue_gap: int = Field(8, ge=0, description="Queued requests by which a tenant's home replica may "
+                                                       "exceed the least loaded one before its requests spill.")
+
+
+class IngressArgs(Strict):
+    """The HTTP ingress: limits and scaling."""
+
+    num_replicas: int = 1
+    max_ongoing_requests: int = Field(256, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.5})
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted (413 above).")
+    rate_per_s: float = Field(50.0, gt=0, description="Sustained requests per second per tenant (429 above).")
+    burst: int = Field(100, ge=1, description="Requests a tenant may send at once before the rate applies.")
+    max_k: int = Field(100, ge=1, le=1000, description="Most facts one chat request may retrieve.")
+    default_k: int = Field(10, ge=0)
+    max_tokens: int = Field(512, ge=1, description="Most tokens one completion may ask for.")
+
+
+class AppArgs(Strict):
+    """Everything `build_app` needs."""
+
+    redis_url: str = Field(..., description="redis://host:port/db holding tenants and fact metadata.")
+    state_dir: Path = Field(..., description="Shared folder of records and index snapshots.")
+    system_prompt: str = "Remembered facts about the user:"
+    admin_key: str | None = Field(None, description="Admin key to install when none is stored (else generated).")
+    encoding_window: int = Field(5, ge=0, description="Turns each extracted fact is encoded behind.")
+    settings: dict[str, Any] = Field(default_factory=dict, description="The settings tree for encoding jobs.")
+    llm: LLMArgs = Field(default_factory=LLMArgs)
+    ingress: IngressArgs = Field(default_factory=IngressArgs)
+
+    def engine_kwargs(self, cuda: bool) -> dict[str, Any]:
+        """The engine arguments a replica starts with: CPU defaults under the given ones when there is no GPU."""
+        base = {} if cuda else {**CPU_ENGINE_DEFAULTS, "dtype": self.llm.dtype}
+        return {**base, **self.llm.engine_kwargs}

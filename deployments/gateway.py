@@ -1,0 +1,192 @@
+"""What the HTTP API does, without HTTP or Ray: authenticate, retrieve, hand chats to an LLM backend, and
+manage memories and tenants. The ingress deployment wires it to FastAPI and to the LLM server handles.
+
+Writes return once the metadata is committed in Redis. K/V encoding follows in the background on the
+tenant's LLM replica (`LLMBackend.encode`); until it lands, a fact is served by pasting its text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from deployments.app_args import IngressArgs
+from deployments.metrics import Metrics
+from deployments.rate_limit import RateLimiter
+from deployments.schemas import AddMemories, ChatRequest, CreateTenant, SearchMemories, UpdateMemory
+from tenants.errors import InvalidInputError, RateLimitedError
+from tenants.facts import Fact
+from tenants.service import Tenant, TenantService
+
+log = logging.getLogger(__name__)
+
+
+class LLMBackend(Protocol):
+    def chat(self, task: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]: ...
+
+
+JobRunner = Callable[[str, str, str, Path, Callable[[dict], None]], dict]  # (job, key, tenant, input, progress)
+
+
+class Gateway:
+    def __init__(self, service: TenantService, llm: LLMBackend, args: IngressArgs, served_name: str,
+                 metrics: Metrics, jobs_dir: Path, run_job: JobRunner | None = None) -> None:
+        self.service, self.llm, self.args, self.served_name, self.metrics = service, llm, args, served_name, metrics
+        self._limiter = RateLimiter(args.rate_per_s, args.burst)
+        self._jobs_dir, self._run_job = jobs_dir, run_job
+        self._background: set[asyncio.Future] = set()
+
+    # ---- auth ----
+    def tenant(self, api_key: str | None) -> Tenant:
+        tenant = self.service.authenticate(api_key)
+        if not self._limiter.allow(tenant.id):
+            self.metrics.errors.labels(code="429").inc()
+            raise RateLimitedError(f"too many requests; at most {self.args.rate_per_s:g}/s with bursts of {self.args.burst}")
+        return tenant
+
+    # ---- chat ----
+    async def prepare_chat(self, tenant: Tenant, body: ChatRequest) -> tuple[dict[str, Any], float]:
+        """The task for the LLM server (retrieval done here) and the retrieval time in ms."""
+        if body.model != self.served_name:
+            raise InvalidInputError(f"unknown model {body.model!r}; this server serves {self.served_name!r}")
+        k = self.args.default_k if body.memory.k is None else body.memory.k
+        if k > self.args.max_k:
+            raise InvalidInputError(f"memory.k must be at most {self.args.max_k}")
+        max_tokens = body.max_completion_tokens or body.max_tokens or 128
+        if max_tokens > self.args.max_tokens:
+            raise InvalidInputError(f"max_tokens must be at most {self.args.max_tokens}")
+        started = time.perf_counter()
+        facts: list[dict[str, Any]] = []
+        if body.memory.mode != "off" and k > 0 and tenant.usage()["facts"] > 0:
+            query = body.last_user_text()[-self.service.max_fact_chars:]  # the question's end is what retrieval needs
+            hits = await asyncio.to_thread(tenant.search, query, k)
+            facts = [{"fact_id": f.id, "text": f.text, "record_id": f.record_id} for f, _ in hits]
+        version = tenant.version()
+        retrieval_ms = (time.perf_counter() - started) * 1000
+        self.metrics.retrieval.observe(retrieval_ms / 1000)
+        task = {"tenant_id": tenant.id, "version": version, "messages": [m.model_dump() for m in body.messages],
+                "facts": facts, "mode": body.memory.mode, "max_tokens": max_tokens, "temperature": body.temperature,
+                "top_p": body.top_p, "seed": body.seed, "stop": body.stop}
+        return task, retrieval_ms
+
+    def observe_usage(self, usage: dict[str, Any], mode: str) -> None:
+        self.metrics.ttft.labels(mode=mode).observe(usage["ttft_ms"] / 1000)
+        self.metrics.tokens.labels(kind="injected").inc(usage["injected_tokens"])
+        self.metrics.tokens.labels(kind="prefilled").inc(usage["prefilled_tokens"])
+        self.metrics.tokens.labels(kind="cached").inc(usage.get("cached_tokens", 0))
+        self.metrics.tokens.labels(kind="completion").inc(usage["completion_tokens"])
+
+    # ---- memories ----
+    def add_memories(self, tenant: Tenant, api_key: str, body: AddMemories) -> tuple[int, dict[str, Any]]:
+        if body.facts is not None:
+            added = tenant.add_facts(body.facts)
+            self._encode_later(api_key, tenant.id, added)
+            return 200, {"results": [{"id": f.id, "memory": f.text, "event": "ADD"} for f in added]}
+        return 202, self._start_job(tenant, api_key, body)
+
+    def search(self, tenant: Tenant, body: SearchMemories) -> dict[str, Any]:
+        if tenant.usage()["facts"] == 0:
+            return {"results": []}
+        hits = tenant.search(body.query, body.limit)
+        return {"results": [{"id": f.id, "memory": f.text, "score": round(float(s), 6)} for f, s in hits]}
+
+    def list_memories(self, tenant: Tenant, offset: int, limit: int) -> dict[str, Any]:
+        return {"results": [_memory(f) for f in tenant.list_facts(offset, limit)], "usage": tenant.usage()}
+
+    def get_memory(self, tenant: Tenant, fact_id: str) -> dict[str, Any]:
+        return _memory(tenant.get_fact(fact_id))
+
+    def update_memory(self, tenant: Tenant, api_key: str, fact_id: str, body: UpdateMemory) -> dict[str, Any]:
+        fact = tenant.update_fact(fact_id, body.memory, version=body.version)
+        self._encode_later(api_key, tenant.id, [fact])
+        return {"id": fact.id, "memory": fact.text, "version": fact.version, "event": "UPDATE"}
+
+    def delete_memory(self, tenant: Tenant, fact_id: str) -> dict[str, Any]:
+        tenant.delete_fact(fact_id)
+        return {"id": fact_id, "event": "DELETE"}
+
+    def job(self, tenant: Tenant, job_id: str) -> dict[str, Any]:
+        return tenant.job(job_id)
+
+    # ---- admin ----
+    def create_tenant(self, admin_key: str | None, body: CreateTenant) -> dict[str, Any]:
+        info, key = self.service.create_tenant(admin_key or "", body.id, max_facts=body.max_facts,
+                                               max_bytes=body.max_bytes, window=body.window)
+        return {"tenant": info, "api_key": key}
+
+    def list_tenants(self, admin_key: str | None) -> dict[str, Any]:
+        return {"tenants": self.service.list_tenants(admin_key or "")}
+
+    def tenant_info(self, admin_key: str | None, tenant_id: str) -> dict[str, Any]:
+        return self.service.tenant_info(admin_key or "", tenant_id)
+
+    def delete_tenant(self, admin_key: str | None, tenant_id: str) -> dict[str, Any]:
+        self.service.delete_tenant(admin_key or "", tenant_id)
+        return {"id": tenant_id, "deleted": True}
+
+    # ---- background work ----
+    def _encode_later(self, api_key: str, tenant_id: str, facts: list[Fact]) -> None:
+        if not facts:
+            return
+        work = [(f.id, f.version, f.text) for f in facts]
+
+        async def encode() -> None:
+            try:
+                outcome = await self.llm.encode(api_key, tenant_id, work)
+                failed = sum(1 for status in outcome.values() if status != "encoded")
+                for fact_id, status in outcome.items():
+                    if status != "encoded":
+                        log.warning("fact %s was not encoded (%s); it is served by its text", fact_id, status)
+                self.metrics.encodings.labels(outcome="encoded").inc(len(outcome) - failed)
+                self.metrics.encodings.labels(outcome="failed").inc(failed)
+            except Exception:  # noqa: BLE001 - the facts stay served by their text
+                log.exception("background encoding failed")
+                self.metrics.encodings.labels(outcome="failed").inc(len(work))
+
+        self._keep(asyncio.ensure_future(encode()))
+
+    def _start_job(self, tenant: Tenant, api_key: str, body: AddMemories) -> dict[str, Any]:
+        if self._run_job is None:
+            raise InvalidInputError("this deployment runs no extraction jobs; send explicit 'facts'")
+        job_id = f"job-{uuid.uuid4().hex[:16]}"
+        turns = [{"speaker": "User" if m.role == "user" else "Assistant", "text": m.content}
+                 for m in body.messages or [] if m.role != "system"]
+        if not turns:
+            raise InvalidInputError("messages hold no user or assistant turns to extract facts from")
+        self._jobs_dir.mkdir(parents=True, exist_ok=True)
+        path = self._jobs_dir / f"{tenant.id}-{job_id}.json"
+        path.write_text(json.dumps({"turns": turns}))
+        tenant.record_job(job_id, {"id": job_id, "status": "queued", "created": time.time()})
+
+        def progress(report: dict) -> None:
+            tenant.record_job(job_id, {"id": job_id, "status": "running", "report": report})
+
+        def run() -> None:
+            try:
+                report = self._run_job(job_id, api_key, tenant.id, path, progress)
+                tenant.record_job(job_id, {"id": job_id, "status": "succeeded", "report": report, "finished": time.time()})
+            except Exception as exc:  # noqa: BLE001 - the job's status carries the reason
+                log.exception("extraction job failed")
+                tenant.record_job(job_id, {"id": job_id, "status": "failed", "error": str(exc)[:500]})
+            finally:
+                path.unlink(missing_ok=True)
+
+        self._keep(asyncio.get_running_loop().run_in_executor(None, run))
+        return {"results": [], "job_id": job_id, "status": "queued"}
+
+    def _keep(self, future: asyncio.Future) -> None:
+        self._background.add(future)
+        future.add_done_callback(self._background.discard)
+
+
+def _memory(fact: Fact) -> dict[str, Any]:
+    return {"id": fact.id, "memory": fact.text, "version": fact.version, "kv_ready": fact.kv_ready,
+            "created": fact.created, "updated": fact.updated}
+

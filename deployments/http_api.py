@@ -1,0 +1,252 @@
+"""The HTTP API (FastAPI) over a `Gateway`: OpenAI chat completions with memory, memories, tenants, health.
+
+Every error answers JSON `{"error": {"code", "message"}}` with a 4xx status that fits; a 500 only for a
+fault of the server, never for bad input. Keys come as `Authorization: Bearer <key>` (what the openai
+client sends) or `X-API-Key`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Annotated, Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.gateway import Gateway
+from deployments.schemas import AddMemories, ChatRequest, CreateTenant, SearchMemories, UpdateMemory
+from tenants.errors import TenantError
+from tenants.service import Tenant
+
+log = logging.getLogger(__name__)
+_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+          409: "conflict", 413: "too_large", 422: "invalid_input", 429: "rate_limited", 500: "internal_error",
+          503: "unavailable"}
+
+
+class EngineRefusal(Exception):
+    """The engine refused the request (too long for its context, say): answered with the engine's status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": _CODES.get(status, "error"), "message": message}}, status_code=status)
+
+
+def _key(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("x-api-key")
+
+
+def _tenant_auth(request: Request) -> Tenant:
+    """A dependency, so it runs before the body is validated: no valid key is a 401, whatever the body."""
+    return request.app.state.gateway.tenant(_key(request))
+
+
+def _admin_auth(request: Request) -> str:
+    key = _key(request) or ""
+    request.app.state.gateway.service.check_admin(key)
+    return key
+
+
+TenantDep = Annotated[Tenant, Depends(_tenant_auth)]
+AdminDep = Annotated[str, Depends(_admin_auth)]
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="inferscale", version="0.1.0")
+    app.state.gateway = gateway
+    metrics = gateway.metrics
+
+    @app.middleware("http")
+    async def limits_and_metrics(request: Request, call_next):
+        route = request.url.path if not request.url.path.startswith("/v1/memories/") else "/v1/memories/{id}"
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > gateway.args.max_body_bytes):
+            response: Response = error(413, f"request body over {gateway.args.max_body_bytes} bytes")
+        else:
+            response = await call_next(request)
+        metrics.requests.labels(route=route if len(route) < 64 else "other", status=str(response.status_code)).inc()
+        if response.status_code >= 400:
+            metrics.errors.labels(code=str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(TenantError)
+    async def tenant_error(request: Request, exc: TenantError) -> JSONResponse:
+        return error(exc.http_status, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = exc.errors()
+        if any(p.get("type") == "json_invalid" for p in problems):
+            return error(400, "the body is not valid JSON")
+        text = "; ".join(f"{'.'.join(str(x) for x in p.get('loc', ()) if x != 'body')}: {p.get('msg')}" for p in problems[:5])
+        return error(422, text or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EngineRefusal)
+    async def refused(request: Request, exc: EngineRefusal) -> JSONResponse:
+        return error(exc.status, str(exc))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error(500, "internal error")
+
+    # ---- health and metrics ----
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "redis": gateway.service.meta.ping(), "model": gateway.served_name}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # ---- OpenAI ----
+    @app.get("/v1/models")
+    async def models(tenant: TenantDep) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": gateway.served_name, "object": "model", "created": 0,
+                                            "owned_by": "inferscale"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(tenant: TenantDep, body: ChatRequest):
+        received = time.perf_counter()
+        task, retrieval_ms = await gateway.prepare_chat(tenant, body)
+        events = gateway.llm.chat(task)
+        first = await _first_event(events)  # engine errors surface before any byte is sent
+        completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": completion_id, "created": created, "model": gateway.served_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(gateway, first, events, base, received, retrieval_ms, include_usage,
+                                          body.memory.mode), media_type="text/event-stream")
+        text, ttft_ms, final = [], None, None
+        async for event in _chain(first, events):
+            if "delta" in event:
+                ttft_ms = ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000
+                text.append(event["delta"])
+            elif event.get("done"):
+                final = event
+        usage = _usage(final, retrieval_ms, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000)
+        gateway.observe_usage(usage, body.memory.mode)
+        return {**base, "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                                                                 "finish_reason": final["finish_reason"]}], "usage": usage}
+
+    # ---- memories ----
+    @app.post("/v1/memories")
+    async def add_memories(request: Request, tenant: TenantDep, body: AddMemories) -> JSONResponse:
+        status, result = gateway.add_memories(tenant, _key(request) or "", body)
+        return JSONResponse(result, status_code=status)
+
+    @app.post("/v1/memories/search")
+    async def search(tenant: TenantDep, body: SearchMemories) -> dict[str, Any]:
+        return await asyncio.to_thread(gateway.search, tenant, body)
+
+    @app.get("/v1/memories")
+    async def list_memories(tenant: TenantDep, offset: int = 0, limit: int = 100) -> dict[str, Any]:
+        return gateway.list_memories(tenant, offset, limit)
+
+    @app.get("/v1/memories/{fact_id}")
+    async def get_memory(tenant: TenantDep, fact_id: str) -> dict[str, Any]:
+        return gateway.get_memory(tenant, fact_id)
+
+    @app.put("/v1/memories/{fact_id}")
+    async def update_memory(request: Request, tenant: TenantDep, fact_id: str, body: UpdateMemory) -> dict[str, Any]:
+        return gateway.update_memory(tenant, _key(request) or "", fact_id, body)
+
+    @app.delete("/v1/memories/{fact_id}")
+    async def delete_memory(tenant: TenantDep, fact_id: str) -> dict[str, Any]:
+        return gateway.delete_memory(tenant, fact_id)
+
+    @app.get("/v1/jobs/{job_id}")
+    async def job(tenant: TenantDep, job_id: str) -> dict[str, Any]:
+        return gateway.job(tenant, job_id)
+
+    # ---- admin ----
+    @app.post("/v1/tenants", status_code=201)
+    async def create_tenant(admin: AdminDep, body: CreateTenant) -> dict[str, Any]:
+        return gateway.create_tenant(admin, body)
+
+    @app.get("/v1/tenants")
+    async def list_tenants(admin: AdminDep) -> dict[str, Any]:
+        return gateway.list_tenants(admin)
+
+    @app.get("/v1/tenants/{tenant_id}")
+    async def tenant_info(admin: AdminDep, tenant_id: str) -> dict[str, Any]:
+        return gateway.tenant_info(admin, tenant_id)
+
+    @app.delete("/v1/tenants/{tenant_id}")
+    async def delete_tenant(admin: AdminDep, tenant_id: str) -> dict[str, Any]:
+        return gateway.delete_tenant(admin, tenant_id)
+
+    return app
+
+
+async def _first_event(events: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        raise EngineRefusal(503, "the engine ended the request without an answer") from None
+    if "error" in first:
+        raise EngineRefusal(int(first["error"]["status"]), first["error"]["message"])
+    return first
+
+
+async def _chain(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    yield first
+    async for event in rest:
+        yield event
+
+
+def _usage(final: dict[str, Any] | None, retrieval_ms: float, ttft_ms: float) -> dict[str, Any]:
+    engine = (final or {}).get("usage", {})
+    return {"prompt_tokens": engine.get("prompt_tokens", 0), "completion_tokens": engine.get("completion_tokens", 0),
+            "total_tokens": engine.get("total_tokens", 0), "injected_tokens": engine.get("injected_tokens", 0),
+            "prefilled_tokens": engine.get("prefilled_tokens", 0), "cached_tokens": engine.get("cached_tokens", 0),
+            "memory_tokens": engine.get("memory_tokens", 0), "retrieval_ms": round(retrieval_ms, 3),
+            "ttft_ms": round(ttft_ms, 3), "engine_ttft_ms": engine.get("engine_ttft_ms", 0.0),
+            "memory_fallback": engine.get("memory_fallback"),
+            "prompt_tokens_details": {"cached_tokens": engine.get("prompt_tokens", 0) - engine.get("prefilled_tokens", 0)}}
+
+
+async def _sse(gateway: Gateway, first: dict[str, Any], events: AsyncIterator[dict[str, Any]], base: dict[str, Any],
+               received: float, retrieval_ms: float, include_usage: bool, mode: str) -> AsyncIterator[bytes]:
+    def chunk(delta: dict[str, Any], finish: str | None, usage: dict | None = None) -> bytes:
+        body = {**base, "object": "chat.completion.chunk",
+                "choices": [] if usage is not None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+
+    ttft_ms, final, role_sent = None, None, False
+    async for event in _chain(first, events):
+        if "delta" in event:
+            ttft_ms = ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000
+            delta = {"content": event["delta"]} if role_sent else {"role": "assistant", "content": event["delta"]}
+            role_sent = True
+            yield chunk(delta, None)
+        elif event.get("done"):
+            final = event
+        elif "error" in event:
+            yield f"data: {json.dumps({'error': {'code': 'engine_error', 'message': event['error']['message']}})}\n\n".encode()
+            return
+    usage = _usage(final, retrieval_ms, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000)
+    gateway.observe_usage(usage, mode)
+    yield chunk({} if role_sent else {"role": "assistant", "content": ""}, (final or {}).get("finish_reason", "stop"))
+    if include_usage:
+        yield chunk({}, None, usage)
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,58 @@
+"""Lay out one chat request's prompt around its retrieved facts, for each memory mode.
+
+`inject`: `[chat-frame record][facts with K/V records][facts without K/V, as text][conversation]`; the
+records form the memory region the connector fills, so only the text after it is prefilled. A fact
+whose K/V does not exist yet (encoding is asynchronous) is pasted right after the region, which keeps
+the region a prefix. Without the tenant's frame record nothing can be injected and the request is laid
+out like `prompt`. `prompt`: the same facts pasted as text (the baseline of memory systems that paste
+retrieved facts). `off`: no facts. Every request is salted per tenant and version, so no prefix-cache
+block, pasted or injected, is ever shared between tenants; computed and injected blocks have separate
+salts, so a `prompt` request never reuses injected K/V (nor the reverse).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from kvcore.plan import MemoryPlan, cache_salt
+
+Mode = Literal["inject", "prompt", "off"]
+MODES: tuple[Mode, ...] = ("inject", "prompt", "off")
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    """One retrieved fact: its tokens as they go into the prompt, and its K/V record if it has one."""
+
+    fact_id: str
+    token_ids: tuple[int, ...]
+    record_id: str | None = None
+
+
+@dataclass(frozen=True)
+class LaidOutPrompt:
+    token_ids: list[int]
+    plan: MemoryPlan | None
+    cache_salt: str
+    memory_tokens: int  # tokens of facts in the prompt, injected or pasted
+    planned_tokens: int  # tokens the plan asks the connector to provide (frame + records)
+
+
+def lay_out(mode: Mode, tenant_id: str, version: int, prefix_ids: Sequence[int], items: Sequence[MemoryItem],
+            query_ids: Sequence[int], frame: tuple[str, Sequence[int]] | None = None) -> LaidOutPrompt:
+    """The prompt of one request; `frame` is the tenant's chat-frame record (id, tokens), when it exists."""
+    if mode not in MODES:
+        raise ValueError(f"memory mode must be one of {MODES}, got {mode!r}")
+    salt = cache_salt(tenant_id, version)
+    text_salt = f"{salt}-text"  # computed blocks never mix with injected ones (their K/V differ slightly)
+    items = list(items) if mode != "off" else []
+    memory_tokens = sum(len(item.token_ids) for item in items)
+    injectable = [item for item in items if item.record_id is not None]
+    if mode != "inject" or frame is None or tuple(frame[1]) != tuple(prefix_ids) or not query_ids:
+        pasted = [t for item in items for t in item.token_ids]
+        return LaidOutPrompt([*prefix_ids, *pasted, *query_ids], None, text_salt, memory_tokens, 0)
+    pasted = [t for item in items if item.record_id is None for t in item.token_ids]
+    region = [*prefix_ids, *(t for item in injectable for t in item.token_ids)]
+    plan = MemoryPlan(tenant_id, (frame[0], *(item.record_id for item in injectable)), version)
+    return LaidOutPrompt([*region, *pasted, *query_ids], plan, salt, memory_tokens, len(region))

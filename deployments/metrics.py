@@ -1,0 +1,28 @@
+"""Prometheus metrics of the ingress (one registry per process; labels never carry tenant content)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("inferscale_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=self.registry)
+        self.errors = Counter("inferscale_errors", "Error answers by status code", ["code"], registry=self.registry)
+        self.ttft = Histogram("inferscale_ttft_seconds", "Time to first token at the ingress", ["mode"],
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.retrieval = Histogram("inferscale_retrieval_seconds", "Embedding + FAISS + metadata lookup",
+                                   buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tokens = Counter("inferscale_prompt_tokens", "Prompt tokens by how they were served", ["kind"],
+                              registry=self.registry)
+        self.fallbacks = Counter("inferscale_memory_fallbacks", "Requests whose memory plan fell back to prefill",
+                                    registry=self.registry)
+        self.encodings = Counter("inferscale_fact_encodings", "Background fact encodings", ["outcome"],
+                                 registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

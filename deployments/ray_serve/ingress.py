@@ -1,0 +1,70 @@
+"""`Ingress`: the HTTP front (FastAPI) of the cluster; auth, validation, retrieval, routing, metrics.
+
+Retrieval runs here, next to authentication: it needs the tenant's Redis metadata anyway, MiniLM on a
+query costs a few milliseconds, and it saves a hop to a separate deployment on every request. The chat
+then goes to an LLM server replica through the tenant-affinity router, streamed back event by event.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from config.settings import load_settings
+from deployments.app_args import AppArgs
+from deployments.gateway import Gateway
+from deployments.http_api import create_app
+from deployments.metrics import Metrics
+from models.minilm import MiniLMEmbedder
+from tenants.connect import connect_service
+
+log = logging.getLogger(__name__)
+
+
+class ServeLLMBackend:
+    """The LLM server deployment seen through its handle (streaming chats, encodings)."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+
+    def chat(self, task: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        return self._stream.chat.remote(task)
+
+    async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]:
+        return await self._handle.encode.remote({"api_key": api_key, "tenant_id": tenant_id, "facts": facts})
+
+
+def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, Callable[[dict], None]], dict]:
+    """Extraction + encoding of a conversation as an encoding job on this Ray cluster."""
+    from encoder_jobs.job import run_job
+
+    settings = load_settings(**args.settings)
+
+    def run(job_id: str, key: str, tenant_id: str, path: Path, progress: Callable[[dict], None]) -> dict:
+        report = run_job(settings, redis_url=args.redis_url, key=key, tenant_id=tenant_id, input_path=path,
+                         window=args.encoding_window, progress=lambda r: progress(r.to_dict()))
+        return report.to_dict()
+
+    return run
+
+
+@serve.ingress()
+class Ingress:
+    def __init__(self, llm: DeploymentHandle, args: dict[str, Any]) -> None:
+        self.args = AppArgs(**args)
+        settings = load_settings(**self.args.settings)
+        service = connect_service(self.args.redis_url, self.args.state_dir, MiniLMEmbedder(), settings.tenants)
+        if self.args.admin_key:
+            service.install_admin_key(self.args.admin_key)
+        elif (created := service.ensure_admin_key()) is not None:
+            log.warning("admin key created (shown once; keep it, set INFERSCALE_ADMIN_KEY): %s", created)
+        self.gateway = Gateway(service, ServeLLMBackend(llm), self.args.ingress, self.args.llm.served_name,
+                               Metrics(), self.args.state_dir / "jobs", _job_runner(self.args))
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.gateway)

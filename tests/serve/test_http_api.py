@@ -1,0 +1,104 @@
+"""End to end over HTTP against the real cluster: memory-grounded answers, isolation, the openai client."""
+
+from __future__ import annotations
+
+import requests
+from openai import OpenAI
+
+from cluster.demo import FACTS
+
+from tests.serve.conftest import MODEL
+
+PIXEL = [f.text for f in FACTS]  # the demo's facts: a grey cat called Pixel, among others
+TOFU = [t.replace("a grey cat called Pixel", "a black cat called Tofu") for t in PIXEL]
+CAT = "What is the name of Maya's cat?"
+
+
+def test_two_tenants_get_answers_grounded_in_their_own_facts_only(cluster):
+    alice, bob = cluster.new_tenant("alice"), cluster.new_tenant("bob")
+    alice_ids, bob_ids = cluster.add_and_wait(alice, PIXEL), cluster.add_and_wait(bob, TOFU)
+    for auth, own, other in ((alice, "Pixel", "Tofu"), (bob, "Tofu", "Pixel")):
+        for mode in ("inject", "prompt"):
+            answer = cluster.chat(auth, CAT, memory={"k": 4, "mode": mode})
+            assert answer.status_code == 200, answer.text
+            text = answer.json()["choices"][0]["message"]["content"]
+            assert own in text and other not in text, (mode, text)
+    # without memory the model does not know either cat
+    off = cluster.chat(alice, CAT, memory={"mode": "off"}).json()["choices"][0]["message"]["content"]
+    assert "Pixel" not in off and "Tofu" not in off
+    # retrieval and reads never cross tenants, even with the other tenant's ids
+    found = requests.post(f"{cluster.base}/v1/memories/search", json={"query": "cat", "limit": 10}, headers=alice).json()
+    assert {r["id"] for r in found["results"]} <= set(alice_ids)
+    assert requests.get(f"{cluster.base}/v1/memories/{bob_ids[0]}", headers=alice).status_code == 404
+    assert requests.delete(f"{cluster.base}/v1/memories/{bob_ids[0]}", headers=alice).status_code == 404
+    assert requests.get(f"{cluster.base}/v1/memories/{bob_ids[0]}", headers=bob).status_code == 200
+
+
+def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(cluster):
+    carol = cluster.new_tenant("carol")
+    cluster.add_and_wait(carol, PIXEL)
+    injected = cluster.chat(carol, "Where does Maya work?", memory={"k": 3}).json()["usage"]
+    pasted = cluster.chat(carol, "Where does Maya work?", memory={"k": 3, "mode": "prompt"}).json()["usage"]
+    assert injected["prompt_tokens"] == pasted["prompt_tokens"]  # the same prompt, served two ways
+    assert injected["injected_tokens"] > injected["memory_tokens"] > 0  # the frame and every fact
+    query_tokens = injected["prompt_tokens"] - injected["injected_tokens"]
+    assert injected["prefilled_tokens"] == query_tokens < 40
+    assert pasted["injected_tokens"] == 0 and pasted["prefilled_tokens"] == pasted["prompt_tokens"]
+    for usage in (injected, pasted):
+        assert usage["ttft_ms"] > 0 and usage["retrieval_ms"] > 0 and usage["completion_tokens"] > 0
+
+
+def test_the_official_openai_client_works_unchanged_streaming_included(cluster):
+    dave = cluster.new_tenant("dave")
+    cluster.add_and_wait(dave, PIXEL)
+    client = OpenAI(base_url=f"{cluster.base}/v1", api_key=dave["Authorization"].split()[1])
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16,
+                                           extra_body={"memory": {"k": 3}})
+    assert "Pixel" in reply.choices[0].message.content and reply.usage.completion_tokens > 0
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"memory": {"k": 3}})
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert len(pieces) > 1 and "".join(pieces) == reply.choices[0].message.content  # greedy: the same text
+    assert usage is not None and usage.model_extra["injected_tokens"] > 0
+
+
+def test_memory_lifecycle_update_reencodes_and_delete_removes(cluster):
+    erin = cluster.new_tenant("erin")
+    ids = cluster.add_and_wait(erin, PIXEL)
+    fact_id = ids[[i for i, text in enumerate(PIXEL) if "Pixel" in text][0]]
+    updated = requests.put(f"{cluster.base}/v1/memories/{fact_id}", json={"memory": "Maya has a ginger cat called Mango.",
+                                                                          "version": 1}, headers=erin)
+    assert updated.status_code == 200 and updated.json()["version"] == 2
+    stale = requests.put(f"{cluster.base}/v1/memories/{fact_id}", json={"memory": "x", "version": 1}, headers=erin)
+    assert stale.status_code == 409
+    import time
+
+    deadline = time.monotonic() + 60
+    while not requests.get(f"{cluster.base}/v1/memories/{fact_id}", headers=erin).json()["kv_ready"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    answer = cluster.chat(erin, CAT, memory={"k": 4}).json()
+    assert "Mango" in answer["choices"][0]["message"]["content"] and answer["usage"]["injected_tokens"] > 0
+    assert requests.delete(f"{cluster.base}/v1/memories/{fact_id}", headers=erin).json()["event"] == "DELETE"
+    assert requests.get(f"{cluster.base}/v1/memories/{fact_id}", headers=erin).status_code == 404
+    left = requests.get(f"{cluster.base}/v1/memories", headers=erin).json()["results"]
+    assert sorted(m["id"] for m in left) == sorted(i for i in ids if i != fact_id)
+
+
+def test_tenant_admin_and_metrics(cluster):
+    cluster.new_tenant("frank")
+    listed = requests.get(f"{cluster.base}/v1/tenants", headers=cluster.admin()).json()["tenants"]
+    assert "frank" in listed
+    assert requests.delete(f"{cluster.base}/v1/tenants/frank", headers=cluster.admin()).status_code == 200
+    assert requests.get(f"{cluster.base}/v1/tenants/frank", headers=cluster.admin()).status_code == 404
+    metrics = requests.get(f"{cluster.base}/metrics").text
+    assert "inferscale_ttft_seconds_bucket" in metrics and 'inferscale_prompt_tokens_total{kind="injected"}' in metrics
+    assert "alice" not in metrics and "Pixel" not in metrics  # no tenant content in labels
+    assert requests.get(f"{cluster.base}/healthz").json()["redis"] is True
