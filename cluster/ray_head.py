@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 
@@ -43,7 +42,9 @@ class RayHead:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     @classmethod
-    def start(cls, num_cpus: int, num_gpus: int | None = None, timeout_s: float = 180) -> "RayHead":
+    def start(cls, num_cpus: int, num_gpus: int | None = None, timeout_s: float = 180,
+              env: dict[str, str] | None = None) -> "RayHead":
+        """`env`: the environment of the head (and so of job drivers); this process's by default."""
         ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
         if ray is None:
             raise FileNotFoundError("the `ray` command is missing: pip install 'ray[serve]'")
@@ -56,7 +57,7 @@ class RayHead:
                 f"--ray-client-server-port={free_port()}"]
         if num_gpus is not None:
             args.append(f"--num-gpus={num_gpus}")
-        env = {**os.environ, **LOOPBACK_ENV, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
+        env = {**(env if env is not None else os.environ), **LOOPBACK_ENV, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
         done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
             head.stop()

@@ -82,6 +82,8 @@ class Gateway:
         self.metrics.tokens.labels(kind="prefilled").inc(usage["prefilled_tokens"])
         self.metrics.tokens.labels(kind="cached").inc(usage.get("cached_tokens", 0))
         self.metrics.tokens.labels(kind="completion").inc(usage["completion_tokens"])
+        if usage.get("memory_fallback"):
+            self.metrics.fallbacks.inc()
 
     # ---- memories ----
     def add_memories(self, tenant: Tenant, api_key: str, body: AddMemories) -> tuple[int, dict[str, Any]]:

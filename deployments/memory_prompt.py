@@ -36,7 +36,6 @@ class LaidOutPrompt:
     plan: MemoryPlan | None
     cache_salt: str
     memory_tokens: int  # tokens of facts in the prompt, injected or pasted
-    planned_tokens: int  # tokens the plan asks the connector to provide (frame + records)
 
 
 def lay_out(mode: Mode, tenant_id: str, version: int, prefix_ids: Sequence[int], items: Sequence[MemoryItem],
@@ -51,8 +50,8 @@ def lay_out(mode: Mode, tenant_id: str, version: int, prefix_ids: Sequence[int],
     injectable = [item for item in items if item.record_id is not None]
     if mode != "inject" or frame is None or tuple(frame[1]) != tuple(prefix_ids) or not query_ids:
         pasted = [t for item in items for t in item.token_ids]
-        return LaidOutPrompt([*prefix_ids, *pasted, *query_ids], None, text_salt, memory_tokens, 0)
+        return LaidOutPrompt([*prefix_ids, *pasted, *query_ids], None, text_salt, memory_tokens)
     pasted = [t for item in items if item.record_id is None for t in item.token_ids]
     region = [*prefix_ids, *(t for item in injectable for t in item.token_ids)]
     plan = MemoryPlan(tenant_id, (frame[0], *(item.record_id for item in injectable)), version)
-    return LaidOutPrompt([*region, *pasted, *query_ids], plan, salt, memory_tokens, len(region))
+    return LaidOutPrompt([*region, *pasted, *query_ids], plan, salt, memory_tokens)

@@ -27,6 +27,3 @@ class RateLimiter:
             if len(self._buckets) > MAX_TRACKED:
                 self._buckets.popitem(last=False)
             return allowed
-
-    def retry_after_s(self) -> float:
-        return 1.0 / self._rate

@@ -65,9 +65,3 @@ class RateLimitedError(TenantError):
     """The tenant sent more requests than its rate allows; retry after a moment."""
 
     http_status = 429
-
-
-class PayloadTooLargeError(TenantError):
-    """The request body is larger than the configured limit."""
-
-    http_status = 413

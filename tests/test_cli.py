@@ -66,15 +66,10 @@ def test_encode_submits_through_the_ray_jobs_api(tmp_path):
     """`--submit` sends the job to a running Ray cluster (`ray start --head`) and follows it to the end."""
     import json
     import os
-    import socket
     from pathlib import Path
 
+    from cluster.ray_head import RayHead
     from tests.encoder_jobs.test_job import write_input
-
-    def free_port():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
 
     venv_bin = str(Path(sys.executable).parent)
     env = {**os.environ, "INFERSCALE_STATE_DIR": str(tmp_path / "state"), "RAY_USAGE_STATS_ENABLED": "0",
@@ -84,20 +79,9 @@ def test_encode_submits_through_the_ray_jobs_api(tmp_path):
     created = subprocess.run([sys.executable, "-m", "cluster.cli", "tenant", "maya", "--window", "1"], env=env,
                              capture_output=True, text=True, timeout=300, check=True)
     env["INFERSCALE_ADMIN_KEY"] = re.search(r"admin key .*: (isa\.\S+)", created.stderr).group(1)
-    port, dashboard = free_port(), free_port()
-    import tempfile
-
-    ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix sockets must fit 107 characters
-    ray = [os.path.join(venv_bin, "ray")]
-    subprocess.run(ray + ["start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=true",
-                          f"--dashboard-port={dashboard}", "--num-cpus=2", f"--temp-dir={ray_dir}",
-                          # its own agent ports: another Ray of this test session already holds the defaults
-                          f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                          f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-                          f"--ray-client-server-port={free_port()}"],
-                   env=env, capture_output=True, text=True, timeout=180, check=True)
+    head = RayHead.start(num_cpus=2, env=env)  # its own ports and temp folder: another Ray of this session holds the defaults
     try:
-        url = f"http://127.0.0.1:{dashboard}"
+        url = head.dashboard_url
         done = subprocess.run([sys.executable, "-m", "cluster.cli", "encode", "--tenant", "maya", "--input",
                                str(write_input(tmp_path / "in.json")), "--submit", url],
                               env=env, capture_output=True, text=True, timeout=600)
@@ -108,17 +92,5 @@ def test_encode_submits_through_the_ray_jobs_api(tmp_path):
                                 env=env, capture_output=True, text=True, timeout=120, check=True)
         assert json.loads(status.stdout)["status"] == "SUCCEEDED"
     finally:
-        _kill_processes_mentioning(ray_dir)  # only this head: `ray stop` would stop every Ray here
+        head.stop()  # only this head: `ray stop` would stop every Ray here
 
-
-def _kill_processes_mentioning(marker: str) -> None:
-    import os
-
-    import psutil
-
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if proc.pid != os.getpid() and any(marker in part for part in proc.info["cmdline"] or []):
-                proc.kill()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue

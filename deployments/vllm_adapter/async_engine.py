@@ -129,9 +129,6 @@ class MemoryEngine:
 
         return dict(await asyncio.gather(*(one(*fact) for fact in facts)))
 
-    def forget_tenant(self, tenant_id: str) -> None:
-        self._frames.pop(tenant_id, None)
-
     async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
         """Text deltas (`{"delta": ...}`) then one final `{"done": True, "finish_reason", "usage"}`."""
         frame = (self.frame_id, self.prefix_ids) if task.mode == "inject" and await self.ensure_frame(task.tenant_id) else None

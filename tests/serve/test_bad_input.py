@@ -18,7 +18,7 @@ def grace(cluster):
 
 
 def cases(cluster, auth, fact_id):
-    base, admin = cluster.base, cluster.admin()
+    admin = cluster.admin()
     return [
         ("no key", "post", "/v1/chat/completions", CHAT, {}, 401),
         ("wrong key", "post", "/v1/chat/completions", CHAT, {"Authorization": "Bearer isk.grace.nope"}, 401),
