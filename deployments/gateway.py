@@ -142,6 +142,10 @@ class Gateway:
         async def encode() -> None:
             try:
                 outcome = await self.llm.encode(api_key, tenant_id, work)
+                retry = [w for w in work if outcome.get(w[0]) != "encoded"]
+                if retry:  # once more: a replica may have been replaced or busy in between
+                    await asyncio.sleep(1.0)
+                    outcome |= await self.llm.encode(api_key, tenant_id, retry)
                 failed = sum(1 for status in outcome.values() if status != "encoded")
                 for fact_id, status in outcome.items():
                     if status != "encoded":

@@ -119,7 +119,7 @@ class MemoryEngine:
             try:
                 async for _ in self._engine.generate(prompt, params, f"encode-{uuid.uuid4().hex}"):
                     pass
-                record = self._store.get(tenant_id, scratch)
+                record = await self._written_record(tenant_id, scratch)
                 await asyncio.to_thread(attach, fact_id, version, record)
                 return fact_id, "encoded"
             except Exception as exc:  # noqa: BLE001 - reported per fact; the fact stays served by its text
@@ -169,6 +169,17 @@ class MemoryEngine:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+
+    async def _written_record(self, tenant_id: str, record_id: str, timeout_s: float = 10.0) -> FactKV:
+        """A captured record, waiting for the worker process to finish writing it (it may trail the output)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._store.get(tenant_id, record_id)
+            except (KVCoreError, OSError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
 
     def _frame_ready(self, tenant_id: str) -> bool:
         try:
