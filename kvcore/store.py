@@ -9,6 +9,7 @@ The tenant store of the tenants package implements the same protocol on top of R
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -175,11 +176,17 @@ class LocalFactStore:
         return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
     def _bump(self, tenant_id: str) -> int:
-        marker = self.root / tenant_id / "VERSION"
-        version = self.version(tenant_id) + 1
-        tmp = marker.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(str(version))
-        os.replace(tmp, marker)
+        """Increment the tenant's version under a file lock: writers in other processes (the engine's workers)
+        and other store objects of this process bump it too, and no increment may be lost."""
+        folder = self.root / tenant_id
+        marker = folder / "VERSION"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / ".version.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            version = self.version(tenant_id) + 1
+            tmp = folder / f"VERSION.tmp{os.getpid()}-{threading.get_ident()}"
+            tmp.write_text(str(version))
+            os.replace(tmp, marker)
         return version
 
     def _drop(self, key: tuple[str, str]) -> None:

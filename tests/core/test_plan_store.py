@@ -65,3 +65,14 @@ def test_store_cache_is_bounded(tmp_path):
         store.put(make_record(f"f{i}", seed=i))
         store.get("t1", f"f{i}")
     assert len(store._cache) == 2
+
+
+def test_concurrent_writers_never_lose_a_version_bump(tmp_path):
+    """Threads writing through two store objects (as the serving process does) each get their own version."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    stores = [LocalFactStore(tmp_path), LocalFactStore(tmp_path)]
+    with ThreadPoolExecutor(8) as pool:
+        versions = list(pool.map(lambda i: stores[i % 2].put(make_record(f"f{i}", 3, seed=i)), range(64)))
+    assert sorted(versions) == list(range(1, 65))
+    assert stores[0].version("t1") == 64 and len(stores[1].record_ids("t1")) == 64
