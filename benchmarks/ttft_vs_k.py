@@ -69,6 +69,7 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, help="HF config.json of a model shape to run with dummy weights")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--torch-path", action="store_true", help="write K/V with torch ops, not the fused Triton kernel")
     args = p.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may touch CUDA first
     gpu = torch.cuda.is_available()
@@ -91,7 +92,7 @@ def main() -> None:
     else:
         engine_kwargs.update(enforce_eager=True, kv_cache_memory_bytes=1 << 30)
     llm = build_llm(path, store.root, fingerprint, dtype=args.dtype, max_model_len=4096, seed=0,
-                    device_cache_bytes=4 << 30, **engine_kwargs)
+                    device_cache_bytes=4 << 30, fused_kernel=not args.torch_path, **engine_kwargs)
     rng = random.Random(1)
     fact_ids = [f for f in tokens if f != "prefix"]
 
@@ -159,7 +160,7 @@ def main() -> None:
         target("inject_fallbacks", float(sum(r["inject_fallbacks"] for r in rows)), "<= 0"),
     ]
     write_report(args.out, {"benchmark": "ttft_vs_k", "quick": args.quick, "gpu": gpu, "dtype": args.dtype,
-                            "model": args.config and str(args.config) or path, "rows": rows,
+                            "model": args.config and str(args.config) or path, "fused_kernel_allowed": not args.torch_path, "rows": rows,
                             "concurrent": {"requests": concurrent, "k": k_concurrent, "req_per_s": throughput},
                             "targets": targets})
 

@@ -23,7 +23,7 @@ import logging
 import re
 from array import array
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, Protocol, Sequence
 
 import torch
 
@@ -40,6 +40,20 @@ from kvcore.tiers import TieredStore
 log = logging.getLogger(__name__)
 
 Policy = Literal["recompute", "fail"]
+
+
+class StepWriter(Protocol):
+    """Writes every layer of a step from the arena into joint `[K | V]` cache rows, rotating K on the way.
+
+    Called with the arena's K and V `[L, R, H, D]`, the step index `[3, T]` (arena row, position, slot)
+    and the float32 cos/sin tables `[N, D/2]`. A device kernel (deployments/triton_adapter) implements it.
+    """
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
+
+
+# Given every layer's joint rows `[slots, H, 2D]` and the rope, a StepWriter for them, or None (torch path).
+StepWriterFactory = Callable[[Sequence[torch.Tensor], RopeConfig], StepWriter | None]
 
 
 @dataclass(frozen=True)
@@ -184,7 +198,8 @@ class InjectionWorker:
     """Worker-side loads into one engine's paged caches, from a device arena of hot records."""
 
     def __init__(self, store: FactStore, fingerprint: str, rope: RopeConfig, device_cache_bytes: int = 1 << 30,
-                 rotate_bytes: int = 256 << 20, tiers: TieredStore | None = None) -> None:
+                 rotate_bytes: int = 256 << 20, tiers: TieredStore | None = None,
+                 step_writer: StepWriterFactory | None = None) -> None:
         self._store = store
         self._fingerprint = fingerprint
         self._rope = rope
@@ -200,6 +215,8 @@ class InjectionWorker:
         self._tiers = tiers  # lower tiers below the arena: evicted records spill there, and stream back
         self._streams: TierStreams | None = None
         self._failed: set[int] = set()
+        self._writer_factory = step_writer
+        self._writer: StepWriter | None = None  # a fused kernel for arena-only steps, when the caches allow one
 
     def register(self, caches: dict[str, torch.Tensor], layout: PagedLayout) -> None:
         """Keep the engine's per-layer caches (ordered by the layer number in their names) and size the arena."""
@@ -208,6 +225,8 @@ class InjectionWorker:
         self._targets = {name: layout.target(caches[name]) for name in names}
         self._joint = all(target.kv_rows is not None for target in self._targets.values())
         self._layout = layout
+        if self._joint and self._writer_factory is not None:
+            self._writer = self._writer_factory([self._targets[name].kv_rows for name in names], self._rope)
         first = caches[names[0]]
         self._table = RotationTable(self._rope, first.device, table_dtype_of(first.dtype))
         self._arena = DeviceArena(len(names), layout.num_kv_heads, layout.head_dim, first.device, self._device_cache_bytes,
@@ -299,8 +318,10 @@ class InjectionWorker:
         failed, self._failed = self._failed, set()
         return failed
 
-    def _index(self, sources: list[_Source], rows: list[int], loads: list[LoadSpec]) -> _Step:
-        """Move the step's token index to the device in one copy, then look up its rotation angles."""
+    def _index(self, sources: list[_Source], rows: list[int], loads: list[LoadSpec]) -> _Step | None:
+        """Move the step's token index to the device in one copy, then look up its rotation angles.
+
+        With a fused writer and every token in the arena, the whole step is written here (None returned)."""
         positions = [torch.arange(load.begin, load.end) for load in loads]
         slots = [slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size) for load in loads]
         packed = torch.stack((_long_tensor(rows), _cat(positions, dim=0), _cat(slots, dim=0)))
@@ -309,6 +330,9 @@ class InjectionWorker:
             packed = packed.pin_memory()
         index = packed.to(device, non_blocking=True)
         self._table.reserve(max(load.end for load in loads))
+        if self._writer is not None and len(sources) == 1 and sources[0].k is self._arena.k:
+            self._writer(self._arena.k, self._arena.v, index, *self._table.tables)
+            return None
         cos, sin = self._table.lookup(index[1])
         step = _Step(sources, index, cos[:, None], sin[:, None])
         layers, _, heads, dim = sources[0].k.shape

@@ -217,6 +217,11 @@ class RotationTable:
             cos, sin = cos.to(self._table_dtype).float(), sin.to(self._table_dtype).float()
         self._cos, self._sin = cos, sin
 
+    @property
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole float32 cos and sin tables `[reserved, dim/2]`, for kernels that index them themselves."""
+        return self._cos, self._sin
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin `[*positions.shape, dim/2]`; `reserve` the largest position first."""
         return self._cos[positions], self._sin[positions]

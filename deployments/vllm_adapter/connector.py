@@ -7,7 +7,8 @@ role); version drift of vLLM stays in this file. Extra config (`kv_connector_ext
 (`recompute` or `fail`, mirrored in vLLM's `kv_load_failure_policy`), `device_cache_bytes` (the size of the
 worker's device arena of records); with `disk_cache_dir` set, records evicted from the arena spill to
 pinned host memory (`host_cache_bytes`) and disk, int8 unless `compress_lower` is false, and stream back
-layer by layer.
+layer by layer. `fused_kernel` (default true) lets CUDA workers write arena-resident steps with the Triton
+kernel of `deployments.triton_adapter` when the cache layout allows it.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class InferscaleConnector(KVConnectorBase_V1):
                 tiers = TieredStore(vllm_config.device_config.device, 0, int(extra.get("host_cache_bytes", 1 << 30)),
                                     Path(extra["disk_cache_dir"]), compress_lower=bool(extra.get("compress_lower", True)))
             self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", 1 << 30)),
-                                           tiers=tiers)
+                                           tiers=tiers, step_writer=_step_writer() if extra.get("fused_kernel", True) else None)
             self._capture = CaptureWorker(store, fingerprint, rope)
 
     # ---- scheduler side ----
@@ -158,3 +159,13 @@ class InferscaleConnector(KVConnectorBase_V1):
             impl.do_kv_cache_update(layer, k, v, scratch, slots)
 
         return write
+
+
+def _step_writer():
+    """The Triton step writer's factory, or None where Triton is not installed."""
+    try:
+        from deployments.triton_adapter.fused_inject import fused_row_writer
+    except ImportError as exc:
+        log.info("fused injection kernel unavailable: %s", exc)
+        return None
+    return fused_row_writer

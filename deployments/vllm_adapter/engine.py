@@ -21,9 +21,10 @@ CONNECTOR_MODULE = "deployments.vllm_adapter.connector"
 
 
 def kv_transfer_config(store_root: Path, fingerprint: str, on_load_failure: Literal["recompute", "fail"] = "recompute",
-                       device_cache_bytes: int = 1 << 30, tiers: dict[str, Any] | None = None) -> KVTransferConfig:
+                       device_cache_bytes: int = 1 << 30, tiers: dict[str, Any] | None = None,
+                       fused_kernel: bool = True) -> KVTransferConfig:
     """The `KVTransferConfig` that loads `InferscaleConnector` out of tree (`tiers`: `disk_cache_dir`,
-    `host_cache_bytes`, `compress_lower`)."""
+    `host_cache_bytes`, `compress_lower`; `fused_kernel`: the Triton step writer on CUDA)."""
     return KVTransferConfig(
         kv_connector=CONNECTOR_CLASS,
         kv_connector_module_path=CONNECTOR_MODULE,
@@ -31,16 +32,17 @@ def kv_transfer_config(store_root: Path, fingerprint: str, on_load_failure: Lite
         kv_load_failure_policy=on_load_failure,
         kv_connector_extra_config={"store_root": str(store_root), "fingerprint": fingerprint,
                                    "on_load_failure": on_load_failure, "device_cache_bytes": device_cache_bytes,
+                                   "fused_kernel": fused_kernel,
                                    **{k: str(v) if isinstance(v, Path) else v for k, v in (tiers or {}).items()}},
     )
 
 
 def build_llm(model: str | Path, store_root: Path, fingerprint: str, *,
               on_load_failure: Literal["recompute", "fail"] = "recompute", device_cache_bytes: int = 1 << 30,
-              tiers: dict[str, Any] | None = None, **engine_kwargs: Any) -> LLM:
+              tiers: dict[str, Any] | None = None, fused_kernel: bool = True, **engine_kwargs: Any) -> LLM:
     """An offline `LLM` with prefix caching on and KV injection wired in."""
     engine_kwargs.setdefault("enable_prefix_caching", True)
-    config = kv_transfer_config(store_root, fingerprint, on_load_failure, device_cache_bytes, tiers)
+    config = kv_transfer_config(store_root, fingerprint, on_load_failure, device_cache_bytes, tiers, fused_kernel)
     return LLM(model=str(model), kv_transfer_config=config, **engine_kwargs)
 
 

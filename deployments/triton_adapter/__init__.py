@@ -1,0 +1,1 @@
+"""Triton kernels of the serving path: every `triton` import lives here."""
