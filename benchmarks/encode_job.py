@@ -49,11 +49,12 @@ def main() -> None:
     settings = load_settings(state_dir=folder / "state")
     if torch.cuda.is_available():
         settings.model.dtype = "bfloat16"
+        facts_per_run = 2048  # enough that the actor's start (model load, CUDA init) is a small share
     server = LocalRedis(folder / "redis").start()
     import ray
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
-    loaded = load_model(settings.model)
+    loaded = load_model(settings.model.model_copy(update={"device": "cuda" if torch.cuda.is_available() else "cpu"}))
     frame = build_frame(loaded.tokenizer, settings.system_prompt)
     encoder = TokenizerEncoder(loaded.tokenizer)
     service = connect_service(server.url, settings.state_dir, MiniLMEmbedder(), settings.tenants)

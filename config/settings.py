@@ -20,6 +20,7 @@ class ModelSettings(BaseModel):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights and K/V dtype on CPU.")
     cache_dir: Path = Field(default_factory=lambda: _default_cache() / "models", description="Converted models live here.")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads; None leaves torch's default.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where transformers runs the model (encoding, demo).")
 
 
 class EncodingSettings(BaseModel):

@@ -13,6 +13,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from config.settings import Settings
 from kvcore.conversation import Fact, FactLimits, Turn
 from kvcore.encoding import encode_jobs, plan_fact_jobs
@@ -31,11 +33,13 @@ CRASH_ENV = "INFERSCALE_ENCODER_CRASH_AFTER"  # tests: SIGKILL this worker after
 class EncodeWorker:
     def __init__(self, settings: dict[str, Any], redis_url: str, key: str, tenant_id: str, window: int) -> None:
         self._settings = Settings(**settings)
-        self._loaded = load_model(self._settings.model)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU actor encodes and embeds on its GPU
+        self._loaded = load_model(self._settings.model.model_copy(update={"device": device}))
         self._forward = HFKVForward(self._loaded)
         self._frame = build_frame(self._loaded.tokenizer, self._settings.system_prompt)
         self._encoder = TokenizerEncoder(self._loaded.tokenizer)
-        service = connect_service(redis_url, Path(self._settings.state_dir), MiniLMEmbedder(), self._settings.tenants)
+        service = connect_service(redis_url, Path(self._settings.state_dir), MiniLMEmbedder(device=device),
+                                  self._settings.tenants)
         self._tenant = service.open_tenant(key, tenant_id)
         self._window = window
         self._limits = FactLimits(self._settings.encoding.max_fact_chars, self._settings.encoding.max_fact_tokens)
@@ -44,7 +48,7 @@ class EncodeWorker:
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         rows = [_plain(dict(zip(batch, values))) for values in zip(*batch.values())]
         statuses: dict[str, tuple[str, str]] = {}
-        todo = []
+        todo, stored_without_kv = [], set()
         for row in rows:
             try:
                 existing = self._tenant.get_fact(row["fact_id"])
@@ -54,8 +58,14 @@ class EncodeWorker:
                 statuses[row["fact_id"]] = ("skipped", "")
             else:
                 todo.append(row)
-        for row, record in self._encode(todo, statuses):
-            statuses[row["fact_id"]] = self._store(row, record)
+                if existing is not None:
+                    stored_without_kv.add(row["fact_id"])
+        encoded = self._encode(todo, statuses)
+        new = [(row, record) for row, record in encoded if row["fact_id"] not in stored_without_kv]
+        statuses |= self._insert_new(new)
+        for row, record in encoded:
+            if row["fact_id"] in stored_without_kv:
+                statuses[row["fact_id"]] = self._store(row, record)
         return {"fact_id": [r["fact_id"] for r in rows], "status": [statuses[r["fact_id"]][0] for r in rows],
                 "error": [statuses[r["fact_id"]][1] for r in rows]}
 
@@ -77,6 +87,33 @@ class EncodeWorker:
                               max_batch_tokens=self._settings.encoding.max_batch_tokens)
         return [(row, record) for (row, _), record in zip(planned, records)]
 
+    def _insert_new(self, rows: list[tuple[dict, Any]]) -> dict[str, tuple[str, str]]:
+        """Insert new facts with their K/V in one call (one embedding batch); per fact if that is refused
+        (another run stored one of them meanwhile, or one is invalid)."""
+        if not rows:
+            return {}
+        try:
+            self._tenant.add_facts([row["text"] for row, _ in rows], fact_ids=[row["fact_id"] for row, _ in rows],
+                                   source_turns=[row["anchor"] for row, _ in rows], kvs=[record for _, record in rows])
+        except TenantError as exc:
+            log.info("batch insert refused (%s); storing one fact at a time", exc)
+            return {row["fact_id"]: self._store_unless_done(row, record) for row, record in rows}
+        self._count_stored(len(rows))
+        return {row["fact_id"]: ("encoded", "") for row, _ in rows}
+
+    def _store_unless_done(self, row: dict, record) -> tuple[str, str]:
+        try:
+            if self._tenant.get_fact(row["fact_id"]).kv_ready:
+                return "encoded", ""
+        except TenantError:
+            pass
+        return self._store(row, record)
+
+    def _count_stored(self, count: int) -> None:
+        self._stored += count
+        if os.environ.get(CRASH_ENV) and self._stored >= int(os.environ[CRASH_ENV]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def _store(self, row: dict, record) -> tuple[str, str]:
         try:
             try:
@@ -88,9 +125,7 @@ class EncodeWorker:
                 status = "encoded"
         except TenantError as exc:
             return "failed", str(exc)
-        self._stored += 1
-        if os.environ.get(CRASH_ENV) and self._stored >= int(os.environ[CRASH_ENV]):
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._count_stored(1)
         return status, ""
 
 

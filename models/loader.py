@@ -116,7 +116,7 @@ def _convert_gguf(gguf: Path, cache_dir: Path) -> None:
 
 
 def load_model(settings: "ModelSettings") -> LoadedModel:
-    """Load the configured model (a local HF dir, or the bundled SmolLM2) for CPU use."""
+    """Load the configured model (a local HF dir, or the bundled SmolLM2) on `settings.device`."""
     force_offline()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -126,7 +126,7 @@ def load_model(settings: "ModelSettings") -> LoadedModel:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[settings.dtype], attn_implementation="sdpa")
-    model.eval()
+    model.to(settings.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, spec=model_spec(model))
 
