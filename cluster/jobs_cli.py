@@ -34,7 +34,7 @@ def _store(settings: Settings) -> Iterator[tuple[str, TenantService, str]]:
     tenants = open_tenants(settings)
     try:
         service = tenants.service
-        admin = os.environ.get(ADMIN_ENV)
+        admin = settings.admin_key
         created = service.ensure_admin_key()
         if created:
             print(f"admin key (shown once; export {ADMIN_ENV}=...): {created}", file=sys.stderr)

@@ -42,7 +42,7 @@ def run_up(settings: Settings, *, port: int, out: TextIO) -> int:
     if settings.redis.url is None:
         redis = LocalRedis(settings.state_dir / "redis", settings.redis.port, settings.redis.appendfsync).start()
     redis_url = settings.redis.url or redis.url
-    admin_key = os.environ.get("INFERSCALE_ADMIN_KEY") or _local_admin_key(settings.state_dir)
+    admin_key = settings.admin_key or _local_admin_key(settings.state_dir)
     head = RayHead.start(num_cpus=max(8, os.cpu_count() or 2), num_gpus=torch.cuda.device_count() or None)
     state = {"ray": head.to_dict(), "redis_pid": redis.pid if redis else None, "redis_url": redis_url,
              "port": port}

@@ -65,6 +65,7 @@ class Settings(BaseSettings):
         description="System prompt placed before the memory region.",
     )
     log_level: str = Field("INFO", description="Root log level.")
+    admin_key: str | None = Field(None, description="The admin key to install (INFERSCALE_ADMIN_KEY; a Secret on Kubernetes).")
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -47,6 +47,8 @@ class IngressArgs(Strict):
     num_replicas: int = 1
     max_ongoing_requests: int = Field(256, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.5})
+    embed_device: Literal["cpu", "cuda"] = Field("cpu", description="Where retrieval embeds queries (cuda needs "
+                                                                      "num_gpus in ray_actor_options).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted (413 above).")
     rate_per_s: float = Field(50.0, gt=0, description="Sustained requests per second per tenant (429 above).")
     burst: int = Field(100, ge=1, description="Requests a tenant may send at once before the rate applies.")
@@ -58,14 +60,23 @@ class IngressArgs(Strict):
 class AppArgs(Strict):
     """Everything `build_app` needs."""
 
-    redis_url: str = Field(..., description="redis://host:port/db holding tenants and fact metadata.")
+    redis_url: str | None = Field(None, description="redis://host:port/db holding tenants and fact metadata; None: "
+                                                    "the settings tree's (INFERSCALE_REDIS__URL, from a Secret).")
     state_dir: Path = Field(..., description="Shared folder of records and index snapshots.")
     system_prompt: str = "Remembered facts about the user:"
-    admin_key: str | None = Field(None, description="Admin key to install when none is stored (else generated).")
+    admin_key: str | None = Field(None, description="Admin key to install; None: the settings tree's "
+                                                    "(INFERSCALE_ADMIN_KEY), else one is generated when none is stored.")
     encoding_window: int = Field(5, ge=0, description="Turns each extracted fact is encoded behind.")
     settings: dict[str, Any] = Field(default_factory=dict, description="The settings tree for encoding jobs.")
     llm: LLMArgs = Field(default_factory=LLMArgs)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
+
+    def redis(self, settings: Any) -> str:
+        """The Redis URL: given here, or from the settings tree (kept out of the Serve config when it holds a password)."""
+        url = self.redis_url or settings.redis.url
+        if not url:
+            raise ValueError("no Redis URL: set redis_url in the application args or INFERSCALE_REDIS__URL")
+        return url
 
     def engine_kwargs(self, cuda: bool) -> dict[str, Any]:
         """The engine arguments a replica starts with: CPU defaults under the given ones when there is no GPU."""

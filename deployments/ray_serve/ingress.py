@@ -46,7 +46,7 @@ def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, Callable[[dict]
     settings = load_settings(**args.settings)
 
     def run(job_id: str, key: str, tenant_id: str, path: Path, progress: Callable[[dict], None]) -> dict:
-        report = run_job(settings, redis_url=args.redis_url, key=key, tenant_id=tenant_id, input_path=path,
+        report = run_job(settings, redis_url=args.redis(settings), key=key, tenant_id=tenant_id, input_path=path,
                          window=args.encoding_window, progress=lambda r: progress(r.to_dict()))
         return report.to_dict()
 
@@ -58,9 +58,10 @@ class Ingress:
     def __init__(self, llm: DeploymentHandle, args: dict[str, Any]) -> None:
         self.args = AppArgs(**args)
         settings = load_settings(**self.args.settings)
-        service = connect_service(self.args.redis_url, self.args.state_dir, MiniLMEmbedder(), settings.tenants)
-        if self.args.admin_key:
-            service.install_admin_key(self.args.admin_key)
+        service = connect_service(self.args.redis(settings), self.args.state_dir,
+                                  MiniLMEmbedder(device=self.args.ingress.embed_device), settings.tenants)
+        if admin_key := self.args.admin_key or settings.admin_key:
+            service.install_admin_key(admin_key)
         elif (created := service.ensure_admin_key()) is not None:
             log.warning("admin key created (shown once; keep it, set INFERSCALE_ADMIN_KEY): %s", created)
         self.gateway = Gateway(service, ServeLLMBackend(llm), self.args.ingress, self.args.llm.served_name,

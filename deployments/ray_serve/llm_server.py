@@ -36,7 +36,7 @@ class LLMServer:
         self.engine = MemoryEngine(path, fingerprint, self.args.state_dir / "records", self.args.system_prompt,
                                    engine_kwargs=self.args.engine_kwargs(cuda), on_load_failure=self.args.llm.on_load_failure,
                                    device_cache_bytes=self.args.llm.device_cache_bytes, tiers=self.args.llm.tiers)
-        self.service = connect_service(self.args.redis_url, self.args.state_dir, MiniLMEmbedder(), settings.tenants)
+        self.service = connect_service(self.args.redis(settings), self.args.state_dir, MiniLMEmbedder(), settings.tenants)
         await self.engine.warm_up()
         log.info("LLM server ready: %s (fingerprint %s, %s)", path, fingerprint, "cuda" if cuda else "cpu")
 
