@@ -10,9 +10,7 @@ real serving size; facts' K/V are then captured from that engine like any other.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -25,62 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._cluster import start_cluster  # noqa: E402
 from benchmarks._common import parser, target, write_report  # noqa: E402
 
 MODEL = "inferscale-smollm2"
-
-
-def shaped_model(config_path: Path, into: Path) -> tuple[str, str]:
-    """A model folder: the shape's config (SmolLM2's vocabulary and special ids) and SmolLM2's tokenizer."""
-    from config import load_settings
-    from models.loader import model_path
-
-    bundled = model_path(load_settings().model)
-    config = json.loads(config_path.read_text())
-    own = json.loads((bundled / "config.json").read_text())
-    config.update({key: own[key] for key in ("vocab_size", "bos_token_id", "eos_token_id") if key in own})
-    into.mkdir(parents=True)
-    (into / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                 "chat_template.jinja"):
-        if (bundled / name).exists():
-            shutil.copy(bundled / name, into / name)
-    return str(into), "dummy-" + hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def start_cluster(state: Path, cuda: bool, shape: Path | None):
-    import os
-
-    import ray
-    from ray import serve
-
-    from cluster.ray_head import LOOPBACK_ENV, free_port
-    from cluster.redis_server import LocalRedis
-    from deployments.ray_serve.app import build_app
-    from tenants.auth import new_admin_key
-
-    os.environ.update(LOOPBACK_ENV)
-    redis = LocalRedis(state / "redis").start()
-    ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    port, admin = free_port(), new_admin_key()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    env = {"VLLM_CACHE_ROOT": str(state / "vllm-cache")} | ({} if cuda else {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
-    llm = {"dtype": "bfloat16" if cuda else "float32", "env": env, "max_ongoing_requests": 256,
-           "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.9} if cuda else {"num_cpus": 1}}
-    ingress = {"rate_per_s": 10_000, "burst": 10_000, "max_ongoing_requests": 512}
-    if cuda:  # the GPU also embeds queries (a sliver of it per ingress replica), as a GPU deployment would
-        llm["engine_kwargs"] = {"gpu_memory_utilization": 0.6, "max_model_len": 4096}
-        llm["device_cache_bytes"] = 24 << 30  # every tenant's facts stay hot in HBM, as for active tenants
-        ingress |= {"num_replicas": 4, "embed_device": "cuda", "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.02}}
-    if shape is not None:
-        path, fingerprint = shaped_model(shape, state / "model")
-        llm |= {"model": path, "fingerprint": fingerprint}
-        llm["engine_kwargs"] = {**llm.get("engine_kwargs", {}), "load_format": "dummy", "dtype": llm["dtype"]}
-    args = {"redis_url": redis.url, "state_dir": str(state), "admin_key": admin, "llm": llm,
-            "ingress": ingress}
-    serve.run(build_app(args), name="inferscale", route_prefix="/")
-    return f"http://127.0.0.1:{port}", admin, redis
 
 
 def make_tenants(base: str, admin: str, count: int, facts: int) -> list[dict[str, str]]:

@@ -18,7 +18,8 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from deployments.app_args import IngressArgs
 from deployments.metrics import Metrics
 from deployments.rate_limit import RateLimiter
-from deployments.schemas import AddMemories, ChatRequest, CreateTenant, SearchMemories, UpdateMemory
+from deployments.schemas import AddMemories, ChatRequest, CreateTenant, SearchMemories, SubmitJob, UpdateMemory
+from encoder_jobs.inputs import JobInputError, parse_input
 from tenants.errors import InvalidInputError, RateLimitedError
 from tenants.facts import Fact
 from tenants.service import Tenant, TenantService
@@ -32,15 +33,17 @@ class LLMBackend(Protocol):
     async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]: ...
 
 
-JobRunner = Callable[[str, str, str, Path, Callable[[dict], None]], dict]  # (job, key, tenant, input, progress)
+# (job id, key, tenant, input file, window (None: the tenant's), progress) -> the job's report
+JobRunner = Callable[[str, str, str, Path, "int | None", Callable[[dict], None]], dict]
 
 
 class Gateway:
     def __init__(self, service: TenantService, llm: LLMBackend, args: IngressArgs, served_name: str,
-                 metrics: Metrics, jobs_dir: Path, run_job: JobRunner | None = None) -> None:
+                 metrics: Metrics, jobs_dir: Path, run_job: JobRunner | None = None,
+                 extraction_window: int | None = None) -> None:
         self.service, self.llm, self.args, self.served_name, self.metrics = service, llm, args, served_name, metrics
         self._limiter = RateLimiter(args.rate_per_s, args.burst)
-        self._jobs_dir, self._run_job = jobs_dir, run_job
+        self._jobs_dir, self._run_job, self._extraction_window = jobs_dir, run_job, extraction_window
         self._background: set[asyncio.Future] = set()
 
     # ---- auth ----
@@ -117,6 +120,15 @@ class Gateway:
     def job(self, tenant: Tenant, job_id: str) -> dict[str, Any]:
         return tenant.job(job_id)
 
+    def submit_job(self, tenant: Tenant, api_key: str, body: SubmitJob) -> dict[str, Any]:
+        """An encoding job over an input in the job file format (explicit facts with turns, or LoCoMo),
+        validated whole before it is queued."""
+        try:
+            parse_input(body.input, self.service.max_fact_chars)
+        except JobInputError as exc:
+            raise InvalidInputError(f"job input: {exc}") from None
+        return self._queue_job(tenant, api_key, body.input, body.window)
+
     # ---- admin ----
     def create_tenant(self, admin_key: str | None, body: CreateTenant) -> dict[str, Any]:
         info, key = self.service.create_tenant(admin_key or "", body.id, max_facts=body.max_facts,
@@ -161,14 +173,19 @@ class Gateway:
     def _start_job(self, tenant: Tenant, api_key: str, body: AddMemories) -> dict[str, Any]:
         if self._run_job is None:
             raise InvalidInputError("this deployment runs no extraction jobs; send explicit 'facts'")
-        job_id = f"job-{uuid.uuid4().hex[:16]}"
         turns = [{"speaker": "User" if m.role == "user" else "Assistant", "text": m.content}
                  for m in body.messages or [] if m.role != "system"]
         if not turns:
             raise InvalidInputError("messages hold no user or assistant turns to extract facts from")
+        return self._queue_job(tenant, api_key, {"turns": turns}, self._extraction_window)
+
+    def _queue_job(self, tenant: Tenant, api_key: str, job_input: dict[str, Any], window: int | None) -> dict[str, Any]:
+        if self._run_job is None:
+            raise InvalidInputError("this deployment runs no encoding jobs")
+        job_id = f"job-{uuid.uuid4().hex[:16]}"
         self._jobs_dir.mkdir(parents=True, exist_ok=True)
         path = self._jobs_dir / f"{tenant.id}-{job_id}.json"
-        path.write_text(json.dumps({"turns": turns}))
+        path.write_text(json.dumps(job_input))
         tenant.record_job(job_id, {"id": job_id, "status": "queued", "created": time.time()})
 
         def progress(report: dict) -> None:
@@ -176,7 +193,7 @@ class Gateway:
 
         def run() -> None:
             try:
-                report = self._run_job(job_id, api_key, tenant.id, path, progress)
+                report = self._run_job(job_id, api_key, tenant.id, path, window, progress)
                 tenant.record_job(job_id, {"id": job_id, "status": "succeeded", "report": report, "finished": time.time()})
             except Exception as exc:  # noqa: BLE001 - the job's status carries the reason
                 log.exception("extraction job failed")

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.gateway import Gateway
-from deployments.schemas import AddMemories, ChatRequest, CreateTenant, SearchMemories, UpdateMemory
+from deployments.schemas import AddMemories, ChatRequest, CreateTenant, SearchMemories, SubmitJob, UpdateMemory
 from tenants.errors import TenantError
 from tenants.service import Tenant
 
@@ -171,6 +171,10 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.delete("/v1/memories/{fact_id}")
     async def delete_memory(tenant: TenantDep, fact_id: str) -> dict[str, Any]:
         return gateway.delete_memory(tenant, fact_id)
+
+    @app.post("/v1/jobs", status_code=202)
+    async def submit_job(request: Request, tenant: TenantDep, body: SubmitJob) -> dict[str, Any]:
+        return gateway.submit_job(tenant, _key(request) or "", body)
 
     @app.get("/v1/jobs/{job_id}")
     async def job(tenant: TenantDep, job_id: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -79,6 +79,16 @@ class AddMemories(BaseModel):
         if (self.facts is None) == (self.messages is None):
             raise ValueError("send exactly one of 'facts' and 'messages'")
         return self
+
+
+class SubmitJob(BaseModel):
+    """An encoding job: `input` in the job file format (explicit facts with their turns, or a LoCoMo
+    conversation to extract facts from), encoded behind `window` turns (None: the tenant's window)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: dict[str, Any]
+    window: int | None = Field(None, ge=0, le=256)
 
 
 class SearchMemories(BaseModel):

@@ -39,15 +39,15 @@ class ServeLLMBackend:
         return await self._handle.encode.remote({"api_key": api_key, "tenant_id": tenant_id, "facts": facts})
 
 
-def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, Callable[[dict], None]], dict]:
-    """Extraction + encoding of a conversation as an encoding job on this Ray cluster."""
+def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Callable[[dict], None]], dict]:
+    """An encoding job (explicit facts, or extraction from a conversation) on this Ray cluster."""
     from encoder_jobs.job import run_job
 
     settings = load_settings(**args.settings)
 
-    def run(job_id: str, key: str, tenant_id: str, path: Path, progress: Callable[[dict], None]) -> dict:
+    def run(job_id: str, key: str, tenant_id: str, path: Path, window: int | None, progress: Callable[[dict], None]) -> dict:
         report = run_job(settings, redis_url=args.redis(settings), key=key, tenant_id=tenant_id, input_path=path,
-                         window=args.encoding_window, progress=lambda r: progress(r.to_dict()))
+                         window=window, progress=lambda r: progress(r.to_dict()))
         return report.to_dict()
 
     return run
@@ -65,7 +65,8 @@ class Ingress:
         elif (created := service.ensure_admin_key()) is not None:
             log.warning("admin key created (shown once; keep it, set INFERSCALE_ADMIN_KEY): %s", created)
         self.gateway = Gateway(service, ServeLLMBackend(llm), self.args.ingress, self.args.llm.served_name,
-                               Metrics(), self.args.state_dir / "jobs", _job_runner(self.args))
+                               Metrics(), self.args.state_dir / "jobs", _job_runner(self.args),
+                               extraction_window=self.args.encoding_window)
 
     def __serve_build_asgi_app__(self):
         return create_app(self.gateway)

@@ -1,0 +1,1 @@
+"""Answer quality of KV injection against prompt injection on LoCoMo-format conversational memory."""
