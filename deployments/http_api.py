@@ -16,11 +16,12 @@ from typing import Annotated, Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.gateway import Gateway
-from deployments.schemas import AddMemories, ChatRequest, CreateTenant, SearchMemories, SubmitJob, UpdateMemory
+from deployments.schemas import (AddMemories, ChatRequest, CreateTenant, ErrorBody, SearchMemories, SubmitJob,
+                                 UpdateMemory)
 from tenants.errors import TenantError
 from tenants.service import Tenant
 
@@ -65,7 +66,9 @@ AdminDep = Annotated[str, Depends(_admin_auth)]
 
 
 def create_app(gateway: Gateway) -> FastAPI:
-    app = FastAPI(title="inferscale", version="0.1.0")
+    errors = {status: {"model": ErrorBody, "description": code.replace("_", " ")}
+              for status, code in _CODES.items() if status in (400, 401, 403, 404, 405, 409, 413, 422, 429)}
+    app = FastAPI(title="inferscale", version="0.1.0", responses=errors)  # error answers are part of the schema
     app.state.gateway = gateway
     metrics = gateway.metrics
 
@@ -112,7 +115,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def healthz() -> dict[str, Any]:
         return {"status": "ok", "redis": gateway.service.meta.ping(), "model": gateway.served_name}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -122,7 +125,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         return {"object": "list", "data": [{"id": gateway.served_name, "object": "model", "created": 0,
                                             "owned_by": "inferscale"}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={200: {"description": "a chat completion, or its chunks as server-sent events",
+                                                       "content": {"application/json": {}, "text/event-stream": {}}}})
     async def chat(tenant: TenantDep, body: ChatRequest):
         received = time.perf_counter()
         task, retrieval_ms = await gateway.prepare_chat(tenant, body)
@@ -147,7 +151,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                                                                  "finish_reason": final["finish_reason"]}], "usage": usage}
 
     # ---- memories ----
-    @app.post("/v1/memories")
+    @app.post("/v1/memories", responses={202: {"description": "facts to extract from messages: an encoding job was queued"}})
     async def add_memories(request: Request, tenant: TenantDep, body: AddMemories) -> JSONResponse:
         status, result = gateway.add_memories(tenant, _key(request) or "", body)
         return JSONResponse(result, status_code=status)

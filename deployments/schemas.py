@@ -112,3 +112,14 @@ class CreateTenant(BaseModel):
     max_facts: int | None = Field(None, ge=1)
     max_bytes: int | None = Field(None, ge=1)
     window: int = Field(5, ge=0, le=1000)
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: `{"error": {"code", "message"}}`."""
+
+    error: ErrorDetail
