@@ -23,6 +23,7 @@ from deployments.gateway import Gateway
 from deployments.schemas import (AddMemories, ChatRequest, CreateTenant, ErrorBody, SearchMemories, SubmitJob,
                                  UpdateMemory)
 from tenants.errors import TenantError
+from tenants.redis_meta import STORE_UNAVAILABLE
 from tenants.service import Tenant
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ AdminDep = Annotated[str, Depends(_admin_auth)]
 
 def create_app(gateway: Gateway) -> FastAPI:
     errors = {status: {"model": ErrorBody, "description": code.replace("_", " ")}
-              for status, code in _CODES.items() if status in (400, 401, 403, 404, 405, 409, 413, 422, 429)}
+              for status, code in _CODES.items() if status != 500}
     app = FastAPI(title="inferscale", version="0.1.0", responses=errors)  # error answers are part of the schema
     app.state.gateway = gateway
     metrics = gateway.metrics
@@ -107,6 +108,9 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, STORE_UNAVAILABLE):
+            log.warning("metadata store unavailable on %s: %s", request.url.path, type(exc).__name__)
+            return error(503, "the metadata store is unavailable; retry shortly")
         log.exception("unhandled error on %s", request.url.path)
         return error(500, "internal error")
 

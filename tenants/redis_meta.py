@@ -121,6 +121,10 @@ return 1
 """
 
 
+# Redis down or unreachable: callers answer "unavailable, retry" (HTTP 503) rather than a server fault.
+STORE_UNAVAILABLE: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+
+
 class RedisMeta:
     """Typed access to the keys above; errors come back as the tenants layer's own exceptions."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -22,6 +23,7 @@ class Cluster:
     base: str
     admin_key: str
     state_dir: Path
+    redis: Any = None  # the cluster's own LocalRedis (fault tests kill and restart it)
 
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_key}"}
@@ -70,6 +72,6 @@ def cluster(ray_local, tmp_path_factory):
                     "engine_kwargs": {"kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16}},
             "ingress": {"max_body_bytes": 64 * 1024}}
     serve.run(build_app(args), name="inferscale", route_prefix="/")
-    yield Cluster(f"http://127.0.0.1:{port}", admin, state)
+    yield Cluster(f"http://127.0.0.1:{port}", admin, state, redis)
     serve.shutdown()
     redis.stop()
