@@ -43,7 +43,8 @@ def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Cal
     """An encoding job (explicit facts, or extraction from a conversation) on this Ray cluster."""
     from encoder_jobs.job import run_job
 
-    settings = load_settings(**args.settings)
+    # the job writes records where the LLM servers read them: the application's state folder
+    settings = load_settings(**{**args.settings, "state_dir": args.state_dir})
 
     def run(job_id: str, key: str, tenant_id: str, path: Path, window: int | None, progress: Callable[[dict], None]) -> dict:
         report = run_job(settings, redis_url=args.redis(settings), key=key, tenant_id=tenant_id, input_path=path,

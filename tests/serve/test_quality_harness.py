@@ -21,7 +21,11 @@ def test_quick_quality_run_scores_both_modes_on_the_same_facts(cluster, tmp_path
     assert len(rows) == questions * len(plan.modes)
     inject = [r for r in rows if r["mode"] == "inject_w5"]
     prompt = [r for r in rows if r["mode"] == "prompt"]
-    assert all(r["injected_tokens"] > 0 for r in inject) and all(r["injected_tokens"] == 0 for r in prompt)
+    assert all(r["injected_tokens"] == 0 for r in prompt)
+    # the job's K/V (encoded behind 5 turns) is injected: every fact, not just the chat frame, skips prefill
+    for injected, pasted in zip(inject, prompt):
+        assert injected["question"] == pasted["question"]
+        assert injected["injected_tokens"] >= 40 and injected["prefilled_tokens"] + 40 <= pasted["prefilled_tokens"], (injected, pasted)
     # k=10 >= the 7 facts of a conversation: every question's evidence is retrieved
     assert all(r["recall"] == 1.0 for r in rows)
     assert all(0.0 <= r["f1"] <= 1.0 and r["prediction"] for r in rows)
