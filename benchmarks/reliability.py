@@ -41,7 +41,7 @@ def fuzz(base: str, key: str, examples: int, report_dir: Path) -> dict:
         [binary, "run", f"{base}/openapi.json", "--header", f"Authorization: Bearer {key}", "--checks", CHECKS,
          "--max-examples", str(examples), "--generation-deterministic", "--workers", "1", "--request-timeout", "120",
          "--report", "junit", "--report-dir", str(report_dir), "--no-color"],
-        capture_output=True, text=True, timeout=3600)
+        capture_output=True, text=True, timeout=3600, cwd=report_dir)  # its own cache folder lands there
     output = done.stdout + done.stderr
     generated = re.search(r"(\d+) generated", output)
     junit = "".join(path.read_text() for path in report_dir.glob("*.xml"))
