@@ -7,7 +7,9 @@ import hashlib
 import json
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 def shaped_model(config_path: Path, into: Path) -> tuple[str, str]:
@@ -61,3 +63,25 @@ def start_cluster(state: Path, cuda: bool, shape: Path | None):
             "ingress": ingress}
     serve.run(build_app(args), name="inferscale", route_prefix="/")
     return f"http://127.0.0.1:{port}", admin, redis
+
+
+@contextmanager
+def cluster_for(base_url: str | None, admin_key: str | None, name: str, cuda: bool = False) -> Iterator[tuple[str, str]]:
+    """(base URL, admin key) of the given cluster, or of one started here for the duration (then stopped)."""
+    if base_url:
+        if not admin_key:
+            from config import load_settings
+
+            admin_key = load_settings().admin_key
+        if not admin_key:
+            raise SystemExit("an admin key is needed with --base-url (--admin-key or INFERSCALE_ADMIN_KEY)")
+        yield base_url.rstrip("/"), admin_key
+        return
+    base, admin, redis = start_cluster(Path(tempfile.mkdtemp(prefix=f"{name}-")), cuda=cuda, shape=None)
+    try:
+        yield base, admin
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        redis.stop()

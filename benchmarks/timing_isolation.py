@@ -16,7 +16,6 @@ from __future__ import annotations
 import random
 import string
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -122,21 +121,10 @@ def main() -> None:
     p.add_argument("--admin-key")
     args = p.parse_args()
     probes, injected = (60, 20) if args.quick else (200, 200)
-    stop = None
-    if args.base_url:
-        base, admin = args.base_url.rstrip("/"), args.admin_key
-    else:
-        from benchmarks._cluster import start_cluster
+    from benchmarks._cluster import cluster_for
 
-        base, admin, stop = start_cluster(Path(tempfile.mkdtemp(prefix="timing-")), cuda=False, shape=None)
-    try:
+    with cluster_for(args.base_url, args.admin_key, "timing") as (base, admin):
         report = run(Api(base, admin), probes, injected)
-    finally:
-        if stop is not None:
-            from ray import serve
-
-            serve.shutdown()
-            stop.stop()
     report["targets"] = [target("AUC, prefix-cache probe across tenants", report["auc"]["prefix_cache"], "<= 0.6"),
                          target("AUC, fact-injection probe across tenants", report["auc"]["fact_injection"], "<= 0.6"),
                          target("AUC, control: the attacker's own cache", report["auc"]["control_own_cache"], ">= 0.9")]

@@ -15,10 +15,8 @@ Without --base-url a cluster is started in this process (redis-server, local Ray
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +26,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import target, write_report  # noqa: E402
-from benchmarks.quality.locomo import CATEGORIES, Sample, load_samples  # noqa: E402
+from benchmarks.quality.locomo import CATEGORIES, LocomoError, Sample, load_samples  # noqa: E402
 from benchmarks.quality.scoring import exact_match, recall, score  # noqa: E402
 
 SUFFIX = " Answer in a few words."
@@ -167,29 +165,15 @@ def main() -> None:
     parser.add_argument("--admin-key", help="its admin key (default: INFERSCALE_ADMIN_KEY)")
     parser.add_argument("--quick", action="store_true", help="first conversation, k=10, w=5, inject and prompt")
     args = parser.parse_args()
-    samples = load_samples(args.data)  # a bad file fails here, before any cluster work
-    plan = Plan.of(args.quick)
-    stop = None
-    if args.base_url:
-        from config import load_settings
-
-        admin = args.admin_key or load_settings().admin_key
-        if not admin:
-            parser.error("--admin-key (or INFERSCALE_ADMIN_KEY) is needed with --base-url")
-        base = args.base_url.rstrip("/")
-    else:
-        from benchmarks._cluster import start_cluster
-
-        base, admin, redis = start_cluster(Path(tempfile.mkdtemp(prefix="quality-")), cuda=_cuda(), shape=None)
-        stop = redis
     try:
-        report = evaluate(Client(base, admin), samples, plan)
-    finally:
-        if stop is not None:
-            from ray import serve
+        samples = load_samples(args.data)  # a bad file fails here, before any cluster work
+    except LocomoError as exc:
+        parser.error(str(exc))
+    plan = Plan.of(args.quick)
+    from benchmarks._cluster import cluster_for
 
-            serve.shutdown()
-            stop.stop()
+    with cluster_for(args.base_url, args.admin_key, "quality", cuda=_cuda()) as (base, admin):
+        report = evaluate(Client(base, admin), samples, plan)
     report |= {"benchmark": "quality", "quick": args.quick, "data": str(args.data), "plan": plan.__dict__}
     write_report(args.out, report)
     plot(report, args.out.with_suffix(".png"))
