@@ -12,7 +12,9 @@ stay in HBM; a miss copies the exact version the scheduler checked), sends the s
 (arena row, position, cache slot) to the device in one copy and, for latency-sized steps, gathers and
 rotates every layer's keys with a handful of kernels; `load_layer` then writes that layer's K and V of
 all requests with one indexed copy, so a slower tier can later overlap with compute layer by layer.
-Large steps gather and rotate per layer in bounded chunks. With lower tiers configured, the arena's
+Large steps gather and rotate per layer in bounded chunks. Given a `StepWriter` (a fused device kernel, on
+caches whose slot rows hold `[K | V]`), an arena-only step is instead written whole, all layers, in `start`.
+With lower tiers configured, the arena's
 evictions spill there and loads that need them are streamed layer by layer (`kvcore/streaming.py`).
 Loads that fail are reported as block ids (`take_failed_blocks`), never silently skipped.
 """
