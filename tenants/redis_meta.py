@@ -138,6 +138,10 @@ class RedisMeta:
     def ping(self) -> bool:
         return bool(self._redis.ping())
 
+    def info_memory(self) -> dict[str, Any]:
+        """Redis' `INFO memory` section (soak tests watch `used_memory`)."""
+        return self._redis.info("memory")
+
     def close(self) -> None:
         self._redis.close()
 
