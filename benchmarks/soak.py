@@ -49,6 +49,9 @@ def main() -> None:
 
     base, admin, redis = start_cluster(Path(tempfile.mkdtemp(prefix="soak-")), cuda=False, shape=None)
     api = Api(base, admin)
+    from tenants.redis_meta import RedisMeta
+
+    meta = RedisMeta(redis.url)  # one client for the run's memory samples
     keys = []
     for t in range(tenants):
         key = api.tenant(f"soak-{t}")
@@ -85,7 +88,7 @@ def main() -> None:
             windows.append({"t_s": round(now - began, 1), "requests": len(recent), "errors": sum(e[1] != 200 for e in recent),
                             "p99_ttft_ms": ttfts[int(0.99 * (len(ttfts) - 1))] if ttfts else None,
                             "ray_rss_mb": ray_rss_bytes() / 2**20,
-                            "redis_used_mb": int(redis_info(redis.url)["used_memory"]) / 2**20})
+                            "redis_used_mb": int(meta.info_memory()["used_memory"]) / 2**20})
         for future in futures:
             future.result()
     from ray import serve
@@ -101,12 +104,6 @@ def main() -> None:
                           target("p99 TTFT, last / first window", (last["p99_ttft_ms"] or 0) / (first["p99_ttft_ms"] or 1), "<= 1.5")]}
     print(f"median p99 TTFT {statistics.median(w['p99_ttft_ms'] for w in windows if w['p99_ttft_ms']):.0f} ms", flush=True)
     write_report(args.out, report)
-
-
-def redis_info(url: str) -> dict:
-    from tenants.redis_meta import RedisMeta
-
-    return RedisMeta(url).info_memory()
 
 
 if __name__ == "__main__":
