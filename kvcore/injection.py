@@ -234,7 +234,7 @@ class InjectionWorker:
         self._arena = DeviceArena(len(names), layout.num_kv_heads, layout.head_dim, first.device, self._device_cache_bytes,
                                   on_evict=self._spill if self._tiers is not None else None)
         if self._tiers is not None:
-            self._streams = TierStreams(self._tiers, self._arena, self._rope, layout, self._table)
+            self._streams = TierStreams(self._tiers, self._arena, self._rope, layout, self._table, self._fail)
 
     @property
     def layer_index(self) -> dict[str, int]:

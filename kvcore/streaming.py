@@ -5,6 +5,9 @@ later load needs it, the load is streamed: `begin` pins its tier entries (two-ph
 `write_layer` reads that one layer of each record (host/disk -> device, dequantized), rotates the keys to
 their positions and writes the layer into the paged cache, so a layer's transfer can overlap the
 previous layer's compute; `finish` unpins and promotes the records back into the arena.
+A tier entry that turns out damaged or gone mid-load is dropped and the canonical record is read from
+the fact store for the remaining layers (the layers already written came from verified bytes); if that
+fails too, the load is reported failed, so the engine recomputes or fails the request, never serves garbage.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvcore.arena import DeviceArena
-from kvcore.errors import ArenaFullError
+from kvcore.errors import ArenaFullError, KVCoreError, RecordCorruptError
 from kvcore.paged import CacheTarget, PagedLayout, slot_mapping
 from kvcore.record import FactKV
 from kvcore.rope import RopeConfig, RotationTable, rotate_into
@@ -45,21 +48,34 @@ class _Part:
     hi: int
     rows: torch.Tensor | None
     reader: LayerReader | None
+    record: FactKV | None = None  # the canonical record, once its tier entry proved damaged
 
 
 @dataclass
 class _Stream:
-    tenant_id: str
+    load: object  # the LoadSpec being streamed
+    fetch: Fetch
     parts: list[_Part]
     slots: torch.Tensor
     cos: torch.Tensor  # [T, 1, dim/2]
     sin: torch.Tensor
+    failed: bool = False
+
+    @property
+    def tenant_id(self) -> str:
+        return self.load.plan.tenant_id
+
+
+def tier_label(record_id: str, stamp: Stamp) -> str:
+    """The name a tier entry keeps for its record, so placements can be reported after a restart."""
+    return f"{record_id}@{'.'.join(str(x) for x in stamp)}"
 
 
 class TierStreams:
     def __init__(self, tiers: TieredStore, arena: DeviceArena, rope: RopeConfig, layout: PagedLayout,
-                 table: RotationTable) -> None:
+                 table: RotationTable, on_fail: Callable[[object, str], None]) -> None:
         self._tiers, self._arena, self._rope, self._layout, self._table = tiers, arena, rope, layout, table
+        self._on_fail = on_fail  # (load, reason): its blocks are reported failed
         self._streams: list[_Stream] = []
 
     @property
@@ -68,7 +84,7 @@ class TierStreams:
 
     def spill(self, key: tuple[str, str], stamp: Stamp, k: torch.Tensor, v: torch.Tensor) -> None:
         """A record leaving the arena goes to the lower tiers rather than away."""
-        self._tiers.put(tier_key(key[0], key[1], stamp), k.to("cpu"), v.to("cpu"))
+        self._tiers.put(tier_key(key[0], key[1], stamp), k.to("cpu"), v.to("cpu"), label=tier_label(key[1], stamp))
 
     def begin(self, load, spans: Sequence[Span], fetch: Fetch) -> bool:
         """Stream `load` if one of its records is held only in the tiers (True); else leave it to the arena."""
@@ -85,7 +101,7 @@ class TierStreams:
                 key = tier_key(tenant, record_id, stamp)
                 if key not in self._tiers:  # neither here nor there: it joins the load through the tiers
                     record = fetch(tenant, record_id, stamp, hi)
-                    self._tiers.put(key, record.k, record.v)
+                    self._tiers.put(key, record.k, record.v, label=tier_label(record_id, stamp))
                 parts.append(_Part(record_id, stamp, lo, hi, None, self._tiers.begin_load(key)))
         except BaseException:
             self._unpin(parts)
@@ -94,20 +110,27 @@ class TierStreams:
         slots = slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size).to(device)
         self._table.reserve(load.end)
         cos, sin = self._table.lookup(torch.arange(load.begin, load.end, device=device))
-        self._streams.append(_Stream(tenant, parts, slots, cos[:, None], sin[:, None]))
+        self._streams.append(_Stream(load, fetch, parts, slots, cos[:, None], sin[:, None]))
         return True
 
     def write_layer(self, index: int, target: CacheTarget) -> None:
         for stream in self._streams:
+            if stream.failed:
+                continue
             keys, values = [], []
-            for part in stream.parts:
-                if part.reader is not None:  # from the host or disk tier: this layer only, on the device
-                    k, v = part.reader.layer(index)
+            try:
+                for part in stream.parts:
+                    if part.rows is not None:
+                        keys.append(self._arena.k[index].index_select(0, part.rows))
+                        values.append(self._arena.v[index].index_select(0, part.rows))
+                        continue
+                    k, v = self._layer_of(stream, part, index)  # host or disk tier: this layer only, on the device
                     keys.append(k[:, part.lo : part.hi].transpose(0, 1))
                     values.append(v[:, part.lo : part.hi].transpose(0, 1))
-                else:
-                    keys.append(self._arena.k[index].index_select(0, part.rows))
-                    values.append(self._arena.v[index].index_select(0, part.rows))
+            except (KVCoreError, OSError) as exc:
+                stream.failed = True
+                self._on_fail(stream.load, f"tier load failed: {exc}")
+                continue
             keys, values = torch.cat(keys), torch.cat(values)
             dim = keys.shape[-1]
             if target.kv_rows is not None:
@@ -120,6 +143,19 @@ class TierStreams:
                 rotate_into(rotated, keys, stream.cos, stream.sin, self._rope)
                 target.write(rotated, values, *self._layout.split(stream.slots))
 
+    def _layer_of(self, stream: _Stream, part: _Part, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer of a tier part; a damaged tier entry is swapped for the canonical record, once."""
+        if part.reader is not None:
+            try:
+                return part.reader.layer(index)
+            except RecordCorruptError as exc:
+                log.warning("request %s: %s; reading the record from the fact store", stream.load.request_id, exc)
+                self._tiers.discard_damaged(part.reader)
+                part.reader = None
+                part.record = stream.fetch(stream.tenant_id, part.record_id, part.stamp, part.hi)
+        device = self._arena.device
+        return part.record.k[index].to(device), part.record.v[index].to(device)
+
     def finish(self) -> None:
         """Unpin the step's tier entries and bring what they held into the arena (spilling colder records)."""
         streams, self._streams = self._streams, []
@@ -129,14 +165,28 @@ class TierStreams:
             for part in stream.parts:
                 if part.reader is not None and part.reader.key in self._tiers:
                     self._promote(stream.tenant_id, part)
+                elif part.record is not None and not stream.failed:
+                    self._admit(stream.tenant_id, part)
 
     def _promote(self, tenant_id: str, part: _Part) -> None:
-        k, v = self._tiers.read(part.reader.key)
+        try:
+            k, v = self._tiers.read(part.reader.key)
+        except RecordCorruptError as exc:
+            log.warning("%s; the entry is dropped", exc)
+            self._tiers.discard_damaged(part.reader)
+            return
         try:
             self._arena.insert((tenant_id, part.record_id), part.stamp, k, v)
         except ArenaFullError:
             return
         self._tiers.remove(part.reader.key)
+
+    def _admit(self, tenant_id: str, part: _Part) -> None:
+        """A record read from the fact store after its tier entry failed goes into the arena if there is room."""
+        try:
+            self._arena.insert((tenant_id, part.record_id), part.stamp, part.record.k, part.record.v)
+        except ArenaFullError:
+            pass
 
     def _unpin(self, parts: list[_Part]) -> None:
         for part in parts:

@@ -5,15 +5,19 @@ entries that score lowest (recency, frequency, importance) one tier down; the lo
 codes (`compress_lower`) and the disk keeps layer-contiguous files, so one layer is read on its own.
 Loads are two-phase: `begin_load` pins the entry (nothing evicts or moves it) and hands out a reader
 of one layer at a time, on the device, so a connector can fetch layer l while layer l-1 computes;
-`end_load` unpins it and may promote it. `on_move(key, tier)` reports every placement (the tenants
-layer records it in Redis); `TieredStore` reopened on the same folder finds its disk entries again.
+`end_load` unpins it and may promote it. `on_move(key, tier)` reports every placement, None once an entry
+leaves (the serving layer records placements in Redis); `TieredStore` reopened on the same folder finds its disk entries again.
+Disk files carry a CRC32 per tensor: a damaged or vanished file raises `RecordCorruptError` on read (and
+is dropped at recovery), so a caller falls back to the canonical record instead of serving garbage.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -21,6 +25,7 @@ from typing import Callable, Literal
 import torch
 
 from kvcore.conversation import check_identifier
+from kvcore.errors import RecordCorruptError
 from kvcore.quantize import Quantized, dequantize, quantize
 from kvcore.safetensors_io import read_header, read_tensor, write_atomic
 
@@ -41,6 +46,7 @@ class _Entry:
     hits: int = 0
     last_use: float = 0.0
     loading: int = 0
+    label: str = ""  # the caller's name for the entry (kept in the disk file, so it survives a restart)
 
 
 class LayerReader:
@@ -67,7 +73,7 @@ class LayerReader:
 class TieredStore:
     def __init__(self, device: torch.device | str, gpu_bytes: int, cpu_bytes: int, disk_dir: Path, *,
                  compress_lower: bool = True, age_scale_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 on_move: Callable[[Key, Tier], None] = lambda key, tier: None) -> None:
+                 on_move: Callable[[Key, Tier | None], None] = lambda key, tier: None) -> None:
         self.device = torch.device(device)
         self._budget = {"gpu": gpu_bytes, "cpu": cpu_bytes, "disk": math.inf}
         self._used = {"gpu": 0, "cpu": 0, "disk": 0}
@@ -85,16 +91,24 @@ class TieredStore:
     def used(self, tier: Tier) -> int:
         return self._used[tier]
 
+    def label_of(self, key: Key) -> str:
+        entry = self._entries.get(key)
+        return entry.label if entry else ""
+
+    def entries(self) -> list[tuple[Key, Tier, str]]:
+        """Every entry's key, tier and label (what a restarted replica reports as its placement)."""
+        return [(key, e.tier, e.label) for key, e in self._entries.items()]
+
     def __contains__(self, key: Key) -> bool:
         return key in self._entries
 
     # ---- writes ----
-    def put(self, key: Key, k: torch.Tensor, v: torch.Tensor, importance: float = 0.0) -> Tier:
+    def put(self, key: Key, k: torch.Tensor, v: torch.Tensor, importance: float = 0.0, label: str = "") -> Tier:
         """Store a fact's K/V `[L, H, T, D]` as high as room can be made; return where it went."""
         _check_key(key)
         if key in self._entries:
             self.remove(key)
-        entry = _Entry("disk", None, 0, k.shape[0], k.dtype, importance, 0, self._clock())
+        entry = _Entry("disk", None, 0, k.shape[0], k.dtype, importance, 0, self._clock(), label=label)
         self._entries[key] = entry
         entry.loading += 1  # protected while it finds its place
         try:
@@ -115,6 +129,18 @@ class TieredStore:
             self._entries[key] = entry
             raise RuntimeError(f"{key} is being loaded and cannot be removed")
         self._release(entry)
+        self._on_move(key, None)
+
+    def discard_damaged(self, reader: LayerReader) -> None:
+        """Drop an entry whose reads failed, pinned by `reader` or not: the caller serves the canonical record."""
+        if self._entries.get(reader.key) is reader._entry:
+            self._drop(reader.key)
+
+    def _drop(self, key: Key) -> None:
+        entry = self._entries.pop(key)
+        log.warning("tier entry %s on %s was damaged or missing; dropped", key, entry.tier)
+        self._release(entry)
+        self._on_move(key, None)
 
     def touch(self, key: Key, importance: float | None = None) -> None:
         """A retrieval hit: raises the entry's recency and frequency (and importance, if higher)."""
@@ -143,12 +169,18 @@ class TieredStore:
         if promote and entry.loading == 0 and entry.tier != "gpu":
             self.promote(reader.key)
 
-    def promote(self, key: Key) -> Tier:
-        """Move an entry to the highest tier above it where room can be made by spilling lower-scoring entries."""
+    def promote(self, key: Key) -> Tier | None:
+        """Move an entry to the highest tier above it where room can be made by spilling lower-scoring entries.
+
+        None if the entry proved damaged on the way up (it is dropped)."""
         entry = self._entries[key]
         if entry.tier == "gpu" or entry.loading:
             return entry.tier
-        k, v = self._decode(entry)
+        try:
+            k, v = self._decode(entry)
+        except RecordCorruptError:
+            self._drop(key)
+            return None
         entry.loading += 1
         try:
             for up in ORDER[: ORDER.index(entry.tier)]:
@@ -224,8 +256,11 @@ class TieredStore:
                     tensors[f"{name}.{layer:03d}.codes"], tensors[f"{name}.{layer:03d}.scales"] = x.codes[layer], x.scales[layer]
                 else:
                     tensors[f"{name}.{layer:03d}"] = x[layer].contiguous()
+        crcs = {name: zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for name, t in tensors.items()}
         write_atomic(path, tensors, {"tenant": key[0], "record": key[1], "layers": str(k.shape[0]),
-                                     "dtype": str(k.dtype).split(".")[-1], "quantized": str(self._compress)})
+                                     "dtype": str(k.dtype).split(".")[-1], "quantized": str(self._compress),
+                                     "label": self._entries[key].label if key in self._entries else "",
+                                     "crc32": json.dumps(crcs, sort_keys=True)})
         return path, path.stat().st_size
 
     def _decode(self, entry: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,22 +278,41 @@ class TieredStore:
     def _recover(self) -> None:
         """Entries a previous store left on disk are this store's disk tier."""
         for path in sorted(self._dir.glob("*.kv")):
-            with open(path, "rb") as handle:
-                meta = read_header(handle, path)[0].get("__metadata__", {})
-            key = (meta.get("tenant", ""), meta.get("record", ""))
-            dtype = getattr(torch, meta.get("dtype", "float32"))
-            self._entries[key] = _Entry("disk", path, path.stat().st_size, int(meta.get("layers", 0)), dtype,
-                                        last_use=self._clock())
+            try:
+                with open(path, "rb") as handle:
+                    meta = read_header(handle, path)[0].get("__metadata__", {})
+                key = (meta["tenant"], meta["record"])
+                _check_key(key)
+                dtype = getattr(torch, meta["dtype"])
+                layers = int(meta["layers"])
+                json.loads(meta["crc32"])
+            except (RecordCorruptError, OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
+                log.warning("tier file %s is unreadable (%s); removed", path, exc)
+                path.unlink(missing_ok=True)
+                continue
+            self._entries[key] = _Entry("disk", path, path.stat().st_size, layers, dtype,
+                                        last_use=self._clock(), label=meta.get("label", ""))
             self._used["disk"] += path.stat().st_size
 
 
 def _read_layer(path: Path, index: int):
-    with open(path, "rb") as handle:
-        header, start = read_header(handle, path)
-        if f"k.{index:03d}.codes" in header:
-            return tuple(Quantized(read_tensor(handle, path, header, start, f"{n}.{index:03d}.codes")[0],
-                                   read_tensor(handle, path, header, start, f"{n}.{index:03d}.scales")[0]) for n in "kv")
-        return tuple(read_tensor(handle, path, header, start, f"{n}.{index:03d}")[0] for n in "kv")
+    """One layer's K and V from a tier file, each tensor checked against its CRC32."""
+    try:
+        with open(path, "rb") as handle:
+            header, start = read_header(handle, path)
+            crcs = json.loads(header.get("__metadata__", {}).get("crc32", "{}"))
+
+            def checked(name: str) -> torch.Tensor:
+                tensor, raw = read_tensor(handle, path, header, start, name)
+                if zlib.crc32(raw) != crcs.get(name):
+                    raise RecordCorruptError(f"{path}: checksum of {name!r} does not match")
+                return tensor
+
+            if f"k.{index:03d}.codes" in header:
+                return tuple(Quantized(checked(f"{n}.{index:03d}.codes"), checked(f"{n}.{index:03d}.scales")) for n in "kv")
+            return tuple(checked(f"{n}.{index:03d}") for n in "kv")
+    except (OSError, ValueError) as exc:  # gone, or a header that parses but lies
+        raise RecordCorruptError(f"{path}: cannot be read ({exc})") from None
 
 
 def _check_key(key: Key) -> None:

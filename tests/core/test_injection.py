@@ -253,3 +253,42 @@ def test_records_spilled_from_the_arena_stream_back_from_the_lower_tiers(store, 
         exact &= torch.equal(v, full.v[layer])
     assert exact != compress  # int8 codes show in the values; full precision is exact
     assert worker.take_failed_blocks() == set()
+
+
+@pytest.mark.parametrize("canonical", ["present", "deleted"])
+def test_a_damaged_tier_file_is_replaced_by_the_record_or_the_load_fails(store, tmp_path, canonical, caplog):
+    """Disk-tier bytes that fail their checksum mid-load are never written: the fact store's record takes over
+    (exact K/V), or, if that is gone too, the request's blocks are reported failed."""
+    from kvcore.tiers import TieredStore
+
+    layout = PagedLayout("rows", BS, 2, 8)
+    caches = {f"l{i}": torch.zeros(16, 2, BS, 16) for i in range(3)}
+    page_bytes = 3 * 2 * 8 * 4 * 2 * 16
+    tiers = TieredStore("cpu", 0, 0, tmp_path / "disk", compress_lower=False)  # every spill goes to disk
+    worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers)
+    plan_pa, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
+    run_step(store, layout, caches, [("r1", plan_pa, [0, 1])], worker=worker)
+    run_step(store, layout, caches, [("r2", plan_b, [2])], worker=worker)  # p spills to disk
+    p_key = tier_key("t1", "p", store.checked_infos("t1", ["p"])[0][0])
+    path = tmp_path / "disk" / f"{p_key[0]}__{p_key[1]}.kv"
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF  # inside the last layer's V
+    path.write_bytes(bytes(raw))
+    sched = InjectionScheduler(store, FP)
+    claimed = sched.match("r3", prompt_for(store, plan_pa.record_ids), plan_pa.to_params(), 0)
+    sched.allocated("r3", [5, 6], claimed)
+    loads = sched.take_loads()
+    if canonical == "deleted":  # after the scheduler checked it
+        store.path("t1", "p").unlink()
+        store._cache.clear()
+    with caplog.at_level("WARNING"):
+        worker.start(loads)
+        for name in caches:
+            worker.load_layer(name)
+        worker.finish_step()
+    assert p_key not in tiers and "checksum" in caplog.text
+    if canonical == "present":
+        assert worker.take_failed_blocks() == set()
+        assert_region(store, layout, caches, plan_pa, [5, 6])
+    else:
+        assert worker.take_failed_blocks() == {5, 6}

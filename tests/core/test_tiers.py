@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvcore.errors import RecordCorruptError
 from kvcore.quantize import dequantize, quantize
 from kvcore.tiers import TieredStore
 
@@ -96,3 +97,46 @@ def test_promotion_after_a_load_and_recovery_of_the_disk_tier(tmp_path):
     reopened = TieredStore("cpu", ENTRY, 0, tmp_path)
     assert reopened.tier_of(("t", "b")) == "disk" and reopened.tier_of(("t", "a")) is None
     assert torch.allclose(read_all(reopened, ("t", "b"))[0], kv(2)[0], atol=float(quantize(kv(2)[0]).scales.max()) / 2 + 1e-6)
+
+
+def flip_a_byte(path, at=-3):
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "removed"])
+def test_a_damaged_disk_entry_raises_instead_of_returning_garbage(tmp_path, damage):
+    moves = []
+    store = TieredStore("cpu", 0, 0, tmp_path, on_move=lambda key, tier: moves.append(tier))
+    store.put(("t", "a"), *kv(1), label="a@1")
+    path = next(tmp_path.glob("*.kv"))
+    {"flipped": flip_a_byte, "truncated": lambda p: p.write_bytes(p.read_bytes()[:-40]),
+     "removed": lambda p: p.unlink()}[damage](path)
+    reader = store.begin_load(("t", "a"))
+    with pytest.raises(RecordCorruptError):
+        reader.layer(L - 1)
+    store.discard_damaged(reader)
+    assert ("t", "a") not in store and moves[-1] is None and store.used("disk") == 0
+    store.end_load(reader)  # a reader of a dropped entry unpins harmlessly
+
+
+def test_recovery_drops_unreadable_files_and_keeps_labels(tmp_path):
+    store = TieredStore("cpu", 0, 0, tmp_path)
+    store.put(("t", "good"), *kv(1), label="good@3.4")
+    store.put(("t", "bad"), *kv(2))
+    (tmp_path / "t__bad.kv").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    (tmp_path / "stray.kv").write_bytes(b"")
+    reopened = TieredStore("cpu", 0, 0, tmp_path)
+    assert reopened.entries() == [(("t", "good"), "disk", "good@3.4")]
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == ["t__good.kv"]
+    assert torch.equal(read_all(reopened, ("t", "good"))[1].float(), dequantize(quantize(kv(1)[1])))
+
+
+def test_promoting_a_damaged_entry_drops_it(tmp_path):
+    store = TieredStore("cpu", ENTRY, 0, tmp_path, compress_lower=False)
+    store.put(("t", "a"), *kv(1))
+    store.put(("t", "b"), *kv(2))  # a spills to disk
+    flip_a_byte(tmp_path / "t__a.kv", at=-ENTRY // 4)
+    store.remove(("t", "b"))
+    assert store.promote(("t", "a")) is None and ("t", "a") not in store

@@ -188,3 +188,34 @@ def test_records_spilled_to_host_and_disk_stream_back_exactly(llm, loaded, forwa
     (inj_tokens, inj_lp, _, report), = ask(llm, [(memory + query, plan)])
     assert report["injected_tokens"] == len(memory) and report["fallback"] is None
     assert inj_tokens == plain_tokens and max(abs(a - b) for a, b in zip(inj_lp, plain_lp)) < 1e-3
+
+
+def test_damaged_or_removed_disk_tier_files_are_never_served(llm, loaded, forward, frame, store, tier_dir):
+    """Tier files of a tenant flipped or deleted behind the engine's back: the connector notices (checksums) and
+    reads the fact store's records instead, so the answer still equals a plain prefill of the memory text."""
+    from tests.core.factories import make_record
+
+    tenants = [f"damage-{i}" for i in range(4)]
+    ids = {t: encode_conversation(loaded, forward, frame, store, t, TURNS) for t in tenants}
+    query = frame.query_ids(loaded.tokenizer, QUESTIONS[1])
+    for tenant in tenants:
+        plan = MemoryPlan(tenant, tuple(ids[tenant]), store.version(tenant))
+        ask(llm, [(region(store, plan) + query, plan)])
+    first = tenants[0]
+    on_disk = sorted(tier_dir.glob(f"{first}__*.kv"))
+    assert on_disk, "the first tenant's records did not reach the disk tier"
+    for i, path in enumerate(on_disk):
+        if i % 2:
+            path.unlink()
+        else:
+            raw = bytearray(path.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            path.write_bytes(bytes(raw))
+    store.put(make_record("unrelated", 3, tenant_id=first))  # a new salt: vLLM's own cache cannot answer
+    plan = MemoryPlan(first, tuple(ids[first]), store.version(first))
+    memory = region(store, plan)
+    (plain_tokens, plain_lp, _, _), = ask(llm, [(memory + query, None)])
+    (inj_tokens, inj_lp, _, report), = ask(llm, [(memory + query, plan)])
+    assert report["injected_tokens"] == len(memory) and report["fallback"] is None
+    assert inj_tokens == plain_tokens and max(abs(a - b) for a, b in zip(inj_lp, plain_lp)) < 1e-3
+    assert not any(p.exists() for p in on_disk)  # the damaged entries were dropped, not kept for later
