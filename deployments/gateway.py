@@ -106,7 +106,8 @@ class Gateway:
         return {"results": [_memory(f) for f in tenant.list_facts(offset, limit)], "usage": tenant.usage()}
 
     def get_memory(self, tenant: Tenant, fact_id: str) -> dict[str, Any]:
-        return _memory(tenant.get_fact(fact_id))
+        """The fact, and where serving replicas hold its K/V ({replica: {tier, version, at}})."""
+        return {**_memory(tenant.get_fact(fact_id)), "placement": tenant.placement(fact_id)}
 
     def update_memory(self, tenant: Tenant, api_key: str, fact_id: str, body: UpdateMemory) -> dict[str, Any]:
         fact = tenant.update_fact(fact_id, body.memory, version=body.version)

@@ -34,7 +34,8 @@ class DeviceArena:
     """A byte-bounded, paged pool of records' K/V on one device (allocated at the first insert)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, device: torch.device, capacity_bytes: int,
-                 page_tokens: int = 16, on_evict: Callable[[Hashable, Hashable, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+                 page_tokens: int = 16, on_evict: Callable[[Hashable, Hashable, torch.Tensor, torch.Tensor], None] | None = None,
+                 on_change: Callable[[Hashable, Hashable, bool], None] | None = None) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.device, self.page_tokens = torch.device(device), page_tokens
         self._capacity_bytes = capacity_bytes
@@ -44,6 +45,7 @@ class DeviceArena:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._step = 0
         self._on_evict = on_evict  # (key, stamp, k, v [L, H, T, D]) of a record about to leave the arena
+        self._on_change = on_change  # (key, stamp, resident?) after a record enters or leaves
 
     @property
     def capacity_tokens(self) -> int:
@@ -88,6 +90,8 @@ class DeviceArena:
         self.k.index_copy_(1, index, k.to(self.device, self.k.dtype).permute(0, 2, 1, 3))
         self.v.index_copy_(1, index, v.to(self.device, self.v.dtype).permute(0, 2, 1, 3))
         self._entries[key] = _Entry(stamp, pages, rows, self._step)
+        if self._on_change is not None:
+            self._on_change(key, stamp, True)
         return rows
 
     def _allocate(self, dtype: torch.dtype) -> None:
@@ -124,3 +128,5 @@ class DeviceArena:
     def _release(self, key: Hashable) -> None:
         entry = self._entries.pop(key)
         self._free.extend(entry.pages)
+        if self._on_change is not None:
+            self._on_change(key, entry.stamp, False)

@@ -32,6 +32,7 @@ import torch
 from kvcore.arena import DeviceArena
 from kvcore.errors import ArenaFullError, KVCoreError, PlanError
 from kvcore.paged import CacheTarget, PagedLayout, slot_mapping
+from kvcore.placement import PlacementTracker, Sink
 from kvcore.plan import MemoryPlan
 from kvcore.record import FactKV
 from kvcore.rope import RopeConfig, RotationTable, rotate_into, table_dtype_of
@@ -201,7 +202,7 @@ class InjectionWorker:
 
     def __init__(self, store: FactStore, fingerprint: str, rope: RopeConfig, device_cache_bytes: int = 1 << 30,
                  rotate_bytes: int = 256 << 20, tiers: TieredStore | None = None,
-                 step_writer: StepWriterFactory | None = None) -> None:
+                 step_writer: StepWriterFactory | None = None, placement: Sink | None = None) -> None:
         self._store = store
         self._fingerprint = fingerprint
         self._rope = rope
@@ -219,6 +220,7 @@ class InjectionWorker:
         self._failed: set[int] = set()
         self._writer_factory = step_writer
         self._writer: StepWriter | None = None  # a fused kernel for arena-only steps, when the caches allow one
+        self._placement = PlacementTracker(placement) if placement is not None else None
 
     def register(self, caches: dict[str, torch.Tensor], layout: PagedLayout) -> None:
         """Keep the engine's per-layer caches (ordered by the layer number in their names) and size the arena."""
@@ -231,10 +233,16 @@ class InjectionWorker:
             self._writer = self._writer_factory([self._targets[name].kv_rows for name in names], self._rope)
         first = caches[names[0]]
         self._table = RotationTable(self._rope, first.device, table_dtype_of(first.dtype))
+        tracker = self._placement
         self._arena = DeviceArena(len(names), layout.num_kv_heads, layout.head_dim, first.device, self._device_cache_bytes,
-                                  on_evict=self._spill if self._tiers is not None else None)
+                                  on_evict=self._spill if self._tiers is not None else None,
+                                  on_change=tracker.arena_changed if tracker is not None else None)
         if self._tiers is not None:
             self._streams = TierStreams(self._tiers, self._arena, self._rope, layout, self._table, self._fail)
+            if tracker is not None:
+                tiers = self._tiers
+                tiers.listen(lambda key, tier: tracker.tier_moved(key, tier, tiers.label_of(key)))
+                tracker.recovered(tiers.entries())
 
     @property
     def layer_index(self) -> dict[str, int]:

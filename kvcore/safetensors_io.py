@@ -32,8 +32,11 @@ _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 64 * 1024 * 1024
 
 
-def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    """Write `tensors` in the given order; the file appears complete or not at all."""
+def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], durable: bool = True) -> None:
+    """Write `tensors` in the given order; the file appears complete or not at all.
+
+    `durable=False` skips the fsync: for caches whose readers verify checksums (a torn file after a power
+    loss is detected and dropped), where an fsync per file would sit in a serving step's critical path."""
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     offset = 0
     blobs: list[bytes] = []
@@ -55,11 +58,17 @@ def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapp
             for blob in blobs:
                 out.write(blob)
             out.flush()
-            os.fsync(out.fileno())
+            if durable:
+                os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (a header `read_header` accepted)."""
+    return _BY_NAME[name]
 
 
 def read_header(handle: BinaryIO, path: Path) -> tuple[dict, int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from kvcore.arena import DeviceArena
 from kvcore.errors import ArenaFullError, KVCoreError, RecordCorruptError
 from kvcore.paged import CacheTarget, PagedLayout, slot_mapping
+from kvcore.placement import tier_label
 from kvcore.record import FactKV
 from kvcore.rope import RopeConfig, RotationTable, rotate_into
 from kvcore.store import Stamp
@@ -49,6 +50,7 @@ class _Part:
     rows: torch.Tensor | None
     reader: LayerReader | None
     record: FactKV | None = None  # the canonical record, once its tier entry proved damaged
+    read: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # layers streamed, kept for promotion
 
 
 @dataclass
@@ -64,11 +66,6 @@ class _Stream:
     @property
     def tenant_id(self) -> str:
         return self.load.plan.tenant_id
-
-
-def tier_label(record_id: str, stamp: Stamp) -> str:
-    """The name a tier entry keeps for its record, so placements can be reported after a restart."""
-    return f"{record_id}@{'.'.join(str(x) for x in stamp)}"
 
 
 class TierStreams:
@@ -106,6 +103,7 @@ class TierStreams:
         except BaseException:
             self._unpin(parts)
             raise
+        self._tiers.prefetch([part.reader.key for part in parts if part.reader is not None])  # all files read ahead at once
         device = self._arena.device
         slots = slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size).to(device)
         self._table.reserve(load.end)
@@ -147,7 +145,9 @@ class TierStreams:
         """One layer of a tier part; a damaged tier entry is swapped for the canonical record, once."""
         if part.reader is not None:
             try:
-                return part.reader.layer(index)
+                layer = part.reader.layer(index)
+                part.read.append(layer)
+                return layer
             except RecordCorruptError as exc:
                 log.warning("request %s: %s; reading the record from the fact store", stream.load.request_id, exc)
                 self._tiers.discard_damaged(part.reader)
@@ -169,12 +169,17 @@ class TierStreams:
                     self._admit(stream.tenant_id, part)
 
     def _promote(self, tenant_id: str, part: _Part) -> None:
-        try:
-            k, v = self._tiers.read(part.reader.key)
-        except RecordCorruptError as exc:
-            log.warning("%s; the entry is dropped", exc)
-            self._tiers.discard_damaged(part.reader)
-            return
+        """Into the arena, from the layers this step streamed (or, if the step stopped early, from the tier)."""
+        if len(part.read) == part.reader.layers:
+            k, v = torch.stack([k for k, _ in part.read]), torch.stack([v for _, v in part.read])
+        else:
+            try:
+                k, v = self._tiers.read(part.reader.key)
+            except RecordCorruptError as exc:
+                log.warning("%s; the entry is dropped", exc)
+                self._tiers.discard_damaged(part.reader)
+                return
+        part.read = []
         try:
             self._arena.insert((tenant_id, part.record_id), part.stamp, k, v)
         except ArenaFullError:

@@ -16,8 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
@@ -27,7 +30,7 @@ import torch
 from kvcore.conversation import check_identifier
 from kvcore.errors import RecordCorruptError
 from kvcore.quantize import Quantized, dequantize, quantize
-from kvcore.safetensors_io import read_header, read_tensor, write_atomic
+from kvcore.safetensors_io import dtype_of, read_header, write_atomic
 
 log = logging.getLogger(__name__)
 Tier = Literal["gpu", "cpu", "disk"]
@@ -49,31 +52,50 @@ class _Entry:
     label: str = ""  # the caller's name for the entry (kept in the disk file, so it survives a restart)
 
 
+@dataclass
+class _Pending:
+    """A disk entry whose file a background thread is still writing: reads use the codes kept here."""
+
+    path: Path
+    packed: tuple[object, object]
+    cancelled: bool = False
+    written: bool = False
+
+
 class LayerReader:
     """One pinned entry's K/V, a layer at a time, on the store's device."""
 
     def __init__(self, store: "TieredStore", key: Key, entry: _Entry) -> None:
         self._store, self.key, self._entry = store, key, entry
         self.tier, self.layers = entry.tier, entry.layers
+        self._file: _DiskFile | None = None  # opened at the first layer, kept until the load ends
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[H, T, D]` of one layer, in the entry's original dtype, on the device."""
         entry, device = self._entry, self._store.device
-        if entry.tier == "disk":
-            k, v = _read_layer(entry.data, index)
+        data = entry.data
+        if entry.tier == "disk" and not isinstance(data, _Pending):
+            if self._file is None:
+                self._file = _DiskFile(data)
+            k, v = self._file.layer(index)
         else:
-            k, v = entry.data
+            k, v = data.packed if isinstance(data, _Pending) else data
             k, v = (k.layer(index), v.layer(index)) if isinstance(k, Quantized) else (k[index], v[index])
         if isinstance(k, Quantized):
             k, v = k.to(device, non_blocking=True), v.to(device, non_blocking=True)
             return dequantize(k, entry.dtype), dequantize(v, entry.dtype)
         return k.to(device, non_blocking=True), v.to(device, non_blocking=True)
 
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
 
 class TieredStore:
     def __init__(self, device: torch.device | str, gpu_bytes: int, cpu_bytes: int, disk_dir: Path, *,
                  compress_lower: bool = True, age_scale_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 on_move: Callable[[Key, Tier | None], None] = lambda key, tier: None) -> None:
+                 on_move: Callable[[Key, Tier | None], None] = lambda key, tier: None, write_behind: bool = False) -> None:
         self.device = torch.device(device)
         self._budget = {"gpu": gpu_bytes, "cpu": cpu_bytes, "disk": math.inf}
         self._used = {"gpu": 0, "cpu": 0, "disk": 0}
@@ -81,6 +103,8 @@ class TieredStore:
         self._dir.mkdir(parents=True, exist_ok=True)
         self._compress, self._age, self._clock, self._on_move = compress_lower, age_scale_s, clock, on_move
         self._entries: dict[Key, _Entry] = {}
+        self._lock = threading.Lock()  # between the caller and the background writer of disk files
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tier-writer") if write_behind else None
         self._recover()
 
     # ---- queries ----
@@ -102,6 +126,23 @@ class TieredStore:
     def __contains__(self, key: Key) -> bool:
         return key in self._entries
 
+    def listen(self, on_move: Callable[[Key, Tier | None], None]) -> None:
+        """Report placements to `on_move` from now on (replacing the constructor's listener)."""
+        self._on_move = on_move
+
+    def prefetch(self, keys: list[Key]) -> None:
+        """Ask the kernel to start reading the disk entries among `keys` now (layer reads then hit memory)."""
+        advise_willneed([e.data for e in (self._entries.get(k) for k in keys) if e is not None and isinstance(e.data, Path)])
+
+    def flush(self) -> None:
+        """Wait until every disk file queued so far is written."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+
     # ---- writes ----
     def put(self, key: Key, k: torch.Tensor, v: torch.Tensor, importance: float = 0.0, label: str = "") -> Tier:
         """Store a fact's K/V `[L, H, T, D]` as high as room can be made; return where it went."""
@@ -113,9 +154,8 @@ class TieredStore:
         entry.loading += 1  # protected while it finds its place
         try:
             for tier in ORDER:
-                data, nbytes = self._encode(key, k, v, tier)
-                if tier == "disk" or self._make_room(tier, nbytes, keep=key):
-                    self._place(key, entry, tier, data, nbytes)
+                if tier == "disk" or self._make_room(tier, self._size_in(tier, k), keep=key):
+                    self._place(key, entry, tier, *self._encode(key, k, v, tier))
                     return tier
         finally:
             entry.loading -= 1
@@ -133,6 +173,7 @@ class TieredStore:
 
     def discard_damaged(self, reader: LayerReader) -> None:
         """Drop an entry whose reads failed, pinned by `reader` or not: the caller serves the canonical record."""
+        reader.close()
         if self._entries.get(reader.key) is reader._entry:
             self._drop(reader.key)
 
@@ -162,6 +203,7 @@ class TieredStore:
         return LayerReader(self, key, entry)
 
     def end_load(self, reader: LayerReader, promote: bool = True) -> None:
+        reader.close()
         entry = self._entries.get(reader.key)
         if entry is None:
             return
@@ -214,12 +256,11 @@ class TieredStore:
         entry = self._entries[key]
         down = ORDER[ORDER.index(entry.tier) + 1]
         k, v = self._decode(entry)
-        data, nbytes = self._encode(key, k, v, down)
         entry.loading += 1
         try:
-            if down != "disk" and not self._make_room(down, nbytes, keep=key):
+            if down != "disk" and not self._make_room(down, self._size_in(down, k), keep=key):
                 down = "disk"
-                data, nbytes = self._encode(key, k, v, down)
+            data, nbytes = self._encode(key, k, v, down)
             old = (entry.tier, entry.data, entry.nbytes)
             self._place(key, entry, down, data, nbytes)
             self._free(*old)
@@ -234,10 +275,25 @@ class TieredStore:
     def _free(self, tier: Tier, data: object, nbytes: int) -> None:
         self._used[tier] -= nbytes
         if tier == "disk" and isinstance(data, Path):
-            data.unlink(missing_ok=True)
+            if self._writer is not None:  # off the caller's path too, in order with the writes
+                self._writer.submit(data.unlink, missing_ok=True)
+            else:
+                data.unlink(missing_ok=True)
+        elif isinstance(data, _Pending):
+            with self._lock:
+                data.cancelled = True
+                if data.written:
+                    data.path.unlink(missing_ok=True)
 
     def _release(self, entry: _Entry) -> None:
         self._free(entry.tier, entry.data, entry.nbytes)
+
+    def _size_in(self, tier: Tier, k: torch.Tensor) -> int:
+        """Bytes K and V of this shape take in `tier` (what `_encode` will count), known before encoding."""
+        if tier == "gpu" or not self._compress:
+            return 2 * k.numel() * k.element_size()
+        layers, heads, _, dim = k.shape
+        return 2 * (k.numel() + layers * heads * dim * 4)  # int8 codes and float32 scales per channel
 
     def _encode(self, key: Key, k: torch.Tensor, v: torch.Tensor, tier: Tier) -> tuple[object, int]:
         if tier == "gpu":
@@ -256,21 +312,44 @@ class TieredStore:
                     tensors[f"{name}.{layer:03d}.codes"], tensors[f"{name}.{layer:03d}.scales"] = x.codes[layer], x.scales[layer]
                 else:
                     tensors[f"{name}.{layer:03d}"] = x[layer].contiguous()
-        crcs = {name: zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for name, t in tensors.items()}
-        write_atomic(path, tensors, {"tenant": key[0], "record": key[1], "layers": str(k.shape[0]),
-                                     "dtype": str(k.dtype).split(".")[-1], "quantized": str(self._compress),
-                                     "label": self._entries[key].label if key in self._entries else "",
-                                     "crc32": json.dumps(crcs, sort_keys=True)})
-        return path, path.stat().st_size
+        meta = {"tenant": key[0], "record": key[1], "layers": str(k.shape[0]), "dtype": str(k.dtype).split(".")[-1],
+                "quantized": str(self._compress), "label": self._entries[key].label if key in self._entries else ""}
+        if self._writer is None:
+            _write_tier_file(path, tensors, meta)
+            return path, path.stat().st_size
+        pending = _Pending(path, packed)
+        self._writer.submit(self._write_behind, key, pending, tensors, meta)
+        return pending, sum(_nbytes(x) for x in packed)
+
+    def _write_behind(self, key: Key, pending: _Pending, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        """On the writer thread: write the file, then point the entry at it (unless it left the disk meanwhile)."""
+        if pending.cancelled:
+            return
+        try:
+            _write_tier_file(pending.path, tensors, meta)
+        except OSError as exc:
+            log.warning("tier file %s not written (%s); the entry stays in memory", pending.path, exc)
+            return
+        with self._lock:
+            pending.written = True
+            entry = self._entries.get(key)
+            if pending.cancelled or entry is None or entry.data is not pending:
+                pending.path.unlink(missing_ok=True)
+            else:
+                entry.data = pending.path
 
     def _decode(self, entry: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
-        if entry.tier == "disk":
-            layers = [_read_layer(entry.data, i) for i in range(entry.layers)]
+        if isinstance(entry.data, _Pending):
+            k, v = entry.data.packed
+        elif entry.tier == "disk":
+            with _DiskFile(entry.data) as file:
+                layers = [file.layer(i) for i in range(entry.layers)]
             ks, vs = zip(*layers)
             if isinstance(ks[0], Quantized):
                 return (torch.stack([dequantize(x, entry.dtype) for x in ks]), torch.stack([dequantize(x, entry.dtype) for x in vs]))
             return torch.stack(ks), torch.stack(vs)
-        k, v = entry.data
+        else:
+            k, v = entry.data
         if isinstance(k, Quantized):
             return dequantize(k, entry.dtype), dequantize(v, entry.dtype)
         return k, v
@@ -295,24 +374,85 @@ class TieredStore:
             self._used["disk"] += path.stat().st_size
 
 
-def _read_layer(path: Path, index: int):
-    """One layer's K and V from a tier file, each tensor checked against its CRC32."""
-    try:
-        with open(path, "rb") as handle:
-            header, start = read_header(handle, path)
-            crcs = json.loads(header.get("__metadata__", {}).get("crc32", "{}"))
+def tier_files(root: Path, tenant_id: str, record_ids: list[str]) -> list[Path]:
+    """Disk-tier files of these records in any replica slot under `root` (names as `tier_key` makes them)."""
+    return [path for record_id in record_ids
+            for path in Path(root).glob(f"*/{tenant_id}__{record_id[:100]}.{'?' * 12}.kv")]
 
-            def checked(name: str) -> torch.Tensor:
-                tensor, raw = read_tensor(handle, path, header, start, name)
-                if zlib.crc32(raw) != crcs.get(name):
-                    raise RecordCorruptError(f"{path}: checksum of {name!r} does not match")
-                return tensor
 
-            if f"k.{index:03d}.codes" in header:
-                return tuple(Quantized(checked(f"{n}.{index:03d}.codes"), checked(f"{n}.{index:03d}.scales")) for n in "kv")
-            return tuple(checked(f"{n}.{index:03d}") for n in "kv")
-    except (OSError, ValueError) as exc:  # gone, or a header that parses but lies
-        raise RecordCorruptError(f"{path}: cannot be read ({exc})") from None
+def advise_willneed(paths: list[Path]) -> None:
+    """Start kernel readahead of whole files, without waiting: a prefetch into the page cache."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone since: the load will notice and fall back
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+
+def _write_tier_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """A layer-contiguous file with a CRC32 per tensor; no fsync (a torn file fails its checks and is dropped)."""
+    crcs = {name: zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for name, t in tensors.items()}
+    write_atomic(path, tensors, {**meta, "crc32": json.dumps(crcs, sort_keys=True)}, durable=False)
+
+
+class _DiskFile:
+    """A tier file open for reading: the header parsed once, each layer's tensors read in one call and checked
+    against their CRC32s (a layer's tensors are adjacent in the file)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._handle = open(path, "rb", buffering=0)
+            self._header, self._start = read_header(self._handle, path)
+            self._crcs = json.loads(self._header.get("__metadata__", {}).get("crc32", "{}"))
+        except (OSError, ValueError) as exc:  # gone, or a header that parses but lies
+            self.close()
+            raise RecordCorruptError(f"{path}: cannot be read ({exc})") from None
+
+    def layer(self, index: int):
+        quantized = f"k.{index:03d}.codes" in self._header
+        names = [f"{n}.{index:03d}{part}" for n in "kv" for part in ((".codes", ".scales") if quantized else ("",))]
+        infos = [self._header.get(name) for name in names]
+        if any(info is None for info in infos):
+            raise RecordCorruptError(f"{self.path}: layer {index} is missing")
+        first, last = min(i["data_offsets"][0] for i in infos), max(i["data_offsets"][1] for i in infos)
+        try:
+            self._handle.seek(self._start + first)
+            raw = self._handle.read(last - first)
+        except (OSError, ValueError) as exc:
+            raise RecordCorruptError(f"{self.path}: cannot be read ({exc})") from None
+        if len(raw) != last - first:
+            raise RecordCorruptError(f"{self.path}: layer {index} is truncated")
+        tensors = [self._tensor(name, info, raw, first) for name, info in zip(names, infos)]
+        if quantized:
+            return Quantized(tensors[0], tensors[1]), Quantized(tensors[2], tensors[3])
+        return tensors[0], tensors[1]
+
+    def _tensor(self, name: str, info: dict, raw: bytes, first: int) -> torch.Tensor:
+        begin, end = info["data_offsets"]
+        piece = memoryview(raw)[begin - first : end - first]
+        if zlib.crc32(piece) != self._crcs.get(name):
+            raise RecordCorruptError(f"{self.path}: checksum of {name!r} does not match")
+        dtype = dtype_of(info["dtype"])
+        if len(piece) != torch.Size(info["shape"]).numel() * torch.empty((), dtype=dtype).element_size():
+            raise RecordCorruptError(f"{self.path}: tensor {name!r} has the wrong size")
+        return torch.frombuffer(bytearray(piece), dtype=torch.uint8).view(dtype).reshape(info["shape"])
+
+    def close(self) -> None:
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            handle.close()
+            self._handle = None
+
+    def __enter__(self) -> "_DiskFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _check_key(key: Key) -> None:

@@ -68,6 +68,12 @@ def record_id_for(fact_id: str, version: int) -> str:
     return f"{fact_id}.v{version}"
 
 
+def fact_of_record(record_id: str) -> tuple[str, int] | None:
+    """(fact id, version) of a fact-version record id; None for the engine's own records."""
+    match = _FACT_RECORD.search(record_id)
+    return (record_id[: match.start()], int(match.group(0)[2:])) if match else None
+
+
 def is_fact_record(record_id: str) -> bool:
     """Whether a record holds a fact version (others, like the chat-frame record, belong to the engine)."""
     return _FACT_RECORD.search(record_id) is not None

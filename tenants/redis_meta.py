@@ -8,7 +8,7 @@ Keys, all under one tenant's hash tag so a cluster keeps a tenant on one shard:
     is:t:{tid}:facts              fact id -> metadata JSON (state pending | active | updating)
     is:t:{tid}:emb / :pemb        fact id -> embedding bytes (committed / of an update in flight)
     is:t:{tid}:usage              facts, bytes (committed plus reserved)
-    is:t:{tid}:place              fact id -> placement JSON (tier, replica, version)
+    is:t:{tid}:place              fact id -> placement JSON {replica: {tier, version, at}}
     is:t:{tid}:version            bumped by every committed change (the prefix-cache salt uses it)
     is:t:{tid}:seq                retrieval-index ids
     is:t:{tid}:log                stream of committed changes, which every process's index replays
@@ -120,6 +120,34 @@ if tonumber(ARGV[6]) ~= 0 then redis.call('HINCRBY', KEYS[4], 'bytes', 0 - tonum
 return 1
 """
 
+# Placements of one replica: ARGV = replica, now, then (fact id, version, tier or '' for gone) triples.
+# A fact that no longer exists gets no placement, so a late report cannot resurrect a deleted fact.
+_PLACE = """
+local replica, now = ARGV[1], tonumber(ARGV[2])
+for i = 3, #ARGV, 3 do
+  local fid, version, tier = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
+  if redis.call('HEXISTS', KEYS[2], fid) == 1 then
+    local raw = redis.call('HGET', KEYS[1], fid)
+    local cur = raw and cjson.decode(raw) or {}
+    if tier == '' then cur[replica] = nil else cur[replica] = {tier = tier, version = version, at = now} end
+    if next(cur) == nil then redis.call('HDEL', KEYS[1], fid) else redis.call('HSET', KEYS[1], fid, cjson.encode(cur)) end
+  end
+end
+return 1
+"""
+
+# Forget every placement of one replica in one tenant (a restarted replica reports afresh).
+_UNPLACE = """
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local cur = cjson.decode(all[i + 1])
+  if cur[ARGV[1]] ~= nil then
+    cur[ARGV[1]] = nil
+    if next(cur) == nil then redis.call('HDEL', KEYS[1], all[i]) else redis.call('HSET', KEYS[1], all[i], cjson.encode(cur)) end
+  end
+end
+return 1
+"""
 
 # Redis down or unreachable: callers answer "unavailable, retry" (HTTP 503) rather than a server fault.
 STORE_UNAVAILABLE: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
@@ -133,7 +161,7 @@ class RedisMeta:
         self._redis = redis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
         self._scripts = {name: self._redis.register_script(body) for name, body in (
             ("create", _CREATE), ("reserve", _RESERVE), ("begin_update", _BEGIN_UPDATE), ("commit", _COMMIT),
-            ("delete", _DELETE), ("rollback", _ROLLBACK))}
+            ("delete", _DELETE), ("rollback", _ROLLBACK), ("place", _PLACE), ("unplace", _UNPLACE))}
 
     def ping(self) -> bool:
         return bool(self._redis.ping())
@@ -263,12 +291,23 @@ class RedisMeta:
         return first[0][0].decode() if first else None
 
     # ---- placement ----
-    def set_placement(self, tenant_id: str, fact_id: str, placement: dict) -> None:
-        self._redis.hset(_t(tenant_id, "place"), fact_id, _json(placement))
+    def write_placements(self, replica: str, now: float, moves: dict[str, list[tuple[str, int, str | None]]]) -> None:
+        """Per tenant, (fact id, version, tier or None for gone) as held by `replica`; one script per tenant."""
+        pipe = self._redis.pipeline(transaction=False)
+        for tenant_id, items in moves.items():
+            args = [replica, repr(now)] + [x for fid, version, tier in items for x in (fid, version, tier or "")]
+            self._scripts["place"](keys=[_t(tenant_id, "place"), _t(tenant_id, "facts")], args=args, client=pipe)
+        pipe.execute()
 
-    def placement(self, tenant_id: str, fact_id: str) -> dict | None:
+    def forget_replica(self, replica: str) -> None:
+        """Drop `replica` from every placement (it restarted: what it holds now is reported again)."""
+        for tenant_id in self.tenant_ids():
+            self._scripts["unplace"](keys=[_t(tenant_id, "place")], args=[replica])
+
+    def placement(self, tenant_id: str, fact_id: str) -> dict[str, dict]:
+        """{replica: {tier, version, at}} of one fact ({} when no replica holds its K/V)."""
         raw = self._redis.hget(_t(tenant_id, "place"), fact_id)
-        return json.loads(raw) if raw else None
+        return json.loads(raw) if raw else {}
 
     def _run(self, name: str, keys: list, args: list):
         try:

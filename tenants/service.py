@@ -258,7 +258,8 @@ class Tenant:
         found = [(Fact.from_meta(m), score) for (fid, score), m in zip(hits, metas) if m and m["state"] in VISIBLE]
         return found[:k]
 
-    def placement(self, fact_id: str) -> dict | None:
+    def placement(self, fact_id: str) -> dict[str, dict]:
+        """Where serving replicas hold this fact's K/V: {replica: {tier, version, at}} (reported by the replicas)."""
         self._visible_meta(check_id("fact id", fact_id))
         return self._s.meta.placement(self.id, fact_id)
 
@@ -271,14 +272,6 @@ class Tenant:
         if status is None:
             raise JobNotFoundError(f"no job {job_id!r}")
         return status
-
-    def set_placement(self, fact_id: str, tier: str, replica: str) -> None:
-        """Record where this fact's K/V is held (tier `gpu|cpu|disk`, replica name)."""
-        current = self._visible_meta(check_id("fact id", fact_id))
-        if tier not in ("gpu", "cpu", "disk") or not isinstance(replica, str) or not replica:
-            raise InvalidInputError("tier must be gpu, cpu or disk and replica a non-empty name")
-        self._s.meta.set_placement(self.id, fact_id, {"tier": tier, "replica": replica, "version": current["version"],
-                                                      "at": time.time()})
 
     # ---- internals ----
     def _insert(self, fact_id: str, text: str, source_turn: int | None, kv: FactKV | None, vector: np.ndarray) -> Fact:

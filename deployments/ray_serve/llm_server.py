@@ -33,10 +33,15 @@ class LLMServer:
         path = model_path(model_settings)
         fingerprint = self.args.llm.fingerprint or checkpoint_fingerprint(path)
         cuda = torch.cuda.is_available()
+        redis_url = self.args.redis(settings)
+        tiers = self.args.llm.tiers
+        if tiers:  # the connector's worker records placements in this Redis, read through the settings tree
+            os.environ["INFERSCALE_REDIS__URL"] = redis_url
+            tiers = {"report_placement": True, **tiers}
         self.engine = MemoryEngine(path, fingerprint, self.args.state_dir / "records", self.args.system_prompt,
                                    engine_kwargs=self.args.engine_kwargs(cuda), on_load_failure=self.args.llm.on_load_failure,
-                                   device_cache_bytes=self.args.llm.device_cache_bytes, tiers=self.args.llm.tiers)
-        self.service = connect_service(self.args.redis(settings), self.args.state_dir, MiniLMEmbedder(), settings.tenants)
+                                   device_cache_bytes=self.args.llm.device_cache_bytes, tiers=tiers)
+        self.service = connect_service(redis_url, self.args.state_dir, MiniLMEmbedder(), settings.tenants)
         await self.engine.warm_up()
         log.info("LLM server ready: %s (fingerprint %s, %s)", path, fingerprint, "cuda" if cuda else "cpu")
 

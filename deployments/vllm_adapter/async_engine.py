@@ -29,6 +29,7 @@ from kvcore.errors import KVCoreError
 from kvcore.plan import CapturePlan, CaptureSpan
 from kvcore.record import FactKV
 from kvcore.store import LocalFactStore
+from kvcore.tiers import advise_willneed, tier_files
 from models.chat import split_chat
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class MemoryEngine:
         self.fingerprint = fingerprint
         self.model_name = str(model)
         self._store = LocalFactStore(store_root)
+        self._tier_root = Path(tiers["disk_cache_dir"]) if tiers and tiers.get("disk_cache_dir") else None
         kwargs = {"enable_prefix_caching": True, **(engine_kwargs or {})}
         config = kv_transfer_config(store_root, fingerprint, on_load_failure, device_cache_bytes, tiers)  # type: ignore[arg-type]
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model), kv_transfer_config=config, **kwargs))
@@ -131,6 +133,8 @@ class MemoryEngine:
 
     async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
         """Text deltas (`{"delta": ...}`) then one final `{"done": True, "finish_reason", "usage"}`."""
+        if task.mode == "inject" and self._tier_root is not None:  # disk-tier facts start loading before the engine sees them
+            advise_willneed(tier_files(self._tier_root, task.tenant_id, [f.record_id for f in task.facts if f.record_id]))
         frame = (self.frame_id, self.prefix_ids) if task.mode == "inject" and await self.ensure_frame(task.tenant_id) else None
         prefix_ids, query_ids = split_chat(self.tokenizer, self._system_prompt, task.messages)
         items = [self._item(task.tenant_id, fact) for fact in task.facts]

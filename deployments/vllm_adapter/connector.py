@@ -5,15 +5,19 @@ method is a one-line forward to `InjectionScheduler` (scheduler role) or `Inject
 role); version drift of vLLM stays in this file. Extra config (`kv_connector_extra_config`):
 `store_root` (a LocalFactStore directory), `fingerprint` (of the served model), `on_load_failure`
 (`recompute` or `fail`, mirrored in vLLM's `kv_load_failure_policy`), `device_cache_bytes` (the size of the
-worker's device arena of records); with `disk_cache_dir` set, records evicted from the arena spill to
-pinned host memory (`host_cache_bytes`) and disk, int8 unless `compress_lower` is false, and stream back
-layer by layer. `fused_kernel` (default true) lets CUDA workers write arena-resident steps with the Triton
-kernel of `deployments.triton_adapter` when the cache layout allows it.
+worker's device arena of records); with `disk_cache_dir` set, the worker claims a replica slot under it
+(`kvcore.replica_slot`) and records evicted from the arena spill to pinned host memory (`host_cache_bytes`)
+and that slot's disk folder, int8 unless `compress_lower` is false, and stream back layer by layer.
+`fused_kernel` (default true) lets CUDA workers write arena-resident steps with the Triton kernel of
+`deployments.triton_adapter` when the cache layout allows it. `report_placement` (default false) writes
+where each fact's K/V is held (tier, this replica's slot name, version) to the Redis of the settings tree.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +34,7 @@ from kvcore.errors import PlanError
 from kvcore.injection import InjectionScheduler, InjectionWorker, LoadSpec
 from kvcore.paged import detect_layout
 from kvcore.plan import CapturePlan
+from kvcore.replica_slot import claim_slot
 from kvcore.rope import RopeConfig
 from kvcore.store import LocalFactStore
 from kvcore.tiers import TieredStore
@@ -69,17 +74,24 @@ class InferscaleConnector(KVConnectorBase_V1):
         self._tracker = CaptureTracker()
         self._worker: InjectionWorker | None = None
         self._capture: CaptureWorker | None = None
+        self._placement = None
+        self._tiers: TieredStore | None = None
         if role == KVConnectorRole.SCHEDULER:
             policy = extra.get("on_load_failure", "recompute")
             self._scheduler = InjectionScheduler(store, fingerprint, policy)
         else:
             rope = RopeConfig.from_hf_config(vllm_config.model_config.hf_config.to_dict())
-            tiers = None
+            tiers, replica = None, f"{socket.gethostname()}-pid{os.getpid()}"
             if extra.get("disk_cache_dir"):  # lower tiers below the device arena (pinned host, then disk)
+                slot = claim_slot(Path(extra["disk_cache_dir"]))
                 tiers = TieredStore(vllm_config.device_config.device, 0, int(extra.get("host_cache_bytes", 1 << 30)),
-                                    Path(extra["disk_cache_dir"]), compress_lower=bool(extra.get("compress_lower", True)))
+                                    slot.path, compress_lower=bool(extra.get("compress_lower", True)), write_behind=True)
+                replica = slot.name
+            self._tiers = tiers
+            self._placement = _placement_writer(replica) if extra.get("report_placement", False) else None
             self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", 1 << 30)),
-                                           tiers=tiers, step_writer=_step_writer() if extra.get("fused_kernel", True) else None)
+                                           tiers=tiers, step_writer=_step_writer() if extra.get("fused_kernel", True) else None,
+                                           placement=self._placement)
             self._capture = CaptureWorker(store, fingerprint, rope)
 
     # ---- scheduler side ----
@@ -132,6 +144,12 @@ class InferscaleConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.load_layer(layer_name)
 
+    def shutdown(self) -> None:
+        if self._tiers is not None:
+            self._tiers.close()  # disk files still being written are finished
+        if self._placement is not None:
+            self._placement.close()
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Only requests with a capture plan are read back; serving traffic is never stored."""
         metadata = self._get_connector_metadata()
@@ -159,6 +177,19 @@ class InferscaleConnector(KVConnectorBase_V1):
             impl.do_kv_cache_update(layer, k, v, scratch, slots)
 
         return write
+
+
+def _placement_writer(replica: str):
+    """A writer of this worker's placements to the settings tree's Redis, or None without one."""
+    from config.settings import load_settings
+    from tenants.placement import PlacementWriter
+    from tenants.redis_meta import RedisMeta
+
+    url = load_settings().redis.url
+    if not url:
+        log.warning("report_placement is set but INFERSCALE_REDIS__URL is not: placements are not recorded")
+        return None
+    return PlacementWriter(RedisMeta(url), replica).start()
 
 
 def _step_writer():

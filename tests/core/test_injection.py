@@ -292,3 +292,37 @@ def test_a_damaged_tier_file_is_replaced_by_the_record_or_the_load_fails(store, 
         assert_region(store, layout, caches, plan_pa, [5, 6])
     else:
         assert worker.take_failed_blocks() == {5, 6}
+
+
+def test_placements_follow_records_across_arena_and_tiers_and_a_restart(store, tmp_path):
+    """The sink hears one answer per record version: gpu while in the arena, the tier's name once spilled, gpu
+    again after it streams back; a worker restarted on the same disk folder reports what it finds there."""
+    from kvcore.tiers import TieredStore
+
+    layout = PagedLayout("rows", BS, 2, 8)
+    caches = {f"l{i}": torch.zeros(16, 2, BS, 16) for i in range(3)}
+    page_bytes = 3 * 2 * 8 * 4 * 2 * 16
+    where: dict[str, str | None] = {}
+    events = []
+
+    def sink(tenant, record, stamp, tier):
+        events.append((record, tier))
+        where[record] = tier
+
+    tiers = TieredStore("cpu", 0, 0, tmp_path / "disk", compress_lower=False)
+    worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers, placement=sink)
+    plan_pa, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
+    run_step(store, layout, caches, [("r1", plan_pa, [0, 1])], worker=worker)
+    assert where == {"p": "gpu", "a": "gpu"}
+    run_step(store, layout, caches, [("r2", plan_b, [2])], worker=worker)
+    assert where == {"p": "disk", "a": "gpu", "b": "gpu"}
+    run_step(store, layout, caches, [("r3", plan_pa, [5, 6])], worker=worker)  # p streams back, b spills
+    assert where["p"] == "gpu" and where["b"] == "disk"
+    assert ("p", None) not in events  # promotion never shows a record as gone in between
+    stamp_b = store.checked_infos("t1", ["b"])[0][0]
+    restarted: dict[tuple, str | None] = {}
+    again = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes,
+                            tiers=TieredStore("cpu", 0, 0, tmp_path / "disk"),
+                            placement=lambda t, r, s, tier: restarted.__setitem__((t, r, s), tier))
+    again.register(caches, layout)
+    assert restarted == {("t1", "b", stamp_b): "disk"}

@@ -69,7 +69,8 @@ def cluster(ray_local, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"redis_url": redis.url, "state_dir": str(state), "admin_key": admin, "encoding_window": 1,
             "llm": {"env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CACHE_ROOT": str(state / "vllm-cache")},
-                    "engine_kwargs": {"kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16}},
+                    "engine_kwargs": {"kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16},
+                    "tiers": {"disk_cache_dir": str(state / "tiers"), "host_cache_bytes": 64 << 20}},
             "ingress": {"max_body_bytes": 64 * 1024}}
     serve.run(build_app(args), name="inferscale", route_prefix="/")
     yield Cluster(f"http://127.0.0.1:{port}", admin, state, redis)

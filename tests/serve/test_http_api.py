@@ -102,3 +102,25 @@ def test_tenant_admin_and_metrics(cluster):
     assert "inferscale_ttft_seconds_bucket" in metrics and 'inferscale_prompt_tokens_total{kind="injected"}' in metrics
     assert "alice" not in metrics and "Pixel" not in metrics  # no tenant content in labels
     assert requests.get(f"{cluster.base}/healthz").json()["redis"] is True
+
+
+def test_where_each_injected_fact_is_held_is_recorded_in_redis(cluster):
+    """Serving a tenant's facts puts their K/V in the replica's device arena; the replica reports that
+    (tier, its slot name, the fact version) to Redis, and `GET /v1/memories/{id}` shows it."""
+    import time
+
+    frank = cluster.new_tenant("frank")
+    ids = cluster.add_and_wait(frank, PIXEL)
+    memory = lambda fact_id: requests.get(f"{cluster.base}/v1/memories/{fact_id}", headers=frank).json()
+    assert all(memory(i)["placement"] == {} for i in ids)  # encoded, never served yet
+    usage = cluster.chat(frank, CAT, memory={"k": len(ids)}).json()["usage"]
+    assert usage["injected_tokens"] > usage["memory_tokens"] > 0
+    deadline = time.monotonic() + 15
+    while not all(memory(i)["placement"] for i in ids):
+        assert time.monotonic() < deadline, [memory(i)["placement"] for i in ids]
+        time.sleep(0.2)
+    for fact_id in ids:
+        (replica, where), = memory(fact_id)["placement"].items()
+        assert replica.endswith("-slot0") and where["tier"] == "gpu" and where["version"] == 1
+    slot = cluster.state_dir / "tiers" / replica
+    assert slot.is_dir() and (cluster.state_dir / "tiers" / f"{replica}.lock").exists()

@@ -1,5 +1,7 @@
 """Facts of one tenant: insert, search, update, delete, quotas and precise errors that store nothing."""
 
+import time
+
 import pytest
 
 from tenants.errors import (AuthError, ConflictError, FactExistsError, FactNotFoundError, InvalidInputError,
@@ -79,7 +81,7 @@ def test_kv_records_are_versioned_and_removed_with_their_fact(service, admin):
     (lambda t: t.add_fact("ok", fact_id="../x"), InvalidInputError), (lambda t: t.add_fact("ok", source_turn=-1), InvalidInputError),
     (lambda t: t.add_fact("ok", fact_id="dup"), FactExistsError), (lambda t: t.search("q", k=0), InvalidInputError),
     (lambda t: t.list_facts(limit=0), InvalidInputError), (lambda t: t.get_fact("nope"), FactNotFoundError),
-    (lambda t: t.set_placement("dup", "moon", "r0"), InvalidInputError),
+    (lambda t: t.placement("../dup"), InvalidInputError),
 ])
 def test_bad_input_is_refused_and_stores_nothing(make_service, call, error):
     service = make_service(max_fact_chars=200)
@@ -105,9 +107,46 @@ def test_quotas_in_facts_and_bytes(service, admin):
     assert tenant.usage()["facts"] == 2 and tenant.usage()["bytes"] == 17
 
 
-def test_placement_is_tracked_per_fact(service, admin):
+def test_replicas_placement_reports_land_per_fact_and_replica(service, admin, redis_url):
+    from tenants.placement import PlacementWriter
+    from tenants.redis_meta import RedisMeta
+
     tenant = service.authenticate(service.create_tenant(admin, "alice")[1])
-    fact = tenant.add_fact("my dog is called Rex")
-    assert tenant.placement(fact.id) is None
-    tenant.set_placement(fact.id, "cpu", "replica-1")
-    assert tenant.placement(fact.id)["tier"] == "cpu" and tenant.placement(fact.id)["version"] == 1
+    rex, tom = tenant.add_fact("my dog is called Rex"), tenant.add_fact("my cat is called Tom")
+    assert tenant.placement(rex.id) == {}
+    one, two = PlacementWriter(RedisMeta(redis_url), "h-slot0"), PlacementWriter(RedisMeta(redis_url), "h-slot1")
+    one(tenant.id, f"{rex.id}.v1", (1, 2), "gpu")
+    one(tenant.id, f"{rex.id}.v1", (1, 2), "disk")  # the latest report of a batch wins
+    one(tenant.id, "chat-frame-abc", (1,), "gpu")  # not a fact: ignored
+    two(tenant.id, f"{rex.id}.v1", (1, 2), "cpu")
+    two(tenant.id, f"{tom.id}.v1", (3,), "gpu")
+    assert one.flush() and two.flush()
+    assert {r: p["tier"] for r, p in tenant.placement(rex.id).items()} == {"h-slot0": "disk", "h-slot1": "cpu"}
+    assert tenant.placement(rex.id)["h-slot0"]["version"] == 1
+    two(tenant.id, f"{rex.id}.v1", (1, 2), None)  # evicted from h-slot1
+    tenant.delete_fact(tom.id)
+    two(tenant.id, f"{tom.id}.v1", (3,), "cpu")  # a late report of a deleted fact
+    assert two.flush()
+    assert list(tenant.placement(rex.id)) == ["h-slot0"]
+    assert not RedisMeta(redis_url)._redis.hexists(f"is:t:{{{tenant.id}}}:place", tom.id)  # not resurrected
+    restarted = PlacementWriter(RedisMeta(redis_url), "h-slot0").start()  # forgets what h-slot0 said before
+    deadline = time.monotonic() + 5
+    while tenant.placement(rex.id):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    restarted(tenant.id, f"{rex.id}.v1", (1, 2), "disk")  # what it finds on disk after the restart
+    restarted.close()
+    assert tenant.placement(rex.id)["h-slot0"]["tier"] == "disk"
+
+
+def test_placement_reports_wait_out_a_redis_outage(service, admin, redis_url):
+    from tenants.placement import PlacementWriter
+    from tenants.redis_meta import RedisMeta
+
+    tenant = service.authenticate(service.create_tenant(admin, "bob")[1])
+    fact = tenant.add_fact("bob plays the cello")
+    writer = PlacementWriter(RedisMeta("redis://127.0.0.1:1/0"), "h-slot0")  # nothing listens there
+    writer(tenant.id, f"{fact.id}.v1", (1,), "gpu")
+    assert writer.flush() is False
+    writer._meta = RedisMeta(redis_url)  # the server is reachable again
+    assert writer.flush() and tenant.placement(fact.id)["h-slot0"]["tier"] == "gpu"

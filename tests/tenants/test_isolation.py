@@ -30,7 +30,7 @@ def test_no_call_reaches_the_other_tenants_facts(service, two):
     bob.add_fact("bob likes tennis")
     for attempt in (lambda: bob.get_fact("pin"), lambda: bob.update_fact("pin", "hacked"),
                     lambda: bob.delete_fact("pin"), lambda: bob.attach_kv("pin", 1, make_record("x", 5, tenant_id="bob")),
-                    lambda: bob.placement("pin"), lambda: bob.set_placement("pin", "gpu", "r")):
+                    lambda: bob.placement("pin")):
         with pytest.raises(FactNotFoundError):
             attempt()
     assert all(f.id != "pin" for f in bob.list_facts(limit=10_000))

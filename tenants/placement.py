@@ -1,0 +1,80 @@
+"""A serving replica's placement reports, written to Redis in batches off the forward path.
+
+The connector's worker calls `PlacementWriter` (a `kvcore.placement.Sink`) from inside engine steps, so
+the call only records the latest tier per fact version in memory; a daemon thread writes what changed
+every `flush_s` in one pipeline. If Redis is down the changes wait (latest wins) and are written once
+it is back: placement is advisory, serving never blocks on it. `start()` first forgets whatever this
+replica reported before a restart, then the tracker reports what the replica holds now.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvcore.store import Stamp
+from tenants.facts import fact_of_record
+from tenants.redis_meta import STORE_UNAVAILABLE, RedisMeta
+
+log = logging.getLogger(__name__)
+
+
+class PlacementWriter:
+    def __init__(self, meta: RedisMeta, replica: str, flush_s: float = 0.2) -> None:
+        self.replica = replica
+        self._meta, self._flush_s = meta, flush_s
+        self._pending: dict[tuple[str, str, int], str | None] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "PlacementWriter":
+        """Forget this replica's old placements (retrying while Redis is unreachable) and begin writing."""
+        self._thread = threading.Thread(target=self._run, name=f"placement-{self.replica}", daemon=True)
+        self._thread.start()
+        return self
+
+    def __call__(self, tenant_id: str, record_id: str, stamp: Stamp, tier: str | None) -> None:
+        fact = fact_of_record(record_id)
+        if fact is None:  # the chat frame and other engine records are not facts
+            return
+        with self._lock:
+            self._pending[(tenant_id, fact[0], fact[1])] = tier
+
+    def flush(self) -> bool:
+        """Write what is pending now; False (and kept for later) if Redis is unreachable."""
+        with self._lock:
+            batch, self._pending = self._pending, {}
+        if not batch:
+            return True
+        moves: dict[str, list[tuple[str, int, str | None]]] = {}
+        for (tenant_id, fact_id, version), tier in batch.items():
+            moves.setdefault(tenant_id, []).append((fact_id, version, tier))
+        try:
+            self._meta.write_placements(self.replica, time.time(), moves)
+            return True
+        except STORE_UNAVAILABLE as exc:
+            log.warning("placements not written yet (%s); retrying", type(exc).__name__)
+            with self._lock:
+                self._pending = {**batch, **self._pending}  # newer reports win
+            return False
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            try:
+                self._meta.forget_replica(self.replica)
+                break
+            except STORE_UNAVAILABLE:
+                self._wake.wait(1.0)
+        while not self._stopped:
+            self._wake.wait(self._flush_s)
+            self.flush()
