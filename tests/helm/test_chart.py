@@ -60,6 +60,19 @@ def test_serve_config_names_the_builder_and_validates(helm):
     assert args.redis_url is None and args.admin_key is None  # both come from Secrets through the environment
     assert str(args.state_dir) == "/var/lib/inferscale" and args.llm.ray_actor_options["num_gpus"] == 1
     assert args.llm.autoscaling_config == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}
+    assert args.llm.tiers == {"disk_cache_dir": "/var/cache/inferscale/tiers", "host_cache_bytes": 32 << 30,
+                              "compress_lower": True}
+
+
+def test_the_offload_tier_gets_a_node_local_disk_on_gpu_workers_or_is_off(helm):
+    cluster = one(render(helm), "RayService")["spec"]["rayClusterConfig"]
+    (gpu,) = [g for g in cluster["workerGroupSpecs"] if g["groupName"] == "gpu"]
+    assert {"name": "tiers", "mountPath": "/var/cache/inferscale/tiers"} in gpu["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "tiers", "emptyDir": {"sizeLimit": "200Gi"}} in gpu["template"]["spec"]["volumes"]
+    off = one(render(helm, "--set", "serve.llm.offload.enabled=false"), "RayService")
+    assert "tiers" not in yaml.safe_load(off["spec"]["serveConfigV2"])["applications"][0]["args"]["llm"]
+    assert all(v["name"] != "tiers" for g in off["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+               for v in g["template"]["spec"]["volumes"])
 
 
 def test_gpu_workers_request_their_gpus_and_autoscale(helm):
@@ -123,7 +136,8 @@ def test_external_redis_needs_its_url_secret(helm):
 
 
 @pytest.mark.parametrize("bad", ["gpuWorkers.gpus=0", "serve.llm.onLoadFailure=ignore", "redis.appendfsync=sometimes",
-                                 "encodeJob.tenant=Bad_Name", "state.mountPath=relative"])
+                                 "encodeJob.tenant=Bad_Name", "state.mountPath=relative",
+                                 "serve.llm.offload.diskSizeLimit=lots"])
 def test_schema_refuses_bad_values(helm, bad):
     done = subprocess.run([str(helm), "template", "rel", str(CHART), "--set", bad], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "values don't meet the specifications of the schema" in done.stderr

@@ -106,6 +106,12 @@ applications:
           {{- toYaml $engine | nindent 10 }}
         device_cache_bytes: {{ $llm.deviceCacheBytes | int64 }}
         on_load_failure: {{ $llm.onLoadFailure }}
+        {{- if $llm.offload.enabled }}
+        tiers:
+          disk_cache_dir: /var/cache/inferscale/tiers
+          host_cache_bytes: {{ $llm.offload.hostCacheBytes | int64 }}
+          compress_lower: true
+        {{- end }}
         autoscaling_config:
           {{- toYaml $llm.autoscaling | nindent 10 }}
         max_ongoing_requests: {{ $llm.maxOngoingRequests }}
