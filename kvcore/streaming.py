@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -21,6 +22,7 @@ import torch
 
 from kvcore.arena import DeviceArena
 from kvcore.errors import ArenaFullError, KVCoreError, RecordCorruptError
+from kvcore.layer_ahead import LayerAhead
 from kvcore.paged import CacheTarget, PagedLayout, slot_mapping
 from kvcore.placement import tier_label
 from kvcore.record import FactKV
@@ -51,6 +53,7 @@ class _Part:
     reader: LayerReader | None
     record: FactKV | None = None  # the canonical record, once its tier entry proved damaged
     read: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # layers streamed, kept for promotion
+    ahead: tuple[int, Future] | None = None  # (layer, its read in flight on the reader thread)
 
 
 @dataclass
@@ -74,6 +77,7 @@ class TierStreams:
         self._tiers, self._arena, self._rope, self._layout, self._table = tiers, arena, rope, layout, table
         self._on_fail = on_fail  # (load, reason): its blocks are reported failed
         self._streams: list[_Stream] = []
+        self._ahead = LayerAhead(arena.device)
 
     @property
     def active(self) -> bool:
@@ -108,8 +112,16 @@ class TierStreams:
         slots = slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size).to(device)
         self._table.reserve(load.end)
         cos, sin = self._table.lookup(torch.arange(load.begin, load.end, device=device))
-        self._streams.append(_Stream(load, fetch, parts, slots, cos[:, None], sin[:, None]))
+        stream = _Stream(load, fetch, parts, slots, cos[:, None], sin[:, None])
+        self._streams.append(stream)
+        self._read_ahead(stream, 0)
         return True
+
+    def _read_ahead(self, stream: _Stream, index: int) -> None:
+        """Start reading layer `index` of the stream's tier parts while the engine computes the layer before."""
+        for part in stream.parts:
+            if part.reader is not None and index < part.reader.layers:
+                part.ahead = (index, self._ahead.submit(part.reader, index))
 
     def write_layer(self, index: int, target: CacheTarget) -> None:
         for stream in self._streams:
@@ -129,6 +141,7 @@ class TierStreams:
                 stream.failed = True
                 self._on_fail(stream.load, f"tier load failed: {exc}")
                 continue
+            self._read_ahead(stream, index + 1)
             keys, values = torch.cat(keys), torch.cat(values)
             dim = keys.shape[-1]
             if target.kv_rows is not None:
@@ -145,7 +158,8 @@ class TierStreams:
         """One layer of a tier part; a damaged tier entry is swapped for the canonical record, once."""
         if part.reader is not None:
             try:
-                layer = part.reader.layer(index)
+                ahead, part.ahead = part.ahead, None
+                layer = self._ahead.take(ahead[1]) if ahead is not None and ahead[0] == index else part.reader.layer(index)
                 part.read.append(layer)
                 return layer
             except RecordCorruptError as exc:
@@ -160,6 +174,7 @@ class TierStreams:
         """Unpin the step's tier entries and bring what they held into the arena (spilling colder records)."""
         streams, self._streams = self._streams, []
         for stream in streams:
+            self._settle(stream.parts)
             self._unpin(stream.parts)
         for stream in streams:
             for part in stream.parts:
@@ -192,6 +207,13 @@ class TierStreams:
             self._arena.insert((tenant_id, part.record_id), part.stamp, part.record.k, part.record.v)
         except ArenaFullError:
             pass
+
+    def _settle(self, parts: list[_Part]) -> None:
+        """Wait out reads still in flight (a failed stream stops early) before their entries are unpinned."""
+        for part in parts:
+            if part.ahead is not None:
+                part.ahead[1].exception()
+                part.ahead = None
 
     def _unpin(self, parts: list[_Part]) -> None:
         for part in parts:

@@ -56,3 +56,27 @@ def test_injection_worker_on_cuda_matches_cpu(tmp_path):
         results.append([cache.cpu() for cache in caches.values()])
     assert claimed == 26 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*results))
     assert any(cache.any() for cache in results[0])
+
+
+@pytest.mark.parametrize("tier_bytes", [1 << 30, 0], ids=["pinned-host", "disk"])
+def test_layers_read_ahead_on_a_side_stream_equal_direct_reads(tmp_path, tier_bytes):
+    """The reader thread's side-stream copies, handed over with an event, give the bytes a direct read gives,
+    while the default stream is kept busy (so a missing wait would show as a race)."""
+    from kvcore.layer_ahead import LayerAhead
+    from kvcore.tiers import TieredStore
+
+    k, v = torch.randn(8, 4, 64, 128), torch.randn(8, 4, 64, 128)
+    store = TieredStore("cuda", 0, tier_bytes, tmp_path, compress_lower=True)
+    store.put(("t", "a"), k, v)
+    ahead = LayerAhead(torch.device("cuda"))
+    reader = store.begin_load(("t", "a"))
+    busy = torch.randn(4096, 4096, device="cuda")
+    for layer in range(8):
+        future = ahead.submit(reader, layer)
+        for _ in range(4):
+            busy = busy @ busy / 64  # keep the engine's stream occupied
+        got_k, got_v = ahead.take(future)
+        want_k, want_v = reader.layer(layer)
+        assert torch.equal((got_k * 1).cpu(), want_k.cpu()) and torch.equal((got_v * 1).cpu(), want_v.cpu())
+    store.end_load(reader)
+    ahead.close()
