@@ -19,7 +19,7 @@ import torch
 from kvcore.conversation import check_identifier
 from kvcore.errors import FingerprintMismatchError, IncompatibleRecordsError, RecordCorruptError
 from kvcore.rope import RopeConfig
-from kvcore.safetensors_io import read_header, read_tensor, write_atomic
+from kvcore.safetensors_io import read_header, read_tensor, write_many_atomic
 
 FORMAT = "inferscale.factkv/1"
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,11 +91,19 @@ class FactKV:
 
 def save_record(record: FactKV, path: Path) -> None:
     """Write `record` to `path` atomically (a crash leaves the old file or none, never half of one)."""
+    save_records([(record, path)])
+
+
+def save_records(items: list[tuple[FactKV, Path]]) -> None:
+    """Write several records, each atomically, with their fsyncs issued together (one journal commit for all)."""
+    write_many_atomic([(Path(path), *_file_contents(record)) for record, path in items], checksums=True)
+
+
+def _file_contents(record: FactKV) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(record.num_layers):
         tensors[f"k.{layer:03d}"] = record.k[layer]
         tensors[f"v.{layer:03d}"] = record.v[layer]
-    crcs = {name: _crc(t) for name, t in tensors.items()}
     metadata = {
         "format": FORMAT,
         "tenant_id": record.tenant_id,
@@ -103,11 +111,10 @@ def save_record(record: FactKV, path: Path) -> None:
         "version": str(record.version),
         "token_ids": json.dumps(list(record.token_ids)),
         "params": record.params.to_json(),
-        "crc32": json.dumps(crcs, sort_keys=True),
         "num_layers": str(record.num_layers),
         "meta": json.dumps(record.meta, sort_keys=True),
     }
-    write_atomic(Path(path), tensors, metadata)
+    return tensors, metadata
 
 
 def load_record(path: Path, expected_fingerprint: str | None = None) -> FactKV:
@@ -195,10 +202,6 @@ def check_compatible(records: Sequence[FactKV]) -> None:
             raise IncompatibleRecordsError(f"fact {rec.fact_id!r} has another rope config than {first.fact_id!r}")
         if rec.k.shape[:2] != first.k.shape[:2] or rec.k.shape[3] != first.k.shape[3] or rec.k.dtype != first.k.dtype:
             raise IncompatibleRecordsError(f"fact {rec.fact_id!r} has another K/V layout than {first.fact_id!r}")
-
-
-def _crc(tensor: torch.Tensor) -> int:
-    return zlib.crc32(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _open(path: Path):

@@ -11,8 +11,10 @@ import json
 import os
 import struct
 import tempfile
+import zlib
 from pathlib import Path
-from typing import BinaryIO, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import BinaryIO, Mapping, Sequence
 
 import torch
 
@@ -32,38 +34,91 @@ _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER = 64 * 1024 * 1024
 
 
-def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], durable: bool = True) -> None:
+CRC_KEY = "crc32"  # metadata entry: JSON {tensor name: CRC32 of its bytes}, when the writer is asked for it
+
+
+def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], durable: bool = True,
+                 checksums: bool = False) -> None:
     """Write `tensors` in the given order; the file appears complete or not at all.
 
     `durable=False` skips the fsync: for caches whose readers verify checksums (a torn file after a power
-    loss is detected and dropped), where an fsync per file would sit in a serving step's critical path."""
+    loss is detected and dropped), where an fsync per file would sit in a serving step's critical path.
+    `checksums` adds `CRC_KEY` to the metadata, computed from the very bytes written."""
+    write_many_atomic([(Path(path), tensors, metadata)], durable, checksums)
+
+
+def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Mapping[str, str]]],
+                      durable: bool = True, checksums: bool = False) -> None:
+    """Write several files, each complete or not at all: every temporary file first, then their fsyncs at
+    once (the filesystem commits its journal for the group, not per file), then the renames and one fsync
+    per folder. A failure removes the temporary files and leaves the targets as they were."""
+    staged: list[tuple[str, Path]] = []
+    try:
+        for path, tensors, metadata in files:
+            staged.append((_write_temporary(path, tensors, metadata, checksums), path))
+        if durable:
+            with ThreadPoolExecutor(min(16, len(staged)) or 1) as pool:
+                list(pool.map(_fsync_path, [tmp for tmp, _ in staged]))
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp, _ in staged:
+            Path(tmp).unlink(missing_ok=True)
+        raise
+    if durable:
+        for folder in {path.parent for _, path in staged}:
+            _fsync_path(str(folder))
+
+
+def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], checksums: bool) -> str:
+    """The file's bytes under a temporary name next to `path`, in one gathered write (no copies of the tensors)."""
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     offset = 0
-    blobs: list[bytes] = []
+    blobs: list[memoryview] = []
+    crcs: dict[str, int] = {}
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
             raise TypeError(f"dtype {tensor.dtype} cannot be stored")
-        blob = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        blob = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
         offset += len(blob)
+        if checksums:
+            crcs[name] = zlib.crc32(blob)
+    if checksums:
+        header["__metadata__"][CRC_KEY] = json.dumps(crcs, sort_keys=True)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(struct.pack("<Q", len(raw)))
-            out.write(raw)
-            for blob in blobs:
-                out.write(blob)
-            out.flush()
-            if durable:
-                os.fsync(out.fileno())
-        os.replace(tmp, path)
+        _write_all(fd, [struct.pack("<Q", len(raw)), raw, *blobs])
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        os.close(fd)
+    return tmp
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    """`writev` until every buffer is written (it may stop early, and takes at most IOV_MAX at a time)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        written = os.writev(fd, views[:512])
+        while written and views:
+            if written >= len(views[0]):
+                written -= len(views.pop(0))
+            else:
+                views[0], written = views[0][written:], 0
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 
 from kvcore.conversation import check_identifier
 from kvcore.errors import FactMissingError, StaleRecordError
-from kvcore.record import FactKV, RecordInfo, read_info_from, read_record, save_record
+from kvcore.record import FactKV, RecordInfo, read_info_from, read_record, save_records
 
 log = logging.getLogger(__name__)
 _MAX_INFOS = 100_000  # headers are small; the scheduler checks them on every request
@@ -71,10 +71,18 @@ class LocalFactStore:
 
     def put(self, record: FactKV) -> int:
         """Store `record` (atomically) and return the tenant's new store version."""
-        save_record(record, self.path(record.tenant_id, record.fact_id))
+        return self.put_many([record])
+
+    def put_many(self, records: list[FactKV]) -> int:
+        """Store records of one tenant, each atomically, in one group of writes; one version bump for all."""
+        tenants = {record.tenant_id for record in records}
+        if len(tenants) != 1:
+            raise ValueError("put_many takes records of exactly one tenant")
+        save_records([(record, self.path(record.tenant_id, record.fact_id)) for record in records])
         with self._lock:
-            self._drop((record.tenant_id, record.fact_id))
-            return self._bump(record.tenant_id)
+            for record in records:
+                self._drop((record.tenant_id, record.fact_id))
+            return self._bump(tenants.pop())
 
     def delete(self, tenant_id: str, record_id: str) -> bool:
         """Remove a record (True if it existed); the tenant's version is bumped like a write."""

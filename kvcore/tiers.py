@@ -395,8 +395,7 @@ def advise_willneed(paths: list[Path]) -> None:
 
 def _write_tier_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     """A layer-contiguous file with a CRC32 per tensor; no fsync (a torn file fails its checks and is dropped)."""
-    crcs = {name: zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for name, t in tensors.items()}
-    write_atomic(path, tensors, {**meta, "crc32": json.dumps(crcs, sort_keys=True)}, durable=False)
+    write_atomic(path, tensors, meta, durable=False, checksums=True)
 
 
 class _DiskFile:

@@ -213,8 +213,27 @@ class RedisMeta:
         return json.loads(raw) if raw else None
 
     # ---- facts ----
-    def next_index_id(self, tenant_id: str) -> int:
-        return int(self._redis.incr(_t(tenant_id, "seq")))
+    def next_index_ids(self, tenant_id: str, count: int) -> list[int]:
+        last = int(self._redis.incrby(_t(tenant_id, "seq"), count))
+        return list(range(last - count + 1, last + 1))
+
+    def reserve_many(self, tenant_id: str, items: list[tuple[str, dict, bytes, int]]) -> list[Exception | None]:
+        """`reserve` for (fact id, meta, embedding, bytes) items in one round trip; per item its error or None."""
+        keys = [_t(tenant_id), _t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "usage")]
+        pipe = self._redis.pipeline(transaction=False)
+        for fact_id, meta, embedding, nbytes in items:
+            self._scripts["reserve"](keys=keys, args=[fact_id, _json(meta), embedding, nbytes], client=pipe)
+        return [_error_of(result) for result in pipe.execute(raise_on_error=False)]
+
+    def commit_many(self, tenant_id: str, items: list[tuple[str, dict]], op: str) -> list[Exception | None]:
+        """`commit` of pending version-1 facts (fact id, new meta) in one round trip; per item its error or None."""
+        keys = [_t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "pemb"), _t(tenant_id, "usage"),
+                _t(tenant_id, "version"), _t(tenant_id, "log"), _t(tenant_id)]
+        pipe = self._redis.pipeline(transaction=False)
+        for fact_id, meta in items:
+            self._scripts["commit"](keys=keys, args=[fact_id, "pending", 1, _json(meta), op, 0, meta["index_id"], "0",
+                                                     LOG_MAXLEN], client=pipe)
+        return [_error_of(result) for result in pipe.execute(raise_on_error=False)]
 
     def reserve(self, tenant_id: str, fact_id: str, meta: dict, embedding: bytes, nbytes: int) -> None:
         keys = [_t(tenant_id), _t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "usage")]
@@ -322,6 +341,12 @@ def _t(tenant_id: str, part: str | None = None) -> str:
 
 def _json(value: dict) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def _error_of(result: Any) -> Exception | None:
+    if isinstance(result, redis.ResponseError):
+        return _translate(str(result))
+    return result if isinstance(result, Exception) else None
 
 
 def _translate(message: str) -> Exception:

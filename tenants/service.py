@@ -175,8 +175,12 @@ class Tenant:
         for turn in source_turns:
             if turn is not None and (not isinstance(turn, int) or turn < 0):
                 raise InvalidInputError("source_turn must be a non-negative integer")
-        vectors = self._s.embedder.embed(texts) if texts else np.empty((0, self._s.embedder.dim))
-        return [self._insert(*args) for args in zip(ids, texts, source_turns, kvs, vectors)]
+        if len(set(ids)) != len(ids):
+            raise InvalidInputError("fact ids must be distinct")
+        if not texts:
+            return []
+        vectors = self._s.embedder.embed(texts)
+        return self._insert(list(zip(ids, texts, source_turns, kvs, vectors)))
 
     def update_fact(self, fact_id: str, text: str, *, kv: FactKV | None = None, version: int | None = None) -> Fact:
         """A new version of the fact's text (and K/V, if given); `version` guards against lost updates."""
@@ -274,31 +278,52 @@ class Tenant:
         return status
 
     # ---- internals ----
-    def _insert(self, fact_id: str, text: str, source_turn: int | None, kv: FactKV | None, vector: np.ndarray) -> Fact:
+    def _insert(self, items: list[tuple[str, str, int | None, FactKV | None, np.ndarray]]) -> list[Fact]:
+        """Reserve every fact (pending) in Redis, write their K/V records as one group, then commit them: the
+        order of a single insert, with one round trip per phase. Nothing is acknowledged unless all commit;
+        whatever did not commit is rolled back (a crash in between is the reconciler's to undo)."""
         meta = self._s.meta
         now = time.time()
-        record_id = record_id_for(fact_id, 1) if kv is not None else None
-        nbytes = _size(text, kv)
-        pending = {"id": fact_id, "text": text, "version": 1, "state": "pending", "index_id": meta.next_index_id(self.id),
-                   "record_id": record_id, "encoding": _encoding(kv), "bytes": nbytes, "source_turn": source_turn,
-                   "created": now, "updated": now, "started": now, "pending": None}
-        meta.reserve(self.id, fact_id, pending, vector.astype(np.float32).tobytes(), nbytes)
+        pendings = []
+        for (fact_id, text, source_turn, kv, _), index_id in zip(items, meta.next_index_ids(self.id, len(items))):
+            pendings.append({"id": fact_id, "text": text, "version": 1, "state": "pending", "index_id": index_id,
+                             "record_id": record_id_for(fact_id, 1) if kv is not None else None,
+                             "encoding": _encoding(kv), "bytes": _size(text, kv), "source_turn": source_turn,
+                             "created": now, "updated": now, "started": now, "pending": None})
+        errors = meta.reserve_many(self.id, [(p["id"], p, vector.astype(np.float32).tobytes(), p["bytes"])
+                                             for p, (*_, vector) in zip(pendings, items)])
+        reserved = [p for p, error in zip(pendings, errors) if error is None]
+        if len(reserved) != len(pendings):
+            self._roll_back(reserved)
+            raise next(error for error in errors if error is not None)
         self._s.fault("insert:reserved")
+        committed: set[str] = set()
         try:
-            if kv is not None:
-                self._write_record(record_id, kv, 1)
+            self._write_records([(p["record_id"], kv, 1) for p, (_, _, _, kv, _) in zip(pendings, items) if kv is not None])
             self._s.fault("insert:record-written")
-            active = {**pending, "state": "active"}
-            meta.commit(self.id, fact_id, "pending", 1, active, "add")
+            actives = [{**p, "state": "active"} for p in pendings]
+            errors = meta.commit_many(self.id, [(a["id"], a) for a in actives], "add")
+            committed = {a["id"] for a, error in zip(actives, errors) if error is None}
+            if len(committed) != len(actives):
+                raise next(error for error in errors if error is not None)
         except Exception:
-            meta.rollback(self.id, fact_id, "pending", 1, None, 1, nbytes)
-            if record_id:
-                self._s.records.delete(self.id, record_id)
+            self._roll_back([p for p in pendings if p["id"] not in committed])
             raise
-        return Fact.from_meta(active)
+        return [Fact.from_meta(a) for a in actives]
+
+    def _roll_back(self, pendings: list[dict]) -> None:
+        for p in pendings:
+            self._s.meta.rollback(self.id, p["id"], "pending", 1, None, 1, p["bytes"])
+            if p["record_id"]:
+                self._s.records.delete(self.id, p["record_id"])
 
     def _write_record(self, record_id: str, kv: FactKV, version: int) -> None:
-        self._s.records.put(FactKV(self.id, record_id, kv.token_ids, kv.k, kv.v, kv.params, version, kv.meta))
+        self._write_records([(record_id, kv, version)])
+
+    def _write_records(self, items: list[tuple[str, FactKV, int]]) -> None:
+        if items:
+            self._s.records.put_many([FactKV(self.id, record_id, kv.token_ids, kv.k, kv.v, kv.params, version, kv.meta)
+                                      for record_id, kv, version in items])
 
     def _visible_meta(self, fact_id: str) -> dict:
         meta = self._s.meta.fact(self.id, fact_id)

@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 
 from tenants.errors import (AuthError, ConflictError, FactExistsError, FactNotFoundError, InvalidInputError,
                             QuotaExceededError, TenantExistsError, UnknownTenantError)
@@ -150,3 +151,21 @@ def test_placement_reports_wait_out_a_redis_outage(service, admin, redis_url):
     assert writer.flush() is False
     writer._meta = RedisMeta(redis_url)  # the server is reachable again
     assert writer.flush() and tenant.placement(fact.id)["h-slot0"]["tier"] == "gpu"
+
+
+def test_a_batch_insert_is_all_or_nothing(service, admin):
+    """One refused fact (an id that exists) refuses the batch and leaves no trace of the others; a batch
+    that goes through stores every fact with its K/V under one store version."""
+    tenant = service.authenticate(service.create_tenant(admin, "alice")[1])
+    tenant.add_fact("the first", fact_id="dup")
+    version = service.records.version("alice")
+    kvs = [make_record("x", 5, seed=i, tenant_id="alice") for i in range(3)]
+    with pytest.raises(FactExistsError):
+        tenant.add_facts(["a", "b", "c"], fact_ids=["n1", "dup", "n2"], kvs=kvs)
+    assert [f.id for f in tenant.list_facts()] == ["dup"] and tenant.usage()["facts"] == 1
+    assert service.records.record_ids("alice") == [] and service.records.version("alice") == version
+    facts = tenant.add_facts(["a", "b", "c"], fact_ids=["n1", "n2", "n3"], kvs=kvs)
+    assert [f.kv_ready for f in facts] == [True] * 3 and service.records.version("alice") == version + 1
+    assert torch.equal(service.records.get("alice", "n2.v1").k, kvs[1].k)
+    with pytest.raises(InvalidInputError, match="distinct"):
+        tenant.add_facts(["x", "y"], fact_ids=["z", "z"])
