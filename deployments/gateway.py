@@ -71,12 +71,16 @@ class Gateway:
             query = body.last_user_text()[-self.service.max_fact_chars:]  # the question's end is what retrieval needs
             hits = await asyncio.to_thread(tenant.search, query, k)
             facts = [{"fact_id": f.id, "text": f.text, "record_id": f.record_id} for f, _ in hits]
+        tiers: dict[str, int] = {}
+        if body.memory.mode == "inject" and facts:
+            for tier in await asyncio.to_thread(tenant.best_tiers, [f["fact_id"] for f in facts]):
+                tiers[tier] = tiers.get(tier, 0) + 1
         version = tenant.version()
         retrieval_ms = (time.perf_counter() - started) * 1000
         self.metrics.retrieval.observe(retrieval_ms / 1000)
         task = {"tenant_id": tenant.id, "version": version, "messages": [m.model_dump() for m in body.messages],
                 "facts": facts, "mode": body.memory.mode, "max_tokens": max_tokens, "temperature": body.temperature,
-                "top_p": body.top_p, "seed": body.seed, "stop": body.stop}
+                "top_p": body.top_p, "seed": body.seed, "stop": body.stop, "memory_tiers": tiers}
         return task, retrieval_ms
 
     def observe_usage(self, usage: dict[str, Any], mode: str) -> None:
@@ -87,6 +91,8 @@ class Gateway:
         self.metrics.tokens.labels(kind="completion").inc(usage["completion_tokens"])
         if usage.get("memory_fallback"):
             self.metrics.fallbacks.inc()
+        for tier, count in usage.get("memory_tiers", {}).items():
+            self.metrics.fact_tiers.labels(tier=tier).inc(count)
 
     # ---- memories ----
     def add_memories(self, tenant: Tenant, api_key: str, body: AddMemories) -> tuple[int, dict[str, Any]]:

@@ -231,7 +231,7 @@ def _usage(final: dict[str, Any] | None, retrieval_ms: float, ttft_ms: float) ->
             "prefilled_tokens": engine.get("prefilled_tokens", 0), "cached_tokens": engine.get("cached_tokens", 0),
             "memory_tokens": engine.get("memory_tokens", 0), "retrieval_ms": round(retrieval_ms, 3),
             "ttft_ms": round(ttft_ms, 3), "engine_ttft_ms": engine.get("engine_ttft_ms", 0.0),
-            "memory_fallback": engine.get("memory_fallback"),
+            "memory_fallback": engine.get("memory_fallback"), "memory_tiers": engine.get("memory_tiers", {}),
             "prompt_tokens_details": {"cached_tokens": engine.get("prompt_tokens", 0) - engine.get("prefilled_tokens", 0)}}
 
 

@@ -21,6 +21,8 @@ class Metrics:
                               registry=self.registry)
         self.fallbacks = Counter("inferscale_memory_fallbacks", "Requests whose memory plan fell back to prefill",
                                     registry=self.registry)
+        self.fact_tiers = Counter("inferscale_memory_fact_tiers", "Injected facts by the tier their K/V was in when "
+                                  "retrieved (gpu, cpu, disk, store)", ["tier"], registry=self.registry)
         self.encodings = Counter("inferscale_fact_encodings", "Background fact encodings", ["outcome"],
                                  registry=self.registry)
 

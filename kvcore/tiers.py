@@ -304,7 +304,7 @@ class TieredStore:
             if self.device.type == "cuda":
                 packed = tuple(_pin(x) for x in packed)
             return packed, sum(_nbytes(x) for x in packed)
-        path = self._dir / f"{key[0]}__{key[1]}.kv"
+        path = self._dir / file_name(key)
         tensors: dict[str, torch.Tensor] = {}
         for layer in range(k.shape[0]):
             for name, x in zip("kv", packed):
@@ -374,10 +374,19 @@ class TieredStore:
             self._used["disk"] += path.stat().st_size
 
 
-def tier_files(root: Path, tenant_id: str, record_ids: list[str]) -> list[Path]:
-    """Disk-tier files of these records in any replica slot under `root` (names as `tier_key` makes them)."""
-    return [path for record_id in record_ids
-            for path in Path(root).glob(f"*/{tenant_id}__{record_id[:100]}.{'?' * 12}.kv")]
+def tier_files(root: Path, keys: list[Key]) -> list[Path]:
+    """Where the disk-tier files of these entries would be, in every replica slot under `root` (no listing of
+    the slots' contents: a prefetch must not cost more than the files it saves)."""
+    try:
+        slots = [entry for entry in Path(root).iterdir() if entry.is_dir()]
+    except OSError:
+        return []
+    return [slot / file_name(key) for slot in slots for key in keys]
+
+
+def file_name(key: Key) -> str:
+    """The disk-tier file of an entry, inside its replica slot."""
+    return f"{key[0]}__{key[1]}.kv"
 
 
 def advise_willneed(paths: list[Path]) -> None:

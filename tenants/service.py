@@ -267,6 +267,16 @@ class Tenant:
         self._visible_meta(check_id("fact id", fact_id))
         return self._s.meta.placement(self.id, fact_id)
 
+    def best_tiers(self, fact_ids: list[str]) -> list[str]:
+        """Per fact, the highest tier any replica reported holding its K/V in (`gpu`, `cpu`, `disk`), else
+        `store` (the K/V is read from the fact store, or the fact has none yet)."""
+        order = ("gpu", "cpu", "disk")
+        best = []
+        for placed in self._s.meta.placements(self.id, fact_ids):
+            tiers = [where.get("tier") for where in placed.values()]
+            best.append(next((tier for tier in order if tier in tiers), "store"))
+        return best
+
     def record_job(self, job_id: str, status: dict) -> None:
         """Status of one of this tenant's encoding jobs (ids are the caller's: `check_id` applies)."""
         self._s.meta.set_job(self.id, check_id("job id", job_id), status)

@@ -29,6 +29,7 @@ from kvcore.errors import KVCoreError
 from kvcore.plan import CapturePlan, CaptureSpan
 from kvcore.record import FactKV
 from kvcore.store import LocalFactStore
+from kvcore.streaming import tier_key
 from kvcore.tiers import advise_willneed, tier_files
 from models.chat import split_chat
 
@@ -58,6 +59,7 @@ class ChatTask:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
+    memory_tiers: dict[str, int] = field(default_factory=dict)  # where retrieval found the facts' K/V, echoed in usage
 
 
 class MemoryEngine:
@@ -134,7 +136,7 @@ class MemoryEngine:
     async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
         """Text deltas (`{"delta": ...}`) then one final `{"done": True, "finish_reason", "usage"}`."""
         if task.mode == "inject" and self._tier_root is not None:  # disk-tier facts start loading before the engine sees them
-            advise_willneed(tier_files(self._tier_root, task.tenant_id, [f.record_id for f in task.facts if f.record_id]))
+            self._prefetch(task.tenant_id, [f.record_id for f in task.facts if f.record_id])
         frame = (self.frame_id, self.prefix_ids) if task.mode == "inject" and await self.ensure_frame(task.tenant_id) else None
         prefix_ids, query_ids = split_chat(self.tokenizer, self._system_prompt, task.messages)
         items = [self._item(task.tenant_id, fact) for fact in task.facts]
@@ -165,7 +167,15 @@ class MemoryEngine:
             "total_tokens": len(laid.token_ids) + completion, "memory_tokens": laid.memory_tokens,
             "injected_tokens": injected, "cached_tokens": max(0, cached - injected),
             "prefilled_tokens": len(laid.token_ids) - cached, "engine_ttft_ms": round(ttft or 0.0, 3),
-            "memory_fallback": (report or {}).get("fallback")}}
+            "memory_fallback": (report or {}).get("fallback"), "memory_tiers": task.memory_tiers}}
+
+    def _prefetch(self, tenant_id: str, record_ids: list[str]) -> None:
+        """Advise the kernel to read the disk-tier files of these records (advisory: unknown records are skipped)."""
+        try:
+            stamps = [stamp for stamp, _ in self._store.checked_infos(tenant_id, record_ids)]
+        except (KVCoreError, OSError):
+            return
+        advise_willneed(tier_files(self._tier_root, [tier_key(tenant_id, r, s) for r, s in zip(record_ids, stamps)]))
 
     async def check_health(self) -> None:
         """Raises when the engine process has died (Serve then replaces the replica)."""

@@ -115,6 +115,7 @@ def test_where_each_injected_fact_is_held_is_recorded_in_redis(cluster):
     assert all(memory(i)["placement"] == {} for i in ids)  # encoded, never served yet
     usage = cluster.chat(frank, CAT, memory={"k": len(ids)}).json()["usage"]
     assert usage["injected_tokens"] > usage["memory_tokens"] > 0
+    assert usage["memory_tiers"] == {"store": len(ids)}  # first use: read from the fact store
     deadline = time.monotonic() + 15
     while not all(memory(i)["placement"] for i in ids):
         assert time.monotonic() < deadline, [memory(i)["placement"] for i in ids]
@@ -122,5 +123,9 @@ def test_where_each_injected_fact_is_held_is_recorded_in_redis(cluster):
     for fact_id in ids:
         (replica, where), = memory(fact_id)["placement"].items()
         assert replica.endswith("-slot0") and where["tier"] == "gpu" and where["version"] == 1
+    usage = cluster.chat(frank, CAT, memory={"k": len(ids)}).json()["usage"]
+    assert usage["memory_tiers"] == {"gpu": len(ids)}  # served from the device arena now
+    metrics = requests.get(f"{cluster.base}/metrics").text
+    assert f'inferscale_memory_fact_tiers_total{{tier="gpu"}}' in metrics
     slot = cluster.state_dir / "tiers" / replica
     assert slot.is_dir() and (cluster.state_dir / "tiers" / f"{replica}.lock").exists()
