@@ -153,3 +153,25 @@ def test_tier_files_are_named_in_every_slot_and_prefetch_skips_absent_ones(tmp_p
     assert len(candidates) == 4 and [p for p in candidates if p.exists()] == [tmp_path / "h-slot0" / f"t__{keys[0][1]}.kv"]
     advise_willneed(candidates)  # advisory: absent files are skipped
     assert tier_files(tmp_path / "nowhere", keys) == []
+
+
+def test_write_behind_serves_pending_entries_and_leaves_no_file_for_removed_ones(tmp_path):
+    """Disk files written by the background writer: readable before the file exists, exact after, and an
+    entry that leaves the disk before (or while) its file is written leaves no file behind."""
+    import threading
+
+    gate = threading.Event()
+    store = TieredStore("cpu", 0, 0, tmp_path, compress_lower=False, write_behind=True)
+    store._writer.submit(gate.wait)  # hold the writer so the next files stay pending
+    store.put(("t", "a"), *kv(1), label="a@1")
+    store.put(("t", "b"), *kv(2))
+    assert store.tier_of(("t", "a")) == "disk" and not list(tmp_path.glob("*.kv"))
+    got_k, got_v = read_all(store, ("t", "a"))  # served from the codes kept in memory
+    assert torch.equal(got_k, kv(1)[0]) and torch.equal(got_v, kv(1)[1])
+    store.remove(("t", "b"))  # leaves before its file is written
+    gate.set()
+    store.flush()
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == ["t__a.kv"]
+    assert torch.equal(read_all(store, ("t", "a"))[0], kv(1)[0])  # now from the file
+    store.close()
+    assert TieredStore("cpu", 0, 0, tmp_path).entries() == [(("t", "a"), "disk", "a@1")]
