@@ -4,8 +4,9 @@
     locust -f loadtest/locustfile.py --host ... --headless -u 50 -r 10 -t 2m --csv out/run --mode prompt
 
 Needs the admin key (`INFERSCALE_ADMIN_KEY`, or `--admin-key`). At start it creates the tenants
-(`loadtest-<run>-<i>`), gives each its own facts, and removes them at the end. `--mode` compares KV
-injection with pasting the same facts (`prompt`) or no memory (`off`); `--k` sets the facts per question.
+(`loadtest-<run>-<i>`), gives each its own facts, and removes them at the end (unless `--keep-tenants`).
+`--mode` compares KV injection with pasting the same facts (`prompt`) or no memory (`off`); `--k` sets the
+facts per question; `--ack-log` records every acknowledged write, for fault tests to audit.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _options(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--write-ratio", type=float, default=0.1, help="share of tasks that write a memory")
     parser.add_argument("--admin-key", default=os.environ.get("INFERSCALE_ADMIN_KEY", ""))
+    parser.add_argument("--ack-log", default="", help="append `tenant<TAB>fact id<TAB>text` of every acknowledged write")
+    parser.add_argument("--keep-tenants", action="store_true", help="leave the tenants in place at the end (to audit them)")
 
 
 def facts_for(person: str, count: int, rng: random.Random) -> list[str]:
@@ -62,6 +65,8 @@ def _create_tenants(environment, **_) -> None:
 
 @events.test_stop.add_listener
 def _remove_tenants(environment, **_) -> None:
+    if environment.parsed_options.keep_tenants:
+        return
     admin = {"Authorization": f"Bearer {environment.parsed_options.admin_key}"}
     for tenant_id, _, _ in _tenants:
         requests.delete(f"{environment.host}/v1/tenants/{tenant_id}", headers=admin, timeout=60)
@@ -81,8 +86,11 @@ class MemoryUser(HttpUser):
     @task
     def ask_or_write(self) -> None:
         if random.random() < self.options.write_ratio:
-            self.client.post("/v1/memories", json={"facts": [f"{self.person} mentioned {uuid.uuid4().hex[:8]} today."]},
-                             name="/v1/memories")
+            text = f"{self.person} mentioned {uuid.uuid4().hex[:8]} today."
+            answer = self.client.post("/v1/memories", json={"facts": [text]}, name="/v1/memories")
+            if answer.status_code == 200 and self.options.ack_log:
+                with open(self.options.ack_log, "a") as log:  # acknowledged: it must be stored, exactly once
+                    log.write(f"{self.tenant_id}\t{answer.json()['results'][0]['id']}\t{text}\n")
             return
         body = {"model": "inferscale-smollm2", "max_tokens": self.options.max_tokens,
                 "messages": [{"role": "user", "content": random.choice(QUESTIONS).format(n=self.person)}],
