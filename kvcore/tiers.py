@@ -268,7 +268,8 @@ class TieredStore:
             entry.loading -= 1
 
     def _place(self, key: Key, entry: _Entry, tier: Tier, data: object, nbytes: int) -> None:
-        entry.tier, entry.data, entry.nbytes = tier, data, nbytes
+        with self._lock:  # the writer thread swaps a pending entry's data under the same lock
+            entry.tier, entry.data, entry.nbytes = tier, data, nbytes
         self._used[tier] += nbytes
         self._on_move(key, tier)
 
