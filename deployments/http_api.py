@@ -149,6 +149,8 @@ def create_app(gateway: Gateway) -> FastAPI:
                 text.append(event["delta"])
             elif event.get("done"):
                 final = event
+            elif "error" in event:  # the engine or its replica failed after the first event
+                raise EngineRefusal(int(event["error"]["status"]), event["error"]["message"])
         usage = _usage(final, retrieval_ms, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000)
         gateway.observe_usage(usage, body.memory.mode)
         return {**base, "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},

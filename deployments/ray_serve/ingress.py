@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from config.settings import load_settings
@@ -23,6 +25,8 @@ from models.minilm import MiniLMEmbedder
 from tenants.connect import connect_service
 
 log = logging.getLogger(__name__)
+# A replica killed, restarting or overloaded: the request can be retried against its replacement.
+REPLICA_GONE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
 
 
 class ServeLLMBackend:
@@ -32,8 +36,14 @@ class ServeLLMBackend:
         self._handle = handle
         self._stream = handle.options(stream=True)
 
-    def chat(self, task: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        return self._stream.chat.remote(task)
+    async def chat(self, task: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The replica's events; a replica that dies or is unavailable mid-request ends them with a retryable 503."""
+        try:
+            async for event in self._stream.chat.remote(task):
+                yield event
+        except REPLICA_GONE as exc:
+            log.warning("chat ended by an unavailable model replica: %s", type(exc).__name__)
+            yield {"error": {"status": 503, "message": "the model replica became unavailable; retry the request"}}
 
     async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]:
         return await self._handle.encode.remote({"api_key": api_key, "tenant_id": tenant_id, "facts": facts})

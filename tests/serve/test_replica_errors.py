@@ -1,0 +1,51 @@
+"""A model replica that dies, is unavailable or sheds load mid-request ends the chat with a retryable 503 event
+(the HTTP layer answers 503 before the first byte, or ends the stream with an error), never a 500."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.serve.exceptions import BackPressureError
+
+from deployments.ray_serve.ingress import ServeLLMBackend
+
+
+class _Stream:
+    def __init__(self, events, error):
+        self.chat = self
+        self._events, self._error = events, error
+
+    def remote(self, task):
+        async def events():
+            for event in self._events:
+                yield event
+            if self._error is not None:
+                raise self._error
+        return events()
+
+
+class _Handle:
+    def __init__(self, events, error):
+        self._stream = _Stream(events, error)
+
+    def options(self, stream):
+        return self._stream
+
+
+async def _collect(backend):
+    return [event async for event in backend.chat({"tenant_id": "t"})]
+
+
+@pytest.mark.parametrize("error", [ActorDiedError(), ActorUnavailableError("gone", None), BackPressureError(num_queued_requests=9, max_queued_requests=8)],
+                         ids=["died", "unavailable", "back-pressure"])
+def test_a_replica_lost_mid_chat_ends_it_with_a_retryable_503(error):
+    events = asyncio.run(_collect(ServeLLMBackend(_Handle([{"delta": "Hel"}], error))))
+    assert events[0] == {"delta": "Hel"} and events[-1]["error"]["status"] == 503 and len(events) == 2
+
+
+def test_other_errors_are_not_hidden():
+    with pytest.raises(ZeroDivisionError):
+        asyncio.run(_collect(ServeLLMBackend(_Handle([], ZeroDivisionError()))))
+    assert asyncio.run(_collect(ServeLLMBackend(_Handle([{"done": True}], None)))) == [{"done": True}]
