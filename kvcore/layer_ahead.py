@@ -1,7 +1,7 @@
 """Reads the next layer of lower-tier entries in the background while the engine computes the current one.
 
-`LayerAhead.submit(reader, l)` runs `reader.layer(l)` on one reader thread; `take` hands the result to the
-caller's thread. On CUDA the thread works on a side stream (host->device copies from pinned memory and the
+`LayerAhead.submit(readers, l)` runs `reader.layer(l)` for each reader in one task on a reader thread; `take`
+hands the layers to the caller's thread. On CUDA the thread works on a side stream (host->device copies from pinned memory and the
 dequantization), records an event, and `take` makes the engine's stream wait on that event, so layer l's
 transfer overlaps layer l-1's attention and MLP instead of sitting in front of them. On CPU the thread
 overlaps the file reads and decoding with the forward (torch releases the GIL in its kernels).
@@ -25,27 +25,34 @@ class LayerAhead:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tier-reader")
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def submit(self, reader: LayerReader, index: int) -> Future:
-        return self._pool.submit(self._read, reader, index)
+    def worth_it(self, reader: LayerReader) -> bool:
+        """Reading ahead pays for disk reads, and on CUDA for every copy; a host-memory read on a CPU engine is
+        cheaper done in place than handed to a thread."""
+        return self._side is not None or reader.tier == "disk"
 
-    def take(self, future: Future) -> Layer:
-        """The layer read by `future` (its error re-raised here), ready for use on the caller's stream."""
-        (k, v), event = future.result()
+    def submit(self, readers: list[LayerReader], index: int) -> Future:
+        """Read layer `index` of every reader, in one task."""
+        return self._pool.submit(self._read, readers, index)
+
+    def take(self, future: Future) -> list[Layer]:
+        """The layers read by `future` (an error is re-raised here), ready for use on the caller's stream."""
+        layers, event = future.result()
         if event is not None:
-            current = torch.cuda.current_stream(k.device)
+            current = torch.cuda.current_stream(self._side.device)
             current.wait_event(event)
-            k.record_stream(current)  # allocated on the side stream, used on this one
-            v.record_stream(current)
-        return k, v
+            for k, v in layers:
+                k.record_stream(current)  # allocated on the side stream, used on this one
+                v.record_stream(current)
+        return layers
 
-    def _read(self, reader: LayerReader, index: int) -> tuple[Layer, "torch.cuda.Event | None"]:
+    def _read(self, readers: list[LayerReader], index: int) -> tuple[list[Layer], "torch.cuda.Event | None"]:
         if self._side is None:
-            return reader.layer(index), None
+            return [reader.layer(index) for reader in readers], None
         with torch.cuda.stream(self._side):
-            layer = reader.layer(index)
+            layers = [reader.layer(index) for reader in readers]
             event = torch.cuda.Event()
             event.record(self._side)
-        return layer, event
+        return layers, event
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -53,7 +53,6 @@ class _Part:
     reader: LayerReader | None
     record: FactKV | None = None  # the canonical record, once its tier entry proved damaged
     read: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # layers streamed, kept for promotion
-    ahead: tuple[int, Future] | None = None  # (layer, its read in flight on the reader thread)
 
 
 @dataclass
@@ -65,6 +64,8 @@ class _Stream:
     cos: torch.Tensor  # [T, 1, dim/2]
     sin: torch.Tensor
     failed: bool = False
+    ahead: tuple[int, list[_Part], Future] | None = None  # (layer, parts, their read in flight on the reader thread)
+    ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # id(part) -> this layer
 
     @property
     def tenant_id(self) -> str:
@@ -119,15 +120,28 @@ class TierStreams:
 
     def _read_ahead(self, stream: _Stream, index: int) -> None:
         """Start reading layer `index` of the stream's tier parts while the engine computes the layer before."""
-        for part in stream.parts:
-            if part.reader is not None and index < part.reader.layers:
-                part.ahead = (index, self._ahead.submit(part.reader, index))
+        parts = [p for p in stream.parts if p.reader is not None and index < p.reader.layers and self._ahead.worth_it(p.reader)]
+        if parts:
+            stream.ahead = (index, parts, self._ahead.submit([p.reader for p in parts], index))
+
+    def _take_ahead(self, stream: _Stream, index: int) -> None:
+        """This layer's reads that ran ahead, by part (a read error leaves them to be read in place, and fail there)."""
+        stream.ready = {}
+        if stream.ahead is None or stream.ahead[0] != index:
+            return
+        _, parts, future = stream.ahead
+        stream.ahead = None
+        try:
+            stream.ready = {id(p): layer for p, layer in zip(parts, self._ahead.take(future))}
+        except (KVCoreError, OSError):
+            stream.ready = {}
 
     def write_layer(self, index: int, target: CacheTarget) -> None:
         for stream in self._streams:
             if stream.failed:
                 continue
             keys, values = [], []
+            self._take_ahead(stream, index)
             try:
                 for part in stream.parts:
                     if part.rows is not None:
@@ -158,8 +172,7 @@ class TierStreams:
         """One layer of a tier part; a damaged tier entry is swapped for the canonical record, once."""
         if part.reader is not None:
             try:
-                ahead, part.ahead = part.ahead, None
-                layer = self._ahead.take(ahead[1]) if ahead is not None and ahead[0] == index else part.reader.layer(index)
+                layer = stream.ready.pop(id(part), None) or part.reader.layer(index)
                 part.read.append(layer)
                 return layer
             except RecordCorruptError as exc:
@@ -174,7 +187,7 @@ class TierStreams:
         """Unpin the step's tier entries and bring what they held into the arena (spilling colder records)."""
         streams, self._streams = self._streams, []
         for stream in streams:
-            self._settle(stream.parts)
+            self._settle(stream)
             self._unpin(stream.parts)
         for stream in streams:
             for part in stream.parts:
@@ -208,12 +221,12 @@ class TierStreams:
         except ArenaFullError:
             pass
 
-    def _settle(self, parts: list[_Part]) -> None:
-        """Wait out reads still in flight (a failed stream stops early) before their entries are unpinned."""
-        for part in parts:
-            if part.ahead is not None:
-                part.ahead[1].exception()
-                part.ahead = None
+    def _settle(self, stream: _Stream) -> None:
+        """Wait out a read still in flight (a failed stream stops early) before its entries are unpinned."""
+        if stream.ahead is not None:
+            stream.ahead[2].exception()
+            stream.ahead = None
+        stream.ready = {}
 
     def _unpin(self, parts: list[_Part]) -> None:
         for part in parts:

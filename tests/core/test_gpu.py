@@ -72,10 +72,10 @@ def test_layers_read_ahead_on_a_side_stream_equal_direct_reads(tmp_path, tier_by
     reader = store.begin_load(("t", "a"))
     busy = torch.randn(4096, 4096, device="cuda")
     for layer in range(8):
-        future = ahead.submit(reader, layer)
+        future = ahead.submit([reader], layer)
         for _ in range(4):
             busy = busy @ busy / 64  # keep the engine's stream occupied
-        got_k, got_v = ahead.take(future)
+        (got_k, got_v), = ahead.take(future)
         want_k, want_v = reader.layer(layer)
         assert torch.equal((got_k * 1).cpu(), want_k.cpu()) and torch.equal((got_v * 1).cpu(), want_v.cpu())
     store.end_load(reader)
