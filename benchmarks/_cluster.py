@@ -6,10 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from benchmarks._common import scratch_dir
 
 
 def shaped_model(config_path: Path, into: Path) -> tuple[str, str]:
@@ -44,7 +45,7 @@ def start_cluster(state: Path, cuda: bool, shape: Path | None):
     os.environ.update(LOOPBACK_ENV)
     redis = LocalRedis(state / "redis").start()
     ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+             _temp_dir=scratch_dir(prefix="ray-", dir="/tmp"))
     port, admin = free_port(), new_admin_key()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     env = {"VLLM_CACHE_ROOT": str(state / "vllm-cache")} | ({} if cuda else {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
@@ -77,7 +78,7 @@ def cluster_for(base_url: str | None, admin_key: str | None, name: str, cuda: bo
             raise SystemExit("an admin key is needed with --base-url (--admin-key or INFERSCALE_ADMIN_KEY)")
         yield base_url.rstrip("/"), admin_key
         return
-    base, admin, redis = start_cluster(Path(tempfile.mkdtemp(prefix=f"{name}-")), cuda=cuda, shape=None)
+    base, admin, redis = start_cluster(Path(scratch_dir(prefix=f"{name}-")), cuda=cuda, shape=None)
     try:
         yield base, admin
     finally:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +21,13 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="where to write the JSON report")
     p.add_argument("--quick", action="store_true", help="a small CPU run (under ~2 minutes)")
     return p
+
+
+def scratch_dir(prefix: str, **kwargs: str) -> str:
+    """A temporary folder removed when the benchmark exits (runs write GBs of records; they must not pile up)."""
+    folder = tempfile.mkdtemp(prefix=prefix, **kwargs)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def sync() -> None:

@@ -13,7 +13,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
 from cluster.redis_server import LocalRedis  # noqa: E402
 from config import load_settings  # noqa: E402
 from encoder_jobs.job import run_job  # noqa: E402
@@ -45,7 +44,7 @@ def main() -> None:
     windows = (0, 5, 20)
     rng = random.Random(0)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    folder = Path(tempfile.mkdtemp(prefix="encode-job-"))
+    folder = Path(scratch_dir(prefix="encode-job-"))
     settings = load_settings(state_dir=folder / "state")
     if torch.cuda.is_available():
         settings.model.dtype = "bfloat16"

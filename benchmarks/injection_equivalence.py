@@ -14,14 +14,13 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
 from kvcore.conversation import Fact, Turn  # noqa: E402
 from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
@@ -79,7 +78,7 @@ def main() -> None:
     fingerprint = reference.spec.fingerprint  # the same for every dtype of these weights
     frame = build_frame(reference.tokenizer, settings.system_prompt)
     forward = HFKVForward(reference)
-    store = LocalFactStore(Path(tempfile.mkdtemp(prefix="facts-")))
+    store = LocalFactStore(Path(scratch_dir(prefix="facts-")))
     conversations = []
     for index, person in enumerate(people):
         turns, questions = conversation(person)

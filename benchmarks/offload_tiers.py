@@ -20,7 +20,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, sync, target, write_report  # noqa: E402
+from benchmarks._common import parser, scratch_dir, sync, target, write_report  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.quantize import quantize  # noqa: E402
 from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
@@ -41,7 +40,7 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 
 def shape_folder(config_path: Path) -> tuple[str, dict, str]:
     config = json.loads(config_path.read_text())
-    folder = Path(tempfile.mkdtemp(prefix="shape-"))
+    folder = Path(scratch_dir(prefix="shape-"))
     (folder / "config.json").write_text(json.dumps(config))
     return str(folder), config, "dummy-" + str(abs(hash(json.dumps(config, sort_keys=True))))[:12]
 
@@ -212,7 +211,7 @@ def main() -> None:
     path, config, fingerprint = shape_folder(args.config)
     engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True}
     engine_kwargs.update({"gpu_memory_utilization": 0.35} if gpu else {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20})
-    work = Path(tempfile.mkdtemp(prefix="offload-"))
+    work = Path(scratch_dir(prefix="offload-"))
     facts = Facts(LocalFactStore(work / "facts"), config, fingerprint, getattr(torch, args.dtype))
     fact_ids = facts.add_tenant("bench", 2 * k)
     sets = [fact_ids[:k], fact_ids[k:]]

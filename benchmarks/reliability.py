@@ -16,7 +16,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
 from benchmarks.timing_isolation import Api  # noqa: E402
 from benchmarks.timing_isolation import run as timing_run  # noqa: E402
 
@@ -79,7 +78,7 @@ def main() -> None:
     examples, probes, injected = (12, 60, 20) if args.quick else (200, 200, 200)
     from benchmarks._cluster import start_cluster
 
-    state = Path(tempfile.mkdtemp(prefix="reliability-"))
+    state = Path(scratch_dir(prefix="reliability-"))
     base, admin, redis = start_cluster(state, cuda=False, shape=None)
     try:
         tenant_key = Api(base, admin).tenant("fuzz-tenant")

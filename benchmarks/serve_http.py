@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._cluster import start_cluster  # noqa: E402
-from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
 
 MODEL = "inferscale-smollm2"
 
@@ -94,7 +93,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     k, tenants, rounds = (20, 8, 8) if args.quick else (50, 100, 24)
     tenants = args.tenants or tenants
-    state = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    state = Path(scratch_dir(prefix="serve-bench-"))
     base, admin, redis = start_cluster(state, cuda, args.config)
     try:
         auths = make_tenants(base, admin, tenants, k)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
 from benchmarks.timing_isolation import Api  # noqa: E402
 
 MODEL = "inferscale-smollm2"
@@ -98,7 +97,7 @@ def main() -> None:
     minutes, tenants, users, window_s = (2.0, 8, 4, 20.0) if args.quick else (args.minutes, 50, 16, args.window_s)
     from benchmarks._cluster import start_cluster
 
-    base, admin, redis = start_cluster(Path(tempfile.mkdtemp(prefix="soak-")), cuda=False, shape=None)
+    base, admin, redis = start_cluster(Path(scratch_dir(prefix="soak-")), cuda=False, shape=None)
     windows = soak(base, admin, redis.url, minutes=minutes, tenants=tenants, users=users, window_s=window_s)
     from ray import serve
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
 from cluster.redis_server import LocalRedis  # noqa: E402
 from kvcore.store import LocalFactStore  # noqa: E402
 from models.minilm import MiniLMEmbedder  # noqa: E402
@@ -62,7 +61,7 @@ def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     big, many, each, samples = (2_000, 100, 20, 100) if args.quick else (10_000, 1_000, 100, 300)
     rng = random.Random(0)
-    folder = Path(tempfile.mkdtemp(prefix="store-ops-"))
+    folder = Path(scratch_dir(prefix="store-ops-"))
     server = LocalRedis(folder / "redis").start()
     try:
         meta = RedisMeta(server.url)

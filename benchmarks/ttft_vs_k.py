@@ -15,7 +15,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
 from kvcore.rope import RopeConfig  # noqa: E402
@@ -37,7 +36,7 @@ def model_source(args) -> tuple[str, dict, str, dict]:
     """(model path, HF config dict, fingerprint, engine kwargs) for the bundled model or a dummy shape."""
     if args.config:
         config = json.loads(Path(args.config).read_text())
-        folder = Path(tempfile.mkdtemp(prefix="shape-"))
+        folder = Path(scratch_dir(prefix="shape-"))
         (folder / "config.json").write_text(json.dumps(config))
         return str(folder), config, "dummy-" + str(abs(hash(json.dumps(config, sort_keys=True))))[:12], {
             "load_format": "dummy", "skip_tokenizer_init": True}
@@ -83,7 +82,7 @@ def main() -> None:
     from deployments.vllm_adapter.engine import build_llm, memory_request
 
     path, config, fingerprint, engine_kwargs = model_source(args)
-    store = LocalFactStore(Path(tempfile.mkdtemp(prefix="facts-")))
+    store = LocalFactStore(Path(scratch_dir(prefix="facts-")))
     dtype = getattr(torch, args.dtype)
     tokens = fill_store(store, config, fingerprint, dtype, pool=60 if args.quick else 300)
     version = store.version(TENANT)
