@@ -22,8 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import parser, target, write_report  # noqa: E402
 from kvcore.compose import compose  # noqa: E402
-from kvcore.conversation import Fact  # noqa: E402
-from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs  # noqa: E402
 from kvcore.quantize import dequantize, quantize  # noqa: E402
 
 QUESTIONS = ["What is the name of Maya's cat?", "Where does Maya work?", "What is Maya allergic to?",
@@ -70,21 +68,17 @@ CODECS: dict[str, tuple[Codec, Codec]] = {
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     from config import load_settings
-    from models.chat import TokenizerEncoder, build_frame
+    from models.chat import build_frame
     from models.loader import load_model
     from models.transformers_adapter import HFKVForward, ReferenceEngine
-    from tests.conversations import MAYA as TURNS
+    from tests.conversations import maya_records
 
     settings = load_settings()
     loaded = load_model(settings.model.model_copy(update={"dtype": "float32"}))
     frame = build_frame(loaded.tokenizer, settings.system_prompt)
     forward, engine = HFKVForward(loaded), ReferenceEngine(loaded)
     questions = QUESTIONS[:3] if args.quick else QUESTIONS
-    facts = [Fact(f"turn{i}", t.render().rstrip("\n"), i) for i, t in enumerate(TURNS)]
-    jobs = plan_fact_jobs(TURNS, facts, window=len(TURNS), prefix_ids=frame.prefix_ids,
-                          tokenizer=TokenizerEncoder(loaded.tokenizer))
-    jobs.append(EncodingJob("prefix", (), frame.prefix_ids))
-    records = encode_jobs(jobs, forward, loaded.spec, tenant_id="maya", window=len(TURNS), dtype=torch.float32)
+    records = maya_records(loaded, forward, frame)
     full = compose(records[:-1], records[-1])
     queries = [frame.query_ids(loaded.tokenizer, q) for q in questions]
     reference = [(engine.injected_logits(full, q), engine.generate_injected(full, q, 12)) for q in queries]

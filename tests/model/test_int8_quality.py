@@ -3,25 +3,17 @@
 import dataclasses
 
 import pytest
-import torch
 
 from kvcore.compose import compose
-from kvcore.conversation import Fact
-from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs
 from kvcore.quantize import dequantize, quantize
-from models.chat import TokenizerEncoder
-from tests.conversations import MAYA as TURNS
+from tests.conversations import maya_records
 
 pytestmark = pytest.mark.model
 QUESTIONS = ["What is the name of Maya's cat?", "Where does Maya work?", "What is Maya allergic to?"]
 
 
 def test_int8_records_keep_greedy_answers_and_small_logit_deltas(loaded, forward, engine, frame, record_property):
-    facts = [Fact(f"turn{i}", t.render().rstrip("\n"), i) for i, t in enumerate(TURNS)]
-    jobs = plan_fact_jobs(TURNS, facts, window=len(TURNS), prefix_ids=frame.prefix_ids,
-                          tokenizer=TokenizerEncoder(loaded.tokenizer))
-    jobs.append(EncodingJob("prefix", (), frame.prefix_ids))
-    records = encode_jobs(jobs, forward, loaded.spec, tenant_id="maya", window=len(TURNS), dtype=torch.float32)
+    records = maya_records(loaded, forward, frame)
     full = compose(records[:-1], records[-1])
     lossy = [dataclasses.replace(r, k=dequantize(quantize(r.k)), v=dequantize(quantize(r.v))) for r in records]
     compressed = compose(lossy[:-1], lossy[-1])

@@ -169,21 +169,25 @@ def test_engine_captured_records_reproduce_plain_prefill_exactly(llm, loaded, fr
     assert max(abs(a - b) for a, b in zip(injected[1], plain[1])) < 1e-5
 
 
-def test_records_spilled_to_host_and_disk_stream_back_exactly(llm, loaded, forward, frame, store, tier_dir):
-    """The engine's arena holds ~16 pages: four tenants' memories push the first one down to host memory and
-    disk; asked again under a new salt (so vLLM's own cache cannot answer), it streams back layer by layer."""
-    from tests.core.factories import make_record
-
-    tenants = [f"tiers-{i}" for i in range(4)]
+def serve_four_tenants(llm, loaded, forward, frame, store, prefix: str, question: str):
+    """Encode and ask four tenants' memories in turn: the small arena pushes the first tenant's records down to
+    host memory and disk. Returns that tenant, every tenant's record ids and the query."""
+    tenants = [f"{prefix}-{i}" for i in range(4)]
     ids = {t: encode_conversation(loaded, forward, frame, store, t, TURNS) for t in tenants}
-    query = frame.query_ids(loaded.tokenizer, QUESTIONS[0])
+    query = frame.query_ids(loaded.tokenizer, question)
     for tenant in tenants:
         plan = MemoryPlan(tenant, tuple(ids[tenant]), store.version(tenant))
         ask(llm, [(region(store, plan) + query, plan)])
-    assert list(tier_dir.rglob("*.kv")), "nothing spilled to disk"
-    first = tenants[0]
-    store.put(make_record("unrelated", 3, tenant_id=first))  # a new store version: a new prefix-cache salt
-    plan = MemoryPlan(first, tuple(ids[first]), store.version(first))
+    return tenants[0], ids, query
+
+
+def assert_injection_equals_prefill_under_a_new_salt(llm, store, tenant, ids, query) -> None:
+    """A new store version (so vLLM's own cache cannot answer): injecting the tenant's memory gives the answer
+    and log-probs of a plain prefill of its text."""
+    from tests.core.factories import make_record
+
+    store.put(make_record("unrelated", 3, tenant_id=tenant))
+    plan = MemoryPlan(tenant, tuple(ids[tenant]), store.version(tenant))
     memory = region(store, plan)
     (plain_tokens, plain_lp, _, _), = ask(llm, [(memory + query, None)])
     (inj_tokens, inj_lp, _, report), = ask(llm, [(memory + query, plan)])
@@ -191,18 +195,18 @@ def test_records_spilled_to_host_and_disk_stream_back_exactly(llm, loaded, forwa
     assert inj_tokens == plain_tokens and max(abs(a - b) for a, b in zip(inj_lp, plain_lp)) < 1e-3
 
 
+def test_records_spilled_to_host_and_disk_stream_back_exactly(llm, loaded, forward, frame, store, tier_dir):
+    """The engine's arena holds ~16 pages: four tenants' memories push the first one down to host memory and
+    disk; asked again under a new salt (so vLLM's own cache cannot answer), it streams back layer by layer."""
+    first, ids, query = serve_four_tenants(llm, loaded, forward, frame, store, "tiers", QUESTIONS[0])
+    assert list(tier_dir.rglob("*.kv")), "nothing spilled to disk"
+    assert_injection_equals_prefill_under_a_new_salt(llm, store, first, ids, query)
+
+
 def test_damaged_or_removed_disk_tier_files_are_never_served(llm, loaded, forward, frame, store, tier_dir):
     """Tier files of a tenant flipped or deleted behind the engine's back: the connector notices (checksums) and
     reads the fact store's records instead, so the answer still equals a plain prefill of the memory text."""
-    from tests.core.factories import make_record
-
-    tenants = [f"damage-{i}" for i in range(4)]
-    ids = {t: encode_conversation(loaded, forward, frame, store, t, TURNS) for t in tenants}
-    query = frame.query_ids(loaded.tokenizer, QUESTIONS[1])
-    for tenant in tenants:
-        plan = MemoryPlan(tenant, tuple(ids[tenant]), store.version(tenant))
-        ask(llm, [(region(store, plan) + query, plan)])
-    first = tenants[0]
+    first, ids, query = serve_four_tenants(llm, loaded, forward, frame, store, "damage", QUESTIONS[1])
     on_disk = sorted(tier_dir.rglob(f"{first}__*.kv"))
     assert on_disk, "the first tenant's records did not reach the disk tier"
     for i, path in enumerate(on_disk):
@@ -212,13 +216,7 @@ def test_damaged_or_removed_disk_tier_files_are_never_served(llm, loaded, forwar
             raw = bytearray(path.read_bytes())
             raw[len(raw) // 2] ^= 0xFF
             path.write_bytes(bytes(raw))
-    store.put(make_record("unrelated", 3, tenant_id=first))  # a new salt: vLLM's own cache cannot answer
-    plan = MemoryPlan(first, tuple(ids[first]), store.version(first))
-    memory = region(store, plan)
-    (plain_tokens, plain_lp, _, _), = ask(llm, [(memory + query, None)])
-    (inj_tokens, inj_lp, _, report), = ask(llm, [(memory + query, plan)])
-    assert report["injected_tokens"] == len(memory) and report["fallback"] is None
-    assert inj_tokens == plain_tokens and max(abs(a - b) for a, b in zip(inj_lp, plain_lp)) < 1e-3
+    assert_injection_equals_prefill_under_a_new_salt(llm, store, first, ids, query)
     deadline = time.monotonic() + 10  # the tier's writer thread removes files in order with its writes
     while any(p.exists() for p in on_disk):  # the damaged entries were dropped, not kept for later
         assert time.monotonic() < deadline
