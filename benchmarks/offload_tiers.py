@@ -15,7 +15,6 @@ Records hold random K/V (the tests prove values); `--config` picks the model sha
 from __future__ import annotations
 
 import gc
-import json
 import os
 import random
 import statistics
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, scratch_dir, sync, target, write_report  # noqa: E402
+from benchmarks._common import parser, scratch_dir, shape_folder, sync, target, write_report  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.quantize import quantize  # noqa: E402
 from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
@@ -36,13 +35,6 @@ from kvcore.store import LocalFactStore  # noqa: E402
 
 FACT_TOKENS, PREFIX_TOKENS, QUERY_TOKENS, PAGE = 30, 24, 16, 16
 CONFIGS = Path(__file__).resolve().parent / "configs"
-
-
-def shape_folder(config_path: Path) -> tuple[str, dict, str]:
-    config = json.loads(config_path.read_text())
-    folder = Path(scratch_dir(prefix="shape-"))
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder), config, "dummy-" + str(abs(hash(json.dumps(config, sort_keys=True))))[:12]
 
 
 class Facts:
@@ -201,6 +193,8 @@ def main() -> None:
     p.add_argument("--hbm-budget-gib", type=float, default=40.0, help="device memory given to the arena (capacity model)")
     p.add_argument("--host-budget-gib", type=float, default=64.0, help="pinned host memory for the host tier")
     p.add_argument("--disk-budget-gib", type=float, default=48.0, help="disk for the disk tier")
+    p.add_argument("--repeats", type=int, help="asks of each set per tier (default 15; 4 with --quick)")
+    p.add_argument("--traffic", type=int, help="requests of the random traffic (default 200; 24 with --quick)")
     args = p.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     gpu = torch.cuda.is_available()
@@ -208,15 +202,17 @@ def main() -> None:
     args.dtype = "bfloat16" if gpu else "float32"
     k = args.k or (20 if args.quick else 50)
     repeats, traffic, overflow = (4, 24, 10) if args.quick else (15, 200, 10)
+    repeats, traffic = args.repeats or repeats, args.traffic or traffic
     path, config, fingerprint = shape_folder(args.config)
     engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True}
-    engine_kwargs.update({"gpu_memory_utilization": 0.35} if gpu else {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20})
     work = Path(scratch_dir(prefix="offload-"))
     facts = Facts(LocalFactStore(work / "facts"), config, fingerprint, getattr(torch, args.dtype))
     fact_ids = facts.add_tenant("bench", 2 * k)
     sets = [fact_ids[:k], fact_ids[k:]]
     pages = -(-PREFIX_TOKENS // PAGE) + k * -(-FACT_TOKENS // PAGE) + 1  # the frame and one set, one spare page
     arena_bytes = pages * PAGE * facts.token_bytes
+    engine_kwargs.update({"gpu_memory_utilization": 0.35} if gpu else
+                         {"enforce_eager": True, "kv_cache_memory_bytes": max(256 << 20, 4 * arena_bytes)})
     set_lower_bytes = k * facts.lower_tier_bytes()
     bench = Bench(args, path, facts, fingerprint, engine_kwargs)
 

@@ -10,7 +10,6 @@ tests prove the values. `--config` runs a model shape with dummy weights (the GP
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
+from benchmarks._common import parser, scratch_dir, shape_folder, target, write_report  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
 from kvcore.rope import RopeConfig  # noqa: E402
@@ -35,11 +34,8 @@ TENANT = "bench"
 def model_source(args) -> tuple[str, dict, str, dict]:
     """(model path, HF config dict, fingerprint, engine kwargs) for the bundled model or a dummy shape."""
     if args.config:
-        config = json.loads(Path(args.config).read_text())
-        folder = Path(scratch_dir(prefix="shape-"))
-        (folder / "config.json").write_text(json.dumps(config))
-        return str(folder), config, "dummy-" + str(abs(hash(json.dumps(config, sort_keys=True))))[:12], {
-            "load_format": "dummy", "skip_tokenizer_init": True}
+        folder, config, fingerprint = shape_folder(args.config)
+        return folder, config, fingerprint, {"load_format": "dummy", "skip_tokenizer_init": True}
     from config import load_settings
     from models.loader import load_model
 

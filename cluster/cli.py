@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     encode.add_argument("--tenant", required=True)
     encode.add_argument("--input", required=True, type=Path, help="JSON: turns + facts, or a LoCoMo conversation")
     encode.add_argument("--window", type=int, default=None, help="context window in turns (default: the tenant's)")
-    encode.add_argument("--workers", type=int, default=1, help="encoding actors")
+    encode.add_argument("--workers", type=int, default=1, help="encoding actors (on a GPU, encoding.actors_per_gpu of them share one)")
     encode.add_argument("--batch-size", type=int, default=16, help="facts per actor call")
     encode.add_argument("--submit", metavar="DASHBOARD_URL", default=None,
                         help="submit through the Ray Jobs API of an existing cluster instead of running here")

@@ -30,6 +30,8 @@ class EncodingSettings(BaseModel):
     max_fact_chars: int = Field(2000, ge=1, description="Longest fact text accepted.")
     max_fact_tokens: int = Field(256, ge=1, description="Longest fact in tokens.")
     max_batch_tokens: int = Field(16384, ge=256, description="Padded tokens per encoding batch.")
+    actors_per_gpu: int = Field(2, ge=1, le=8, description="Encoding actors sharing one GPU, so that one's store "
+                                "writes and embedding overlap another's forward passes.")
 
 
 class RedisSettings(BaseModel):

@@ -92,8 +92,9 @@ def _run_on_ray(settings: Settings, redis_url: str, key: str, tenant_id: str, wi
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     gpu = torch.cuda.is_available()
+    gpu_share = 1 / settings.encoding.actors_per_gpu if gpu else 0
     dataset = ray.data.from_items(rows).map_batches(
-        EncodeWorker, batch_size=batch_size, concurrency=workers, num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1,
+        EncodeWorker, batch_size=batch_size, concurrency=workers, num_gpus=gpu_share, num_cpus=0 if gpu else 1,
         fn_constructor_kwargs={"settings": settings.model_dump(mode="json"), "redis_url": redis_url,
                                "key": key, "tenant_id": tenant_id, "window": window})
     for batch in dataset.iter_batches(batch_size=None, batch_format="default"):

@@ -234,11 +234,14 @@ class InjectionWorker:
         first = caches[names[0]]
         self._table = RotationTable(self._rope, first.device, table_dtype_of(first.dtype))
         tracker = self._placement
+        on_change = tracker.arena_changed if tracker is not None else None
+        if self._tiers is not None and tracker is not None:  # an evicted record is reported once its tier entry exists
+            on_change = lambda key, stamp, resident: self._streams.arena_changed(key, stamp, resident)  # noqa: E731
         self._arena = DeviceArena(len(names), layout.num_kv_heads, layout.head_dim, first.device, self._device_cache_bytes,
-                                  on_evict=self._spill if self._tiers is not None else None,
-                                  on_change=tracker.arena_changed if tracker is not None else None)
+                                  on_evict=self._spill if self._tiers is not None else None, on_change=on_change)
         if self._tiers is not None:
-            self._streams = TierStreams(self._tiers, self._arena, self._rope, layout, self._table, self._fail)
+            self._streams = TierStreams(self._tiers, self._arena, self._rope, layout, self._table, self._fail,
+                                        on_arena_change=tracker.arena_changed if tracker is not None else None)
             if tracker is not None:
                 tiers = self._tiers
                 tiers.listen(lambda key, tier: tracker.tier_moved(key, tier, tiers.label_of(key)))
@@ -250,6 +253,12 @@ class InjectionWorker:
 
     def start(self, loads: Sequence[LoadSpec]) -> None:
         """Index every valid load's tokens and (for small steps) rotate all layers at once."""
+        try:
+            self._start(loads)
+        finally:
+            self._flush_spills()  # records the step's arena inserts evicted go down to the tiers together
+
+    def _start(self, loads: Sequence[LoadSpec]) -> None:
         self._step = None
         if not loads or self._arena is None:
             return
@@ -277,6 +286,10 @@ class InjectionWorker:
         ordered = [load for _, load in arena_parts] + [load for _, load in own]
         rows = [row for rows, _ in arena_parts for row in rows] + [row for source, _ in own for row in range(source.count)]
         self._step = self._index(sources, rows, ordered)
+
+    def _flush_spills(self) -> None:
+        if self._streams is not None:
+            self._streams.flush_spills()
 
     def load_layer(self, layer_name: str) -> None:
         """Write this layer's rotated K and V of every staged token into the paged cache."""

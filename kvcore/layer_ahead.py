@@ -1,6 +1,6 @@
 """Reads the next layer of lower-tier entries in the background while the engine computes the current one.
 
-`LayerAhead.submit(readers, l)` runs `reader.layer(l)` for each reader in one task on a reader thread; `take`
+`LayerAhead.submit(batch, l)` reads layer l of a `BatchedReads` in one task on a reader thread; `take`
 hands the layers to the caller's thread. On CUDA the thread works on a side stream (host->device copies from pinned memory and the
 dequantization), records an event, and `take` makes the engine's stream wait on that event, so layer l's
 transfer overlaps layer l-1's attention and MLP instead of sitting in front of them. On CPU the thread
@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvcore.tiers import LayerReader
+from kvcore.tiers import BatchedReads, LayerReader
 
 log = logging.getLogger(__name__)
 Layer = tuple[torch.Tensor, torch.Tensor]
@@ -30,9 +30,9 @@ class LayerAhead:
         cheaper done in place than handed to a thread."""
         return self._side is not None or reader.tier == "disk"
 
-    def submit(self, readers: list[LayerReader], index: int) -> Future:
-        """Read layer `index` of every reader, in one task."""
-        return self._pool.submit(self._read, readers, index)
+    def submit(self, batch: BatchedReads, index: int) -> Future:
+        """Read layer `index` of every reader of `batch`, in one task."""
+        return self._pool.submit(self._read, batch, index)
 
     def take(self, future: Future) -> list[Layer]:
         """The layers read by `future` (an error is re-raised here), ready for use on the caller's stream."""
@@ -45,11 +45,11 @@ class LayerAhead:
                 v.record_stream(current)
         return layers
 
-    def _read(self, readers: list[LayerReader], index: int) -> tuple[list[Layer], "torch.cuda.Event | None"]:
+    def _read(self, batch: BatchedReads, index: int) -> tuple[list[Layer], "torch.cuda.Event | None"]:
         if self._side is None:
-            return [reader.layer(index) for reader in readers], None
+            return batch.layer(index), None
         with torch.cuda.stream(self._side):
-            layers = [reader.layer(index) for reader in readers]
+            layers = batch.layer(index)
             event = torch.cuda.Event()
             event.record(self._side)
         return layers, event

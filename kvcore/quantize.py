@@ -7,6 +7,7 @@ half its channel's scale; `dequantize` runs on whatever device the codes are mov
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,27 @@ def quantize(x: torch.Tensor) -> Quantized:
     scales = x.float().abs().amax(dim=-2, keepdim=True).clamp(min=1e-12) / 127.0
     codes = torch.round(x.float() / scales).clamp(-127, 127).to(torch.int8)
     return Quantized(codes, scales)
+
+
+def quantize_many(xs: list[torch.Tensor], joined: bool | None = None) -> list[Quantized]:
+    """`quantize` of several `[L, H, T_i, D]` tensors (on one device) in a handful of kernels rather than a
+    handful each: joined along the tokens, a per-fact max taken by index, then split. Bit-equal to `quantize`.
+    By default only off the CPU: there kernels cost no launch, and joining would only add copies."""
+    if joined is None:
+        joined = bool(xs) and xs[0].device.type != "cpu"
+    if not joined:
+        return [quantize(x) for x in xs]
+    lengths = [x.shape[-2] for x in xs]
+    together = torch.cat(xs, dim=-2).float()
+    owner = torch.repeat_interleave(torch.arange(len(xs), device=together.device),
+                                    torch.tensor(lengths, device=together.device))
+    amax = together.new_zeros((*together.shape[:-2], len(xs), together.shape[-1]))
+    index = owner.view(*[1] * (together.dim() - 2), -1, 1).expand_as(together)
+    amax.scatter_reduce_(-2, index, together.abs(), "amax")
+    scales = amax.clamp(min=1e-12) / 127.0
+    codes = torch.round(together / scales.index_select(-2, owner)).clamp(-127, 127).to(torch.int8)
+    starts = [0, *itertools.accumulate(lengths)]
+    return [Quantized(codes[..., a:b, :], scales[..., i : i + 1, :]) for i, (a, b) in enumerate(zip(starts, starts[1:]))]
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:

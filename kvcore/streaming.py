@@ -28,7 +28,7 @@ from kvcore.placement import tier_label
 from kvcore.record import FactKV
 from kvcore.rope import RopeConfig, RotationTable, rotate_into
 from kvcore.store import Stamp
-from kvcore.tiers import LayerReader, TieredStore
+from kvcore.tiers import BatchedReads, LayerReader, TieredStore
 
 log = logging.getLogger(__name__)
 Span = tuple[str, Stamp, int, int]  # record id, stamp, first and end token inside the record
@@ -65,6 +65,7 @@ class _Stream:
     sin: torch.Tensor
     failed: bool = False
     ahead: tuple[int, list[_Part], Future] | None = None  # (layer, parts, their read in flight on the reader thread)
+    batch: tuple[list[_Part], BatchedReads] | None = None  # the parts read ahead, and their batched reads
     ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # id(part) -> this layer
 
     @property
@@ -74,22 +75,47 @@ class _Stream:
 
 class TierStreams:
     def __init__(self, tiers: TieredStore, arena: DeviceArena, rope: RopeConfig, layout: PagedLayout,
-                 table: RotationTable, on_fail: Callable[[object, str], None]) -> None:
+                 table: RotationTable, on_fail: Callable[[object, str], None],
+                 on_arena_change: Callable[[tuple[str, str], Stamp, bool], None] | None = None) -> None:
         self._tiers, self._arena, self._rope, self._layout, self._table = tiers, arena, rope, layout, table
         self._on_fail = on_fail  # (load, reason): its blocks are reported failed
         self._streams: list[_Stream] = []
         self._ahead = LayerAhead(arena.device)
+        self._spills: list[tuple[tuple[str, str], torch.Tensor, torch.Tensor, str]] = []
+        self._on_arena_change = on_arena_change
+        self._spilling: set[tuple[tuple[str, str], Stamp]] = set()
+        self._deferred: list[tuple[tuple[str, str], Stamp, bool]] = []
 
     @property
     def active(self) -> bool:
         return bool(self._streams)
 
     def spill(self, key: tuple[str, str], stamp: Stamp, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A record leaving the arena goes to the lower tiers rather than away."""
-        self._tiers.put(tier_key(key[0], key[1], stamp), k.to("cpu"), v.to("cpu"), label=tier_label(key[1], stamp))
+        """A record leaving the arena goes to the lower tiers rather than away: queued, and stored with the rest
+        of the step's spills by `flush_spills` (quantized together on the device, one wait for their copies)."""
+        self._spills.append((tier_key(key[0], key[1], stamp), k, v, tier_label(key[1], stamp)))
+        self._spilling.add((key, stamp))
+
+    def flush_spills(self) -> None:
+        spills, self._spills = self._spills, []
+        try:
+            self._tiers.spill_many(spills)
+        finally:
+            deferred, self._deferred, self._spilling = self._deferred, [], set()
+            for change in deferred:
+                self._on_arena_change(*change)
+
+    def arena_changed(self, key: tuple[str, str], stamp: Stamp, resident: bool) -> None:
+        """The arena's placement reports: a record leaving it for the tiers is reported once its tier entry
+        exists (after `flush_spills`), so a placement never reads "gone" while the record is on its way down."""
+        if not resident and (key, stamp) in self._spilling:
+            self._deferred.append((key, stamp, resident))
+        elif self._on_arena_change is not None:
+            self._on_arena_change(key, stamp, resident)
 
     def begin(self, load, spans: Sequence[Span], fetch: Fetch) -> bool:
         """Stream `load` if one of its records is held only in the tiers (True); else leave it to the arena."""
+        self.flush_spills()  # a record evicted by an earlier load of this step is found in the tiers
         tenant = load.plan.tenant_id
         resident = [self._arena.rows((tenant, record_id), stamp) for record_id, stamp, _, _ in spans]
         if not any(rows is None and tier_key(tenant, r, st) in self._tiers for rows, (r, st, _, _) in zip(resident, spans)):
@@ -121,8 +147,11 @@ class TierStreams:
     def _read_ahead(self, stream: _Stream, index: int) -> None:
         """Start reading layer `index` of the stream's tier parts while the engine computes the layer before."""
         parts = [p for p in stream.parts if p.reader is not None and index < p.reader.layers and self._ahead.worth_it(p.reader)]
-        if parts:
-            stream.ahead = (index, parts, self._ahead.submit([p.reader for p in parts], index))
+        if not parts:
+            return
+        if stream.batch is None or stream.batch[0] != parts:  # a part dropped (damaged) since: batch anew
+            stream.batch = (parts, BatchedReads([p.reader for p in parts]))
+        stream.ahead = (index, parts, self._ahead.submit(stream.batch[1], index))
 
     def _take_ahead(self, stream: _Stream, index: int) -> None:
         """This layer's reads that ran ahead, by part (a read error leaves them to be read in place, and fail there)."""
@@ -195,6 +224,7 @@ class TierStreams:
                     self._promote(stream.tenant_id, part)
                 elif part.record is not None and not stream.failed:
                     self._admit(stream.tenant_id, part)
+        self.flush_spills()
 
     def _promote(self, tenant_id: str, part: _Part) -> None:
         """Into the arena, from the layers this step streamed (or, if the step stopped early, from the tier)."""
@@ -227,6 +257,7 @@ class TierStreams:
             stream.ahead[2].exception()
             stream.ahead = None
         stream.ready = {}
+        stream.batch = None
 
     def _unpin(self, parts: list[_Part]) -> None:
         for part in parts:

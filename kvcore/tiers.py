@@ -13,6 +13,7 @@ is dropped at recovery), so a caller falls back to the canonical record instead 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -29,7 +30,7 @@ import torch
 
 from kvcore.conversation import check_identifier
 from kvcore.errors import RecordCorruptError
-from kvcore.quantize import Quantized, dequantize, quantize
+from kvcore.quantize import Quantized, dequantize, quantize, quantize_many
 from kvcore.safetensors_io import dtype_of, read_header, write_atomic
 
 log = logging.getLogger(__name__)
@@ -72,24 +73,135 @@ class LayerReader:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[H, T, D]` of one layer, in the entry's original dtype, on the device."""
-        entry, device = self._entry, self._store.device
-        data = entry.data
-        if entry.tier == "disk" and not isinstance(data, _Pending):
+        return self.to_device(*self.host_layer(index))
+
+    def host_layer(self, index: int) -> tuple[object, object]:
+        """One layer's K and V as the tier keeps them (int8 codes or values), where it keeps them."""
+        data = self._entry.data
+        if self._entry.tier == "disk" and not isinstance(data, _Pending):
             if self._file is None:
                 self._file = _DiskFile(data)
-            k, v = self._file.layer(index)
-        else:
-            k, v = data.packed if isinstance(data, _Pending) else data
-            k, v = (k.layer(index), v.layer(index)) if isinstance(k, Quantized) else (k[index], v[index])
+            return self._file.layer(index)
+        k, v = data.packed if isinstance(data, _Pending) else data
+        return (k.layer(index), v.layer(index)) if isinstance(k, Quantized) else (k[index], v[index])
+
+    def host_entry(self) -> tuple[Quantized, Quantized] | None:
+        """The whole entry's int8 codes if they sit in host memory (not in a file), else None."""
+        data = self._entry.data
+        if self._entry.tier == "disk" and not isinstance(data, _Pending):
+            return None
+        k, v = data.packed if isinstance(data, _Pending) else data
+        return (k, v) if isinstance(k, Quantized) and k.codes.device.type == "cpu" else None
+
+    def to_device(self, k: object, v: object) -> tuple[torch.Tensor, torch.Tensor]:
+        device, dtype = self._store.device, self._entry.dtype
         if isinstance(k, Quantized):
             k, v = k.to(device, non_blocking=True), v.to(device, non_blocking=True)
-            return dequantize(k, entry.dtype), dequantize(v, entry.dtype)
+            return dequantize(k, dtype), dequantize(v, dtype)
         return k.to(device, non_blocking=True), v.to(device, non_blocking=True)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._entry.dtype
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class BatchedReads:
+    """Layer reads of one load's tier entries, on their store's device.
+
+    On CUDA, entries held in host memory go to the device whole when the first layer is asked for (int8 codes,
+    one transfer each, joined there) and every later layer of them is dequantized in one op; entries on disk are
+    read a layer at a time and staged through one pinned buffer (`dequantize_together`). A copy and a
+    dequantization per entry and layer would cost hundreds of launches a layer for one request's facts. On a
+    CPU store each reader reads its own layer.
+    """
+
+    def __init__(self, readers: list[LayerReader]) -> None:
+        self.readers = readers
+        self._device = readers[0]._store.device if readers else torch.device("cpu")
+        self._resident: _Resident | None = None
+
+    def layer(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._device.type != "cuda" or len(self.readers) < 2:
+            return [reader.layer(index) for reader in self.readers]
+        if self._resident is None:
+            self._resident = _Resident.upload(self.readers, self._device)
+        out = self._resident.layer(index)
+        rest = [i for i in range(len(self.readers)) if i not in out]
+        pieces = {i: self.readers[i].host_layer(index) for i in rest}
+        staged = [i for i in rest if isinstance(pieces[i][0], Quantized) and pieces[i][0].codes.device.type == "cpu"]
+        if len(staged) > 1 and len({_shape_key(self.readers[i].dtype, pieces[i][0]) for i in staged}) == 1:
+            layers = dequantize_together([pieces[i] for i in staged], self._device, self.readers[staged[0]].dtype)
+            out.update(zip(staged, layers))
+        for i in rest:
+            if i not in out:
+                out[i] = self.readers[i].to_device(*pieces[i])
+        return [out[i] for i in range(len(self.readers))]
+
+
+@dataclass
+class _Resident:
+    """Host-memory entries of one load, uploaded whole: codes `[2, L, H, sum T, D]`, scales `[2, L, H, n, D]`."""
+
+    positions: list[int]
+    codes: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    owner: torch.Tensor | None = None  # token -> entry
+    starts: list[int] = field(default_factory=list)
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def upload(cls, readers: list[LayerReader], device: torch.device) -> "_Resident":
+        entries = {i: reader.host_entry() for i, reader in enumerate(readers)}
+        entries = {i: entry for i, entry in entries.items() if entry is not None}
+        kinds = {_shape_key(readers[i].dtype, entry[0], whole=True) for i, entry in entries.items()}
+        if len(entries) < 2 or len(kinds) != 1:
+            return cls([])
+        positions = sorted(entries)
+        first = entries[positions[0]][0].codes
+        lengths = [entries[i][0].codes.shape[2] for i in positions]
+        codes = torch.empty((2, first.shape[0], first.shape[1], sum(lengths), first.shape[3]), dtype=torch.int8, device=device)
+        scales = torch.empty((2, first.shape[0], first.shape[1], len(positions), first.shape[3]), device=device)
+        for side in (0, 1):
+            torch.cat([entries[i][side].codes.to(device, non_blocking=True) for i in positions], dim=2, out=codes[side])
+            torch.cat([entries[i][side].scales.to(device, non_blocking=True) for i in positions], dim=2, out=scales[side])
+        owner = torch.repeat_interleave(torch.arange(len(positions)), torch.tensor(lengths)).to(device, non_blocking=True)
+        return cls(positions, codes, scales, owner, [0, *itertools.accumulate(lengths)], readers[positions[0]].dtype)
+
+    def layer(self, index: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        if not self.positions:
+            return {}
+        values = (self.codes[:, index].float() * self.scales[:, index].index_select(2, self.owner)).to(self.dtype)
+        return {i: (values[0, :, a:b], values[1, :, a:b]) for i, a, b in zip(self.positions, self.starts, self.starts[1:])}
+
+
+def _shape_key(dtype: torch.dtype, codes: Quantized, whole: bool = False) -> tuple:
+    """What entries must share to be joined: their dtype and every dim but the tokens."""
+    shape = codes.codes.shape
+    return (dtype, shape[0], shape[1], shape[3]) if whole else (dtype, shape[0], shape[2])
+
+
+def dequantize_together(pieces: list[tuple[Quantized, Quantized]], device: torch.device,
+                         dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K and V `[H, T_i, D]` per piece of host codes, from one (pinned, for CUDA) staging copy of them all."""
+    heads, _, dim = pieces[0][0].codes.shape
+    lengths = [k.codes.shape[1] for k, _ in pieces]
+    pin = device.type == "cuda"
+    codes = torch.empty((2, heads, sum(lengths), dim), dtype=torch.int8, pin_memory=pin)
+    scales = torch.empty((2, heads, len(pieces), dim), dtype=torch.float32, pin_memory=pin)
+    for side in (0, 1):
+        torch.cat([piece[side].codes for piece in pieces], dim=1, out=codes[side])
+        torch.cat([piece[side].scales for piece in pieces], dim=1, out=scales[side])
+    owner = torch.repeat_interleave(torch.arange(len(pieces)), torch.tensor(lengths))
+    owner = owner.pin_memory() if pin else owner
+    codes, scales, owner = (x.to(device, non_blocking=True) for x in (codes, scales, owner))
+    values = (codes.float() * scales.index_select(2, owner)).to(dtype)
+    starts = [0, *itertools.accumulate(lengths)]
+    return [(values[0, :, a:b], values[1, :, a:b]) for a, b in zip(starts, starts[1:])]
 
 
 class TieredStore:
@@ -160,6 +272,36 @@ class TieredStore:
         finally:
             entry.loading -= 1
         raise AssertionError("unreachable: the disk tier always has room")
+
+    def spill_many(self, items: list[tuple[Key, torch.Tensor, torch.Tensor, str]]) -> None:
+        """Entries leaving the device (a step's evictions: key, K, V `[L, H, T, D]`, label) into host memory or
+        disk: quantized together where they lie and copied to the host with one wait at the end, instead of a
+        quantization and a synchronizing copy each."""
+        if not items:
+            return
+        ks, vs = [k for _, k, _, _ in items], [v for _, _, v, _ in items]
+        packed = list(zip(quantize_many(ks), quantize_many(vs))) if self._compress else list(zip(ks, vs))
+        pinned = self.device.type == "cuda"
+        hosts = [_host(pair, pinned=pinned, non_blocking=True) for pair in packed]
+        if any(k.is_cuda for k in ks):
+            torch.cuda.synchronize(ks[0].device)  # the copies above were queued, not waited for
+        for (key, k, _, label), host in zip(items, hosts):
+            self._put_packed(key, host, k.shape[0], k.dtype, label)
+
+    def _put_packed(self, key: Key, packed: tuple[object, object], layers: int, dtype: torch.dtype, label: str) -> Tier:
+        """A host-side entry into host memory if room can be made there, else to disk."""
+        _check_key(key)
+        if key in self._entries:
+            self.remove(key)
+        entry = _Entry("disk", None, 0, layers, dtype, 0.0, 0, self._clock(), label=label)
+        self._entries[key] = entry
+        entry.loading += 1  # protected while it finds its place
+        try:
+            tier: Tier = "cpu" if self._make_room("cpu", sum(_nbytes(x) for x in packed), keep=key) else "disk"
+            self._place(key, entry, tier, *self._store_packed(key, packed, tier))
+        finally:
+            entry.loading -= 1
+        return tier
 
     def remove(self, key: Key) -> None:
         entry = self._entries.pop(key, None)
@@ -255,12 +397,15 @@ class TieredStore:
     def _demote(self, key: Key) -> None:
         entry = self._entries[key]
         down = ORDER[ORDER.index(entry.tier) + 1]
-        k, v = self._decode(entry)
         entry.loading += 1
         try:
-            if down != "disk" and not self._make_room(down, self._size_in(down, k), keep=key):
-                down = "disk"
-            data, nbytes = self._encode(key, k, v, down)
+            if entry.tier == "cpu":  # host codes (or values) go to their file as they are
+                data, nbytes = self._store_packed(key, entry.data, "disk")
+            else:
+                k, v = self._decode(entry)
+                if down != "disk" and not self._make_room(down, self._size_in(down, k), keep=key):
+                    down = "disk"
+                data, nbytes = self._encode(key, k, v, down)
             old = (entry.tier, entry.data, entry.nbytes)
             self._place(key, entry, down, data, nbytes)
             self._free(*old)
@@ -297,24 +442,31 @@ class TieredStore:
         return 2 * (k.numel() + layers * heads * dim * 4)  # int8 codes and float32 scales per channel
 
     def _encode(self, key: Key, k: torch.Tensor, v: torch.Tensor, tier: Tier) -> tuple[object, int]:
+        """K/V `[L, H, T, D]` (on any device) in the form `tier` keeps; quantized where they lie, so a spill from
+        the device moves int8 codes, not the full-precision values, and costs the host no arithmetic."""
         if tier == "gpu":
             k, v = k.to(self.device), v.to(self.device)
             return (k, v), _nbytes(k) + _nbytes(v)
-        packed = (quantize(k), quantize(v)) if self._compress else (k.cpu(), v.cpu())
+        packed = (quantize(k), quantize(v)) if self._compress else (k, v)
+        return self._store_packed(key, _host(packed, pinned=tier == "cpu" and self.device.type == "cuda"), tier)
+
+    def _store_packed(self, key: Key, packed: tuple[object, object], tier: Tier) -> tuple[object, int]:
+        """Host-side (codes or values) K/V kept in host memory, or written to the entry's disk file."""
         if tier == "cpu":
-            if self.device.type == "cuda":
-                packed = tuple(_pin(x) for x in packed)
             return packed, sum(_nbytes(x) for x in packed)
         path = self._dir / file_name(key)
+        first = packed[0].codes if isinstance(packed[0], Quantized) else packed[0]
         tensors: dict[str, torch.Tensor] = {}
-        for layer in range(k.shape[0]):
+        for layer in range(first.shape[0]):
             for name, x in zip("kv", packed):
                 if isinstance(x, Quantized):
                     tensors[f"{name}.{layer:03d}.codes"], tensors[f"{name}.{layer:03d}.scales"] = x.codes[layer], x.scales[layer]
                 else:
                     tensors[f"{name}.{layer:03d}"] = x[layer].contiguous()
-        meta = {"tenant": key[0], "record": key[1], "layers": str(k.shape[0]), "dtype": str(k.dtype).split(".")[-1],
-                "quantized": str(self._compress), "label": self._entries[key].label if key in self._entries else ""}
+        entry = self._entries.get(key)
+        dtype = entry.dtype if entry is not None else first.dtype
+        meta = {"tenant": key[0], "record": key[1], "layers": str(first.shape[0]), "dtype": str(dtype).split(".")[-1],
+                "quantized": str(isinstance(packed[0], Quantized)), "label": entry.label if entry is not None else ""}
         if self._writer is None:
             _write_tier_file(path, tensors, meta)
             return path, path.stat().st_size
@@ -429,27 +581,32 @@ class _DiskFile:
         if any(info is None for info in infos):
             raise RecordCorruptError(f"{self.path}: layer {index} is missing")
         first, last = min(i["data_offsets"][0] for i in infos), max(i["data_offsets"][1] for i in infos)
+        raw = bytearray(last - first)  # the layer's tensors are views of it: no copy after the read
         try:
             self._handle.seek(self._start + first)
-            raw = self._handle.read(last - first)
+            got = self._handle.readinto(raw)
         except (OSError, ValueError) as exc:
             raise RecordCorruptError(f"{self.path}: cannot be read ({exc})") from None
-        if len(raw) != last - first:
+        if got != last - first:
             raise RecordCorruptError(f"{self.path}: layer {index} is truncated")
         tensors = [self._tensor(name, info, raw, first) for name, info in zip(names, infos)]
         if quantized:
             return Quantized(tensors[0], tensors[1]), Quantized(tensors[2], tensors[3])
         return tensors[0], tensors[1]
 
-    def _tensor(self, name: str, info: dict, raw: bytes, first: int) -> torch.Tensor:
+    def _tensor(self, name: str, info: dict, raw: bytearray, first: int) -> torch.Tensor:
         begin, end = info["data_offsets"]
         piece = memoryview(raw)[begin - first : end - first]
         if zlib.crc32(piece) != self._crcs.get(name):
             raise RecordCorruptError(f"{self.path}: checksum of {name!r} does not match")
         dtype = dtype_of(info["dtype"])
-        if len(piece) != torch.Size(info["shape"]).numel() * torch.empty((), dtype=dtype).element_size():
+        size = torch.empty((), dtype=dtype).element_size()
+        if len(piece) == 0 or len(piece) != torch.Size(info["shape"]).numel() * size:
             raise RecordCorruptError(f"{self.path}: tensor {name!r} has the wrong size")
-        return torch.frombuffer(bytearray(piece), dtype=torch.uint8).view(dtype).reshape(info["shape"])
+        if (begin - first) % size:  # a view needs aligned storage: copy this one
+            return torch.frombuffer(bytearray(piece), dtype=torch.uint8).view(dtype).reshape(info["shape"])
+        flat = torch.frombuffer(raw, dtype=torch.uint8, count=len(piece), offset=begin - first)
+        return flat.view(dtype).reshape(info["shape"])
 
     def close(self) -> None:
         handle = getattr(self, "_handle", None)
@@ -473,5 +630,13 @@ def _nbytes(x: object) -> int:
     return x.nbytes if isinstance(x, Quantized) else x.numel() * x.element_size()
 
 
-def _pin(x: object) -> object:
-    return Quantized(x.codes.pin_memory(), x.scales.pin_memory()) if isinstance(x, Quantized) else x.pin_memory()
+def _host(packed: tuple[object, object], pinned: bool, non_blocking: bool = False) -> tuple[object, object]:
+    """Contiguous host copies of K and V (codes or values), in page-locked memory if `pinned`; with
+    `non_blocking`, copies from the device are only queued (the caller waits for them)."""
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu" and t.is_contiguous() and (t.is_pinned() or not pinned):
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+        return out.copy_(t, non_blocking=non_blocking and pinned)
+
+    return tuple(Quantized(copy(x.codes), copy(x.scales)) if isinstance(x, Quantized) else copy(x) for x in packed)

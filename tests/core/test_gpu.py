@@ -60,23 +60,36 @@ def test_injection_worker_on_cuda_matches_cpu(tmp_path):
 
 @pytest.mark.parametrize("tier_bytes", [1 << 30, 0], ids=["pinned-host", "disk"])
 def test_layers_read_ahead_on_a_side_stream_equal_direct_reads(tmp_path, tier_bytes):
-    """The reader thread's side-stream copies, handed over with an event, give the bytes a direct read gives,
-    while the default stream is kept busy (so a missing wait would show as a race)."""
+    """Facts spilled from the device (quantized there), read back on the reader thread's side stream in one
+    batched transfer and handed over with an event, give the bytes each direct read gives, while the default
+    stream is kept busy (so a missing wait would show as a race)."""
     from kvcore.layer_ahead import LayerAhead
-    from kvcore.tiers import TieredStore
+    from kvcore.tiers import BatchedReads, TieredStore
 
-    k, v = torch.randn(8, 4, 64, 128), torch.randn(8, 4, 64, 128)
-    store = TieredStore("cuda", 0, tier_bytes, tmp_path, compress_lower=True)
-    store.put(("t", "a"), k, v)
+    store = TieredStore("cuda", 0, tier_bytes, tmp_path, compress_lower=True, write_behind=True)
+    originals = {}
+    for i, tokens in enumerate((64, 30, 17)):
+        k, v = (torch.randn(8, 4, tokens, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
+        originals[("t", f"f{i}")] = (k, v)
+    store.spill_many([(key, k, v, "") for key, (k, v) in originals.items()])  # as a step's evictions arrive
+    assert {store.tier_of(key) for key in originals} == {"cpu" if tier_bytes else "disk"}
     ahead = LayerAhead(torch.device("cuda"))
-    reader = store.begin_load(("t", "a"))
+    readers = [store.begin_load(key) for key in originals]
+    batch = BatchedReads(readers)
     busy = torch.randn(4096, 4096, device="cuda")
     for layer in range(8):
-        future = ahead.submit([reader], layer)
+        future = ahead.submit(batch, layer)
         for _ in range(4):
             busy = busy @ busy / 64  # keep the engine's stream occupied
-        (got_k, got_v), = ahead.take(future)
-        want_k, want_v = reader.layer(layer)
-        assert torch.equal((got_k * 1).cpu(), want_k.cpu()) and torch.equal((got_v * 1).cpu(), want_v.cpu())
-    store.end_load(reader)
+        got = ahead.take(future)
+        for reader, (got_k, got_v), (k, v) in zip(readers, got, originals.values()):
+            want_k, want_v = reader.layer(layer)
+            assert got_k.dtype == torch.bfloat16 and got_k.shape == want_k.shape
+            assert torch.equal((got_k * 1).cpu(), want_k.cpu()) and torch.equal((got_v * 1).cpu(), want_v.cpu())
+            step = k[layer].float().abs().amax(dim=-2, keepdim=True) / 127
+            bound = step / 2 + (k[layer].float().abs() + step / 2) * 2**-8 + 1e-6  # int8, then bf16 rounding
+            assert ((got_k.float() - k[layer].float()).abs() <= bound).all()
+    for reader in readers:
+        store.end_load(reader)
     ahead.close()
+    store.close()

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvcore.errors import RecordCorruptError
-from kvcore.quantize import dequantize, quantize
-from kvcore.tiers import TieredStore
+from kvcore.quantize import dequantize, quantize, quantize_many
+from kvcore.tiers import TieredStore, dequantize_together
 
 L, H, T, D = 3, 2, 6, 8
 ENTRY = L * H * T * D * 4 * 2  # float32 K and V of one fact
@@ -37,6 +37,38 @@ def test_int8_codes_stay_within_half_a_step_per_channel():
     q = quantize(k)
     assert q.codes.dtype == torch.int8 and q.nbytes < k.numel() * 4 / 3  # scales included
     assert ((dequantize(q) - k).abs() <= q.scales / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_many_facts_at_once_equals_quantizing_each(dtype):
+    facts = [x[:, :, :tokens].to(dtype) for tokens, (x, _) in zip((6, 1, 4), map(kv, range(3)))]
+    for fact, together in zip(facts, quantize_many(facts, joined=True)):  # the path taken on accelerators
+        alone = quantize(fact)
+        assert torch.equal(together.codes, alone.codes) and torch.equal(together.scales, alone.scales)
+
+
+def test_a_steps_spills_fill_host_memory_then_disk_and_read_back_like_single_puts(tmp_path):
+    one = 2 * quantize(kv(0)[0]).nbytes
+    store = TieredStore("cpu", 0, 2 * one, tmp_path, compress_lower=True)
+    originals = {f"f{i}": kv(i) for i in range(3)}
+    store.spill_many([(("t", name), k, v, f"{name}@1") for name, (k, v) in originals.items()])
+    assert [store.tier_of(("t", n)) for n in originals] == ["disk", "cpu", "cpu"]  # the oldest made room
+    for name, (k, v) in originals.items():
+        got_k, got_v = read_all(store, ("t", name))
+        assert torch.equal(got_k, dequantize(quantize(k))) and torch.equal(got_v, dequantize(quantize(v)))
+        assert store.label_of(("t", name)) == f"{name}@1"
+
+
+def test_facts_dequantized_together_equal_each_dequantized_alone():
+    """The batched path (one staging copy, per-token scales) gives each fact's own dequantization, bit for bit."""
+    pieces = []
+    for i, tokens in enumerate((3, 7, 1, 5)):
+        k, v = (x[:, :, :tokens] for x in kv(i))
+        pieces.append((quantize(k).layer(1), quantize(v).layer(1)))
+    together = dequantize_together(pieces, torch.device("cpu"), torch.bfloat16)
+    for (k, v), (got_k, got_v) in zip(pieces, together):
+        assert got_k.shape == k.codes.shape and got_k.dtype == torch.bfloat16
+        assert torch.equal(got_k, dequantize(k, torch.bfloat16)) and torch.equal(got_v, dequantize(v, torch.bfloat16))
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["full", "int8"])

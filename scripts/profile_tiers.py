@@ -1,0 +1,67 @@
+"""Where a lower-tier load spends its host time: cProfile over the host- or disk-tier asks of `offload_tiers`.
+
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the connector's worker side is
+profiled; one engine per process (vLLM's in-process parallel state cannot be rebuilt). Not a benchmark with
+targets: a diagnostic that prints the top functions and the asks' median TTFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks._common import scratch_dir, shape_folder  # noqa: E402
+from benchmarks.offload_tiers import CONFIGS, FACT_TOKENS, PAGE, PREFIX_TOKENS, Bench, Facts, drop_page_cache  # noqa: E402
+from kvcore.store import LocalFactStore  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tier", choices=("host", "disk"), default="host")
+    p.add_argument("--config", type=Path)
+    p.add_argument("--k", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--out", type=Path, required=True, help="where to write the profile as text")
+    args = p.parse_args()
+    gpu = torch.cuda.is_available()
+    args.config = args.config or CONFIGS / ("llama31-8b-shape.json" if gpu else "tiny-llama-shape.json")
+    args.dtype = "bfloat16" if gpu else "float32"
+    path, config, fingerprint = shape_folder(args.config)
+    work = Path(scratch_dir(prefix="profile-tiers-"))
+    facts = Facts(LocalFactStore(work / "facts"), config, fingerprint, getattr(torch, args.dtype))
+    ids = facts.add_tenant("bench", 2 * args.k)
+    sets = [ids[: args.k], ids[args.k :]]
+    pages = -(-PREFIX_TOKENS // PAGE) + args.k * -(-FACT_TOKENS // PAGE) + 1
+    arena_bytes = pages * PAGE * facts.token_bytes
+    engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True}
+    engine_kwargs.update({"gpu_memory_utilization": 0.35} if gpu else
+                         {"enforce_eager": True, "kv_cache_memory_bytes": max(256 << 20, 4 * arena_bytes)})
+    bench = Bench(args, path, facts, fingerprint, engine_kwargs)
+    root = work / "tiers"
+    llm = bench.engine(arena_bytes, (8 << 30) if args.tier == "host" else 0, root)
+    before = (lambda: drop_page_cache(root)) if args.tier == "disk" else None
+    bench.alternate(llm, "bench", sets, 1, before_lower=before)  # warm-up, unprofiled
+    profile = cProfile.Profile()
+    profile.enable()
+    lower, arena = bench.alternate(llm, "bench", sets, args.repeats, before_lower=before)
+    profile.disable()
+    with open(args.out, "w") as out:
+        out.write(f"{args.tier} tier TTFT median {statistics.median(lower) * 1e3:.2f} ms, arena "
+                  f"{statistics.median(arena) * 1e3:.2f} ms, {len(lower)} lower asks\n")
+        for key in ("cumulative", "tottime"):
+            pstats.Stats(profile, stream=out).sort_stats(key).print_stats(60)
+    print(open(args.out).readline(), end="")
+
+
+if __name__ == "__main__":
+    main()
