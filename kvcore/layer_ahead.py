@@ -1,6 +1,6 @@
 """Reads the next layer of lower-tier entries in the background while the engine computes the current one.
 
-`LayerAhead.submit(batch, l)` reads layer l of a `BatchedReads` in one task on a reader thread; `take`
+`LayerAhead.submit(batch, l)` reads layer l of a `BatchedReads` (joined) in one task on a reader thread; `take`
 hands the layers to the caller's thread. On CUDA the thread works on a side stream (host->device copies from pinned memory and the
 dequantization), records an event, and `take` makes the engine's stream wait on that event, so layer l's
 transfer overlaps layer l-1's attention and MLP instead of sitting in front of them. On CPU the thread
@@ -17,7 +17,7 @@ import torch
 from kvcore.tiers import BatchedReads, LayerReader
 
 log = logging.getLogger(__name__)
-Layer = tuple[torch.Tensor, torch.Tensor]
+Joined = tuple[torch.Tensor, torch.Tensor, list[int]]  # K and V `[H, sum T, D]` of a batch's readers, their starts
 
 
 class LayerAhead:
@@ -34,25 +34,24 @@ class LayerAhead:
         """Read layer `index` of every reader of `batch`, in one task."""
         return self._pool.submit(self._read, batch, index)
 
-    def take(self, future: Future) -> list[Layer]:
-        """The layers read by `future` (an error is re-raised here), ready for use on the caller's stream."""
-        layers, event = future.result()
+    def take(self, future: Future) -> Joined:
+        """The layer read by `future` (an error is re-raised here), ready for use on the caller's stream."""
+        (k, v, starts), event = future.result()
         if event is not None:
             current = torch.cuda.current_stream(self._side.device)
             current.wait_event(event)
-            for k, v in layers:
-                k.record_stream(current)  # allocated on the side stream, used on this one
-                v.record_stream(current)
-        return layers
+            k.record_stream(current)  # allocated on the side stream, used on this one
+            v.record_stream(current)
+        return k, v, starts
 
-    def _read(self, batch: BatchedReads, index: int) -> tuple[list[Layer], "torch.cuda.Event | None"]:
+    def _read(self, batch: BatchedReads, index: int) -> tuple[Joined, "torch.cuda.Event | None"]:
         if self._side is None:
-            return batch.layer(index), None
+            return batch.joined_layer(index), None
         with torch.cuda.stream(self._side):
-            layers = batch.layer(index)
+            joined = batch.joined_layer(index)
             event = torch.cuda.Event()
             event.record(self._side)
-        return layers, event
+        return joined, event
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

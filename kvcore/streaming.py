@@ -67,6 +67,9 @@ class _Stream:
     ahead: tuple[int, list[_Part], Future] | None = None  # (layer, parts, their read in flight on the reader thread)
     batch: tuple[list[_Part], BatchedReads] | None = None  # the parts read ahead, and their batched reads
     ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # id(part) -> this layer
+    joined: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # the batch's layers, for promotion
+    starts: list[int] = field(default_factory=list)  # where each batch part's tokens start in them
+    order: tuple[torch.Tensor | None, torch.Tensor] | None = None  # (arena rows, gather order) of the joined path
 
     @property
     def tenant_id(self) -> str:
@@ -149,43 +152,41 @@ class TierStreams:
         parts = [p for p in stream.parts if p.reader is not None and index < p.reader.layers and self._ahead.worth_it(p.reader)]
         if not parts:
             return
-        if stream.batch is None or stream.batch[0] != parts:  # a part dropped (damaged) since: batch anew
+        if stream.batch is None or [id(p) for p in stream.batch[0]] != [id(p) for p in parts]:  # a part dropped since
             stream.batch = (parts, BatchedReads([p.reader for p in parts]))
+            stream.joined, stream.order = [], None
         stream.ahead = (index, parts, self._ahead.submit(stream.batch[1], index))
 
-    def _take_ahead(self, stream: _Stream, index: int) -> None:
-        """This layer's reads that ran ahead, by part (a read error leaves them to be read in place, and fail there)."""
+    def _take_ahead(self, stream: _Stream, index: int) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+        """This layer of the batch that ran ahead, joined (None if nothing ran ahead for it, or the read failed:
+        then its parts are read in place, and fail there)."""
         stream.ready = {}
         if stream.ahead is None or stream.ahead[0] != index:
-            return
-        _, parts, future = stream.ahead
-        stream.ahead = None
+            return None
+        future, stream.ahead = stream.ahead[2], None
         try:
-            stream.ready = {id(p): layer for p, layer in zip(parts, self._ahead.take(future))}
+            return self._ahead.take(future)
         except (KVCoreError, OSError):
-            stream.ready = {}
+            return None
 
     def write_layer(self, index: int, target: CacheTarget) -> None:
         for stream in self._streams:
             if stream.failed:
                 continue
-            keys, values = [], []
-            self._take_ahead(stream, index)
             try:
-                for part in stream.parts:
-                    if part.rows is not None:
-                        keys.append(self._arena.k[index].index_select(0, part.rows))
-                        values.append(self._arena.v[index].index_select(0, part.rows))
-                        continue
-                    k, v = self._layer_of(stream, part, index)  # host or disk tier: this layer only, on the device
-                    keys.append(k[:, part.lo : part.hi].transpose(0, 1))
-                    values.append(v[:, part.lo : part.hi].transpose(0, 1))
+                joined = self._take_ahead(stream, index)
+                if joined is not None and self._joinable(stream):
+                    keys, values = self._gather_joined(stream, index, joined)
+                else:
+                    if joined is not None:  # split by part for the part-by-part path
+                        k, v, starts = joined
+                        stream.ready = {id(p): (k[:, a:b], v[:, a:b]) for p, a, b in zip(stream.batch[0], starts, starts[1:])}
+                    keys, values = self._gather_parts(stream, index)
             except (KVCoreError, OSError) as exc:
                 stream.failed = True
                 self._on_fail(stream.load, f"tier load failed: {exc}")
                 continue
             self._read_ahead(stream, index + 1)
-            keys, values = torch.cat(keys), torch.cat(values)
             dim = keys.shape[-1]
             if target.kv_rows is not None:
                 joint = torch.empty(*keys.shape[:-1], 2 * dim, dtype=target.kv_rows.dtype, device=keys.device)
@@ -196,6 +197,56 @@ class TierStreams:
                 rotated = torch.empty_like(keys, dtype=target.k_view.dtype)
                 rotate_into(rotated, keys, stream.cos, stream.sin, self._rope)
                 target.write(rotated, values, *self._layout.split(stream.slots))
+
+    @staticmethod
+    def _joinable(stream: _Stream) -> bool:
+        """Every tier part of the stream is in the batch that ran ahead (the rest sit in the arena)."""
+        batched = {id(p) for p in stream.batch[0]}
+        return all(p.rows is not None or id(p) in batched for p in stream.parts)
+
+    def _gather_joined(self, stream: _Stream, index: int, joined) -> tuple[torch.Tensor, torch.Tensor]:
+        """The load's tokens of this layer, `[N, H, D]`, from the arena rows and the joined batch in one gather."""
+        k, v, starts = joined
+        stream.joined.append((k, v))
+        if stream.order is None:
+            stream.starts, stream.order = starts, self._order(stream, starts)
+        rows, order = stream.order
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if rows is not None:
+            k = torch.cat([self._arena.k[index].index_select(0, rows), k])
+            v = torch.cat([self._arena.v[index].index_select(0, rows), v])
+        return k.index_select(0, order), v.index_select(0, order)
+
+    def _order(self, stream: _Stream, starts: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Arena rows of the stream's arena parts, and where each of the load's tokens sits in [those rows; the
+        joined batch's tokens]."""
+        in_arena = [p.rows for p in stream.parts if p.rows is not None]
+        taken = sum(len(rows) for rows in in_arena)
+        position = {id(p): j for j, p in enumerate(stream.batch[0])}
+        order, seen = [], 0
+        for part in stream.parts:
+            if part.rows is not None:
+                order.append(torch.arange(seen, seen + len(part.rows)))
+                seen += len(part.rows)
+            else:
+                first = taken + starts[position[id(part)]]
+                order.append(torch.arange(first + part.lo, first + part.hi))
+        device = self._arena.device
+        return (torch.cat(in_arena) if in_arena else None), torch.cat(order).to(device)
+
+    def _gather_parts(self, stream: _Stream, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The load's tokens of this layer, part by part (some parts read in place, or a damaged one replaced)."""
+        stream.joined, stream.order = [], None  # promotion then takes each part's own layers
+        keys, values = [], []
+        for part in stream.parts:
+            if part.rows is not None:
+                keys.append(self._arena.k[index].index_select(0, part.rows))
+                values.append(self._arena.v[index].index_select(0, part.rows))
+                continue
+            k, v = self._layer_of(stream, part, index)  # host or disk tier: this layer only, on the device
+            keys.append(k[:, part.lo : part.hi].transpose(0, 1))
+            values.append(v[:, part.lo : part.hi].transpose(0, 1))
+        return torch.cat(keys), torch.cat(values)
 
     def _layer_of(self, stream: _Stream, part: _Part, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer of a tier part; a damaged tier entry is swapped for the canonical record, once."""
@@ -219,16 +270,30 @@ class TierStreams:
             self._settle(stream)
             self._unpin(stream.parts)
         for stream in streams:
+            streamed = self._streamed(stream)
             for part in stream.parts:
                 if part.reader is not None and part.reader.key in self._tiers:
-                    self._promote(stream.tenant_id, part)
+                    self._promote(stream.tenant_id, part, streamed.get(id(part)))
                 elif part.record is not None and not stream.failed:
                     self._admit(stream.tenant_id, part)
         self.flush_spills()
 
-    def _promote(self, tenant_id: str, part: _Part) -> None:
+    @staticmethod
+    def _streamed(stream: _Stream) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each batch part's K/V `[L, H, T, D]` from the joined layers, if the step streamed all of them."""
+        readers = [p.reader for p in stream.batch[0]] if stream.batch is not None else []
+        if not stream.joined or any(r is None for r in readers) or len(stream.joined) != readers[0].layers:
+            return {}
+        k = torch.stack([k for k, _ in stream.joined])
+        v = torch.stack([v for _, v in stream.joined])
+        starts = stream.starts
+        return {id(p): (k[:, :, a:b], v[:, :, a:b]) for p, a, b in zip(stream.batch[0], starts, starts[1:])}
+
+    def _promote(self, tenant_id: str, part: _Part, streamed: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Into the arena, from the layers this step streamed (or, if the step stopped early, from the tier)."""
-        if len(part.read) == part.reader.layers:
+        if streamed is not None:
+            k, v = streamed
+        elif len(part.read) == part.reader.layers:
             k, v = torch.stack([k for k, _ in part.read]), torch.stack([v for _, v in part.read])
         else:
             try:
@@ -257,7 +322,6 @@ class TierStreams:
             stream.ahead[2].exception()
             stream.ahead = None
         stream.ready = {}
-        stream.batch = None
 
     def _unpin(self, parts: list[_Part]) -> None:
         for part in parts:

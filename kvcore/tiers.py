@@ -126,10 +126,20 @@ class BatchedReads:
         self._resident: _Resident | None = None
 
     def layer(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer `index` of each reader: K and V `[H, T, D]`."""
+        k, v, starts = self.joined_layer(index)
+        return [(k[:, a:b], v[:, a:b]) for a, b in zip(starts, starts[1:])]
+
+    def joined_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Layer `index` of all readers joined along the tokens (K and V `[H, sum T, D]`, reader by reader) and
+        where each reader's tokens start (the total last): one tensor a consumer gathers from in one op."""
         if self._device.type != "cuda" or len(self.readers) < 2:
-            return [reader.layer(index) for reader in self.readers]
+            return _join([reader.layer(index) for reader in self.readers])
         if self._resident is None:
             self._resident = _Resident.upload(self.readers, self._device)
+        if len(self._resident.positions) == len(self.readers):  # all in host memory: already joined, in order
+            values = self._resident.values(index)
+            return values[0], values[1], self._resident.starts
         out = self._resident.layer(index)
         rest = [i for i in range(len(self.readers)) if i not in out]
         pieces = {i: self.readers[i].host_layer(index) for i in rest}
@@ -140,7 +150,14 @@ class BatchedReads:
         for i in rest:
             if i not in out:
                 out[i] = self.readers[i].to_device(*pieces[i])
-        return [out[i] for i in range(len(self.readers))]
+        return _join([out[i] for i in range(len(self.readers))])
+
+
+def _join(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    starts = [0, *itertools.accumulate(k.shape[1] for k, _ in layers)]
+    if len(layers) == 1:
+        return layers[0][0], layers[0][1], starts
+    return torch.cat([k for k, _ in layers], dim=1), torch.cat([v for _, v in layers], dim=1), starts
 
 
 @dataclass
@@ -172,10 +189,14 @@ class _Resident:
         owner = torch.repeat_interleave(torch.arange(len(positions)), torch.tensor(lengths)).to(device, non_blocking=True)
         return cls(positions, codes, scales, owner, [0, *itertools.accumulate(lengths)], readers[positions[0]].dtype)
 
+    def values(self, index: int) -> torch.Tensor:
+        """Layer `index` of every uploaded entry, dequantized in one op: `[2, H, sum T, D]`."""
+        return (self.codes[:, index].float() * self.scales[:, index].index_select(2, self.owner)).to(self.dtype)
+
     def layer(self, index: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         if not self.positions:
             return {}
-        values = (self.codes[:, index].float() * self.scales[:, index].index_select(2, self.owner)).to(self.dtype)
+        values = self.values(index)
         return {i: (values[0, :, a:b], values[1, :, a:b]) for i, a, b in zip(self.positions, self.starts, self.starts[1:])}
 
 
