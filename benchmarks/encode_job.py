@@ -5,6 +5,8 @@ One process, one model: for w in {0, 5, 20}, facts of ~30 tokens behind turns of
 embedding, tenant-store writes in Redis and on disk), timed end to end after Ray is up; the same
 tokens (context and fact) then go through a plain prefill of the same model in the same batch shapes.
 Target on the GPU: the job keeps >= 50% of plain prefill's token throughput; the CPU figure is reported.
+Both the end-to-end rate and the rate once running (between the first and the last batch reported done,
+so without the actors' start and model load) are reported, each against the plain prefill.
 `--config` runs the job with a model of that shape and random weights (saved once, SmolLM2's tokenizer):
 a 135M model prefills a fact in microseconds, so only a serving-sized model shows whether the job keeps
 the GPU busy rather than how fast per-fact store writes are.
@@ -79,27 +81,44 @@ def main() -> None:
             path = folder / f"{tenant}.json"
             path.write_text(json.dumps({"turns": [{"speaker": t.speaker, "text": t.text} for t in turns],
                                         "facts": [{"text": text, "turn": turn} for text, turn in facts]}))
+            marks: list[tuple[float, int]] = []  # (time, facts encoded) at each batch the job reports
             start = time.perf_counter()
             report = run_job(settings, redis_url=server.url, key=admin, tenant_id=tenant, input_path=path,
-                             window=window, workers=workers, batch_size=64)
+                             window=window, workers=workers, batch_size=8 if args.quick else 64,
+                             progress=lambda r: marks.append((time.perf_counter(), r.encoded)))
             job_s = time.perf_counter() - start
+            steady = steady_rate(marks)
             assert report.encoded == facts_per_run, report.errors
             jobs = plan_fact_jobs(turns, [Fact(f"f{i}", t, n) for i, (t, n) in enumerate(facts)], window=window,
                                   prefix_ids=frame.prefix_ids, tokenizer=encoder)
             tokens = sum(job.length for job in jobs)
             prefill_s = _plain_prefill(loaded, jobs, settings.encoding.max_batch_tokens)
+            steady_ratio = steady * (tokens / facts_per_run) / (tokens / prefill_s) if steady else 0.0
             rows.append({"window": window, "facts": facts_per_run, "tokens": tokens, "job_s": job_s,
                          "job_facts_per_s": facts_per_run / job_s, "job_tokens_per_s": tokens / job_s,
-                         "prefill_tokens_per_s": tokens / prefill_s, "ratio": prefill_s / job_s})
-            print(f"w={window:>2}: job {facts_per_run / job_s:7.1f} facts/s ({tokens / job_s:8.0f} tok/s), "
-                  f"plain prefill {tokens / prefill_s:8.0f} tok/s, ratio {prefill_s / job_s:.2f}", flush=True)
+                         "job_steady_facts_per_s": steady, "prefill_tokens_per_s": tokens / prefill_s,
+                         "ratio": prefill_s / job_s, "steady_ratio": steady_ratio})
+            print(f"w={window:>2}: job {facts_per_run / job_s:7.1f} facts/s ({tokens / job_s:8.0f} tok/s; "
+                  f"{steady:7.1f} facts/s once running), plain prefill {tokens / prefill_s:8.0f} tok/s, "
+                  f"ratio {prefill_s / job_s:.2f} (running {steady_ratio:.2f})", flush=True)
     finally:
         ray.shutdown()
         server.stop()
-    targets = [target(f"job_over_prefill_w{r['window']}", r["ratio"], ">= 0.5" if gpu else ">= 0.1") for r in rows]
+    goal = ">= 0.5" if gpu else ">= 0.1"
+    targets = [target(f"job_over_prefill_w{r['window']}", r["ratio"], goal) for r in rows]
+    targets += [target(f"job_once_running_over_prefill_w{r['window']}", r["steady_ratio"], goal) for r in rows]
     write_report(args.out, {"benchmark": "encode_job", "quick": args.quick, "gpu": gpu, "workers": workers,
                             "model": str(args.config) if args.config else "SmolLM2-135M", "rows": rows,
                             "targets": targets})
+
+
+def steady_rate(marks: list[tuple[float, int]]) -> float:
+    """Facts a second between the first and the last batch the job reported done: the job's rate once its
+    actors are up and their models loaded (a serving-sized model takes seconds to load, once per job)."""
+    done = [(t, n) for t, n in marks if n > 0]
+    if len(done) < 2 or done[-1][1] == done[0][1]:
+        return 0.0
+    return (done[-1][1] - done[0][1]) / (done[-1][0] - done[0][0])
 
 
 def random_weights_model(config_path: Path, into: Path, dtype: str) -> str:

@@ -49,16 +49,22 @@ def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapp
 
 def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Mapping[str, str]]],
                       durable: bool = True, checksums: bool = False) -> None:
-    """Write several files, each complete or not at all: every temporary file first, then their fsyncs at
-    once (the filesystem commits its journal for the group, not per file), then the renames and one fsync
-    per folder. A failure removes the temporary files and leaves the targets as they were."""
+    """Write several files, each complete or not at all: the temporary files written and fsynced side by side
+    on a pool of threads (the writes and checksums release the GIL; the filesystem commits its journal for the
+    group), then the renames and one fsync per folder. A failure removes the temporary files and leaves the
+    targets as they were."""
     staged: list[tuple[str, Path]] = []
+    error: BaseException | None = None
+    with ThreadPoolExecutor(min(8, len(files)) or 1) as pool:
+        futures = [pool.submit(_stage, path, tensors, metadata, checksums, durable) for path, tensors, metadata in files]
+        for future, (path, _, _) in zip(futures, files):
+            try:
+                staged.append((future.result(), path))
+            except BaseException as exc:  # the others still finish, so their temporaries can be removed
+                error = error or exc
     try:
-        for path, tensors, metadata in files:
-            staged.append((_write_temporary(path, tensors, metadata, checksums), path))
-        if durable:
-            with ThreadPoolExecutor(min(16, len(staged)) or 1) as pool:
-                list(pool.map(_fsync_path, [tmp for tmp, _ in staged]))
+        if error is not None:
+            raise error
         for tmp, path in staged:
             os.replace(tmp, path)
     except BaseException:
@@ -68,6 +74,18 @@ def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Ma
     if durable:
         for folder in {path.parent for _, path in staged}:
             _fsync_path(str(folder))
+
+
+def _stage(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], checksums: bool,
+           durable: bool) -> str:
+    tmp = _write_temporary(path, tensors, metadata, checksums)
+    if durable:
+        try:
+            _fsync_path(tmp)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return tmp
 
 
 def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], checksums: bool) -> str:

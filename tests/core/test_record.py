@@ -91,6 +91,21 @@ def test_failed_write_leaves_the_previous_file_intact(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["r.safetensors"]
 
 
+def test_a_group_write_that_fails_for_one_file_writes_none_of_them(tmp_path):
+    """Files written side by side: one bad file leaves every target as it was and no temporary behind."""
+    from kvcore.safetensors_io import write_many_atomic
+
+    (tmp_path / "b.st").write_bytes(b"old")
+    good = {"x": torch.arange(6, dtype=torch.float32)}
+    files = [(tmp_path / "a.st", good, {}), (tmp_path / "b.st", {"x": torch.zeros(2, dtype=torch.complex64)}, {}),
+             (tmp_path / "c.st", good, {})]
+    with pytest.raises(TypeError, match="cannot be stored"):
+        write_many_atomic(files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.st"] and (tmp_path / "b.st").read_bytes() == b"old"
+    write_many_atomic([files[0], files[2]], checksums=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.st", "b.st", "c.st"]
+
+
 def test_missing_file_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="no fact record"):
         load_record(tmp_path / "nope.safetensors")
