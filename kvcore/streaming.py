@@ -1,10 +1,11 @@
 """Loads whose records sit in the lower tiers (pinned host, disk), read layer by layer during the forward.
 
-A record evicted from the device arena is spilled to the tiers under its exact version (stamp). When a
-later load needs it, the load is streamed: `begin` pins its tier entries (two-phase load), every
-`write_layer` reads that one layer of each record (host/disk -> device, dequantized), rotates the keys to
-their positions and writes the layer into the paged cache, so a layer's transfer can overlap the
-previous layer's compute; `finish` unpins and promotes the records back into the arena.
+A record evicted from the device arena is spilled to the tiers under its exact version (stamp); a step's
+spills are stored together at its end. When a later load needs it, the load is streamed: `begin` pins its
+tier entries (two-phase load), the next layer of its tier records is read ahead as one joined batch
+(host/disk -> device, dequantized) while the current one computes, and every `write_layer` gathers the
+layer's tokens from the arena and that batch in one op, rotates the keys to their positions and writes
+the layer into the paged cache; `finish` unpins and promotes the records back into the arena.
 A tier entry that turns out damaged or gone mid-load is dropped and the canonical record is read from
 the fact store for the remaining layers (the layers already written came from verified bytes); if that
 fails too, the load is reported failed, so the engine recomputes or fails the request, never serves garbage.

@@ -85,11 +85,14 @@ class LayerReader:
         k, v = data.packed if isinstance(data, _Pending) else data
         return (k.layer(index), v.layer(index)) if isinstance(k, Quantized) else (k[index], v[index])
 
-    def host_entry(self) -> tuple[Quantized, Quantized] | None:
-        """The whole entry's int8 codes if they sit in host memory (not in a file), else None."""
+    def whole_entry(self, pinned: bool = False) -> tuple[Quantized, Quantized] | None:
+        """The whole entry's int8 codes `[L, H, T, D]` in host memory (a disk entry's file read in one call and
+        checked; in page-locked memory if `pinned`), or None for an entry kept at full precision."""
         data = self._entry.data
         if self._entry.tier == "disk" and not isinstance(data, _Pending):
-            return None
+            with _DiskFile(data) as file:
+                k, v = file.read_all(self.layers)
+            return _host((k, v), pinned=pinned) if isinstance(k, Quantized) else None
         k, v = data.packed if isinstance(data, _Pending) else data
         return (k, v) if isinstance(k, Quantized) and k.codes.device.type == "cpu" else None
 
@@ -113,11 +116,11 @@ class LayerReader:
 class BatchedReads:
     """Layer reads of one load's tier entries, on their store's device.
 
-    On CUDA, entries held in host memory go to the device whole when the first layer is asked for (int8 codes,
-    one transfer each, joined there) and every later layer of them is dequantized in one op; entries on disk are
-    read a layer at a time and staged through one pinned buffer (`dequantize_together`). A copy and a
-    dequantization per entry and layer would cost hundreds of launches a layer for one request's facts. On a
-    CPU store each reader reads its own layer.
+    When the first layer is asked for, every int8 entry goes to the device whole (a disk entry's file read in
+    one call, the files side by side; on CUDA through page-locked memory, one transfer each), joined there, and
+    each layer of them is then dequantized in one op. A copy and a dequantization per entry and layer would
+    cost hundreds of launches a layer for one request's facts, and a read per entry and layer as many system
+    calls. Entries kept at full precision are read a layer at a time.
     """
 
     def __init__(self, readers: list[LayerReader]) -> None:
@@ -125,15 +128,10 @@ class BatchedReads:
         self._device = readers[0]._store.device if readers else torch.device("cpu")
         self._resident: _Resident | None = None
 
-    def layer(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Layer `index` of each reader: K and V `[H, T, D]`."""
-        k, v, starts = self.joined_layer(index)
-        return [(k[:, a:b], v[:, a:b]) for a, b in zip(starts, starts[1:])]
-
     def joined_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Layer `index` of all readers joined along the tokens (K and V `[H, sum T, D]`, reader by reader) and
         where each reader's tokens start (the total last): one tensor a consumer gathers from in one op."""
-        if self._device.type != "cuda" or len(self.readers) < 2:
+        if len(self.readers) < 2:
             return _join([reader.layer(index) for reader in self.readers])
         if self._resident is None:
             self._resident = _Resident.upload(self.readers, self._device)
@@ -173,8 +171,10 @@ class _Resident:
 
     @classmethod
     def upload(cls, readers: list[LayerReader], device: torch.device) -> "_Resident":
-        entries = {i: reader.host_entry() for i, reader in enumerate(readers)}
-        entries = {i: entry for i, entry in entries.items() if entry is not None}
+        pinned = device.type == "cuda"
+        with ThreadPoolExecutor(min(8, len(readers))) as pool:  # disk files read and checked side by side
+            wholes = list(pool.map(lambda reader: reader.whole_entry(pinned), readers))
+        entries = {i: entry for i, entry in enumerate(wholes) if entry is not None}
         kinds = {_shape_key(readers[i].dtype, entry[0], whole=True) for i, entry in entries.items()}
         if len(entries) < 2 or len(kinds) != 1:
             return cls([])
@@ -596,22 +596,44 @@ class _DiskFile:
             raise RecordCorruptError(f"{path}: cannot be read ({exc})") from None
 
     def layer(self, index: int):
+        """One layer's K and V (codes and scales when quantized), read in one call and checked."""
+        names, infos = self._layer_infos(index)
+        first, last = min(i["data_offsets"][0] for i in infos), max(i["data_offsets"][1] for i in infos)
+        return self._layer_in(self._read(first, last), first, names, infos)
+
+    def read_all(self, layers: int):
+        """Every layer in one read: K and V `[L, H, T, D]` (as `Quantized` when the file holds codes), checked."""
+        located = [self._layer_infos(index) for index in range(layers)]
+        last = max(info["data_offsets"][1] for _, infos in located for info in infos)
+        raw = self._read(0, last)
+        ks, vs = zip(*(self._layer_in(raw, 0, names, infos) for names, infos in located))
+        if isinstance(ks[0], Quantized):
+            return tuple(Quantized(torch.stack([x.codes for x in side]), torch.stack([x.scales for x in side]))
+                         for side in (ks, vs))
+        return torch.stack(ks), torch.stack(vs)
+
+    def _layer_infos(self, index: int) -> tuple[list[str], list[dict]]:
         quantized = f"k.{index:03d}.codes" in self._header
         names = [f"{n}.{index:03d}{part}" for n in "kv" for part in ((".codes", ".scales") if quantized else ("",))]
         infos = [self._header.get(name) for name in names]
         if any(info is None for info in infos):
             raise RecordCorruptError(f"{self.path}: layer {index} is missing")
-        first, last = min(i["data_offsets"][0] for i in infos), max(i["data_offsets"][1] for i in infos)
-        raw = bytearray(last - first)  # the layer's tensors are views of it: no copy after the read
+        return names, infos
+
+    def _read(self, first: int, last: int) -> bytearray:
+        raw = bytearray(last - first)  # the tensors are views of it: no copy after the read
         try:
             self._handle.seek(self._start + first)
             got = self._handle.readinto(raw)
         except (OSError, ValueError) as exc:
             raise RecordCorruptError(f"{self.path}: cannot be read ({exc})") from None
         if got != last - first:
-            raise RecordCorruptError(f"{self.path}: layer {index} is truncated")
+            raise RecordCorruptError(f"{self.path}: truncated")
+        return raw
+
+    def _layer_in(self, raw: bytearray, first: int, names: list[str], infos: list[dict]):
         tensors = [self._tensor(name, info, raw, first) for name, info in zip(names, infos)]
-        if quantized:
+        if len(tensors) == 4:
             return Quantized(tensors[0], tensors[1]), Quantized(tensors[2], tensors[3])
         return tensors[0], tensors[1]
 

@@ -5,7 +5,7 @@ import torch
 
 from kvcore.errors import RecordCorruptError
 from kvcore.quantize import dequantize, quantize, quantize_many
-from kvcore.tiers import TieredStore, dequantize_together
+from kvcore.tiers import BatchedReads, TieredStore, dequantize_together
 
 L, H, T, D = 3, 2, 6, 8
 ENTRY = L * H * T * D * 4 * 2  # float32 K and V of one fact
@@ -57,6 +57,32 @@ def test_a_steps_spills_fill_host_memory_then_disk_and_read_back_like_single_put
         got_k, got_v = read_all(store, ("t", name))
         assert torch.equal(got_k, dequantize(quantize(k))) and torch.equal(got_v, dequantize(quantize(v)))
         assert store.label_of(("t", name)) == f"{name}@1"
+
+
+def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_path):
+    """Entries uploaded whole (host codes, disk files read in one call) give each entry's own layer reads."""
+    one = 2 * quantize(kv(0)[0]).nbytes
+    store = TieredStore("cpu", 0, one, tmp_path, compress_lower=True)
+    keys = [("t", f"f{i}") for i in range(3)]
+    for i, key in enumerate(keys):
+        k, v = kv(i)
+        store.spill_many([(key, k[:, :, : 2 + i], v[:, :, : 2 + i], "")])
+    assert sorted(store.tier_of(key) for key in keys) == ["cpu", "disk", "disk"]
+    readers = [store.begin_load(key) for key in keys]
+    batch = BatchedReads(readers)
+    for layer in range(L):
+        k, v, starts = batch.joined_layer(layer)
+        assert starts == [0, 2, 5, 9]
+        for reader, a, b in zip(readers, starts, starts[1:]):
+            want_k, want_v = reader.layer(layer)
+            assert torch.equal(k[:, a:b], want_k) and torch.equal(v[:, a:b], want_v)
+    for reader in readers:
+        store.end_load(reader, promote=False)
+    victim = next(p for p in tmp_path.glob("*.kv"))
+    victim.write_bytes(victim.read_bytes()[:-3])  # a truncated file fails the whole read, not a wrong answer
+    readers = [store.begin_load(key) for key in keys]
+    with pytest.raises(RecordCorruptError):
+        BatchedReads(readers).joined_layer(0)
 
 
 def test_facts_dequantized_together_equal_each_dequantized_alone():
