@@ -138,17 +138,8 @@ class BatchedReads:
         if len(self._resident.positions) == len(self.readers):  # all in host memory: already joined, in order
             values = self._resident.values(index)
             return values[0], values[1], self._resident.starts
-        out = self._resident.layer(index)
-        rest = [i for i in range(len(self.readers)) if i not in out]
-        pieces = {i: self.readers[i].host_layer(index) for i in rest}
-        staged = [i for i in rest if isinstance(pieces[i][0], Quantized) and pieces[i][0].codes.device.type == "cpu"]
-        if len(staged) > 1 and len({_shape_key(self.readers[i].dtype, pieces[i][0]) for i in staged}) == 1:
-            layers = dequantize_together([pieces[i] for i in staged], self._device, self.readers[staged[0]].dtype)
-            out.update(zip(staged, layers))
-        for i in rest:
-            if i not in out:
-                out[i] = self.readers[i].to_device(*pieces[i])
-        return _join([out[i] for i in range(len(self.readers))])
+        out = self._resident.layer(index)  # the rest (full precision, or of another shape) read their own layer
+        return _join([out[i] if i in out else reader.layer(index) for i, reader in enumerate(self.readers)])
 
 
 def _join(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -175,7 +166,7 @@ class _Resident:
         with ThreadPoolExecutor(min(8, len(readers))) as pool:  # disk files read and checked side by side
             wholes = list(pool.map(lambda reader: reader.whole_entry(pinned), readers))
         entries = {i: entry for i, entry in enumerate(wholes) if entry is not None}
-        kinds = {_shape_key(readers[i].dtype, entry[0], whole=True) for i, entry in entries.items()}
+        kinds = {_shape_key(readers[i].dtype, entry[0]) for i, entry in entries.items()}
         if len(entries) < 2 or len(kinds) != 1:
             return cls([])
         positions = sorted(entries)
@@ -200,29 +191,10 @@ class _Resident:
         return {i: (values[0, :, a:b], values[1, :, a:b]) for i, a, b in zip(self.positions, self.starts, self.starts[1:])}
 
 
-def _shape_key(dtype: torch.dtype, codes: Quantized, whole: bool = False) -> tuple:
-    """What entries must share to be joined: their dtype and every dim but the tokens."""
+def _shape_key(dtype: torch.dtype, codes: Quantized) -> tuple:
+    """What entries `[L, H, T, D]` must share to be joined: their dtype and every dim but the tokens."""
     shape = codes.codes.shape
-    return (dtype, shape[0], shape[1], shape[3]) if whole else (dtype, shape[0], shape[2])
-
-
-def dequantize_together(pieces: list[tuple[Quantized, Quantized]], device: torch.device,
-                         dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """K and V `[H, T_i, D]` per piece of host codes, from one (pinned, for CUDA) staging copy of them all."""
-    heads, _, dim = pieces[0][0].codes.shape
-    lengths = [k.codes.shape[1] for k, _ in pieces]
-    pin = device.type == "cuda"
-    codes = torch.empty((2, heads, sum(lengths), dim), dtype=torch.int8, pin_memory=pin)
-    scales = torch.empty((2, heads, len(pieces), dim), dtype=torch.float32, pin_memory=pin)
-    for side in (0, 1):
-        torch.cat([piece[side].codes for piece in pieces], dim=1, out=codes[side])
-        torch.cat([piece[side].scales for piece in pieces], dim=1, out=scales[side])
-    owner = torch.repeat_interleave(torch.arange(len(pieces)), torch.tensor(lengths))
-    owner = owner.pin_memory() if pin else owner
-    codes, scales, owner = (x.to(device, non_blocking=True) for x in (codes, scales, owner))
-    values = (codes.float() * scales.index_select(2, owner)).to(dtype)
-    starts = [0, *itertools.accumulate(lengths)]
-    return [(values[0, :, a:b], values[1, :, a:b]) for a, b in zip(starts, starts[1:])]
+    return dtype, shape[0], shape[1], shape[3]
 
 
 class TieredStore:

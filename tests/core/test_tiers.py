@@ -5,7 +5,7 @@ import torch
 
 from kvcore.errors import RecordCorruptError
 from kvcore.quantize import dequantize, quantize, quantize_many
-from kvcore.tiers import BatchedReads, TieredStore, dequantize_together
+from kvcore.tiers import BatchedReads, TieredStore
 
 L, H, T, D = 3, 2, 6, 8
 ENTRY = L * H * T * D * 4 * 2  # float32 K and V of one fact
@@ -59,10 +59,12 @@ def test_a_steps_spills_fill_host_memory_then_disk_and_read_back_like_single_put
         assert store.label_of(("t", name)) == f"{name}@1"
 
 
-def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_path):
-    """Entries uploaded whole (host codes, disk files read in one call) give each entry's own layer reads."""
-    one = 2 * quantize(kv(0)[0]).nbytes
-    store = TieredStore("cpu", 0, one, tmp_path, compress_lower=True)
+@pytest.mark.parametrize("compress", [True, False], ids=["int8", "full"])
+def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_path, compress):
+    """Entries uploaded whole (host codes, disk files read in one call; full-precision ones a layer at a time)
+    give each entry's own layer reads."""
+    one = 2 * quantize(kv(0)[0]).nbytes if compress else L * H * 2 * D * 4 * 2
+    store = TieredStore("cpu", 0, one, tmp_path, compress_lower=compress)
     keys = [("t", f"f{i}") for i in range(3)]
     for i, key in enumerate(keys):
         k, v = kv(i)
@@ -83,18 +85,6 @@ def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_pa
     readers = [store.begin_load(key) for key in keys]
     with pytest.raises(RecordCorruptError):
         BatchedReads(readers).joined_layer(0)
-
-
-def test_facts_dequantized_together_equal_each_dequantized_alone():
-    """The batched path (one staging copy, per-token scales) gives each fact's own dequantization, bit for bit."""
-    pieces = []
-    for i, tokens in enumerate((3, 7, 1, 5)):
-        k, v = (x[:, :, :tokens] for x in kv(i))
-        pieces.append((quantize(k).layer(1), quantize(v).layer(1)))
-    together = dequantize_together(pieces, torch.device("cpu"), torch.bfloat16)
-    for (k, v), (got_k, got_v) in zip(pieces, together):
-        assert got_k.shape == k.codes.shape and got_k.dtype == torch.bfloat16
-        assert torch.equal(got_k, dequantize(k, torch.bfloat16)) and torch.equal(got_v, dequantize(v, torch.bfloat16))
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["full", "int8"])
