@@ -162,9 +162,7 @@ class _Resident:
 
     @classmethod
     def upload(cls, readers: list[LayerReader], device: torch.device) -> "_Resident":
-        pinned = device.type == "cuda"
-        with ThreadPoolExecutor(min(8, len(readers))) as pool:  # disk files read and checked side by side
-            wholes = list(pool.map(lambda reader: reader.whole_entry(pinned), readers))
+        wholes = readers[0]._store.read_whole(readers, pinned=device.type == "cuda")
         entries = {i: entry for i, entry in enumerate(wholes) if entry is not None}
         kinds = {_shape_key(readers[i].dtype, entry[0]) for i, entry in entries.items()}
         if len(entries) < 2 or len(kinds) != 1:
@@ -210,6 +208,7 @@ class TieredStore:
         self._entries: dict[Key, _Entry] = {}
         self._lock = threading.Lock()  # between the caller and the background writer of disk files
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tier-writer") if write_behind else None
+        self._file_readers = ThreadPoolExecutor(8, thread_name_prefix="tier-file-reader")  # whole files, side by side
         self._recover()
 
     # ---- queries ----
@@ -247,6 +246,13 @@ class TieredStore:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
+        self._file_readers.shutdown(wait=True)
+
+    def read_whole(self, readers: list[LayerReader], pinned: bool) -> list[tuple[Quantized, Quantized] | None]:
+        """`whole_entry` of each reader; disk files are read side by side when there are several."""
+        if sum(reader.tier == "disk" for reader in readers) < 2:
+            return [reader.whole_entry(pinned) for reader in readers]
+        return list(self._file_readers.map(lambda reader: reader.whole_entry(pinned), readers))
 
     # ---- writes ----
     def put(self, key: Key, k: torch.Tensor, v: torch.Tensor, importance: float = 0.0, label: str = "") -> Tier:
