@@ -185,6 +185,20 @@ def p95(values: list[float]) -> float:
     return statistics.quantiles(values, n=20)[-1] if len(values) >= 2 else values[0]
 
 
+def prepare(args, k: int, work: Path) -> tuple[Bench, list[list[str]], int]:
+    """The bench (engines of `args.config` with dummy weights), two sets of k facts of tenant "bench", and an
+    arena that holds the frame and exactly one set."""
+    path, config, fingerprint = shape_folder(args.config)
+    facts = Facts(LocalFactStore(work / "facts"), config, fingerprint, getattr(torch, args.dtype))
+    fact_ids = facts.add_tenant("bench", 2 * k)
+    pages = -(-PREFIX_TOKENS // PAGE) + k * -(-FACT_TOKENS // PAGE) + 1  # the frame and one set, one spare page
+    arena_bytes = pages * PAGE * facts.token_bytes
+    engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True}
+    engine_kwargs.update({"gpu_memory_utilization": 0.35} if torch.cuda.is_available() else
+                         {"enforce_eager": True, "kv_cache_memory_bytes": max(256 << 20, 4 * arena_bytes)})
+    return Bench(args, path, facts, fingerprint, engine_kwargs), [fact_ids[:k], fact_ids[k:]], arena_bytes
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, help="HF config.json of the model shape (default: Llama-3.1-8B on a GPU, "
@@ -203,18 +217,10 @@ def main() -> None:
     k = args.k or (20 if args.quick else 50)
     repeats, traffic, overflow = (4, 24, 10) if args.quick else (15, 200, 10)
     repeats, traffic = args.repeats or repeats, args.traffic or traffic
-    path, config, fingerprint = shape_folder(args.config)
-    engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True}
     work = Path(scratch_dir(prefix="offload-"))
-    facts = Facts(LocalFactStore(work / "facts"), config, fingerprint, getattr(torch, args.dtype))
-    fact_ids = facts.add_tenant("bench", 2 * k)
-    sets = [fact_ids[:k], fact_ids[k:]]
-    pages = -(-PREFIX_TOKENS // PAGE) + k * -(-FACT_TOKENS // PAGE) + 1  # the frame and one set, one spare page
-    arena_bytes = pages * PAGE * facts.token_bytes
-    engine_kwargs.update({"gpu_memory_utilization": 0.35} if gpu else
-                         {"enforce_eager": True, "kv_cache_memory_bytes": max(256 << 20, 4 * arena_bytes)})
+    bench, sets, arena_bytes = prepare(args, k, work)
+    facts = bench.facts
     set_lower_bytes = k * facts.lower_tier_bytes()
-    bench = Bench(args, path, facts, fingerprint, engine_kwargs)
 
     # ---- host tier (and the arena) ----
     host_root = work / "tiers-host"

@@ -22,9 +22,10 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 
@@ -257,20 +258,26 @@ class TieredStore:
     # ---- writes ----
     def put(self, key: Key, k: torch.Tensor, v: torch.Tensor, importance: float = 0.0, label: str = "") -> Tier:
         """Store a fact's K/V `[L, H, T, D]` as high as room can be made; return where it went."""
-        _check_key(key)
-        if key in self._entries:
-            self.remove(key)
-        entry = _Entry("disk", None, 0, k.shape[0], k.dtype, importance, 0, self._clock(), label=label)
-        self._entries[key] = entry
-        entry.loading += 1  # protected while it finds its place
-        try:
+        with self._new_entry(key, k.shape[0], k.dtype, label, importance) as entry:
             for tier in ORDER:
                 if tier == "disk" or self._make_room(tier, self._size_in(tier, k), keep=key):
                     self._place(key, entry, tier, *self._encode(key, k, v, tier))
                     return tier
+        raise AssertionError("unreachable: the disk tier always has room")
+
+    @contextmanager
+    def _new_entry(self, key: Key, layers: int, dtype: torch.dtype, label: str, importance: float = 0.0) -> Iterator[_Entry]:
+        """A fresh entry under `key` (replacing any old one), protected from eviction while it finds its place."""
+        _check_key(key)
+        if key in self._entries:
+            self.remove(key)
+        entry = _Entry("disk", None, 0, layers, dtype, importance, 0, self._clock(), label=label)
+        self._entries[key] = entry
+        entry.loading += 1
+        try:
+            yield entry
         finally:
             entry.loading -= 1
-        raise AssertionError("unreachable: the disk tier always has room")
 
     def spill_many(self, items: list[tuple[Key, torch.Tensor, torch.Tensor, str]]) -> None:
         """Entries leaving the device (a step's evictions: key, K, V `[L, H, T, D]`, label) into host memory or
@@ -289,17 +296,9 @@ class TieredStore:
 
     def _put_packed(self, key: Key, packed: tuple[object, object], layers: int, dtype: torch.dtype, label: str) -> Tier:
         """A host-side entry into host memory if room can be made there, else to disk."""
-        _check_key(key)
-        if key in self._entries:
-            self.remove(key)
-        entry = _Entry("disk", None, 0, layers, dtype, 0.0, 0, self._clock(), label=label)
-        self._entries[key] = entry
-        entry.loading += 1  # protected while it finds its place
-        try:
+        with self._new_entry(key, layers, dtype, label) as entry:
             tier: Tier = "cpu" if self._make_room("cpu", sum(_nbytes(x) for x in packed), keep=key) else "disk"
             self._place(key, entry, tier, *self._store_packed(key, packed, tier))
-        finally:
-            entry.loading -= 1
         return tier
 
     def remove(self, key: Key) -> None:
@@ -495,11 +494,7 @@ class TieredStore:
             k, v = entry.data.packed
         elif entry.tier == "disk":
             with _DiskFile(entry.data) as file:
-                layers = [file.layer(i) for i in range(entry.layers)]
-            ks, vs = zip(*layers)
-            if isinstance(ks[0], Quantized):
-                return (torch.stack([dequantize(x, entry.dtype) for x in ks]), torch.stack([dequantize(x, entry.dtype) for x in vs]))
-            return torch.stack(ks), torch.stack(vs)
+                k, v = file.read_all(entry.layers)
         else:
             k, v = entry.data
         if isinstance(k, Quantized):

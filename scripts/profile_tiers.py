@@ -20,9 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks._common import scratch_dir, shape_folder  # noqa: E402
-from benchmarks.offload_tiers import CONFIGS, FACT_TOKENS, PAGE, PREFIX_TOKENS, Bench, Facts, drop_page_cache  # noqa: E402
-from kvcore.store import LocalFactStore  # noqa: E402
+from benchmarks._common import scratch_dir  # noqa: E402
+from benchmarks.offload_tiers import CONFIGS, drop_page_cache, prepare  # noqa: E402
 
 
 def main() -> None:
@@ -36,17 +35,8 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     args.config = args.config or CONFIGS / ("llama31-8b-shape.json" if gpu else "tiny-llama-shape.json")
     args.dtype = "bfloat16" if gpu else "float32"
-    path, config, fingerprint = shape_folder(args.config)
     work = Path(scratch_dir(prefix="profile-tiers-"))
-    facts = Facts(LocalFactStore(work / "facts"), config, fingerprint, getattr(torch, args.dtype))
-    ids = facts.add_tenant("bench", 2 * args.k)
-    sets = [ids[: args.k], ids[args.k :]]
-    pages = -(-PREFIX_TOKENS // PAGE) + args.k * -(-FACT_TOKENS // PAGE) + 1
-    arena_bytes = pages * PAGE * facts.token_bytes
-    engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True}
-    engine_kwargs.update({"gpu_memory_utilization": 0.35} if gpu else
-                         {"enforce_eager": True, "kv_cache_memory_bytes": max(256 << 20, 4 * arena_bytes)})
-    bench = Bench(args, path, facts, fingerprint, engine_kwargs)
+    bench, sets, arena_bytes = prepare(args, args.k, work)
     root = work / "tiers"
     llm = bench.engine(arena_bytes, (8 << 30) if args.tier == "host" else 0, root)
     before = (lambda: drop_page_cache(root)) if args.tier == "disk" else None
