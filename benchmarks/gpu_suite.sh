@@ -34,8 +34,10 @@ for step in "$@"; do
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
     encode-job-shape) run encode-job-shape 300 python3 benchmarks/encode_job.py --config "$SHAPE" --out "$out/encode_job_8b.json" ;;
     offload-tiers) run offload-tiers 420 python3 benchmarks/offload_tiers.py --out "$out/offload_tiers.json" ;;
-    profile-tiers) run profile-tiers 200 python3 scripts/profile_tiers.py --tier host --out "$out/profile_host.txt"
-        head -1 "$out/profile_host.txt" ;;
+    profile-tiers) for tier in host disk; do
+            run "profile-$tier" 200 python3 scripts/profile_tiers.py --tier "$tier" --out "$out/profile_$tier.txt"
+            head -1 "$out/profile_$tier.txt"
+        done ;;
     *) echo "unknown step $step" ;;
     esac
 done

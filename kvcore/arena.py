@@ -31,20 +31,25 @@ class _Entry:
 
 
 class DeviceArena:
-    """A byte-bounded, paged pool of records' K/V on one device (allocated at the first insert)."""
+    """A byte-bounded, paged pool of records' K/V on one device (allocated at the first insert).
+
+    Records are kept in their own dtype (captured records are float32: a bf16 cache re-rotated from them is
+    bit-exact, which bf16 pre-RoPE keys would not be). Evicted records are handed to `on_evict` with a thunk
+    that reads their K/V, so a listener that already keeps a copy (a lower tier) costs the device nothing."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, device: torch.device, capacity_bytes: int,
-                 page_tokens: int = 16, on_evict: Callable[[Hashable, Hashable, torch.Tensor, torch.Tensor], None] | None = None,
+                 page_tokens: int = 16, on_evict: Callable[[Hashable, Hashable, Callable[[], tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
                  on_change: Callable[[Hashable, Hashable, bool], None] | None = None) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.device, self.page_tokens = torch.device(device), page_tokens
         self._capacity_bytes = capacity_bytes
+        self.evictions = 0  # records pushed out to make room (a working set larger than the arena re-reads them)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self._free: list[int] = []
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._step = 0
-        self._on_evict = on_evict  # (key, stamp, k, v [L, H, T, D]) of a record about to leave the arena
+        self._on_evict = on_evict  # (key, stamp, read K/V [L, H, T, D]) of a record about to leave the arena
         self._on_change = on_change  # (key, stamp, resident?) after a record enters or leaves
 
     @property
@@ -94,6 +99,38 @@ class DeviceArena:
             self._on_change(key, stamp, True)
         return rows
 
+    def insert_many(self, items: list[tuple[Hashable, Hashable]], k: torch.Tensor, v: torch.Tensor, starts: list[int]) -> None:
+        """Copy several records in at once: `items` (key, stamp), their K/V joined along the tokens
+        `[layers, kv_heads, sum T, head_dim]`, record i's tokens at `starts[i]:starts[i + 1]`. One index and one
+        copy per tensor for all of them; `ArenaFullError` as `insert` (records placed before it stay)."""
+        layers, heads, _, dim = k.shape
+        if (layers, heads, dim) != (self.layers, self.kv_heads, self.head_dim) or v.shape != k.shape:
+            raise IncompatibleRecordsError(f"record K/V {tuple(k.shape)} do not fit the engine's "
+                                           f"{self.layers} layers x {self.kv_heads} kv heads x head dim {self.head_dim}")
+        self._allocate(k.dtype)
+        rows: list[int] = []
+        placed: list[tuple[Hashable, Hashable]] = []
+        try:
+            for (key, stamp), a, b in zip(items, starts, starts[1:]):
+                old = self._entries.get(key)
+                if old is not None:
+                    if old.step == self._step:
+                        raise ArenaFullError(f"record {key} changed while this step still uses its old version")
+                    self._release(key)
+                pages = self._take(-(-(b - a) // self.page_tokens))
+                mine = [page * self.page_tokens + offset for page in pages for offset in range(self.page_tokens)][: b - a]
+                self._entries[key] = _Entry(stamp, pages, mine, self._step)
+                rows += mine
+                placed.append((key, stamp))
+        finally:
+            if rows:
+                index = torch.tensor(rows, device=self.device)
+                self.k.index_copy_(1, index, k[:, :, : len(rows)].to(self.device, self.k.dtype).permute(0, 2, 1, 3))
+                self.v.index_copy_(1, index, v[:, :, : len(rows)].to(self.device, self.v.dtype).permute(0, 2, 1, 3))
+            if self._on_change is not None:
+                for key, stamp in placed:
+                    self._on_change(key, stamp, True)
+
     def _allocate(self, dtype: torch.dtype) -> None:
         if self.k is not None:
             if dtype != self.k.dtype:
@@ -117,13 +154,18 @@ class DeviceArena:
             if victim is None:
                 raise ArenaFullError(f"device arena ({self.capacity_tokens} tokens) is full with this step's records")
             if self._on_evict is not None:
-                entry = self._entries[victim]
-                index = torch.tensor(entry.rows, device=self.device)
-                self._on_evict(victim, entry.stamp, self.k.index_select(1, index).permute(0, 2, 1, 3),
-                               self.v.index_select(1, index).permute(0, 2, 1, 3))
+                self._on_evict(victim, self._entries[victim].stamp, self._reader(self._entries[victim].rows))
+            self.evictions += 1
             self._release(victim)
         taken, self._free = self._free[-count:][::-1], self._free[:-count]
         return taken
+
+    def _reader(self, rows: list[int]) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """Reads rows' K/V `[L, H, T, D]` (copies: called before the rows are reused)."""
+        def read() -> tuple[torch.Tensor, torch.Tensor]:
+            index = torch.tensor(rows, device=self.device)
+            return self.k.index_select(1, index).permute(0, 2, 1, 3), self.v.index_select(1, index).permute(0, 2, 1, 3)
+        return read
 
     def _release(self, key: Hashable) -> None:
         entry = self._entries.pop(key)

@@ -202,7 +202,8 @@ class InjectionWorker:
 
     def __init__(self, store: FactStore, fingerprint: str, rope: RopeConfig, device_cache_bytes: int = 1 << 30,
                  rotate_bytes: int = 256 << 20, tiers: TieredStore | None = None,
-                 step_writer: StepWriterFactory | None = None, placement: Sink | None = None) -> None:
+                 step_writer: StepWriterFactory | None = None, placement: Sink | None = None,
+                 whole_load_bytes: int = 1 << 30) -> None:
         self._store = store
         self._fingerprint = fingerprint
         self._rope = rope
@@ -215,12 +216,14 @@ class InjectionWorker:
         self._arena: DeviceArena | None = None
         self._table: RotationTable | None = None
         self._step: _Step | None = None
-        self._tiers = tiers  # lower tiers below the arena: evicted records spill there, and stream back
+        self._tiers = tiers  # lower tiers below the arena: evicted records spill there, and come back
+        self._whole_load_bytes = whole_load_bytes  # tier loads up to this size come up before the forward
         self._streams: TierStreams | None = None
         self._failed: set[int] = set()
         self._writer_factory = step_writer
         self._writer: StepWriter | None = None  # a fused kernel for arena-only steps, when the caches allow one
         self._placement = PlacementTracker(placement) if placement is not None else None
+        self._thrash_warned = -1
 
     def register(self, caches: dict[str, torch.Tensor], layout: PagedLayout) -> None:
         """Keep the engine's per-layer caches (ordered by the layer number in their names) and size the arena."""
@@ -241,6 +244,7 @@ class InjectionWorker:
                                   on_evict=self._spill if self._tiers is not None else None, on_change=on_change)
         if self._tiers is not None:
             self._streams = TierStreams(self._tiers, self._arena, self._rope, layout, self._table, self._fail,
+                                        whole_load_bytes=self._whole_load_bytes,
                                         on_arena_change=tracker.arena_changed if tracker is not None else None)
             if tracker is not None:
                 tiers = self._tiers
@@ -334,8 +338,8 @@ class InjectionWorker:
         if self._streams is not None:
             self._streams.finish()
 
-    def _spill(self, key: tuple[str, str], stamp: Stamp, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._streams.spill(key, stamp, k, v)
+    def _spill(self, key: tuple[str, str], stamp: Stamp, read: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._streams.spill(key, stamp, read)
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -414,10 +418,20 @@ class InjectionWorker:
         for record_id, stamp, lo, hi in self._spans(load):
             found = self._arena.rows((tenant, record_id), stamp)
             if found is None:
+                self._warn_thrash()
                 record = self._fetch(tenant, record_id, stamp, hi)
                 found = self._arena.insert((tenant, record_id), stamp, record.k, record.v)
             rows.extend(found[lo:hi])
         return rows
+
+    def _warn_thrash(self) -> None:
+        """Say so (once per thousand) when, with no lower tier, records evicted from the arena are read again from
+        the fact store: the working set exceeds `device_cache_bytes`, and every such load pays a record read."""
+        evictions = self._arena.evictions
+        if self._tiers is None and evictions and evictions // 1000 != self._thrash_warned:
+            self._thrash_warned = evictions // 1000
+            log.warning("device arena (%d tokens) evicted %d records that are read again from the fact store: raise "
+                        "device_cache_bytes or configure lower tiers", self._arena.capacity_tokens, evictions)
 
     def _own_copy(self, load: LoadSpec) -> _Source:
         """The load's K/V copied to the device for this step only (when the arena cannot take them)."""

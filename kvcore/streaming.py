@@ -1,11 +1,14 @@
-"""Loads whose records sit in the lower tiers (pinned host, disk), read layer by layer during the forward.
+"""Loads whose records sit in the lower tiers (pinned host, disk): brought up before the forward, or streamed.
 
 A record evicted from the device arena is spilled to the tiers under its exact version (stamp); a step's
-spills are stored together at its end. When a later load needs it, the load is streamed: `begin` pins its
-tier entries (two-phase load), the next layer of its tier records is read ahead as one joined batch
-(host/disk -> device, dequantized) while the current one computes, and every `write_layer` gathers the
-layer's tokens from the arena and that batch in one op, rotates the keys to their positions and writes
-the layer into the paged cache; `finish` unpins and promotes the records back into the arena.
+spills are stored together at its end. The tiers keep a copy of what they hand back up (inclusive), so a
+record that came from them leaves the arena again without a spill. When a later load needs tier records:
+a small one (`whole_load_bytes`) is read whole (all its entries in one transfer, dequantized at once) and
+inserted into the arena before the forward, and the step is then written like any arena step; a large one
+is streamed: `begin` pins its tier entries (two-phase load), the next layer of its tier records is read ahead
+as one joined batch (host/disk -> device, dequantized) while the current one computes, and every
+`write_layer` gathers the layer's tokens from the arena and that batch in one op, rotates the keys to their
+positions and writes the layer into the paged cache; `finish` unpins and promotes the records into the arena.
 A tier entry that turns out damaged or gone mid-load is dropped and the canonical record is read from
 the fact store for the remaining layers (the layers already written came from verified bytes); if that
 fails too, the load is reported failed, so the engine recomputes or fails the request, never serves garbage.
@@ -80,8 +83,10 @@ class _Stream:
 class TierStreams:
     def __init__(self, tiers: TieredStore, arena: DeviceArena, rope: RopeConfig, layout: PagedLayout,
                  table: RotationTable, on_fail: Callable[[object, str], None],
-                 on_arena_change: Callable[[tuple[str, str], Stamp, bool], None] | None = None) -> None:
+                 on_arena_change: Callable[[tuple[str, str], Stamp, bool], None] | None = None,
+                 whole_load_bytes: int = 1 << 30) -> None:
         self._tiers, self._arena, self._rope, self._layout, self._table = tiers, arena, rope, layout, table
+        self._whole_load_bytes = whole_load_bytes  # tier bytes of a load below which it is loaded before the forward
         self._on_fail = on_fail  # (load, reason): its blocks are reported failed
         self._streams: list[_Stream] = []
         self._ahead = LayerAhead(arena.device)
@@ -94,10 +99,16 @@ class TierStreams:
     def active(self) -> bool:
         return bool(self._streams)
 
-    def spill(self, key: tuple[str, str], stamp: Stamp, k: torch.Tensor, v: torch.Tensor) -> None:
+    def spill(self, key: tuple[str, str], stamp: Stamp, read: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A record leaving the arena goes to the lower tiers rather than away: queued, and stored with the rest
-        of the step's spills by `flush_spills` (quantized together on the device, one wait for their copies)."""
-        self._spills.append((tier_key(key[0], key[1], stamp), k, v, tier_label(key[1], stamp)))
+        of the step's spills by `flush_spills` (quantized together on the device, one wait for their copies).
+        A record that came up from the tiers still has its entry there (the tiers keep a copy of what they
+        promote: same version, same bytes), so it leaves for free."""
+        entry = tier_key(key[0], key[1], stamp)
+        if entry in self._tiers:
+            return
+        k, v = read()
+        self._spills.append((entry, k, v, tier_label(key[1], stamp)))
         self._spilling.add((key, stamp))
 
     def flush_spills(self) -> None:
@@ -138,6 +149,9 @@ class TierStreams:
         except BaseException:
             self._unpin(parts)
             raise
+        if self._load_whole(tenant, parts):
+            self._unpin(parts)
+            return False
         self._tiers.prefetch([part.reader.key for part in parts if part.reader is not None])  # all files read ahead at once
         device = self._arena.device
         slots = slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size).to(device)
@@ -146,6 +160,31 @@ class TierStreams:
         stream = _Stream(load, fetch, parts, slots, cos[:, None], sin[:, None])
         self._streams.append(stream)
         self._read_ahead(stream, 0)
+        return True
+
+    def _load_whole(self, tenant: str, parts: list[_Part]) -> bool:
+        """Bring a small load's tier records into the arena before the forward (True), so the step is written
+        from the arena like any other: one transfer of the int8 codes, one dequantization, one arena copy.
+
+        LeoAM's pipeline inequality decides: streaming hides the transfer under the layers' compute but costs
+        host work on every layer (a read, a gather and a rotation each); below `whole_load_bytes` the transfer
+        takes less time than that work, so it is cheaper to pay it once, in front. False (then streamed) above
+        it, when an entry is kept at full precision or proves damaged, or when the arena cannot take them."""
+        tiered = [p for p in parts if p.reader is not None]
+        if not tiered or sum(p.reader.nbytes for p in tiered) > self._whole_load_bytes:
+            return False
+        try:
+            joined = BatchedReads([p.reader for p in tiered]).whole()
+        except (KVCoreError, OSError) as exc:
+            log.info("tier entries not loaded whole (%s); streaming them", exc)
+            return False
+        if joined is None:
+            return False
+        k, v, starts = joined
+        try:
+            self._arena.insert_many([((tenant, p.record_id), p.stamp) for p in tiered], k, v, starts)
+        except ArenaFullError:
+            return False
         return True
 
     def _read_ahead(self, stream: _Stream, index: int) -> None:
@@ -307,8 +346,7 @@ class TierStreams:
         try:
             self._arena.insert((tenant_id, part.record_id), part.stamp, k, v)
         except ArenaFullError:
-            return
-        self._tiers.remove(part.reader.key)
+            pass
 
     def _admit(self, tenant_id: str, part: _Part) -> None:
         """A record read from the fact store after its tier entry failed goes into the arena if there is room."""

@@ -7,7 +7,8 @@ role); version drift of vLLM stays in this file. Extra config (`kv_connector_ext
 (`recompute` or `fail`, mirrored in vLLM's `kv_load_failure_policy`), `device_cache_bytes` (the size of the
 worker's device arena of records); with `disk_cache_dir` set, the worker claims a replica slot under it
 (`kvcore.replica_slot`) and records evicted from the arena spill to pinned host memory (`host_cache_bytes`)
-and that slot's disk folder, int8 unless `compress_lower` is false, and stream back layer by layer.
+and that slot's disk folder, int8 unless `compress_lower` is false, and come back whole before the forward
+(loads up to `whole_load_bytes`, default 1 GiB) or layer by layer during it.
 `fused_kernel` (default true) lets CUDA workers write arena-resident steps with the Triton kernel of
 `deployments.triton_adapter` when the cache layout allows it. `report_placement` (default false) writes
 where each fact's K/V is held (tier, this replica's slot name, version) to the Redis of the settings tree.
@@ -91,7 +92,8 @@ class InferscaleConnector(KVConnectorBase_V1):
             self._placement = _placement_writer(replica) if extra.get("report_placement", False) else None
             self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", 1 << 30)),
                                            tiers=tiers, step_writer=_step_writer() if extra.get("fused_kernel", True) else None,
-                                           placement=self._placement)
+                                           placement=self._placement,
+                                           whole_load_bytes=int(extra.get("whole_load_bytes", 1 << 30)))
             self._capture = CaptureWorker(store, fingerprint, rope)
 
     # ---- scheduler side ----

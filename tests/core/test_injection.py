@@ -227,23 +227,33 @@ def test_caches_with_joint_kv_rows_get_the_same_values(store, rotate_bytes):
             assert torch.allclose(got[0], want[0], atol=1e-6) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("whole_load_bytes", [0, 1 << 30], ids=["streamed", "whole"])
 @pytest.mark.parametrize("compress", [False, True], ids=["full-precision", "int8"])
-def test_records_spilled_from_the_arena_stream_back_from_the_lower_tiers(store, tmp_path, compress):
-    """A small arena spills to host and disk; a later request reads those records layer by layer, then promotes them."""
+def test_records_spilled_from_the_arena_come_back_from_the_lower_tiers(store, tmp_path, compress, whole_load_bytes):
+    """A small arena spills to host and disk; a later request reads those records back (layer by layer, or, int8
+    and small, whole before the forward) and they return to the arena; the tiers keep their copy, so the next
+    eviction of the same version stores nothing."""
     from kvcore.tiers import TieredStore
 
     layout = PagedLayout("rows", BS, 2, 8)
     caches = {f"l{i}": torch.zeros(16, 2, BS, 16) for i in range(3)}
     page_bytes = 3 * 2 * 8 * 4 * 2 * 16
-    tiers = TieredStore("cpu", 0, page_bytes, tmp_path / "disk", compress_lower=compress)  # host holds ~one record
-    worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers)
+    moves = []
+    tiers = TieredStore("cpu", 0, page_bytes, tmp_path / "disk", compress_lower=compress,  # host holds ~one record
+                        on_move=lambda key, tier: moves.append((key, tier)))
+    worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers, whole_load_bytes=whole_load_bytes)
     plan_pa, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
     run_step(store, layout, caches, [("r1", plan_pa, [0, 1])], worker=worker)
     run_step(store, layout, caches, [("r2", plan_b, [2])], worker=worker)  # evicts p: it spills
     p_key = tier_key("t1", "p", store.checked_infos("t1", ["p"])[0][0])
     assert p_key in tiers and tiers.tier_of(p_key) in ("cpu", "disk")
-    run_step(store, layout, caches, [("r3", plan_pa, [5, 6])], worker=worker)  # p streams back from the tiers
-    assert p_key not in tiers  # promoted into the arena after the step
+    run_step(store, layout, caches, [("r3", plan_pa, [5, 6])], worker=worker)  # p comes back from the tiers
+    assert p_key in tiers  # the tier copy stays
+    b_key = tier_key("t1", "b", store.checked_infos("t1", ["b"])[0][0])
+    assert b_key in tiers  # b made room for p: spilled
+    moved = len(moves)
+    run_step(store, layout, caches, [("r4", plan_b, [3])], worker=worker)  # b is back, p leaves the arena again
+    assert all(key != p_key for key, _ in moves[moved:])  # nothing stored for p a second time
     full = compose([store.get("t1", i) for i in plan_pa.record_ids], start=0)
     exact = True
     for layer, cache in enumerate(caches.values()):
@@ -255,16 +265,18 @@ def test_records_spilled_from_the_arena_stream_back_from_the_lower_tiers(store, 
     assert worker.take_failed_blocks() == set()
 
 
+@pytest.mark.parametrize("compress", [False, True], ids=["full-precision", "int8"])
 @pytest.mark.parametrize("canonical", ["present", "deleted"])
-def test_a_damaged_tier_file_is_replaced_by_the_record_or_the_load_fails(store, tmp_path, canonical, caplog):
+def test_a_damaged_tier_file_is_replaced_by_the_record_or_the_load_fails(store, tmp_path, canonical, compress, caplog):
     """Disk-tier bytes that fail their checksum mid-load are never written: the fact store's record takes over
-    (exact K/V), or, if that is gone too, the request's blocks are reported failed."""
+    (exact K/V), or, if that is gone too, the request's blocks are reported failed. An int8 entry first fails
+    its whole read (before the forward), then the streamed one."""
     from kvcore.tiers import TieredStore
 
     layout = PagedLayout("rows", BS, 2, 8)
     caches = {f"l{i}": torch.zeros(16, 2, BS, 16) for i in range(3)}
     page_bytes = 3 * 2 * 8 * 4 * 2 * 16
-    tiers = TieredStore("cpu", 0, 0, tmp_path / "disk", compress_lower=False)  # every spill goes to disk
+    tiers = TieredStore("cpu", 0, 0, tmp_path / "disk", compress_lower=compress)  # every spill goes to disk
     worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers)
     plan_pa, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
     run_step(store, layout, caches, [("r1", plan_pa, [0, 1])], worker=worker)
@@ -289,7 +301,14 @@ def test_a_damaged_tier_file_is_replaced_by_the_record_or_the_load_fails(store, 
     assert p_key not in tiers and "checksum" in caplog.text
     if canonical == "present":
         assert worker.take_failed_blocks() == set()
-        assert_region(store, layout, caches, plan_pa, [5, 6])
+        if not compress:
+            assert_region(store, layout, caches, plan_pa, [5, 6])
+        else:  # the layers before the damaged one came from verified int8 codes, the rest from the record
+            full = compose([store.get("t1", i) for i in plan_pa.record_ids], start=0)
+            for layer, cache in enumerate(caches.values()):
+                k, v = layout.gather(cache, slot_mapping([5, 6], 0, full.num_tokens, BS))
+                assert torch.allclose(k, full.k[layer], atol=0.05) and torch.allclose(v, full.v[layer], atol=0.05)
+            assert torch.equal(v, full.v[-1])  # the last layer, damaged in the file, is the record's own
     else:
         assert worker.take_failed_blocks() == {5, 6}
 
@@ -325,4 +344,5 @@ def test_placements_follow_records_across_arena_and_tiers_and_a_restart(store, t
                             tiers=TieredStore("cpu", 0, 0, tmp_path / "disk"),
                             placement=lambda t, r, s, tier: restarted.__setitem__((t, r, s), tier))
     again.register(caches, layout)
-    assert restarted == {("t1", "b", stamp_b): "disk"}
+    stamp_p = store.checked_infos("t1", ["p"])[0][0]
+    assert restarted == {("t1", "b", stamp_b): "disk", ("t1", "p", stamp_p): "disk"}  # p's tier copy stayed
