@@ -29,8 +29,8 @@ for step in "$@"; do
     equivalence) run equivalence 200 python3 benchmarks/injection_equivalence.py --out "$out/equivalence.json" ;;
     ttft) run ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" --out "$out/ttft.json" ;;
     serve-http) run serve-http 540 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json"
-        grep -h -B2 -A25 Traceback /tmp/ray-*/session_latest/logs/*.err /tmp/ray-*/session_latest/logs/serve/*.log \
-            2>/dev/null | tail -300 >"$out/serve-errors.log" ;;
+        grep -h -B2 -A25 -e Traceback -e "device arena" /tmp/ray-*/session_latest/logs/*.err \
+            /tmp/ray-*/session_latest/logs/serve/*.log 2>/dev/null | tail -300 >"$out/serve-errors.log" ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
     encode-job-shape) run encode-job-shape 300 python3 benchmarks/encode_job.py --config "$SHAPE" --out "$out/encode_job_8b.json" ;;
     offload-tiers) run offload-tiers 420 python3 benchmarks/offload_tiers.py --out "$out/offload_tiers.json" ;;

@@ -99,6 +99,18 @@ def qps(base: str, auths: list[dict[str, str]], k: int, mode: str, requests_tota
     return requests_total / (time.perf_counter() - started)
 
 
+def arena_warnings() -> list[str]:
+    """The engine's device-arena warnings in this run's Ray logs (a working set larger than the arena re-reads
+    records on every request, which is then what the TTFT measures)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())  # no public API names the session's logs
+    found = []
+    for path in logs.rglob("*.err"):
+        found += [line.strip()[-300:] for line in path.read_text(errors="replace").splitlines() if "device arena" in line]
+    return found[-5:]
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--config", type=Path, help="HF config.json of a model shape to serve with dummy weights")
@@ -140,6 +152,7 @@ def main() -> None:
                   "targets": [target(f"http overhead over engine TTFT at k={k} (inject)", statistics.median(overhead), "<= 0.10"),
                               target(f"QPS inject / prompt, {tenants} concurrent users over {tenants} tenants", rates["inject"] / rates["prompt"], ">= 10"),
                               target(f"TTFT prompt / inject at k={k}", medians["prompt"] / medians["inject"], ">= 1.0")]}
+        report["arena_warnings"] = arena_warnings()
         write_report(args.out, report)
     finally:
         from ray import serve

@@ -92,8 +92,7 @@ class LayerReader:
         data = self._entry.data
         if self._entry.tier == "disk" and not isinstance(data, _Pending):
             with _DiskFile(data) as file:
-                k, v = file.read_all(self.layers)
-            return _host((k, v), pinned=pinned) if isinstance(k, Quantized) else None
+                return file.read_all(self.layers, pinned=pinned) if file.quantized else None
         k, v = data.packed if isinstance(data, _Pending) else data
         return (k, v) if isinstance(k, Quantized) and k.codes.device.type == "cpu" else None
 
@@ -592,22 +591,31 @@ class _DiskFile:
             self.close()
             raise RecordCorruptError(f"{path}: cannot be read ({exc})") from None
 
+    @property
+    def quantized(self) -> bool:
+        return "k.000.codes" in self._header
+
     def layer(self, index: int):
         """One layer's K and V (codes and scales when quantized), read in one call and checked."""
         names, infos = self._layer_infos(index)
         first, last = min(i["data_offsets"][0] for i in infos), max(i["data_offsets"][1] for i in infos)
         return self._layer_in(self._read(first, last), first, names, infos)
 
-    def read_all(self, layers: int):
-        """Every layer in one read: K and V `[L, H, T, D]` (as `Quantized` when the file holds codes), checked."""
+    def read_all(self, layers: int, pinned: bool = False):
+        """Every layer in one read: K and V `[L, H, T, D]` (as `Quantized` when the file holds codes), checked;
+        stacked straight into page-locked memory when `pinned` (the one copy a device upload needs)."""
         located = [self._layer_infos(index) for index in range(layers)]
         last = max(info["data_offsets"][1] for _, infos in located for info in infos)
         raw = self._read(0, last)
         ks, vs = zip(*(self._layer_in(raw, 0, names, infos) for names, infos in located))
+
+        def stack(parts: list[torch.Tensor]) -> torch.Tensor:
+            out = torch.empty((len(parts), *parts[0].shape), dtype=parts[0].dtype, pin_memory=pinned)
+            return torch.stack(parts, out=out)
+
         if isinstance(ks[0], Quantized):
-            return tuple(Quantized(torch.stack([x.codes for x in side]), torch.stack([x.scales for x in side]))
-                         for side in (ks, vs))
-        return torch.stack(ks), torch.stack(vs)
+            return tuple(Quantized(stack([x.codes for x in side]), stack([x.scales for x in side])) for side in (ks, vs))
+        return stack(list(ks)), stack(list(vs))
 
     def _layer_infos(self, index: int) -> tuple[list[str], list[dict]]:
         quantized = f"k.{index:03d}.codes" in self._header
