@@ -232,7 +232,10 @@ class TieredStore:
         self._entries: dict[Key, _Entry] = {}
         self._lock = threading.Lock()  # between the caller and the background writer of disk files
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tier-writer") if write_behind else None
-        self._file_readers = ThreadPoolExecutor(8, thread_name_prefix="tier-file-reader")  # whole files, side by side
+        # whole files read side by side (the reads, checksums and copies release the GIL); on a machine of few
+        # cores the threads would only contend with each other and the engine, so files are read in turn there
+        self._reader_count = max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._file_readers = ThreadPoolExecutor(self._reader_count, thread_name_prefix="tier-file-reader")
         self._recover()
 
     # ---- queries ----
@@ -273,8 +276,10 @@ class TieredStore:
         self._file_readers.shutdown(wait=True)
 
     def read_whole(self, readers: list[LayerReader], pinned: bool) -> list[tuple[Quantized, Quantized] | None]:
-        """`whole_entry` of each reader; disk files are read side by side when there are several."""
-        if sum(reader.tier == "disk" for reader in readers) < 2:
+        """`whole_entry` of each reader; disk files are read side by side when there are several, after the
+        kernel was asked to read all of them ahead (its readahead keeps each file's I/O large and sequential)."""
+        self.prefetch([reader.key for reader in readers if reader.tier == "disk"])
+        if self._reader_count < 2 or sum(reader.tier == "disk" for reader in readers) < 2:
             return [reader.whole_entry(pinned) for reader in readers]
         return list(self._file_readers.map(lambda reader: reader.whole_entry(pinned), readers))
 
@@ -603,19 +608,31 @@ class _DiskFile:
 
     def read_all(self, layers: int, pinned: bool = False):
         """Every layer in one read: K and V `[L, H, T, D]` (as `Quantized` when the file holds codes), checked;
-        stacked straight into page-locked memory when `pinned` (the one copy a device upload needs)."""
+        copied straight into page-locked memory when `pinned` (the one copy a device upload needs). The file's
+        layers are equal in shape and evenly spaced, so each tensor of all layers is one strided copy, not L views."""
         located = [self._layer_infos(index) for index in range(layers)]
         last = max(info["data_offsets"][1] for _, infos in located for info in infos)
         raw = self._read(0, last)
-        ks, vs = zip(*(self._layer_in(raw, 0, names, infos) for names, infos in located))
-
-        def stack(parts: list[torch.Tensor]) -> torch.Tensor:
-            out = torch.empty((len(parts), *parts[0].shape), dtype=parts[0].dtype, pin_memory=pinned)
-            return torch.stack(parts, out=out)
-
-        if isinstance(ks[0], Quantized):
-            return tuple(Quantized(stack([x.codes for x in side]), stack([x.scales for x in side])) for side in (ks, vs))
-        return stack(list(ks)), stack(list(vs))
+        stride = _layer_stride([infos for _, infos in located])
+        if stride is None:  # not evenly spaced (never written so): a view per layer, then stacked
+            ks, vs = zip(*(self._layer_in(raw, 0, names, infos) for names, infos in located))
+            parts = [[x.codes for x in ks], [x.scales for x in ks], [x.codes for x in vs], [x.scales for x in vs]] \
+                if isinstance(ks[0], Quantized) else [list(ks), list(vs)]
+            out = [torch.stack(p, out=torch.empty((layers, *p[0].shape), dtype=p[0].dtype, pin_memory=pinned)) for p in parts]
+        else:
+            for names, infos in located:
+                for name, info in zip(names, infos):
+                    self._checked(name, info, raw, 0)
+            flat = torch.frombuffer(raw, dtype=torch.uint8)
+            out = []
+            for info in located[0][1]:
+                begin, end = info["data_offsets"]
+                both = torch.empty((layers, end - begin), dtype=torch.uint8, pin_memory=pinned)
+                both.copy_(flat.as_strided((layers, end - begin), (stride, 1), begin))
+                out.append(both.view(dtype_of(info["dtype"])).reshape(layers, *info["shape"]))
+        if len(out) == 4:
+            return Quantized(out[0], out[1]), Quantized(out[2], out[3])
+        return out[0], out[1]
 
     def _layer_infos(self, index: int) -> tuple[list[str], list[dict]]:
         quantized = f"k.{index:03d}.codes" in self._header
@@ -643,6 +660,14 @@ class _DiskFile:
         return tensors[0], tensors[1]
 
     def _tensor(self, name: str, info: dict, raw: bytearray, first: int) -> torch.Tensor:
+        piece, begin, size, dtype = self._checked(name, info, raw, first)
+        if (begin - first) % size:  # a view needs aligned storage: copy this one
+            return torch.frombuffer(bytearray(piece), dtype=torch.uint8).view(dtype).reshape(info["shape"])
+        flat = torch.frombuffer(raw, dtype=torch.uint8, count=len(piece), offset=begin - first)
+        return flat.view(dtype).reshape(info["shape"])
+
+    def _checked(self, name: str, info: dict, raw: bytearray, first: int) -> tuple[memoryview, int, int, torch.dtype]:
+        """A tensor's bytes in `raw` (which starts at data offset `first`), checked against its CRC32 and shape."""
         begin, end = info["data_offsets"]
         piece = memoryview(raw)[begin - first : end - first]
         if zlib.crc32(piece) != self._crcs.get(name):
@@ -651,10 +676,7 @@ class _DiskFile:
         size = torch.empty((), dtype=dtype).element_size()
         if len(piece) == 0 or len(piece) != torch.Size(info["shape"]).numel() * size:
             raise RecordCorruptError(f"{self.path}: tensor {name!r} has the wrong size")
-        if (begin - first) % size:  # a view needs aligned storage: copy this one
-            return torch.frombuffer(bytearray(piece), dtype=torch.uint8).view(dtype).reshape(info["shape"])
-        flat = torch.frombuffer(raw, dtype=torch.uint8, count=len(piece), offset=begin - first)
-        return flat.view(dtype).reshape(info["shape"])
+        return piece, begin, size, dtype
 
     def close(self) -> None:
         handle = getattr(self, "_handle", None)
@@ -667,6 +689,19 @@ class _DiskFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _layer_stride(layers: list[list[dict]]) -> int | None:
+    """The byte distance between consecutive layers' tensors if every layer's tensors match the first's in dtype
+    and shape and sit at the same distance further on (as `_store_packed` writes them), else None."""
+    first = layers[0]
+    stride = layers[1][0]["data_offsets"][0] - first[0]["data_offsets"][0] if len(layers) > 1 else 0
+    for index, infos in enumerate(layers):
+        for info, base in zip(infos, first):
+            if (info["dtype"], info["shape"]) != (base["dtype"], base["shape"]) \
+                    or info["data_offsets"][0] != base["data_offsets"][0] + index * stride:
+                return None
+    return stride
 
 
 def _check_key(key: Key) -> None:

@@ -78,6 +78,15 @@ def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_pa
         for reader, a, b in zip(readers, starts, starts[1:]):
             want_k, want_v = reader.layer(layer)
             assert torch.equal(k[:, a:b], want_k) and torch.equal(v[:, a:b], want_v)
+    whole = BatchedReads(readers).whole()  # every layer at once (int8 only): the same values as layer by layer
+    if compress:
+        all_k, all_v, starts = whole
+        assert starts == [0, 2, 5, 9] and all_k.shape == (L, H, 9, D)
+        for layer in range(L):
+            k, v, _ = batch.joined_layer(layer)
+            assert torch.equal(all_k[layer], k) and torch.equal(all_v[layer], v)
+    else:
+        assert whole is None
     for reader in readers:
         store.end_load(reader, promote=False)
     victim = next(p for p in tmp_path.glob("*.kv"))
@@ -85,6 +94,8 @@ def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_pa
     readers = [store.begin_load(key) for key in keys]
     with pytest.raises(RecordCorruptError):
         BatchedReads(readers).joined_layer(0)
+    with pytest.raises(RecordCorruptError):
+        BatchedReads(readers).whole()
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["full", "int8"])
