@@ -70,7 +70,7 @@ class Gateway:
         if body.memory.mode != "off" and k > 0 and tenant.usage()["facts"] > 0:
             query = body.last_user_text()[-self.service.max_fact_chars:]  # the question's end is what retrieval needs
             hits = await asyncio.to_thread(tenant.search, query, k)
-            facts = [{"fact_id": f.id, "text": f.text, "record_id": f.record_id} for f, _ in hits]
+            facts = [{"fact_id": f.id, "text": f.text, "record_id": f.record_id, "score": float(s)} for f, s in hits]
         tiers: dict[str, int] = {}
         if body.memory.mode == "inject" and facts:
             for tier in await asyncio.to_thread(tenant.best_tiers, [f["fact_id"] for f in facts]):

@@ -19,6 +19,7 @@ from kvcore.plan import MemoryPlan, cache_salt
 
 Mode = Literal["inject", "prompt", "off"]
 MODES: tuple[Mode, ...] = ("inject", "prompt", "off")
+FRAME_IMPORTANCE = 1.0  # the chat frame opens every request: as important as a perfect retrieval match
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class MemoryItem:
     fact_id: str
     token_ids: tuple[int, ...]
     record_id: str | None = None
+    score: float = 0.0  # retrieval similarity: the record's importance to the lower tiers
 
 
 @dataclass(frozen=True)
@@ -53,5 +55,6 @@ def lay_out(mode: Mode, tenant_id: str, version: int, prefix_ids: Sequence[int],
         return LaidOutPrompt([*prefix_ids, *pasted, *query_ids], None, text_salt, memory_tokens)
     pasted = [t for item in items if item.record_id is None for t in item.token_ids]
     region = [*prefix_ids, *(t for item in injectable for t in item.token_ids)]
-    plan = MemoryPlan(tenant_id, (frame[0], *(item.record_id for item in injectable)), version)
+    plan = MemoryPlan(tenant_id, (frame[0], *(item.record_id for item in injectable)), version,
+                      importance=(FRAME_IMPORTANCE, *(item.score for item in injectable)))
     return LaidOutPrompt([*region, *pasted, *query_ids], plan, salt, memory_tokens)

@@ -9,6 +9,7 @@ injected blocks are shared only by requests of the same tenant and store version
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -27,12 +28,14 @@ def cache_salt(tenant_id: str, store_version: int) -> str:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Tenant, ordered record ids, store version and where the memory region starts in the prompt."""
+    """Tenant, ordered record ids, store version and where the memory region starts in the prompt; optionally
+    each record's importance (its retrieval score), which the lower tiers weigh when they choose what to move down."""
 
     tenant_id: str
     record_ids: tuple[str, ...]
     store_version: int
     region_start: int = 0
+    importance: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         try:
@@ -45,6 +48,9 @@ class MemoryPlan:
             raise PlanError(f"a memory plan names 1..{MAX_RECORDS} records, got {len(self.record_ids)}")
         if self.store_version < 0 or self.region_start < 0:
             raise PlanError("store_version and region_start must be >= 0")
+        if self.importance and (len(self.importance) != len(self.record_ids)
+                                or not all(math.isfinite(x) for x in self.importance)):
+            raise PlanError("importance must give one finite number per record")
 
     @property
     def cache_salt(self) -> str:
@@ -53,7 +59,8 @@ class MemoryPlan:
     def to_params(self) -> dict[str, Any]:
         """The `kv_transfer_params` entry for this plan (JSON-safe)."""
         return {PLAN_KEY: {"tenant_id": self.tenant_id, "record_ids": list(self.record_ids),
-                           "store_version": self.store_version, "region_start": self.region_start}}
+                           "store_version": self.store_version, "region_start": self.region_start,
+                           **({"importance": list(self.importance)} if self.importance else {})}}
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> "MemoryPlan | None":
@@ -63,7 +70,8 @@ class MemoryPlan:
         raw = params[PLAN_KEY]
         try:
             return cls(tenant_id=raw["tenant_id"], record_ids=tuple(raw["record_ids"]),
-                       store_version=int(raw["store_version"]), region_start=int(raw.get("region_start", 0)))
+                       store_version=int(raw["store_version"]), region_start=int(raw.get("region_start", 0)),
+                       importance=tuple(float(x) for x in raw.get("importance", ())))
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"malformed memory plan: {exc}") from None
 

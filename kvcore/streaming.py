@@ -91,6 +91,8 @@ class TierStreams:
         self._streams: list[_Stream] = []
         self._ahead = LayerAhead(arena.device)
         self._spills: list[tuple[tuple[str, str], torch.Tensor, torch.Tensor, str]] = []
+        self._spill_weights: list[float] = []
+        self._importance: dict[tuple[str, str], float] = {}  # (tenant, record) -> its last retrieval score
         self._on_arena_change = on_arena_change
         self._spilling: set[tuple[tuple[str, str], Stamp]] = set()
         self._deferred: list[tuple[tuple[str, str], Stamp, bool]] = []
@@ -105,16 +107,19 @@ class TierStreams:
         A record that came up from the tiers still has its entry there (the tiers keep a copy of what they
         promote: same version, same bytes), so it leaves for free."""
         entry = tier_key(key[0], key[1], stamp)
+        weight = self._importance.pop(key, 0.0)
         if entry in self._tiers:
             return
         k, v = read()
         self._spills.append((entry, k, v, tier_label(key[1], stamp)))
+        self._spill_weights.append(weight)
         self._spilling.add((key, stamp))
 
     def flush_spills(self) -> None:
         spills, self._spills = self._spills, []
+        weights, self._spill_weights = self._spill_weights, []
         try:
-            self._tiers.spill_many(spills)
+            self._tiers.spill_many(spills, weights)
         finally:
             deferred, self._deferred, self._spilling = self._deferred, [], set()
             for change in deferred:
@@ -132,6 +137,7 @@ class TierStreams:
         """Stream `load` if one of its records is held only in the tiers (True); else leave it to the arena."""
         self.flush_spills()  # a record evicted by an earlier load of this step is found in the tiers
         tenant = load.plan.tenant_id
+        weights = self._weigh(load.plan)
         resident = [self._arena.rows((tenant, record_id), stamp) for record_id, stamp, _, _ in spans]
         if not any(rows is None and tier_key(tenant, r, st) in self._tiers for rows, (r, st, _, _) in zip(resident, spans)):
             return False
@@ -142,10 +148,11 @@ class TierStreams:
                     parts.append(_Part(record_id, stamp, lo, hi, torch.tensor(rows[lo:hi], device=self._arena.device), None))
                     continue
                 key = tier_key(tenant, record_id, stamp)
+                weight = weights.get(record_id)
                 if key not in self._tiers:  # neither here nor there: it joins the load through the tiers
                     record = fetch(tenant, record_id, stamp, hi)
-                    self._tiers.put(key, record.k, record.v, label=tier_label(record_id, stamp))
-                parts.append(_Part(record_id, stamp, lo, hi, None, self._tiers.begin_load(key)))
+                    self._tiers.put(key, record.k, record.v, importance=weight or 0.0, label=tier_label(record_id, stamp))
+                parts.append(_Part(record_id, stamp, lo, hi, None, self._tiers.begin_load(key, weight)))
         except BaseException:
             self._unpin(parts)
             raise
@@ -161,6 +168,18 @@ class TierStreams:
         self._streams.append(stream)
         self._read_ahead(stream, 0)
         return True
+
+    def _weigh(self, plan) -> dict[str, float]:
+        """The plan's records' importance (retrieval scores), remembered until each record leaves the arena so
+        that its spill carries it into the tiers' choice of what to move down first."""
+        if not plan.importance:
+            return {}
+        if len(self._importance) > 100_000:  # records that never reached the arena would otherwise pile up
+            self._importance.clear()
+        weights = dict(zip(plan.record_ids, plan.importance))
+        for record_id, weight in weights.items():
+            self._importance[plan.tenant_id, record_id] = weight
+        return weights
 
     def _load_whole(self, tenant: str, parts: list[_Part]) -> bool:
         """Bring a small load's tier records into the arena before the forward (True), so the step is written

@@ -307,10 +307,10 @@ class TieredStore:
         finally:
             entry.loading -= 1
 
-    def spill_many(self, items: list[tuple[Key, torch.Tensor, torch.Tensor, str]]) -> None:
-        """Entries leaving the device (a step's evictions: key, K, V `[L, H, T, D]`, label) into host memory or
-        disk: quantized together where they lie and copied to the host with one wait at the end, instead of a
-        quantization and a synchronizing copy each."""
+    def spill_many(self, items: list[tuple[Key, torch.Tensor, torch.Tensor, str]], importance: list[float] | None = None) -> None:
+        """Entries leaving the device (a step's evictions: key, K, V `[L, H, T, D]`, label; optionally each one's
+        importance) into host memory or disk: quantized together where they lie and copied to the host with one
+        wait at the end, instead of a quantization and a synchronizing copy each."""
         if not items:
             return
         ks, vs = [k for _, k, _, _ in items], [v for _, _, v, _ in items]
@@ -319,12 +319,14 @@ class TieredStore:
         hosts = [_host(pair, pinned=pinned, non_blocking=True) for pair in packed]
         if any(k.is_cuda for k in ks):
             torch.cuda.synchronize(ks[0].device)  # the copies above were queued, not waited for
-        for (key, k, _, label), host in zip(items, hosts):
-            self._put_packed(key, host, k.shape[0], k.dtype, label)
+        weights = importance or [0.0] * len(items)
+        for (key, k, _, label), host, weight in zip(items, hosts, weights):
+            self._put_packed(key, host, k.shape[0], k.dtype, label, weight)
 
-    def _put_packed(self, key: Key, packed: tuple[object, object], layers: int, dtype: torch.dtype, label: str) -> Tier:
+    def _put_packed(self, key: Key, packed: tuple[object, object], layers: int, dtype: torch.dtype, label: str,
+                    importance: float = 0.0) -> Tier:
         """A host-side entry into host memory if room can be made there, else to disk."""
-        with self._new_entry(key, layers, dtype, label) as entry:
+        with self._new_entry(key, layers, dtype, label, importance) as entry:
             tier: Tier = "cpu" if self._make_room("cpu", sum(_nbytes(x) for x in packed), keep=key) else "disk"
             self._place(key, entry, tier, *self._store_packed(key, packed, tier))
         return tier
@@ -364,10 +366,10 @@ class TieredStore:
         return self._decode(self._entries[key])
 
     # ---- two-phase loads ----
-    def begin_load(self, key: Key) -> LayerReader:
+    def begin_load(self, key: Key, importance: float | None = None) -> LayerReader:
         entry = self._entries[key]
         entry.loading += 1
-        self.touch(key)
+        self.touch(key, importance)
         return LayerReader(self, key, entry)
 
     def end_load(self, reader: LayerReader, promote: bool = True) -> None:

@@ -46,7 +46,8 @@ class LLMServer:
         log.info("LLM server ready: %s (fingerprint %s, %s)", path, fingerprint, "cuda" if cuda else "cpu")
 
     async def chat(self, task: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        facts = [RetrievedFact(f["fact_id"], f["text"], f.get("record_id")) for f in task.pop("facts", [])]
+        facts = [RetrievedFact(f["fact_id"], f["text"], f.get("record_id"), float(f.get("score", 0.0)))
+                 for f in task.pop("facts", [])]
         request = ChatTask(**task, facts=facts)
         try:
             async for event in self.engine.chat(request):

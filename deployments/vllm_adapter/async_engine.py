@@ -43,6 +43,7 @@ class RetrievedFact:
     fact_id: str
     text: str
     record_id: str | None = None
+    score: float = 0.0
 
 
 @dataclass
@@ -205,7 +206,8 @@ class MemoryEngine:
         """A fact's tokens: its record's when it has one, else its text tokenized the same way encoding does."""
         if fact.record_id is not None:
             try:
-                return MemoryItem(fact.fact_id, self._store.info(tenant_id, fact.record_id).token_ids, fact.record_id)
+                return MemoryItem(fact.fact_id, self._store.info(tenant_id, fact.record_id).token_ids, fact.record_id,
+                                  fact.score)
             except (KVCoreError, OSError):
                 log.info("a retrieved fact's record is gone; pasting its text")
         ids = self.tokenizer.encode(Fact(fact.fact_id, fact.text, 0).render(), add_special_tokens=False)

@@ -346,3 +346,18 @@ def test_placements_follow_records_across_arena_and_tiers_and_a_restart(store, t
     again.register(caches, layout)
     stamp_p = store.checked_infos("t1", ["p"])[0][0]
     assert restarted == {("t1", "b", stamp_b): "disk", ("t1", "p", stamp_p): "disk"}  # p's tier copy stayed
+
+
+def test_a_plans_importance_travels_with_its_records_into_the_tiers(store, tmp_path):
+    """The retrieval scores a plan carries reach the tier entries its records become when the arena evicts them."""
+    from kvcore.tiers import TieredStore
+
+    layout = PagedLayout("rows", BS, 2, 8)
+    caches = {f"l{i}": torch.zeros(16, 2, BS, 16) for i in range(3)}
+    page_bytes = 3 * 2 * 8 * 4 * 2 * 16
+    tiers = TieredStore("cpu", 0, 1 << 20, tmp_path / "disk", compress_lower=False)
+    worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers)
+    run_step(store, layout, caches, [("r1", MemoryPlan("t1", ("p", "a"), 4, importance=(0.75, 0.25)), [0, 1])], worker=worker)
+    run_step(store, layout, caches, [("r2", MemoryPlan("t1", ("b",), 4, importance=(0.5,)), [2])], worker=worker)
+    p_key = tier_key("t1", "p", store.checked_infos("t1", ["p"])[0][0])
+    assert tiers.tier_of(p_key) == "cpu" and tiers._entries[p_key].importance == 0.75

@@ -234,3 +234,17 @@ def test_write_behind_serves_pending_entries_and_leaves_no_file_for_removed_ones
     assert torch.equal(read_all(store, ("t", "a"))[0], kv(1)[0])  # now from the file
     store.close()
     assert TieredStore("cpu", 0, 0, tmp_path).entries() == [(("t", "a"), "disk", "a@1")]
+
+
+def test_host_memory_moves_its_least_important_entry_down_first(tmp_path):
+    """Spills carry their records' importance (retrieval scores): when the host tier is full, the entry that goes
+    to disk is the least important one, not the oldest (which it would be with equal importance)."""
+    store = TieredStore("cpu", 0, 2 * ENTRY, tmp_path, compress_lower=False)
+    (xk, xv), (yk, yv), (zk, zv) = kv(1), kv(2), kv(3)
+    store.spill_many([(("t", "x"), xk, xv, ""), (("t", "y"), yk, yv, "")], importance=[0.9, 0.1])
+    store.spill_many([(("t", "z"), zk, zv, "")], importance=[0.5])
+    assert (store.tier_of(("t", "x")), store.tier_of(("t", "y")), store.tier_of(("t", "z"))) == ("cpu", "disk", "cpu")
+    plain = TieredStore("cpu", 0, 2 * ENTRY, tmp_path / "plain", compress_lower=False)
+    plain.spill_many([(("t", "x"), xk, xv, ""), (("t", "y"), yk, yv, "")])
+    plain.spill_many([(("t", "z"), zk, zv, "")])
+    assert plain.tier_of(("t", "x")) == "disk"  # without importance the oldest goes
