@@ -31,6 +31,9 @@ class LLMArgs(Strict):
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments, as given.")
     on_load_failure: Literal["recompute", "fail"] = "recompute"
     device_cache_bytes: int = Field(256 << 20, ge=0, description="The connector's device arena of records.")
+    device_tenant_bytes: int | None = Field(None, gt=0, description="One tenant's share of the arena at most "
+                                                                    "(None: no cap); a tenant at its share "
+                                                                    "evicts its own records first.")
     tiers: dict[str, Any] | None = Field(None, description="disk_cache_dir / host_cache_bytes / compress_lower.")
     num_replicas: int | Literal["auto"] = 1
     autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve autoscaling, as given.")

@@ -35,14 +35,21 @@ class DeviceArena:
 
     Records are kept in their own dtype (captured records are float32: a bf16 cache re-rotated from them is
     bit-exact, which bf16 pre-RoPE keys would not be). Evicted records are handed to `on_evict` with a thunk
-    that reads their K/V, so a listener that already keeps a copy (a lower tier) costs the device nothing."""
+    that reads their K/V, so a listener that already keeps a copy (a lower tier) costs the device nothing.
+    With `tenant_bytes`, no tenant (the first part of a `(tenant, record)` key) holds more than that: a tenant
+    at its share makes room from its own least recently used records, so one busy tenant cannot push every
+    other tenant's facts out of HBM."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, device: torch.device, capacity_bytes: int,
                  page_tokens: int = 16, on_evict: Callable[[Hashable, Hashable, Callable[[], tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
-                 on_change: Callable[[Hashable, Hashable, bool], None] | None = None) -> None:
+                 on_change: Callable[[Hashable, Hashable, bool], None] | None = None,
+                 tenant_bytes: int | None = None) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.device, self.page_tokens = torch.device(device), page_tokens
         self._capacity_bytes = capacity_bytes
+        self._tenant_bytes = tenant_bytes
+        self._tenant_pages_cap: int | None = None  # tenant_bytes in pages, once the page size is known
+        self._tenant_pages: dict[Hashable, int] = {}
         self.evictions = 0  # records pushed out to make room (a working set larger than the arena re-reads them)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
@@ -89,7 +96,7 @@ class DeviceArena:
             if old.step == self._step:
                 raise ArenaFullError(f"record {key} changed while this step still uses its old version")
             self._release(key)
-        pages = self._take(-(-tokens // self.page_tokens))
+        pages = self._take(-(-tokens // self.page_tokens), _tenant_of(key))
         rows = [page * self.page_tokens + offset for page in pages for offset in range(self.page_tokens)][:tokens]
         index = torch.tensor(rows, device=self.device)
         self.k.index_copy_(1, index, k.to(self.device, self.k.dtype).permute(0, 2, 1, 3))
@@ -117,7 +124,7 @@ class DeviceArena:
                     if old.step == self._step:
                         raise ArenaFullError(f"record {key} changed while this step still uses its old version")
                     self._release(key)
-                pages = self._take(-(-(b - a) // self.page_tokens))
+                pages = self._take(-(-(b - a) // self.page_tokens), _tenant_of(key))
                 mine = [page * self.page_tokens + offset for page in pages for offset in range(self.page_tokens)][: b - a]
                 self._entries[key] = _Entry(stamp, pages, mine, self._step)
                 rows += mine
@@ -144,21 +151,35 @@ class DeviceArena:
         self.k = torch.empty(shape, dtype=dtype, device=self.device)
         self.v = torch.empty(shape, dtype=dtype, device=self.device)
         self._free = list(range(pages - 1, -1, -1))
+        if self._tenant_bytes is not None:
+            self._tenant_pages_cap = self._tenant_bytes // (per_token * self.page_tokens)
         log.info("device arena: %d tokens (%.1f MiB) on %s", shape[1], 2 * self.k.nbytes / 2**20, self.device)
 
-    def _take(self, count: int) -> list[int]:
+    def _take(self, count: int, tenant: Hashable = None) -> list[int]:
         if count * self.page_tokens > self.capacity_tokens:
             raise ArenaFullError(f"a record of {count} pages exceeds the device arena ({self.capacity_tokens} tokens)")
+        cap = self._tenant_pages_cap
+        if cap is not None and tenant is not None:
+            if count > cap:
+                raise ArenaFullError(f"a record of {count} pages exceeds a tenant's share of the arena ({cap} pages)")
+            while self._tenant_pages.get(tenant, 0) + count > cap:
+                self._evict(lambda key: _tenant_of(key) == tenant, "the tenant's share of the arena")
         while len(self._free) < count:
-            victim = next((key for key, entry in self._entries.items() if entry.step != self._step), None)
-            if victim is None:
-                raise ArenaFullError(f"device arena ({self.capacity_tokens} tokens) is full with this step's records")
-            if self._on_evict is not None:
-                self._on_evict(victim, self._entries[victim].stamp, self._reader(self._entries[victim].rows))
-            self.evictions += 1
-            self._release(victim)
+            self._evict(lambda key: True, "the device arena")
         taken, self._free = self._free[-count:][::-1], self._free[:-count]
+        if tenant is not None:
+            self._tenant_pages[tenant] = self._tenant_pages.get(tenant, 0) + count
         return taken
+
+    def _evict(self, eligible: Callable[[Hashable], bool], where: str) -> None:
+        """Evict the least recently used eligible record that the current step does not use."""
+        victim = next((key for key, entry in self._entries.items() if entry.step != self._step and eligible(key)), None)
+        if victim is None:
+            raise ArenaFullError(f"{where} ({self.capacity_tokens} tokens in all) is full with this step's records")
+        if self._on_evict is not None:
+            self._on_evict(victim, self._entries[victim].stamp, self._reader(self._entries[victim].rows))
+        self.evictions += 1
+        self._release(victim)
 
     def _reader(self, rows: list[int]) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Reads rows' K/V `[L, H, T, D]` (copies: called before the rows are reused)."""
@@ -170,5 +191,15 @@ class DeviceArena:
     def _release(self, key: Hashable) -> None:
         entry = self._entries.pop(key)
         self._free.extend(entry.pages)
+        tenant = _tenant_of(key)
+        if tenant is not None and tenant in self._tenant_pages:
+            self._tenant_pages[tenant] -= len(entry.pages)
+            if self._tenant_pages[tenant] <= 0:
+                del self._tenant_pages[tenant]
         if self._on_change is not None:
             self._on_change(key, entry.stamp, False)
+
+
+def _tenant_of(key: Hashable) -> Hashable:
+    """The tenant of a `(tenant, record)` key (None for other keys: they count against no tenant's share)."""
+    return key[0] if isinstance(key, tuple) and len(key) == 2 else None

@@ -203,11 +203,12 @@ class InjectionWorker:
     def __init__(self, store: FactStore, fingerprint: str, rope: RopeConfig, device_cache_bytes: int = 1 << 30,
                  rotate_bytes: int = 256 << 20, tiers: TieredStore | None = None,
                  step_writer: StepWriterFactory | None = None, placement: Sink | None = None,
-                 whole_load_bytes: int = 1 << 30) -> None:
+                 whole_load_bytes: int = 1 << 30, device_tenant_bytes: int | None = None) -> None:
         self._store = store
         self._fingerprint = fingerprint
         self._rope = rope
         self._device_cache_bytes = device_cache_bytes
+        self._device_tenant_bytes = device_tenant_bytes  # one tenant's share of the arena (None: no cap)
         self._rotate_bytes = rotate_bytes  # float32 working set of one rotation call
         self._targets: dict[str, CacheTarget] = {}
         self._layer_of: dict[str, int] = {}
@@ -241,7 +242,8 @@ class InjectionWorker:
         if self._tiers is not None and tracker is not None:  # an evicted record is reported once its tier entry exists
             on_change = lambda key, stamp, resident: self._streams.arena_changed(key, stamp, resident)  # noqa: E731
         self._arena = DeviceArena(len(names), layout.num_kv_heads, layout.head_dim, first.device, self._device_cache_bytes,
-                                  on_evict=self._spill if self._tiers is not None else None, on_change=on_change)
+                                  on_evict=self._spill if self._tiers is not None else None, on_change=on_change,
+                                  tenant_bytes=self._device_tenant_bytes)
         if self._tiers is not None:
             self._streams = TierStreams(self._tiers, self._arena, self._rope, layout, self._table, self._fail,
                                         whole_load_bytes=self._whole_load_bytes,

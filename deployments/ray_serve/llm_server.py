@@ -40,7 +40,8 @@ class LLMServer:
             tiers = {"report_placement": True, **tiers}
         self.engine = MemoryEngine(path, fingerprint, self.args.state_dir / "records", self.args.system_prompt,
                                    engine_kwargs=self.args.engine_kwargs(cuda), on_load_failure=self.args.llm.on_load_failure,
-                                   device_cache_bytes=self.args.llm.device_cache_bytes, tiers=tiers)
+                                   device_cache_bytes=self.args.llm.device_cache_bytes, tiers=tiers,
+                                   device_tenant_bytes=self.args.llm.device_tenant_bytes)
         self.service = connect_service(redis_url, self.args.state_dir, MiniLMEmbedder(), settings.tenants)
         await self.engine.warm_up()
         log.info("LLM server ready: %s (fingerprint %s, %s)", path, fingerprint, "cuda" if cuda else "cpu")

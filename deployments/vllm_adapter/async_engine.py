@@ -68,13 +68,15 @@ class MemoryEngine:
 
     def __init__(self, model: Path, fingerprint: str, store_root: Path, system_prompt: str, *,
                  engine_kwargs: dict[str, Any] | None = None, on_load_failure: str = "recompute",
-                 device_cache_bytes: int = 1 << 30, tiers: dict[str, Any] | None = None) -> None:
+                 device_cache_bytes: int = 1 << 30, tiers: dict[str, Any] | None = None,
+                 device_tenant_bytes: int | None = None) -> None:
         self.fingerprint = fingerprint
         self.model_name = str(model)
         self._store = LocalFactStore(store_root)
         self._tier_root = Path(tiers["disk_cache_dir"]) if tiers and tiers.get("disk_cache_dir") else None
         kwargs = {"enable_prefix_caching": True, **(engine_kwargs or {})}
-        config = kv_transfer_config(store_root, fingerprint, on_load_failure, device_cache_bytes, tiers)  # type: ignore[arg-type]
+        config = kv_transfer_config(store_root, fingerprint, on_load_failure, device_cache_bytes, tiers,  # type: ignore[arg-type]
+                                    device_tenant_bytes=device_tenant_bytes)
         self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model), kv_transfer_config=config, **kwargs))
         from transformers import AutoTokenizer
 

@@ -5,7 +5,7 @@ method is a one-line forward to `InjectionScheduler` (scheduler role) or `Inject
 role); version drift of vLLM stays in this file. Extra config (`kv_connector_extra_config`):
 `store_root` (a LocalFactStore directory), `fingerprint` (of the served model), `on_load_failure`
 (`recompute` or `fail`, mirrored in vLLM's `kv_load_failure_policy`), `device_cache_bytes` (the size of the
-worker's device arena of records); with `disk_cache_dir` set, the worker claims a replica slot under it
+worker's device arena of records), `device_tenant_bytes` (one tenant's share of it; unset: no cap); with `disk_cache_dir` set, the worker claims a replica slot under it
 (`kvcore.replica_slot`) and records evicted from the arena spill to pinned host memory (`host_cache_bytes`)
 and that slot's disk folder, int8 unless `compress_lower` is false, and come back whole before the forward
 (loads up to `whole_load_bytes`, default 1 GiB) or layer by layer during it.
@@ -93,7 +93,8 @@ class InferscaleConnector(KVConnectorBase_V1):
             self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", 1 << 30)),
                                            tiers=tiers, step_writer=_step_writer() if extra.get("fused_kernel", True) else None,
                                            placement=self._placement,
-                                           whole_load_bytes=int(extra.get("whole_load_bytes", 1 << 30)))
+                                           whole_load_bytes=int(extra.get("whole_load_bytes", 1 << 30)),
+                                           device_tenant_bytes=_optional_int(extra.get("device_tenant_bytes")))
             self._capture = CaptureWorker(store, fingerprint, rope)
 
     # ---- scheduler side ----
@@ -179,6 +180,10 @@ class InferscaleConnector(KVConnectorBase_V1):
             impl.do_kv_cache_update(layer, k, v, scratch, slots)
 
         return write
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _placement_writer(replica: str):

@@ -22,7 +22,7 @@ CONNECTOR_MODULE = "deployments.vllm_adapter.connector"
 
 def kv_transfer_config(store_root: Path, fingerprint: str, on_load_failure: Literal["recompute", "fail"] = "recompute",
                        device_cache_bytes: int = 1 << 30, tiers: dict[str, Any] | None = None,
-                       fused_kernel: bool = True) -> KVTransferConfig:
+                       fused_kernel: bool = True, device_tenant_bytes: int | None = None) -> KVTransferConfig:
     """The `KVTransferConfig` that loads `InferscaleConnector` out of tree (`tiers`: `disk_cache_dir`,
     `host_cache_bytes`, `compress_lower`; `fused_kernel`: the Triton step writer on CUDA)."""
     return KVTransferConfig(
@@ -33,6 +33,7 @@ def kv_transfer_config(store_root: Path, fingerprint: str, on_load_failure: Lite
         kv_connector_extra_config={"store_root": str(store_root), "fingerprint": fingerprint,
                                    "on_load_failure": on_load_failure, "device_cache_bytes": device_cache_bytes,
                                    "fused_kernel": fused_kernel,
+                                   **({"device_tenant_bytes": device_tenant_bytes} if device_tenant_bytes else {}),
                                    **{k: str(v) if isinstance(v, Path) else v for k, v in (tiers or {}).items()}},
     )
 

@@ -67,3 +67,24 @@ def test_a_record_of_another_shape_is_refused():
     k = torch.zeros(L + 1, H, 3, D)
     with pytest.raises(IncompatibleRecordsError, match="do not fit"):
         arena.insert("a", (0,), k, k)
+
+
+def test_a_tenant_at_its_share_evicts_its_own_records_not_other_tenants():
+    """Tenant A fills its two-page share; its next record pushes out A's oldest, while B's record, older than
+    all of them, stays. A record larger than a share is refused."""
+    arena = DeviceArena(L, H, D, torch.device("cpu"), 6 * PER_PAGE, page_tokens=PAGE, tenant_bytes=2 * PER_PAGE)
+    arena.begin_step()
+    arena.insert(("B", "b1"), (0,), *kv(PAGE, seed=0))
+    for step, name in enumerate(("a1", "a2", "a3"), start=1):
+        arena.begin_step()
+        arena.insert(("A", name), (0,), *kv(PAGE, seed=step))
+    arena.begin_step()
+    assert arena.rows(("B", "b1"), (0,)) is not None  # the arena has room: B's record was never a victim
+    assert arena.rows(("A", "a1"), (0,)) is None and arena.rows(("A", "a3"), (0,)) is not None
+    assert arena.evictions == 1
+    with pytest.raises(ArenaFullError, match="tenant's share"):
+        arena.insert(("A", "big"), (0,), *kv(3 * PAGE, seed=9))
+    arena.begin_step()
+    keys, ks, vs = [(("A", "m1"), (0,)), (("A", "m2"), (0,))], *kv(2 * PAGE, seed=5)
+    arena.insert_many(keys, ks, vs, [0, PAGE, 2 * PAGE])  # the batched insert honours the share the same way
+    assert arena.rows(("A", "a3"), (0,)) is None and arena.rows(("B", "b1"), (0,)) is not None

@@ -105,6 +105,9 @@ applications:
         engine_kwargs:
           {{- toYaml $engine | nindent 10 }}
         device_cache_bytes: {{ $llm.deviceCacheBytes | int64 }}
+        {{- with $llm.deviceTenantBytes }}
+        device_tenant_bytes: {{ . | int64 }}
+        {{- end }}
         on_load_failure: {{ $llm.onLoadFailure }}
         {{- if $llm.offload.enabled }}
         tiers:
