@@ -83,28 +83,12 @@ class DeviceArena:
     def insert(self, key: Hashable, stamp: Hashable, k: torch.Tensor, v: torch.Tensor) -> list[int]:
         """Copy a record's K/V `[layers, kv_heads, tokens, head_dim]` in; return its rows.
 
-        Raises `ArenaFullError` when the room can only come from records this step uses, and
-        `IncompatibleRecordsError` when the record's shape is not the engine's.
+        Raises `ArenaFullError` when the room can only come from records this step uses (or, with a
+        per-tenant share, from the tenant's own such records), and `IncompatibleRecordsError` when the
+        record's shape is not the engine's.
         """
-        layers, heads, tokens, dim = k.shape
-        if (layers, heads, dim) != (self.layers, self.kv_heads, self.head_dim) or v.shape != k.shape:
-            raise IncompatibleRecordsError(f"record K/V {tuple(k.shape)} do not fit the engine's "
-                                           f"{self.layers} layers x {self.kv_heads} kv heads x head dim {self.head_dim}")
-        self._allocate(k.dtype)
-        old = self._entries.get(key)
-        if old is not None:
-            if old.step == self._step:
-                raise ArenaFullError(f"record {key} changed while this step still uses its old version")
-            self._release(key)
-        pages = self._take(-(-tokens // self.page_tokens), _tenant_of(key))
-        rows = [page * self.page_tokens + offset for page in pages for offset in range(self.page_tokens)][:tokens]
-        index = torch.tensor(rows, device=self.device)
-        self.k.index_copy_(1, index, k.to(self.device, self.k.dtype).permute(0, 2, 1, 3))
-        self.v.index_copy_(1, index, v.to(self.device, self.v.dtype).permute(0, 2, 1, 3))
-        self._entries[key] = _Entry(stamp, pages, rows, self._step)
-        if self._on_change is not None:
-            self._on_change(key, stamp, True)
-        return rows
+        self.insert_many([(key, stamp)], k, v, [0, k.shape[2]])
+        return self._entries[key].rows
 
     def insert_many(self, items: list[tuple[Hashable, Hashable]], k: torch.Tensor, v: torch.Tensor, starts: list[int]) -> None:
         """Copy several records in at once: `items` (key, stamp), their K/V joined along the tokens
