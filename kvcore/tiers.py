@@ -186,9 +186,10 @@ class _Resident:
         lengths = [entries[i][0].codes.shape[2] for i in positions]
         codes = torch.empty((2, first.shape[0], first.shape[1], sum(lengths), first.shape[3]), dtype=torch.int8, device=device)
         scales = torch.empty((2, first.shape[0], first.shape[1], len(positions), first.shape[3]), device=device)
+        moved = [_to_device(entries[i], device) for i in positions]
         for side in (0, 1):
-            torch.cat([entries[i][side].codes.to(device, non_blocking=True) for i in positions], dim=2, out=codes[side])
-            torch.cat([entries[i][side].scales.to(device, non_blocking=True) for i in positions], dim=2, out=scales[side])
+            torch.cat([entry[side].codes for entry in moved], dim=2, out=codes[side])
+            torch.cat([entry[side].scales for entry in moved], dim=2, out=scales[side])
         owner = torch.repeat_interleave(torch.arange(len(positions)), torch.tensor(lengths)).to(device, non_blocking=True)
         return cls(positions, codes, scales, owner, [0, *itertools.accumulate(lengths)], readers[positions[0]].dtype)
 
@@ -626,12 +627,11 @@ class _DiskFile:
                 for name, info in zip(names, infos):
                     self._checked(name, info, raw, 0)
             flat = torch.frombuffer(raw, dtype=torch.uint8)
-            out = []
-            for info in located[0][1]:
+            firsts = located[0][1]
+            out = _slab([((layers, *info["shape"]), dtype_of(info["dtype"])) for info in firsts], pinned)  # one buffer
+            for info, dest in zip(firsts, out):
                 begin, end = info["data_offsets"]
-                both = torch.empty((layers, end - begin), dtype=torch.uint8, pin_memory=pinned)
-                both.copy_(flat.as_strided((layers, end - begin), (stride, 1), begin))
-                out.append(both.view(dtype_of(info["dtype"])).reshape(layers, *info["shape"]))
+                dest.view(layers, -1).view(torch.uint8).copy_(flat.as_strided((layers, end - begin), (stride, 1), begin))
         if len(out) == 4:
             return Quantized(out[0], out[1]), Quantized(out[2], out[3])
         return out[0], out[1]
@@ -717,7 +717,15 @@ def _nbytes(x: object) -> int:
 
 def _host(packed: tuple[object, object], pinned: bool, non_blocking: bool = False) -> tuple[object, object]:
     """Contiguous host copies of K and V (codes or values), in page-locked memory if `pinned`; with
-    `non_blocking`, copies from the device are only queued (the caller waits for them)."""
+    `non_blocking`, copies from the device are only queued (the caller waits for them). Pinned int8 entries
+    get one buffer for their four tensors, so a load moves each to the device in one copy (`_to_device`)."""
+    if pinned and all(isinstance(x, Quantized) for x in packed):
+        k, v = packed
+        views = _slab([(tuple(t.shape), t.dtype) for t in (k.codes, k.scales, v.codes, v.scales)], pinned=True)
+        for view, t in zip(views, (k.codes, k.scales, v.codes, v.scales)):
+            view.copy_(t, non_blocking=non_blocking)
+        return Quantized(views[0], views[1]), Quantized(views[2], views[3])
+
     def copy(t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu" and t.is_contiguous() and (t.is_pinned() or not pinned):
             return t
@@ -725,3 +733,32 @@ def _host(packed: tuple[object, object], pinned: bool, non_blocking: bool = Fals
         return out.copy_(t, non_blocking=non_blocking and pinned)
 
     return tuple(Quantized(copy(x.codes), copy(x.scales)) if isinstance(x, Quantized) else copy(x) for x in packed)
+
+
+_SLAB_ALIGN = 64  # bytes: every tensor of a slab starts aligned for any dtype and for vectorized copies
+
+
+def _slab(specs: list[tuple[tuple[int, ...], torch.dtype]], pinned: bool) -> list[torch.Tensor]:
+    """Empty host tensors of these (shape, dtype), all views of one (page-locked if `pinned`) buffer."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    offsets = [0]
+    for size in sizes[:-1]:
+        offsets.append(offsets[-1] + -(-size // _SLAB_ALIGN) * _SLAB_ALIGN)
+    buffer = torch.empty(offsets[-1] + sizes[-1], dtype=torch.uint8, pin_memory=pinned)
+    return [buffer[o : o + n].view(dtype).view(shape) for (shape, dtype), o, n in zip(specs, offsets, sizes)]
+
+
+def _to_device(entry: tuple[Quantized, Quantized], device: torch.device) -> tuple[Quantized, Quantized]:
+    """An int8 entry on `device`: in one transfer when its four tensors share one host buffer (`_slab`), else
+    one each. Non-blocking: from page-locked memory the copy is only queued."""
+    tensors = [entry[0].codes, entry[0].scales, entry[1].codes, entry[1].scales]
+    storage = tensors[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() or not t.is_contiguous() for t in tensors):
+        moved = [t.to(device, non_blocking=True) for t in tensors]
+    else:
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage).to(device, non_blocking=True)
+        moved = []
+        for t in tensors:
+            start = t.storage_offset() * t.element_size()
+            moved.append(whole[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+    return Quantized(moved[0], moved[1]), Quantized(moved[2], moved[3])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvcore.errors import RecordCorruptError
-from kvcore.quantize import dequantize, quantize, quantize_many
+from kvcore.quantize import Quantized, dequantize, quantize, quantize_many
 from kvcore.tiers import BatchedReads, TieredStore
 
 L, H, T, D = 3, 2, 6, 8
@@ -248,3 +248,21 @@ def test_host_memory_moves_its_least_important_entry_down_first(tmp_path):
     plain.spill_many([(("t", "x"), xk, xv, ""), (("t", "y"), yk, yv, "")])
     plain.spill_many([(("t", "z"), zk, zv, "")])
     assert plain.tier_of(("t", "x")) == "disk"  # without importance the oldest goes
+
+
+def test_an_entry_in_one_host_buffer_moves_as_one_and_keeps_every_tensor():
+    """Disk reads (and pinned spills) put an entry's four tensors in one buffer, aligned; moving it hands back
+    views of one transfer that hold exactly the original codes and scales."""
+    from kvcore.tiers import _slab, _to_device
+
+    k, v = quantize(kv(1)[0]), quantize(kv(2)[1])
+    parts = [k.codes, k.scales, v.codes, v.scales]
+    views = _slab([(tuple(t.shape), t.dtype) for t in parts], pinned=False)
+    for view, t in zip(views, parts):
+        view.copy_(t)
+    storage = views[0].untyped_storage().data_ptr()
+    assert all(view.untyped_storage().data_ptr() == storage for view in views)
+    assert all((view.storage_offset() * view.element_size()) % 64 == 0 for view in views)
+    moved_k, moved_v = _to_device((Quantized(views[0], views[1]), Quantized(views[2], views[3])), torch.device("cpu"))
+    for got, want in zip((moved_k.codes, moved_k.scales, moved_v.codes, moved_v.scales), parts):
+        assert got.dtype == want.dtype and torch.equal(got, want)
