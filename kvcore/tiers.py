@@ -617,21 +617,17 @@ class _DiskFile:
         last = max(info["data_offsets"][1] for _, infos in located for info in infos)
         raw = self._read(0, last)
         stride = _layer_stride([infos for _, infos in located])
-        if stride is None:  # not evenly spaced (never written so): a view per layer, then stacked
-            ks, vs = zip(*(self._layer_in(raw, 0, names, infos) for names, infos in located))
-            parts = [[x.codes for x in ks], [x.scales for x in ks], [x.codes for x in vs], [x.scales for x in vs]] \
-                if isinstance(ks[0], Quantized) else [list(ks), list(vs)]
-            out = [torch.stack(p, out=torch.empty((layers, *p[0].shape), dtype=p[0].dtype, pin_memory=pinned)) for p in parts]
-        else:
-            for names, infos in located:
-                for name, info in zip(names, infos):
-                    self._checked(name, info, raw, 0)
-            flat = torch.frombuffer(raw, dtype=torch.uint8)
-            firsts = located[0][1]
-            out = _slab([((layers, *info["shape"]), dtype_of(info["dtype"])) for info in firsts], pinned)  # one buffer
-            for info, dest in zip(firsts, out):
-                begin, end = info["data_offsets"]
-                dest.view(layers, -1).view(torch.uint8).copy_(flat.as_strided((layers, end - begin), (stride, 1), begin))
+        if stride is None:  # `_store_packed` never writes such a file
+            raise RecordCorruptError(f"{self.path}: layers differ in shape or are not evenly spaced")
+        for names, infos in located:
+            for name, info in zip(names, infos):
+                self._checked(name, info, raw, 0)
+        flat = torch.frombuffer(raw, dtype=torch.uint8)
+        firsts = located[0][1]
+        out = _slab([((layers, *info["shape"]), dtype_of(info["dtype"])) for info in firsts], pinned)  # one buffer
+        for info, dest in zip(firsts, out):
+            begin, end = info["data_offsets"]
+            dest.view(layers, -1).view(torch.uint8).copy_(flat.as_strided((layers, end - begin), (stride, 1), begin))
         if len(out) == 4:
             return Quantized(out[0], out[1]), Quantized(out[2], out[3])
         return out[0], out[1]

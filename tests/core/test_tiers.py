@@ -266,3 +266,16 @@ def test_an_entry_in_one_host_buffer_moves_as_one_and_keeps_every_tensor():
     moved_k, moved_v = _to_device((Quantized(views[0], views[1]), Quantized(views[2], views[3])), torch.device("cpu"))
     for got, want in zip((moved_k.codes, moved_k.scales, moved_v.codes, moved_v.scales), parts):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_a_tier_file_whose_layers_are_not_evenly_laid_out_is_refused(tmp_path):
+    """Whole-file reads copy each tensor of all layers with one stride; a file not written that way (layers of
+    different shapes) is refused as damaged rather than read at the wrong offsets."""
+    from kvcore.tiers import _DiskFile, _write_tier_file
+
+    path = tmp_path / "odd.kv"
+    tensors = {"k.000": torch.zeros(2, 3, 8), "v.000": torch.zeros(2, 3, 8),
+               "k.001": torch.zeros(2, 4, 8), "v.001": torch.zeros(2, 4, 8)}
+    _write_tier_file(path, tensors, {"layers": "2"})
+    with _DiskFile(path) as file, pytest.raises(RecordCorruptError, match="evenly spaced"):
+        file.read_all(2)
