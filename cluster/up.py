@@ -102,7 +102,8 @@ def _app_args(settings: Settings, redis_url: str, admin_key: str, cuda: bool) ->
             "system_prompt": settings.system_prompt, "encoding_window": settings.encoding.window,
             "settings": settings.model_dump(mode="json"),
             "llm": {"dtype": "bfloat16" if cuda else settings.model.dtype, "env": env,
-                    "tiers": {"disk_cache_dir": str(settings.state_dir / "tiers"), "host_cache_bytes": 1 << 30},
+                    "tiers": {"disk_cache_dir": str(settings.state_dir / "tiers"), "host_cache_bytes": 1 << 30,
+                              "disk_cache_bytes": 8 << 30},
                     "ray_actor_options": {"num_cpus": 1, "num_gpus": 1} if cuda else {"num_cpus": 1}}}
 
 

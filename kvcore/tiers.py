@@ -223,9 +223,12 @@ def _shape_key(dtype: torch.dtype, codes: Quantized) -> tuple:
 class TieredStore:
     def __init__(self, device: torch.device | str, gpu_bytes: int, cpu_bytes: int, disk_dir: Path, *,
                  compress_lower: bool = True, age_scale_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 on_move: Callable[[Key, Tier | None], None] = lambda key, tier: None, write_behind: bool = False) -> None:
+                 on_move: Callable[[Key, Tier | None], None] = lambda key, tier: None, write_behind: bool = False,
+                 disk_bytes: int | None = None) -> None:
         self.device = torch.device(device)
-        self._budget = {"gpu": gpu_bytes, "cpu": cpu_bytes, "disk": math.inf}
+        # the disk tier is a cache too (every record is canonical in the fact store): past `disk_bytes` its
+        # lowest-scoring entries are dropped, so a long-lived replica never fills its volume
+        self._budget = {"gpu": gpu_bytes, "cpu": cpu_bytes, "disk": math.inf if disk_bytes is None else disk_bytes}
         self._used = {"gpu": 0, "cpu": 0, "disk": 0}
         self._dir = Path(disk_dir)
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -446,6 +449,18 @@ class TieredStore:
             entry.tier, entry.data, entry.nbytes = tier, data, nbytes
         self._used[tier] += nbytes
         self._on_move(key, tier)
+        if tier == "disk":
+            self._trim_disk(keep=key)
+
+    def _trim_disk(self, keep: Key) -> None:
+        """Drop the lowest-scoring disk entries (never one being loaded, nor `keep`) until the disk tier is
+        within its budget; a dropped record is read from the fact store when next needed."""
+        while self._used["disk"] > self._budget["disk"]:
+            movable = [(self._score(e), key) for key, e in self._entries.items()
+                       if e.tier == "disk" and not e.loading and key != keep and e.data is not None]
+            if not movable:
+                return
+            self.remove(min(movable)[1])
 
     def _free(self, tier: Tier, data: object, nbytes: int) -> None:
         self._used[tier] -= nbytes

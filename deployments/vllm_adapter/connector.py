@@ -7,7 +7,7 @@ role); version drift of vLLM stays in this file. Extra config (`kv_connector_ext
 (`recompute` or `fail`, mirrored in vLLM's `kv_load_failure_policy`), `device_cache_bytes` (the size of the
 worker's device arena of records), `device_tenant_bytes` (one tenant's share of it; unset: no cap); with `disk_cache_dir` set, the worker claims a replica slot under it
 (`kvcore.replica_slot`) and records evicted from the arena spill to pinned host memory (`host_cache_bytes`)
-and that slot's disk folder, int8 unless `compress_lower` is false, and come back whole before the forward
+and that slot's disk folder (at most `disk_cache_bytes`, unset: no cap), int8 unless `compress_lower` is false, and come back whole before the forward
 (loads up to `whole_load_bytes`, default 1 GiB) or layer by layer during it.
 `fused_kernel` (default true) lets CUDA workers write arena-resident steps with the Triton kernel of
 `deployments.triton_adapter` when the cache layout allows it. `report_placement` (default false) writes
@@ -86,7 +86,8 @@ class InferscaleConnector(KVConnectorBase_V1):
             if extra.get("disk_cache_dir"):  # lower tiers below the device arena (pinned host, then disk)
                 slot = claim_slot(Path(extra["disk_cache_dir"]))
                 tiers = TieredStore(vllm_config.device_config.device, 0, int(extra.get("host_cache_bytes", 1 << 30)),
-                                    slot.path, compress_lower=bool(extra.get("compress_lower", True)), write_behind=True)
+                                    slot.path, compress_lower=bool(extra.get("compress_lower", True)), write_behind=True,
+                                    disk_bytes=_optional_int(extra.get("disk_cache_bytes")))
                 replica = slot.name
             self._tiers = tiers
             self._placement = _placement_writer(replica) if extra.get("report_placement", False) else None

@@ -279,3 +279,24 @@ def test_a_tier_file_whose_layers_are_not_evenly_laid_out_is_refused(tmp_path):
     _write_tier_file(path, tensors, {"layers": "2"})
     with _DiskFile(path) as file, pytest.raises(RecordCorruptError, match="evenly spaced"):
         file.read_all(2)
+
+
+def test_the_disk_tier_drops_its_least_important_entries_past_its_budget(tmp_path):
+    """With `disk_bytes`, the disk tier is a bounded cache: an entry that would overfill it drops the
+    lowest-scoring one (its file goes too), never one being loaded."""
+    probe = TieredStore("cpu", 0, 0, tmp_path / "probe", compress_lower=False)
+    probe.put(("t", "p"), *kv(0))
+    file_bytes = probe.used("disk")  # one entry's file, header included
+    moves = []
+    store = TieredStore("cpu", 0, 0, tmp_path, compress_lower=False, disk_bytes=int(2.5 * file_bytes),
+                        on_move=lambda key, tier: moves.append((key[1], tier)))
+    store.put(("t", "a"), *kv(1), importance=0.9)
+    store.put(("t", "b"), *kv(2), importance=0.1)
+    loading = store.begin_load(("t", "b"))  # pinned: not a victim while it loads
+    store.put(("t", "c"), *kv(3), importance=0.5)
+    assert ("t", "a") not in store and ("t", "b") in store and ("t", "c") in store
+    assert ("a", None) in moves and len(list(tmp_path.glob("*.kv"))) == 2
+    store.end_load(loading, promote=False)
+    store.put(("t", "d"), *kv(4), importance=0.7)  # b was loaded once since (frequency): c now scores lowest
+    assert ("t", "c") not in store and ("t", "b") in store and ("t", "d") in store
+    assert store.used("disk") <= 2.5 * file_bytes

@@ -113,6 +113,9 @@ applications:
         tiers:
           disk_cache_dir: /var/cache/inferscale/tiers
           host_cache_bytes: {{ $llm.offload.hostCacheBytes | int64 }}
+          {{- with $llm.offload.diskCacheBytes }}
+          disk_cache_bytes: {{ . | int64 }}
+          {{- end }}
           compress_lower: true
         {{- end }}
         autoscaling_config:
