@@ -90,8 +90,7 @@ class TierStreams:
         self._on_fail = on_fail  # (load, reason): its blocks are reported failed
         self._streams: list[_Stream] = []
         self._ahead = LayerAhead(arena.device)
-        self._spills: list[tuple[tuple[str, str], torch.Tensor, torch.Tensor, str]] = []
-        self._spill_weights: list[float] = []
+        self._spills: list[tuple[tuple[tuple[str, str], torch.Tensor, torch.Tensor, str], float]] = []  # (item, importance)
         self._importance: dict[tuple[str, str], float] = {}  # (tenant, record) -> its last retrieval score
         self._on_arena_change = on_arena_change
         self._spilling: set[tuple[tuple[str, str], Stamp]] = set()
@@ -111,15 +110,13 @@ class TierStreams:
         if entry in self._tiers:
             return
         k, v = read()
-        self._spills.append((entry, k, v, tier_label(key[1], stamp)))
-        self._spill_weights.append(weight)
+        self._spills.append(((entry, k, v, tier_label(key[1], stamp)), weight))
         self._spilling.add((key, stamp))
 
     def flush_spills(self) -> None:
         spills, self._spills = self._spills, []
-        weights, self._spill_weights = self._spill_weights, []
         try:
-            self._tiers.spill_many(spills, weights)
+            self._tiers.spill_many([item for item, _ in spills], [weight for _, weight in spills])
         finally:
             deferred, self._deferred, self._spilling = self._deferred, [], set()
             for change in deferred:
