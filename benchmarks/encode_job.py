@@ -6,7 +6,10 @@ embedding, tenant-store writes in Redis and on disk), timed end to end after Ray
 tokens (context and fact) then go through a plain prefill of the same model in the same batch shapes.
 Target on the GPU: the job keeps >= 50% of plain prefill's token throughput; the CPU figure is reported.
 Both the end-to-end rate and the rate once running (between the first and the last batch reported done,
-so without the actors' start and model load) are reported, each against the plain prefill.
+so without the actors' start and model load) are reported, each against the plain prefill. The disk's
+durable write rate for files of a record's size (`write_floor`) is measured in the same run: at small
+windows a fact's K/V is bytes the job must store faster than the GPU produces them, and
+`write_floor_over_prefill` says what share of plain prefill's rate the disk alone admits.
 `--config` runs the job with a model of that shape and random weights (saved once, SmolLM2's tokenizer):
 a 135M model prefills a fact in microseconds, so only a serving-sized model shows whether the job keeps
 the GPU busy rather than how fast per-fact store writes are.
@@ -17,8 +20,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -94,13 +99,21 @@ def main() -> None:
             tokens = sum(job.length for job in jobs)
             prefill_s = _plain_prefill(loaded, jobs, settings.encoding.max_batch_tokens)
             steady_ratio = steady * (tokens / facts_per_run) / (tokens / prefill_s) if steady else 0.0
+            record_bytes = sum(f.stat().st_size for f in settings.state_dir.rglob(f"{tenant}/*.safetensors"))
             rows.append({"window": window, "facts": facts_per_run, "tokens": tokens, "job_s": job_s,
                          "job_facts_per_s": facts_per_run / job_s, "job_tokens_per_s": tokens / job_s,
                          "job_steady_facts_per_s": steady, "prefill_tokens_per_s": tokens / prefill_s,
-                         "ratio": prefill_s / job_s, "steady_ratio": steady_ratio})
+                         "ratio": prefill_s / job_s, "steady_ratio": steady_ratio,
+                         "record_bytes_per_fact": record_bytes / facts_per_run,
+                         "records_bytes_per_s_at_prefill_rate": record_bytes / prefill_s})
             print(f"w={window:>2}: job {facts_per_run / job_s:7.1f} facts/s ({tokens / job_s:8.0f} tok/s; "
                   f"{steady:7.1f} facts/s once running), plain prefill {tokens / prefill_s:8.0f} tok/s, "
                   f"ratio {prefill_s / job_s:.2f} (running {steady_ratio:.2f})", flush=True)
+        largest = max(rows, key=lambda r: r["record_bytes_per_fact"])
+        floor = write_floor(folder / "floor", int(largest["record_bytes_per_fact"]), facts_per_run)
+        for row in rows:  # the share of plain prefill's rate that the disk can store, if the job did nothing else
+            row["write_floor_over_prefill"] = floor / row["records_bytes_per_s_at_prefill_rate"]
+        print(f"disk write floor {floor / 1e9:.2f} GB/s", flush=True)
     finally:
         ray.shutdown()
         server.stop()
@@ -108,7 +121,8 @@ def main() -> None:
     targets = [target(f"job_over_prefill_w{r['window']}", r["ratio"], goal) for r in rows]
     targets += [target(f"job_once_running_over_prefill_w{r['window']}", r["steady_ratio"], goal) for r in rows]
     write_report(args.out, {"benchmark": "encode_job", "quick": args.quick, "gpu": gpu, "workers": workers,
-                            "model": str(args.config) if args.config else "SmolLM2-135M", "rows": rows,
+                            "model": str(args.config) if args.config else "SmolLM2-135M",
+                            "disk_write_floor_bytes_per_s": floor, "rows": rows,
                             "targets": targets})
 
 
@@ -119,6 +133,33 @@ def steady_rate(marks: list[tuple[float, int]]) -> float:
     if len(done) < 2 or done[-1][1] == done[0][1]:
         return 0.0
     return (done[-1][1] - done[0][1]) / (done[-1][0] - done[0][0])
+
+
+def write_floor(folder: Path, file_bytes: int, count: int, threads: int = 8) -> float:
+    """Bytes a second this disk takes durably in files of `file_bytes`: each written, fsynced and renamed on
+    `threads` threads like the store's (the floor of any job that stores what it encodes)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = os.urandom(file_bytes)
+
+    def one(index: int) -> None:
+        tmp, final = folder / f".{index}.tmp", folder / f"{index}.bin"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, payload)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(count)))
+    fd = os.open(folder, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    elapsed = time.perf_counter() - start
+    shutil.rmtree(folder, ignore_errors=True)
+    return file_bytes * count / elapsed
 
 
 def random_weights_model(config_path: Path, into: Path, dtype: str) -> str:

