@@ -89,36 +89,48 @@ def encode_jobs(
     for batch in plan_batches(jobs, max_batch_tokens):
         rows = [jobs[i] for i in batch]
         keys, values = _run_batch(rows, forward, pad_id)  # [L, B, H, T, D] each
-        k_all, v_all = _gather_targets(rows, keys, values, dtype)  # [L, H, N, D], on the CPU
-        offset = 0
-        for index, job in zip(batch, rows):
-            count = len(job.target_ids)
+        for index, job, (k, v) in zip(batch, rows, _gather_targets(rows, keys, values, dtype)):
             records[index] = FactKV(
                 tenant_id=tenant_id,
                 fact_id=job.fact_id,
                 token_ids=job.target_ids,
-                k=k_all[:, :, offset : offset + count],  # a view: the batch's host tensor is shared
-                v=v_all[:, :, offset : offset + count],
+                k=k,
+                v=v,
                 params=params,
                 version=version,
                 meta=dict(job.meta),
             )
-            offset += count
     log.debug("encoded %d jobs for tenant %s (window %d)", len(jobs), tenant_id, window)
     return [r for r in records if r is not None]
 
 
 def _gather_targets(
     rows: Sequence[EncodingJob], keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick every row's target tokens on the device, in record layout, then copy to the host once."""
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every row's target tokens as its own K and V `[L, H, T, D]` on the CPU: picked and laid out on the device,
+    each record's two tensors side by side in one buffer copied to the host once. Contiguous records are
+    written to their files without another copy (at small windows the job is bound by storing them)."""
     row_index = torch.cat([torch.full((len(j.target_ids),), r, dtype=torch.long) for r, j in enumerate(rows)])
     col_index = torch.cat([torch.arange(len(j.context_ids), j.length) for j in rows])
     row_index, col_index = row_index.to(keys.device), col_index.to(keys.device)
-    # advanced indices go first: [N, L, H, D] -> [L, H, N, D], made contiguous on the device
-    picked_k = keys[:, row_index, :, col_index].to(dtype).permute(1, 2, 0, 3).contiguous()
-    picked_v = values[:, row_index, :, col_index].to(dtype).permute(1, 2, 0, 3).contiguous()
-    return _to_host(picked_k), _to_host(picked_v)
+    # advanced indices go first: [N, L, H, D] -> [L, H, N, D]
+    picked_k = keys[:, row_index, :, col_index].permute(1, 2, 0, 3)
+    picked_v = values[:, row_index, :, col_index].permute(1, 2, 0, 3)
+    layers, heads, tokens, dim = picked_k.shape
+    flat = torch.empty(2 * layers * heads * tokens * dim, dtype=dtype, device=keys.device)
+    blocks, offset, first = [], 0, 0
+    for job in rows:
+        count = len(job.target_ids)
+        size = layers * heads * count * dim
+        k = flat[offset : offset + size].view(layers, heads, count, dim)
+        v = flat[offset + size : offset + 2 * size].view(layers, heads, count, dim)
+        k.copy_(picked_k[:, :, first : first + count])
+        v.copy_(picked_v[:, :, first : first + count])
+        blocks.append((offset, size, count))
+        offset, first = offset + 2 * size, first + count
+    host = _to_host(flat)
+    shape = (layers, heads)
+    return [(host[o : o + n].view(*shape, c, dim), host[o + n : o + 2 * n].view(*shape, c, dim)) for o, n, c in blocks]
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,8 @@ def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Ma
     targets as they were."""
     staged: list[tuple[str, Path]] = []
     error: BaseException | None = None
+    for folder in {path.parent for path, _, _ in files}:
+        folder.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(min(8, len(files)) or 1) as pool:
         futures = [pool.submit(_stage, path, tensors, metadata, checksums, durable) for path, tensors, metadata in files]
         for future, (path, _, _) in zip(futures, files):
@@ -97,7 +99,7 @@ def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: 
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
             raise TypeError(f"dtype {tensor.dtype} cannot be stored")
-        blob = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        blob = _host_bytes(tensor)
         header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
         offset += len(blob)
@@ -107,7 +109,6 @@ def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: 
         header["__metadata__"][CRC_KEY] = json.dumps(crcs, sort_keys=True)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         _write_all(fd, [struct.pack("<Q", len(raw)), raw, *blobs])
@@ -117,6 +118,14 @@ def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: 
     finally:
         os.close(fd)
     return tmp
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy when it already sits contiguous in host memory (a record's layers
+    are views of one buffer: a few thousand of them a second go through here while a job encodes)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        tensor = tensor.detach().cpu().contiguous()
+    return memoryview(tensor.detach().view(-1).view(torch.uint8).numpy())
 
 
 def _write_all(fd: int, buffers: list) -> None:
