@@ -3,8 +3,8 @@
 A record evicted from the device arena is spilled to the tiers under its exact version (stamp); a step's
 spills are stored together at its end. The tiers keep a copy of what they hand back up (inclusive), so a
 record that came from them leaves the arena again without a spill. When a later load needs tier records:
-a small one (`whole_load_bytes`) is read whole (all its entries in one transfer, dequantized at once) and
-inserted into the arena before the forward, and the step is then written like any arena step; a large one
+a small one (`whole_load_bytes`) is read whole (one transfer per entry, dequantized into the arena in one
+launch: `kvcore/packed.py`) before the forward, and the step is then written like any arena step; a large one
 is streamed: `begin` pins its tier entries (two-phase load), the next layer of its tier records is read ahead
 as one joined batch (host/disk -> device, dequantized) while the current one computes, and every
 `write_layer` gathers the layer's tokens from the arena and that batch in one op, rotates the keys to their
@@ -24,9 +24,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvcore.arena import DeviceArena
+from kvcore.arena import DeviceArena, long_tensor
 from kvcore.errors import ArenaFullError, KVCoreError, RecordCorruptError
 from kvcore.layer_ahead import LayerAhead
+from kvcore.packed import PackedInserter, insert_packed, pack
 from kvcore.paged import CacheTarget, PagedLayout, slot_mapping
 from kvcore.placement import tier_label
 from kvcore.record import FactKV
@@ -84,9 +85,10 @@ class TierStreams:
     def __init__(self, tiers: TieredStore, arena: DeviceArena, rope: RopeConfig, layout: PagedLayout,
                  table: RotationTable, on_fail: Callable[[object, str], None],
                  on_arena_change: Callable[[tuple[str, str], Stamp, bool], None] | None = None,
-                 whole_load_bytes: int = 1 << 30) -> None:
+                 whole_load_bytes: int = 1 << 30, packed_inserter: PackedInserter | None = None) -> None:
         self._tiers, self._arena, self._rope, self._layout, self._table = tiers, arena, rope, layout, table
         self._whole_load_bytes = whole_load_bytes  # tier bytes of a load below which it is loaded before the forward
+        self._insert: PackedInserter = packed_inserter or insert_packed
         self._on_fail = on_fail  # (load, reason): its blocks are reported failed
         self._streams: list[_Stream] = []
         self._ahead = LayerAhead(arena.device)
@@ -180,27 +182,38 @@ class TierStreams:
 
     def _load_whole(self, tenant: str, parts: list[_Part]) -> bool:
         """Bring a small load's tier records into the arena before the forward (True), so the step is written
-        from the arena like any other: one transfer of the int8 codes, one dequantization, one arena copy.
+        from the arena like any other: the entries' int8 bytes moved in one copy each, then dequantized
+        straight into their arena rows (one kernel launch with a `PackedInserter`, else `insert_packed`).
 
         LeoAM's pipeline inequality decides: streaming hides the transfer under the layers' compute but costs
         host work on every layer (a read, a gather and a rotation each); below `whole_load_bytes` the transfer
         takes less time than that work, so it is cheaper to pay it once, in front. False (then streamed) above
         it, when an entry is kept at full precision or proves damaged, or when the arena cannot take them."""
         tiered = [p for p in parts if p.reader is not None]
-        if not tiered or sum(p.reader.nbytes for p in tiered) > self._whole_load_bytes:
+        if (not tiered or sum(p.reader.nbytes for p in tiered) > self._whole_load_bytes
+                or len({p.reader.dtype for p in tiered}) != 1):
             return False
+        device = self._arena.device
         try:
-            joined = BatchedReads([p.reader for p in tiered]).whole()
+            entries = self._tiers.read_whole([p.reader for p in tiered], pinned=device.type == "cuda")
         except (KVCoreError, OSError) as exc:
             log.info("tier entries not loaded whole (%s); streaming them", exc)
             return False
-        if joined is None:
+        if any(entry is None for entry in entries):
             return False
-        k, v, starts = joined
+        packed = pack(entries, tiered[0].reader.dtype, device)
+        if packed is None:
+            return False
+        self._arena.check_shape(packed.layers, packed.heads, packed.dim)
+        lengths = [b - a for a, b in zip(packed.starts, packed.starts[1:])]
         try:
-            self._arena.insert_many([((tenant, p.record_id), p.stamp) for p in tiered], k, v, starts)
+            rows = self._arena.reserve_many([((tenant, p.record_id), p.stamp) for p in tiered], lengths, packed.dtype)
         except ArenaFullError:
             return False
+        index = long_tensor(rows)
+        if device.type == "cuda":
+            index = index.pin_memory()
+        self._insert(packed, index.to(device, non_blocking=True), self._arena.k, self._arena.v)
         return True
 
     def _read_ahead(self, stream: _Stream, index: int) -> None:

@@ -133,15 +133,6 @@ class BatchedReads:
         self._device = readers[0]._store.device if readers else torch.device("cpu")
         self._resident: _Resident | None = None
 
-    def whole(self) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
-        """Every layer of all readers, joined along the tokens (K and V `[L, H, sum T, D]` on the device, in the
-        entries' dtype) and where each reader's tokens start; None unless all of them are int8 entries of one shape."""
-        resident = self._resident = self._resident or _Resident.upload(self.readers, self._device)
-        if len(resident.positions) != len(self.readers):
-            return None
-        k, v = resident.all_values()
-        return k, v, resident.starts
-
     def joined_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Layer `index` of all readers joined along the tokens (K and V `[H, sum T, D]`, reader by reader) and
         where each reader's tokens start (the total last): one tensor a consumer gathers from in one op."""
@@ -196,16 +187,6 @@ class _Resident:
     def values(self, index: int) -> torch.Tensor:
         """Layer `index` of every uploaded entry, dequantized in one op: `[2, H, sum T, D]`."""
         return (self.codes[:, index].float() * self.scales[:, index].index_select(2, self.owner)).to(self.dtype)
-
-    def all_values(self, chunk_bytes: int = 64 << 20) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer dequantized, K and V `[L, H, sum T, D]`, a few layers at a time (bounded float32 scratch)."""
-        _, layers, heads, tokens, dim = self.codes.shape
-        out = torch.empty(self.codes.shape, dtype=self.dtype, device=self.codes.device)
-        step = max(1, chunk_bytes // (2 * heads * tokens * dim * 4))
-        for first in range(0, layers, step):
-            part = slice(first, first + step)
-            out[:, part] = self.codes[:, part].float() * self.scales[:, part].index_select(3, self.owner)
-        return out[0], out[1]
 
     def layer(self, index: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         if not self.positions:

@@ -95,7 +95,8 @@ class InferscaleConnector(KVConnectorBase_V1):
                                            tiers=tiers, step_writer=_step_writer() if extra.get("fused_kernel", True) else None,
                                            placement=self._placement,
                                            whole_load_bytes=int(extra.get("whole_load_bytes", 1 << 30)),
-                                           device_tenant_bytes=_optional_int(extra.get("device_tenant_bytes")))
+                                           device_tenant_bytes=_optional_int(extra.get("device_tenant_bytes")),
+                                           packed_inserter=_packed_inserter() if extra.get("fused_kernel", True) else None)
             self._capture = CaptureWorker(store, fingerprint, rope)
 
     # ---- scheduler side ----
@@ -198,6 +199,16 @@ def _placement_writer(replica: str):
         log.warning("report_placement is set but INFERSCALE_REDIS__URL is not: placements are not recorded")
         return None
     return PlacementWriter(RedisMeta(url), replica).start()
+
+
+def _packed_inserter():
+    """The Triton kernel that dequantizes whole tier loads into the arena, or None where Triton is not installed."""
+    try:
+        from deployments.triton_adapter.packed_insert import insert_packed_kernel
+    except ImportError as exc:
+        log.info("packed insert kernel unavailable: %s", exc)
+        return None
+    return insert_packed_kernel
 
 
 def _step_writer():

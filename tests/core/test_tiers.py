@@ -5,6 +5,7 @@ import torch
 
 from kvcore.errors import RecordCorruptError
 from kvcore.quantize import Quantized, dequantize, quantize, quantize_many
+from kvcore.packed import insert_packed, pack
 from kvcore.tiers import BatchedReads, TieredStore
 
 L, H, T, D = 3, 2, 6, 8
@@ -78,15 +79,17 @@ def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_pa
         for reader, a, b in zip(readers, starts, starts[1:]):
             want_k, want_v = reader.layer(layer)
             assert torch.equal(k[:, a:b], want_k) and torch.equal(v[:, a:b], want_v)
-    whole = BatchedReads(readers).whole()  # every layer at once (int8 only): the same values as layer by layer
+    entries = store.read_whole(readers, pinned=False)  # every layer at once (int8 only), as the files hold them
     if compress:
-        all_k, all_v, starts = whole
-        assert starts == [0, 2, 5, 9] and all_k.shape == (L, H, 9, D)
+        packed = pack(entries, torch.float32, torch.device("cpu"))
+        assert packed.starts == [0, 2, 5, 9]
+        arena_k, arena_v = torch.zeros(L, 9, H, D), torch.zeros(L, 9, H, D)
+        insert_packed(packed, torch.arange(9), arena_k, arena_v)
         for layer in range(L):
             k, v, _ = batch.joined_layer(layer)
-            assert torch.equal(all_k[layer], k) and torch.equal(all_v[layer], v)
+            assert torch.equal(arena_k[layer], k.transpose(0, 1)) and torch.equal(arena_v[layer], v.transpose(0, 1))
     else:
-        assert whole is None
+        assert entries == [None, None, None]
     for reader in readers:
         store.end_load(reader, promote=False)
     victim = next(p for p in tmp_path.glob("*.kv"))
@@ -95,7 +98,7 @@ def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_pa
     with pytest.raises(RecordCorruptError):
         BatchedReads(readers).joined_layer(0)
     with pytest.raises(RecordCorruptError):
-        BatchedReads(readers).whole()
+        store.read_whole(readers, pinned=False)
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["full", "int8"])

@@ -1,0 +1,85 @@
+"""One Triton kernel that dequantizes a whole tier load into the device arena.
+
+`kvcore.packed.insert_packed` views, dequantizes and copies each entry with a handful of torch calls:
+at ~50 entries a load that is host time in front of the forward, more than the transfer it follows.
+This kernel reads every entry's int8 codes and float32 scales from the packed device buffer through the
+entry table and writes each token's dequantized K and V into its arena row, all entries and layers in
+one launch. Values are the float32 product rounded once to the arena's dtype, as in the torch path.
+
+Scope: arenas `[L, R, H, D]` with contiguous heads and a power-of-two head dim. Else the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore.packed import TABLE_COLUMNS, PackedEntries
+
+log = logging.getLogger(__name__)
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _dequant_rows(flat_ptr, table_ptr, owner_ptr, rows_ptr, k_ptr, v_ptr, layer_stride, row_stride,
+                  HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, DIM: tl.constexpr, COLUMNS: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr):
+    """Program (token, layer): one token of one entry, every head and channel of that layer, K and V."""
+    token = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    entry = tl.load(owner_ptr + token)
+    meta = table_ptr + entry * COLUMNS
+    k_codes, k_scales = tl.load(meta), tl.load(meta + 1)
+    v_codes, v_scales = tl.load(meta + 2), tl.load(meta + 3)
+    count, first = tl.load(meta + 4), tl.load(meta + 5)
+    t = token - first
+    row = tl.load(rows_ptr + token)
+
+    head = tl.arange(0, HEADS_POW2)
+    channel = tl.arange(0, DIM)
+    ok = (head < HEADS)[:, None]
+    lh = layer * HEADS + head[:, None]  # [L, H, T, D] codes; [L, H, 1, D] scales
+    code_at = (lh * count + t) * DIM + channel[None, :]
+    scale_at = lh * DIM + channel[None, :]
+    dest = layer * layer_stride + row * row_stride + head[:, None] * DIM + channel[None, :]
+
+    code = tl.load((flat_ptr + k_codes).to(tl.pointer_type(tl.int8)) + code_at, mask=ok, other=0)
+    scale = tl.load((flat_ptr + k_scales).to(tl.pointer_type(tl.float32)) + scale_at, mask=ok, other=0.0)
+    tl.store(k_ptr + dest, (code.to(tl.float32) * scale).to(OUT_DTYPE), mask=ok)
+    code = tl.load((flat_ptr + v_codes).to(tl.pointer_type(tl.int8)) + code_at, mask=ok, other=0)
+    scale = tl.load((flat_ptr + v_scales).to(tl.pointer_type(tl.float32)) + scale_at, mask=ok, other=0.0)
+    tl.store(v_ptr + dest, (code.to(tl.float32) * scale).to(OUT_DTYPE), mask=ok)
+
+
+def insert_packed_kernel(packed: PackedEntries, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """`kvcore.packed.PackedInserter` in one launch; the torch path where the arena is outside the scope."""
+    if packed.tokens == 0:
+        return
+    why = _unsupported(packed, k, v)
+    if why:
+        from kvcore.packed import insert_packed
+
+        log.debug("packed insert kernel not used: %s", why)
+        insert_packed(packed, rows, k, v)
+        return
+    heads_pow2 = triton.next_power_of_2(packed.heads)
+    _dequant_rows[(packed.tokens, packed.layers)](
+        packed.flat, packed.table, packed.owner, rows, k, v, k.stride(0), k.stride(1),
+        HEADS=packed.heads, HEADS_POW2=heads_pow2, DIM=packed.dim, COLUMNS=TABLE_COLUMNS, OUT_DTYPE=_TL_DTYPES[k.dtype])
+
+
+def _unsupported(packed: PackedEntries, k: torch.Tensor, v: torch.Tensor) -> str:
+    if k.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"arena on {k.device.type}"
+    if k.dtype not in _TL_DTYPES or v.dtype != k.dtype:
+        return f"arena dtype {k.dtype}"
+    if packed.dim & (packed.dim - 1):
+        return f"head dim {packed.dim}"
+    if k.stride() != v.stride() or k.stride(3) != 1 or k.stride(2) != packed.dim:
+        return f"arena strides {k.stride()}"
+    return ""

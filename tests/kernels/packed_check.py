@@ -1,0 +1,61 @@
+"""The Triton packed-insert kernel against `kvcore.packed.insert_packed`, on the same packed tier entries.
+
+Run as a module (`python -m tests.kernels.packed_check DEVICE DTYPE`) so the CPU check can set TRITON_INTERPRET
+before Triton is imported; prints one JSON line with what the test asserts on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from kvcore.packed import insert_packed, pack
+from kvcore.quantize import Quantized, quantize
+from kvcore.tiers import _slab
+
+LAYERS, HEADS, DIM, ROWS = 3, 3, 16, 64  # 3 heads: exercises the padded head dimension
+
+
+def _entries(pinned: bool) -> list[tuple[Quantized, Quantized]]:
+    """Five entries of different lengths, most in one host buffer (as the tiers keep them), one not."""
+    out = []
+    for i, tokens in enumerate((5, 1, 9, 4, 12)):
+        gen = torch.Generator().manual_seed(i)
+        k = quantize(torch.randn(LAYERS, HEADS, tokens, DIM, generator=gen) * torch.rand(DIM, generator=gen) * 6)
+        v = quantize(torch.randn(LAYERS, HEADS, tokens, DIM, generator=gen))
+        if i == 1:
+            out.append((k, v))
+            continue
+        parts = [k.codes, k.scales, v.codes, v.scales]
+        views = _slab([(tuple(t.shape), t.dtype) for t in parts], pinned=pinned)
+        for view, t in zip(views, parts):
+            view.copy_(t)
+        out.append((Quantized(views[0], views[1]), Quantized(views[2], views[3])))
+    return out
+
+
+def main(device: str, dtype_name: str) -> None:
+    from deployments.triton_adapter.packed_insert import _unsupported, insert_packed_kernel
+
+    dtype = getattr(torch, dtype_name)
+    packed = pack(_entries(pinned=device == "cuda"), dtype, torch.device(device))
+    rows = torch.randperm(ROWS, generator=torch.Generator().manual_seed(7))[: packed.tokens].to(device)
+    arenas = []
+    for insert in (insert_packed_kernel, insert_packed):
+        k = torch.full((LAYERS, ROWS, HEADS, DIM), -7.0, dtype=dtype, device=device)
+        v = torch.full((LAYERS, ROWS, HEADS, DIM), -7.0, dtype=dtype, device=device)
+        insert(packed, rows, k, v)
+        arenas.append((k, v))
+    (kernel_k, kernel_v), (torch_k, torch_v) = arenas
+    written = int((kernel_k != -7).sum() + (kernel_v != -7).sum())
+    eps = torch.finfo(dtype).eps
+    ulps = max(((a.float() - b.float()).abs() / (b.float().abs() * eps).clamp(min=1e-30)).max().item()
+               for a, b in ((kernel_k, torch_k), (kernel_v, torch_v)))  # in units of each value's last place
+    print(json.dumps({"kernel_used": _unsupported(packed, kernel_k, kernel_v) == "", "written": written,
+                      "equal": bool(torch.equal(kernel_k, torch_k) and torch.equal(kernel_v, torch_v)), "max_ulps": ulps}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
