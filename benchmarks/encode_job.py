@@ -59,6 +59,7 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     folder = Path(scratch_dir(prefix="encode-job-"))
     settings = load_settings(state_dir=folder / "state")
+    settings.tenants.max_bytes = 1 << 40  # a window's records at the serving shape pass the default 4 GiB quota
     gpu = torch.cuda.is_available()
     if gpu:
         settings.model.dtype = "bfloat16"

@@ -58,7 +58,8 @@ def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Ma
     for folder in {path.parent for path, _, _ in files}:
         folder.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(min(8, len(files)) or 1) as pool:
-        futures = [pool.submit(_stage, path, tensors, metadata, checksums, durable) for path, tensors, metadata in files]
+        futures = [pool.submit(_write_temporary, path, tensors, metadata, checksums, durable)
+                   for path, tensors, metadata in files]
         for future, (path, _, _) in zip(futures, files):
             try:
                 staged.append((future.result(), path))
@@ -78,20 +79,10 @@ def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Ma
             _fsync_path(str(folder))
 
 
-def _stage(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], checksums: bool,
-           durable: bool) -> str:
-    tmp = _write_temporary(path, tensors, metadata, checksums)
-    if durable:
-        try:
-            _fsync_path(tmp)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    return tmp
-
-
-def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], checksums: bool) -> str:
-    """The file's bytes under a temporary name next to `path`, in one gathered write (no copies of the tensors)."""
+def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], checksums: bool,
+                     durable: bool = False) -> str:
+    """The file's bytes under a temporary name next to `path`, in one gathered write (no copies of the tensors),
+    fsynced before it is closed when `durable`."""
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     offset = 0
     blobs: list[memoryview] = []
@@ -112,6 +103,8 @@ def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         _write_all(fd, [struct.pack("<Q", len(raw)), raw, *blobs])
+        if durable:
+            os.fsync(fd)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
