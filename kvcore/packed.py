@@ -2,17 +2,18 @@
 
 A load brought up whole (`TierStreams`) has tens of entries. Viewing, joining and dequantizing them
 entry by entry costs a dozen torch calls each, which on a GPU is host time in front of the forward
-(more than the transfer itself at ~50 entries). Here each entry's four tensors (K codes, K scales,
-V codes, V scales), which the tiers keep in one host buffer, are copied into one device buffer with one
-copy per entry; a table of their byte offsets goes along, and a `PackedInserter` (one device kernel,
-deployments/triton_adapter) writes every token of every entry into its arena rows in one launch.
-`insert_packed` does the same in torch: the path where no kernel applies, and the kernel's reference.
+(more than the transfer itself at ~50 entries). Here entries travel as the host bytes they already are:
+a host-tier entry's four tensors (K codes, K scales, V codes, V scales) share one buffer, and the disk
+tier reads all of a load's files into one buffer as they lie on disk (layer after layer). Each buffer
+is copied to the device once; a table of where each entry's tensors start and how far apart its layers
+are goes along, and a `PackedInserter` (one device kernel, deployments/triton_adapter) writes every token
+of every entry into its arena rows in one launch. `insert_packed` does the same in torch: the path where
+no kernel applies, and the kernel's reference.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from array import array
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,15 +22,28 @@ import torch
 
 from kvcore.quantize import Quantized
 
-_ALIGN = 64  # bytes: every entry's buffer starts aligned for any dtype and for vectorized loads
-TABLE_COLUMNS = 6  # per entry: byte offsets of K codes, K scales, V codes, V scales; tokens; first token
+ALIGN = 64  # bytes: every buffer starts aligned for any dtype and for vectorized loads
+TABLE_COLUMNS = 8  # per entry, in bytes: K codes, K scales, V codes, V scales; codes' and scales' layer strides; tokens; first token
+
+
+@dataclass(frozen=True)
+class RawEntry:
+    """An int8 entry `[L, H, T, D]` as bytes of a host buffer: where each tensor's first layer starts and how
+    many bytes apart its layers are (within a layer, codes are `[H, T, D]` and scales `[H, 1, D]`, contiguous)."""
+
+    buffer: torch.Tensor  # uint8; shared by the entries read together
+    offsets: tuple[int, int, int, int]  # K codes, K scales (float32), V codes, V scales
+    codes_stride: int
+    scales_stride: int
+    tokens: int
+    shape: tuple[int, int, int]  # layers, kv heads, head dim
 
 
 @dataclass
 class PackedEntries:
-    """Entries `[L, H, T_i, D]` (int8 codes, float32 scales `[L, H, 1, D]`) in one device byte buffer."""
+    """Entries of one shape (L, H, D) in one device byte buffer, with their table."""
 
-    flat: torch.Tensor  # uint8: every entry's tensors
+    flat: torch.Tensor  # uint8: every entry's buffer
     table: torch.Tensor  # int64 [E, TABLE_COLUMNS]
     owner: torch.Tensor  # int64 [sum T]: the entry of each token
     rows: list[tuple[int, ...]]  # the table, on the host
@@ -44,16 +58,18 @@ class PackedEntries:
         return self.starts[-1]
 
     def entry(self, index: int) -> tuple[Quantized, Quantized]:
-        """Entry `index` as views of the device buffer."""
-        k_codes, k_scales, v_codes, v_scales, count, _ = self.rows[index]
-        codes = (self.layers, self.heads, count, self.dim)
-        scales = (self.layers, self.heads, 1, self.dim)
-        return (Quantized(self._view(k_codes, codes, torch.int8), self._view(k_scales, scales, torch.float32)),
-                Quantized(self._view(v_codes, codes, torch.int8), self._view(v_scales, scales, torch.float32)))
+        """Entry `index` as (strided) views of the device buffer."""
+        k_codes, k_scales, v_codes, v_scales, codes_stride, scales_stride, count, _ = self.rows[index]
+        codes, scales = self.flat.view(torch.int8), self.flat.view(torch.float32)
+        heads, dim = self.heads, self.dim
 
-    def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return self.flat[offset : offset + size].view(dtype).view(shape)
+        def of_codes(at: int) -> torch.Tensor:
+            return codes.as_strided((self.layers, heads, count, dim), (codes_stride, count * dim, dim, 1), at)
+
+        def of_scales(at: int) -> torch.Tensor:
+            return scales.as_strided((self.layers, heads, 1, dim), (scales_stride // 4, dim, dim, 1), at // 4)
+
+        return Quantized(of_codes(k_codes), of_scales(k_scales)), Quantized(of_codes(v_codes), of_scales(v_scales))
 
 
 class PackedInserter(Protocol):
@@ -63,40 +79,45 @@ class PackedInserter(Protocol):
     def __call__(self, packed: PackedEntries, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
-def pack(entries: list[tuple[Quantized, Quantized]], dtype: torch.dtype, device: torch.device) -> PackedEntries | None:
-    """The entries in one device buffer (None unless all are int8 of one layer, head and channel shape): one
-    copy per entry whose tensors share a host buffer (what the tiers keep), one per tensor otherwise."""
-    if not entries or not all(isinstance(k, Quantized) and isinstance(v, Quantized) for k, v in entries):
+def raw_entry(k: Quantized, v: Quantized) -> RawEntry:
+    """An entry's bytes: the host buffer its tensors are views of (a host-tier entry), else a fresh one."""
+    tensors = [k.codes, k.scales.float(), v.codes, v.scales.float()]
+    shared = _shared_buffer(tensors)
+    if shared is None:
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        where = [0, *itertools.accumulate(aligned(n) for n in sizes)]
+        buffer = torch.empty(where[-1], dtype=torch.uint8)
+        for at, n, t in zip(where, sizes, tensors):
+            buffer[at : at + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+        shared = buffer, where[:4]
+    buffer, where = shared
+    layers, heads, tokens, dim = k.codes.shape
+    return RawEntry(buffer, tuple(where), heads * tokens * dim, heads * dim * 4, tokens, (layers, heads, dim))
+
+
+def pack(entries: list[RawEntry], dtype: torch.dtype, device: torch.device) -> PackedEntries | None:
+    """The entries in one device buffer, each distinct host buffer copied once; None unless all share a shape."""
+    if not entries or len({entry.shape for entry in entries}) != 1:
         return None
-    layers, heads, _, dim = entries[0][0].codes.shape
-    for pair in entries:
-        for q in pair:
-            count = q.codes.shape[2]
-            if q.codes.dtype != torch.int8 or q.codes.shape != (layers, heads, count, dim) or q.scales.shape != (layers, heads, 1, dim):
-                return None
-    sources, rows, offset = [], [], 0
-    starts = [0, *itertools.accumulate(k.codes.shape[2] for k, _ in entries)]
-    for (k, v), first in zip(entries, starts):
-        tensors = [k.codes, k.scales.float(), v.codes, v.scales.float()]
-        base = _shared_buffer(tensors)
-        if base is not None:
-            buffer, where = base
-            sources.append((offset, buffer))
-            rows.append((*(offset + w for w in where), k.codes.shape[2], first))
-            offset += _aligned(buffer.numel())
-            continue
-        where = []
-        for t in tensors:
-            sources.append((offset, t.contiguous().view(-1).view(torch.uint8)))
-            where.append(offset)
-            offset += _aligned(t.numel() * t.element_size())
-        rows.append((*where, k.codes.shape[2], first))
-    flat = torch.empty(offset, dtype=torch.uint8, device=device)
+    layers, heads, dim = entries[0].shape
+    placed: dict[int, int] = {}  # host buffer address -> its offset in the device buffer
+    sources: list[tuple[int, torch.Tensor]] = []
+    size = 0
+    for entry in entries:
+        address = entry.buffer.data_ptr()
+        if address not in placed:
+            placed[address] = size
+            sources.append((size, entry.buffer))
+            size += aligned(entry.buffer.numel())
+    flat = torch.empty(size, dtype=torch.uint8, device=device)
     for at, source in sources:
         flat[at : at + source.numel()].copy_(source, non_blocking=True)
+    starts = [0, *itertools.accumulate(entry.tokens for entry in entries)]
+    rows = [(*(placed[e.buffer.data_ptr()] + o for o in e.offsets), e.codes_stride, e.scales_stride, e.tokens, first)
+            for e, first in zip(entries, starts)]
     owner = array("q")
-    for index, (a, b) in enumerate(zip(starts, starts[1:])):
-        owner.extend(array("q", [index]) * (b - a))
+    for index, entry in enumerate(entries):
+        owner.extend(array("q", [index]) * entry.tokens)
     host = torch.frombuffer(array("q", [x for row in rows for x in row]) + owner, dtype=torch.int64)
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
@@ -115,17 +136,20 @@ def insert_packed(packed: PackedEntries, rows: torch.Tensor, k: torch.Tensor, v:
         v.index_copy_(1, at, (v_q.codes.float() * v_q.scales).to(v.dtype).permute(0, 2, 1, 3))
 
 
+def aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
+
+
 def _shared_buffer(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
     """The host buffer all `tensors` are contiguous views of (as bytes) and their byte offsets in it, or None."""
     storage = tensors[0].untyped_storage()
     if tensors[0].device.type != "cpu" or any(
             t.untyped_storage().data_ptr() != storage.data_ptr() or not t.is_contiguous() for t in tensors):
         return None
-    if storage.nbytes() > 2 * sum(t.numel() * t.element_size() for t in tensors) + 4 * _ALIGN:
+    if storage.nbytes() > 2 * sum(t.numel() * t.element_size() for t in tensors) + 4 * ALIGN:
         return None  # views of something larger: copying all of it would move unrelated bytes
     buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
-    return buffer, [t.storage_offset() * t.element_size() for t in tensors]
-
-
-def _aligned(size: int) -> int:
-    return -(-size // _ALIGN) * _ALIGN
+    where = [t.storage_offset() * t.element_size() for t in tensors]
+    if any(w % 4 for w in where[1::2]):
+        return None
+    return buffer, where

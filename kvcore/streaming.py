@@ -4,7 +4,7 @@ A record evicted from the device arena is spilled to the tiers under its exact v
 spills are stored together at its end. The tiers keep a copy of what they hand back up (inclusive), so a
 record that came from them leaves the arena again without a spill. When a later load needs tier records:
 a small one (`whole_load_bytes`) is read whole (one transfer per entry, dequantized into the arena in one
-launch: `kvcore/packed.py`) before the forward, and the step is then written like any arena step; a large one
+launch: `kvcore/packed.py`; disk files read into one buffer as they lie) before the forward, and the step is then written like any arena step; a large one
 is streamed: `begin` pins its tier entries (two-phase load), the next layer of its tier records is read ahead
 as one joined batch (host/disk -> device, dequantized) while the current one computes, and every
 `write_layer` gathers the layer's tokens from the arena and that batch in one op, rotates the keys to their
@@ -195,13 +195,11 @@ class TierStreams:
             return False
         device = self._arena.device
         try:
-            entries = self._tiers.read_whole([p.reader for p in tiered], pinned=device.type == "cuda")
+            entries = self._tiers.read_raw([p.reader for p in tiered], pinned=device.type == "cuda")
         except (KVCoreError, OSError) as exc:
             log.info("tier entries not loaded whole (%s); streaming them", exc)
             return False
-        if any(entry is None for entry in entries):
-            return False
-        packed = pack(entries, tiered[0].reader.dtype, device)
+        packed = pack(entries, tiered[0].reader.dtype, device) if entries is not None else None
         if packed is None:
             return False
         self._arena.check_shape(packed.layers, packed.heads, packed.dim)

@@ -31,6 +31,7 @@ import torch
 
 from kvcore.conversation import check_identifier
 from kvcore.errors import RecordCorruptError
+from kvcore.packed import RawEntry, aligned, raw_entry
 from kvcore.quantize import Quantized, dequantize, quantize, quantize_many
 from kvcore.safetensors_io import dtype_of, read_header, write_atomic
 
@@ -89,10 +90,22 @@ class LayerReader:
     def whole_entry(self, pinned: bool = False) -> tuple[Quantized, Quantized] | None:
         """The whole entry's int8 codes `[L, H, T, D]` in host memory (a disk entry's file read in one call and
         checked; in page-locked memory if `pinned`), or None for an entry kept at full precision."""
-        data = self._entry.data
-        if self._entry.tier == "disk" and not isinstance(data, _Pending):
-            with _DiskFile(data) as file:
+        if self.in_file:
+            with self.open_file() as file:
                 return file.read_all(self.layers, pinned=pinned) if file.quantized else None
+        return self.host_entry()
+
+    @property
+    def in_file(self) -> bool:
+        """Held in a disk file (not in host memory, nor still being written from there)."""
+        return self._entry.tier == "disk" and not isinstance(self._entry.data, _Pending)
+
+    def open_file(self) -> "_DiskFile":
+        return _DiskFile(self._entry.data)
+
+    def host_entry(self) -> tuple[Quantized, Quantized] | None:
+        """The int8 codes of an entry held in host memory (or still being written to disk), else None."""
+        data = self._entry.data
         k, v = data.packed if isinstance(data, _Pending) else data
         return (k, v) if isinstance(k, Quantized) and k.codes.device.type == "cpu" else None
 
@@ -267,6 +280,49 @@ class TieredStore:
         if self._reader_count < 2 or sum(reader.tier == "disk" for reader in readers) < 2:
             return [reader.whole_entry(pinned) for reader in readers]
         return list(self._file_readers.map(lambda reader: reader.whole_entry(pinned), readers))
+
+    def read_raw(self, readers: list[LayerReader], pinned: bool) -> list[RawEntry] | None:
+        """Every reader's int8 entry as host bytes (`kvcore.packed`), or None if one is kept at full precision or
+        its file is laid out unevenly: host entries as they lie, disk files read side by side, as they are on
+        disk, into one buffer (page-locked if `pinned`), checked. `RecordCorruptError` for a damaged file."""
+        in_files = [reader for reader in readers if reader.in_file]
+        files: dict[int, _DiskFile] = {}
+        done: list[RawEntry | None] = []
+        try:
+            for reader in in_files:
+                files[id(reader)] = reader.open_file()
+            if not all(file.quantized for file in files.values()):
+                return None
+            if in_files:
+                done = self._read_files(in_files, files, pinned)
+        finally:
+            for file in files.values():
+                file.close()
+        if any(raw is None for raw in done):
+            return None
+        from_files = {id(reader): raw for reader, raw in zip(in_files, done)}
+        out = []
+        for reader in readers:
+            if id(reader) in from_files:
+                out.append(from_files[id(reader)])
+                continue
+            entry = reader.host_entry()
+            if entry is None:
+                return None
+            out.append(raw_entry(*entry))
+        return out
+
+    def _read_files(self, readers: list[LayerReader], files: dict[int, "_DiskFile"], pinned: bool) -> list[RawEntry | None]:
+        sizes = [files[id(reader)].data_bytes(reader.layers) for reader in readers]
+        starts = [0, *itertools.accumulate(aligned(size) for size in sizes)]
+        buffer = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pinned)
+        self.prefetch([reader.key for reader in readers])
+
+        def read(job: tuple[LayerReader, int]) -> RawEntry | None:
+            return files[id(job[0])].read_raw(job[0].layers, buffer, job[1])
+
+        jobs = list(zip(readers, starts))
+        return list(self._file_readers.map(read, jobs)) if self._reader_count > 1 and len(jobs) > 1 else list(map(read, jobs))
 
     # ---- writes ----
     def put(self, key: Key, k: torch.Tensor, v: torch.Tensor, importance: float = 0.0, label: str = "") -> Tier:
@@ -627,6 +683,37 @@ class _DiskFile:
         if len(out) == 4:
             return Quantized(out[0], out[1]), Quantized(out[2], out[3])
         return out[0], out[1]
+
+    def data_bytes(self, layers: int) -> int:
+        """Bytes of the file's tensors (what `read_raw` reads)."""
+        return max(info["data_offsets"][1] for index in range(layers) for info in self._layer_infos(index)[1])
+
+    def read_raw(self, layers: int, buffer: torch.Tensor, at: int) -> RawEntry | None:
+        """The file's tensors read in one call into `buffer` at `at`, as they lie (layer after layer), checked;
+        None if its layers are not evenly spaced or its scales not 4-byte aligned (then read another way)."""
+        located = [self._layer_infos(index) for index in range(layers)]
+        stride = _layer_stride([infos for _, infos in located])
+        names, firsts = located[0]
+        offsets = tuple(at + info["data_offsets"][0] for info in firsts)
+        if stride is None or stride % 4 or any(o % 4 for o in offsets[1::2]) or len(firsts) != 4:
+            return None
+        size = self.data_bytes(layers)
+        view = memoryview(buffer.numpy())[at : at + size]
+        try:
+            self._handle.seek(self._start)
+            got = self._handle.readinto(view)
+        except (OSError, ValueError) as exc:
+            raise RecordCorruptError(f"{self.path}: cannot be read ({exc})") from None
+        if got != size:
+            raise RecordCorruptError(f"{self.path}: truncated")
+        for layer_names, infos in located:
+            for name, info in zip(layer_names, infos):
+                self._checked(name, info, view, 0)
+        heads, tokens, dim = firsts[0]["shape"]
+        if firsts[1]["shape"] != [heads, 1, dim] or any(dtype_of(i["dtype"]) != d for i, d in
+                                                         zip(firsts, (torch.int8, torch.float32) * 2)):
+            raise RecordCorruptError(f"{self.path}: codes and scales do not match")
+        return RawEntry(buffer, offsets, stride, stride, tokens, (layers, heads, dim))
 
     def _layer_infos(self, index: int) -> tuple[list[str], list[dict]]:
         quantized = f"k.{index:03d}.codes" in self._header

@@ -3,7 +3,8 @@
 `kvcore.packed.insert_packed` views, dequantizes and copies each entry with a handful of torch calls:
 at ~50 entries a load that is host time in front of the forward, more than the transfer it follows.
 This kernel reads every entry's int8 codes and float32 scales from the packed device buffer through the
-entry table and writes each token's dequantized K and V into its arena row, all entries and layers in
+entry table (where each tensor starts, how far apart its layers lie: host-tier entries and disk files differ)
+and writes each token's dequantized K and V into its arena row, all entries and layers in
 one launch. Values are the float32 product rounded once to the arena's dtype, as in the torch path.
 
 Scope: arenas `[L, R, H, D]` with contiguous heads and a power-of-two head dim. Else the torch path.
@@ -34,18 +35,20 @@ def _dequant_rows(flat_ptr, table_ptr, owner_ptr, rows_ptr, k_ptr, v_ptr, layer_
     layer = tl.program_id(1).to(tl.int64)
     entry = tl.load(owner_ptr + token)
     meta = table_ptr + entry * COLUMNS
-    k_codes, k_scales = tl.load(meta), tl.load(meta + 1)
-    v_codes, v_scales = tl.load(meta + 2), tl.load(meta + 3)
-    count, first = tl.load(meta + 4), tl.load(meta + 5)
+    codes_stride, scales_stride = tl.load(meta + 4), tl.load(meta + 5)
+    count, first = tl.load(meta + 6), tl.load(meta + 7)
+    k_codes = tl.load(meta) + layer * codes_stride  # this layer's [H, T, D] codes and [H, 1, D] scales, in bytes
+    k_scales = tl.load(meta + 1) + layer * scales_stride
+    v_codes = tl.load(meta + 2) + layer * codes_stride
+    v_scales = tl.load(meta + 3) + layer * scales_stride
     t = token - first
     row = tl.load(rows_ptr + token)
 
     head = tl.arange(0, HEADS_POW2)
     channel = tl.arange(0, DIM)
     ok = (head < HEADS)[:, None]
-    lh = layer * HEADS + head[:, None]  # [L, H, T, D] codes; [L, H, 1, D] scales
-    code_at = (lh * count + t) * DIM + channel[None, :]
-    scale_at = lh * DIM + channel[None, :]
+    code_at = (head[:, None] * count + t) * DIM + channel[None, :]
+    scale_at = head[:, None] * DIM + channel[None, :]
     dest = layer * layer_stride + row * row_stride + head[:, None] * DIM + channel[None, :]
 
     code = tl.load((flat_ptr + k_codes).to(tl.pointer_type(tl.int8)) + code_at, mask=ok, other=0)

@@ -11,36 +11,45 @@ import sys
 
 import torch
 
-from kvcore.packed import insert_packed, pack
+from kvcore.packed import RawEntry, aligned, insert_packed, pack, raw_entry
 from kvcore.quantize import Quantized, quantize
 from kvcore.tiers import _slab
 
 LAYERS, HEADS, DIM, ROWS = 3, 3, 16, 64  # 3 heads: exercises the padded head dimension
 
 
-def _entries(pinned: bool) -> list[tuple[Quantized, Quantized]]:
-    """Five entries of different lengths, most in one host buffer (as the tiers keep them), one not."""
-    out = []
+def _entries() -> tuple[list[RawEntry], list[tuple[Quantized, Quantized]]]:
+    """Five entries of different lengths: host-tier ones (one buffer each, or not), and two laid out as the
+    disk tier reads its files (one shared buffer, layer after layer)."""
+    entries, raws = [], []
     for i, tokens in enumerate((5, 1, 9, 4, 12)):
         gen = torch.Generator().manual_seed(i)
         k = quantize(torch.randn(LAYERS, HEADS, tokens, DIM, generator=gen) * torch.rand(DIM, generator=gen) * 6)
-        v = quantize(torch.randn(LAYERS, HEADS, tokens, DIM, generator=gen))
-        if i == 1:
-            out.append((k, v))
-            continue
+        entries.append((k, quantize(torch.randn(LAYERS, HEADS, tokens, DIM, generator=gen))))
+    for k, v in entries[:3]:
         parts = [k.codes, k.scales, v.codes, v.scales]
-        views = _slab([(tuple(t.shape), t.dtype) for t in parts], pinned=pinned)
+        views = _slab([(tuple(t.shape), t.dtype) for t in parts], pinned=False)
         for view, t in zip(views, parts):
             view.copy_(t)
-        out.append((Quantized(views[0], views[1]), Quantized(views[2], views[3])))
-    return out
+        raws.append(raw_entry(Quantized(views[0], views[1]), Quantized(views[2], views[3])))
+    blobs, layout = [], []
+    for k, v in entries[3:]:
+        at = sum(b.numel() for b in blobs)
+        layer = [t[i].contiguous().view(-1).view(torch.uint8) for i in range(LAYERS) for t in (k.codes, k.scales, v.codes, v.scales)]
+        sizes = [x.numel() for x in layer[:4]]
+        layout.append(((at, at + sizes[0], at + sum(sizes[:2]), at + sum(sizes[:3])), sum(sizes), k.codes.shape[2]))
+        blob = torch.cat(layer)
+        blobs.append(torch.cat([blob, torch.zeros(aligned(blob.numel()) - blob.numel(), dtype=torch.uint8)]))
+    buffer = torch.cat(blobs)
+    raws += [RawEntry(buffer, offsets, stride, stride, tokens, (LAYERS, HEADS, DIM)) for offsets, stride, tokens in layout]
+    return raws, entries
 
 
 def main(device: str, dtype_name: str) -> None:
     from deployments.triton_adapter.packed_insert import _unsupported, insert_packed_kernel
 
     dtype = getattr(torch, dtype_name)
-    packed = pack(_entries(pinned=device == "cuda"), dtype, torch.device(device))
+    packed = pack(_entries()[0], dtype, torch.device(device))
     rows = torch.randperm(ROWS, generator=torch.Generator().manual_seed(7))[: packed.tokens].to(device)
     arenas = []
     for insert in (insert_packed_kernel, insert_packed):  # NaN marks rows not written (no dequantized value is NaN)
