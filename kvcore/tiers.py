@@ -283,45 +283,33 @@ class TieredStore:
 
     def read_raw(self, readers: list[LayerReader], pinned: bool) -> list[RawEntry] | None:
         """Every reader's int8 entry as host bytes (`kvcore.packed`), or None if one is kept at full precision or
-        its file is laid out unevenly: host entries as they lie, disk files read side by side, as they are on
-        disk, into one buffer (page-locked if `pinned`), checked. `RecordCorruptError` for a damaged file."""
+        its file is laid out unevenly: host entries as they lie, disk files opened and read side by side, as they
+        are on disk, into one buffer (page-locked if `pinned`), checked. `RecordCorruptError` for a damaged file."""
         in_files = [reader for reader in readers if reader.in_file]
-        files: dict[int, _DiskFile] = {}
-        done: list[RawEntry | None] = []
-        try:
-            for reader in in_files:
-                files[id(reader)] = reader.open_file()
-            if not all(file.quantized for file in files.values()):
-                return None
-            if in_files:
-                done = self._read_files(in_files, files, pinned)
-        finally:
-            for file in files.values():
-                file.close()
-        if any(raw is None for raw in done):
-            return None
-        from_files = {id(reader): raw for reader, raw in zip(in_files, done)}
+        from_files = dict(zip(map(id, in_files), self._read_files(in_files, pinned))) if in_files else {}
         out = []
         for reader in readers:
-            if id(reader) in from_files:
-                out.append(from_files[id(reader)])
-                continue
-            entry = reader.host_entry()
+            entry = from_files[id(reader)] if id(reader) in from_files else _host_raw(reader)
             if entry is None:
                 return None
-            out.append(raw_entry(*entry))
+            out.append(entry)
         return out
 
-    def _read_files(self, readers: list[LayerReader], files: dict[int, "_DiskFile"], pinned: bool) -> list[RawEntry | None]:
-        sizes = [files[id(reader)].data_bytes(reader.layers) for reader in readers]
-        starts = [0, *itertools.accumulate(aligned(size) for size in sizes)]
+    def _read_files(self, readers: list[LayerReader], pinned: bool) -> list[RawEntry | None]:
+        """Each reader's file read into its slot of one buffer (slots sized by the entries' recorded bytes, which
+        bound their files' tensors); the files are opened, checked and read on the reader threads."""
+        starts = [0, *itertools.accumulate(aligned(reader.nbytes) for reader in readers)]
         buffer = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pinned)
         self.prefetch([reader.key for reader in readers])
 
-        def read(job: tuple[LayerReader, int]) -> RawEntry | None:
-            return files[id(job[0])].read_raw(job[0].layers, buffer, job[1])
+        def read(job: tuple[LayerReader, int, int]) -> RawEntry | None:
+            reader, at, end = job
+            with reader.open_file() as file:
+                if not file.quantized or file.data_bytes(reader.layers) > end - at:
+                    return None
+                return file.read_raw(reader.layers, buffer, at)
 
-        jobs = list(zip(readers, starts))
+        jobs = list(zip(readers, starts, starts[1:]))
         return list(self._file_readers.map(read, jobs)) if self._reader_count > 1 and len(jobs) > 1 else list(map(read, jobs))
 
     # ---- writes ----
@@ -783,6 +771,11 @@ def _layer_stride(layers: list[list[dict]]) -> int | None:
                     or info["data_offsets"][0] != base["data_offsets"][0] + index * stride:
                 return None
     return stride
+
+
+def _host_raw(reader: LayerReader) -> RawEntry | None:
+    entry = reader.host_entry()
+    return raw_entry(*entry) if entry is not None else None
 
 
 def _check_key(key: Key) -> None:
