@@ -3,9 +3,9 @@
 A record evicted from the device arena is spilled to the tiers under its exact version (stamp); a step's
 spills are stored together at its end. The tiers keep a copy of what they hand back up (inclusive), so a
 record that came from them leaves the arena again without a spill. When a later load needs tier records:
-a small one (`whole_load_bytes`) is read whole (one transfer per entry, dequantized into the arena in one
-launch: `kvcore/packed.py`; disk files read into one buffer as they lie) before the forward, and the step is then written like any arena step; a large one
-is streamed: `begin` pins its tier entries (two-phase load), the next layer of its tier records is read ahead
+a small one (`whole_load_bytes`) is brought up whole before the forward (host entries and the disk files,
+read into one buffer as they lie, copied to the device as they are and dequantized into the arena in one
+launch: `kvcore/packed.py`), and the step is then written like any arena step; a large one is streamed: `begin` pins its tier entries (two-phase load), the next layer of its tier records is read ahead
 as one joined batch (host/disk -> device, dequantized) while the current one computes, and every
 `write_layer` gathers the layer's tokens from the arena and that batch in one op, rotates the keys to their
 positions and writes the layer into the paged cache; `finish` unpins and promotes the records into the arena.
