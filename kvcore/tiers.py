@@ -90,24 +90,17 @@ class LayerReader:
     def whole_entry(self, pinned: bool = False) -> tuple[Quantized, Quantized] | None:
         """The whole entry's int8 codes `[L, H, T, D]` in host memory (a disk entry's file read in one call and
         checked; in page-locked memory if `pinned`), or None for an entry kept at full precision."""
-        if self.in_file:
-            with self.open_file() as file:
+        held = self.held()
+        if isinstance(held, Path):
+            with _DiskFile(held) as file:
                 return file.read_all(self.layers, pinned=pinned) if file.quantized else None
-        return self.host_entry()
+        return _host_codes(held)
 
-    @property
-    def in_file(self) -> bool:
-        """Held in a disk file (not in host memory, nor still being written from there)."""
-        return self._entry.tier == "disk" and not isinstance(self._entry.data, _Pending)
-
-    def open_file(self) -> "_DiskFile":
-        return _DiskFile(self._entry.data)
-
-    def host_entry(self) -> tuple[Quantized, Quantized] | None:
-        """The int8 codes of an entry held in host memory (or still being written to disk), else None."""
+    def held(self) -> Path | tuple[object, object]:
+        """Where the entry is now, read once: its disk file, or its K and V in host memory (codes or values). A
+        background write moves an entry from memory to its file at any moment, so callers decide on one reading."""
         data = self._entry.data
-        k, v = data.packed if isinstance(data, _Pending) else data
-        return (k, v) if isinstance(k, Quantized) and k.codes.device.type == "cpu" else None
+        return data.packed if isinstance(data, _Pending) else data
 
     def to_device(self, k: object, v: object) -> tuple[torch.Tensor, torch.Tensor]:
         device, dtype = self._store.device, self._entry.dtype
@@ -285,31 +278,36 @@ class TieredStore:
         """Every reader's int8 entry as host bytes (`kvcore.packed`), or None if one is kept at full precision or
         its file is laid out unevenly: host entries as they lie, disk files opened and read side by side, as they
         are on disk, into one buffer (page-locked if `pinned`), checked. `RecordCorruptError` for a damaged file."""
-        in_files = [reader for reader in readers if reader.in_file]
-        from_files = dict(zip(map(id, in_files), self._read_files(in_files, pinned))) if in_files else {}
+        held = [reader.held() for reader in readers]
+        files = [(reader, where) for reader, where in zip(readers, held) if isinstance(where, Path)]
+        from_files = iter(self._read_files(files, pinned) if files else [])
         out = []
-        for reader in readers:
-            entry = from_files[id(reader)] if id(reader) in from_files else _host_raw(reader)
+        for where in held:
+            if isinstance(where, Path):
+                entry = next(from_files)
+            else:
+                codes = _host_codes(where)
+                entry = raw_entry(*codes) if codes is not None else None
             if entry is None:
                 return None
             out.append(entry)
         return out
 
-    def _read_files(self, readers: list[LayerReader], pinned: bool) -> list[RawEntry | None]:
-        """Each reader's file read into its slot of one buffer (slots sized by the entries' recorded bytes, which
-        bound their files' tensors); the files are opened, checked and read on the reader threads."""
-        starts = [0, *itertools.accumulate(aligned(reader.nbytes) for reader in readers)]
+    def _read_files(self, files: list[tuple[LayerReader, Path]], pinned: bool) -> list[RawEntry | None]:
+        """Each file read into its slot of one buffer (slots sized by the entries' recorded bytes, which bound
+        their files' tensors); the files are opened, checked and read on the reader threads."""
+        starts = [0, *itertools.accumulate(aligned(reader.nbytes) for reader, _ in files)]
         buffer = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=pinned)
-        self.prefetch([reader.key for reader in readers])
+        advise_willneed([path for _, path in files])
 
-        def read(job: tuple[LayerReader, int, int]) -> RawEntry | None:
-            reader, at, end = job
-            with reader.open_file() as file:
+        def read(job: tuple[tuple[LayerReader, Path], int, int]) -> RawEntry | None:
+            (reader, path), at, end = job
+            with _DiskFile(path) as file:
                 if not file.quantized or file.data_bytes(reader.layers) > end - at:
                     return None
                 return file.read_raw(reader.layers, buffer, at)
 
-        jobs = list(zip(readers, starts, starts[1:]))
+        jobs = list(zip(files, starts, starts[1:]))
         return list(self._file_readers.map(read, jobs)) if self._reader_count > 1 and len(jobs) > 1 else list(map(read, jobs))
 
     # ---- writes ----
@@ -773,9 +771,10 @@ def _layer_stride(layers: list[list[dict]]) -> int | None:
     return stride
 
 
-def _host_raw(reader: LayerReader) -> RawEntry | None:
-    entry = reader.host_entry()
-    return raw_entry(*entry) if entry is not None else None
+def _host_codes(held: tuple[object, object]) -> tuple[Quantized, Quantized] | None:
+    """An entry held in host memory as int8 codes, else None (kept at full precision, or on the device)."""
+    k, v = held
+    return (k, v) if isinstance(k, Quantized) and k.codes.device.type == "cpu" else None
 
 
 def _check_key(key: Key) -> None:

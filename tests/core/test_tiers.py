@@ -1,5 +1,7 @@
 """The three-tier store: round trips per tier, int8 error bound, spill order, protected loads, recovery."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -307,3 +309,37 @@ def test_the_disk_tier_drops_its_least_important_entries_past_its_budget(tmp_pat
     store.put(("t", "d"), *kv(4), importance=0.7)  # b was loaded once since (frequency): c now scores lowest
     assert ("t", "c") not in store and ("t", "b") in store and ("t", "d") in store
     assert store.used("disk") <= 2.5 * file_bytes
+
+
+def test_a_whole_read_decides_on_one_reading_of_where_an_entry_is(tmp_path):
+    """The background writer moves an entry from host memory to its file at any moment: a whole read that looked
+    twice (once to choose the path, once to read) would find the file where it expected codes in memory."""
+    from kvcore.packed import insert_packed, pack
+    from kvcore.tiers import _Pending
+
+    store = TieredStore("cpu", 0, 0, tmp_path, compress_lower=True)
+    k, v = kv(4)
+    store.spill_many([(("t", "a"), k, v, "")])
+    reader = store.begin_load(("t", "a"))
+    path = reader._entry.data
+    assert isinstance(path, Path)
+    pending = _Pending(path, (quantize(k), quantize(v)))
+
+    class Moving:  # in memory when first looked at, in its file from then on
+        def __init__(self, entry):
+            self.__dict__["_entry"], self.__dict__["_seen"] = entry, False
+
+        def __getattr__(self, name):
+            if name != "data":
+                return getattr(self._entry, name)
+            if self._seen:
+                return path
+            self.__dict__["_seen"] = True
+            return pending
+
+    reader._entry = Moving(reader._entry)
+    entries = store.read_raw([reader], pinned=False)
+    packed = pack(entries, torch.float32, torch.device("cpu"))
+    arena_k, arena_v = torch.zeros(L, T, H, D), torch.zeros(L, T, H, D)
+    insert_packed(packed, torch.arange(T), arena_k, arena_v)
+    assert torch.equal(arena_k.permute(0, 2, 1, 3), dequantize(quantize(k)))
