@@ -7,8 +7,9 @@ Loads are two-phase: `begin_load` pins the entry (nothing evicts or moves it) an
 of one layer at a time, on the device, so a connector can fetch layer l while layer l-1 computes;
 `end_load` unpins it and may promote it. `on_move(key, tier)` reports every placement, None once an entry
 leaves (the serving layer records placements in Redis); `TieredStore` reopened on the same folder finds its disk entries again.
-Disk files carry a CRC32 per tensor: a damaged or vanished file raises `RecordCorruptError` on read (and
-is dropped at recovery), so a caller falls back to the canonical record instead of serving garbage.
+Disk files (`kvcore/tier_disk.py`) carry a CRC32 per tensor: a damaged or vanished file raises
+`RecordCorruptError` on read (and is dropped at recovery), so a caller falls back to the canonical record
+instead of serving garbage. `read_raw` hands a whole load's entries over as host bytes (`kvcore/packed.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import math
 import os
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,12 +33,12 @@ from kvcore.conversation import check_identifier
 from kvcore.errors import RecordCorruptError
 from kvcore.packed import RawEntry, aligned, raw_entry
 from kvcore.quantize import Quantized, dequantize, quantize, quantize_many
-from kvcore.safetensors_io import dtype_of, read_header, write_atomic
+from kvcore.safetensors_io import read_header
+from kvcore.tier_disk import DiskFile, Key, advise_willneed, file_name, slab, write_tier_file
 
 log = logging.getLogger(__name__)
 Tier = Literal["gpu", "cpu", "disk"]
 ORDER: tuple[Tier, ...] = ("gpu", "cpu", "disk")
-Key = tuple[str, str]  # (tenant id, record id)
 
 
 @dataclass
@@ -71,7 +71,7 @@ class LayerReader:
     def __init__(self, store: "TieredStore", key: Key, entry: _Entry) -> None:
         self._store, self.key, self._entry = store, key, entry
         self.tier, self.layers = entry.tier, entry.layers
-        self._file: _DiskFile | None = None  # opened at the first layer, kept until the load ends
+        self._file: DiskFile | None = None  # opened at the first layer, kept until the load ends
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[H, T, D]` of one layer, in the entry's original dtype, on the device."""
@@ -82,7 +82,7 @@ class LayerReader:
         data = self._entry.data
         if self._entry.tier == "disk" and not isinstance(data, _Pending):
             if self._file is None:
-                self._file = _DiskFile(data)
+                self._file = DiskFile(data)
             return self._file.layer(index)
         k, v = data.packed if isinstance(data, _Pending) else data
         return (k.layer(index), v.layer(index)) if isinstance(k, Quantized) else (k[index], v[index])
@@ -92,7 +92,7 @@ class LayerReader:
         checked; in page-locked memory if `pinned`), or None for an entry kept at full precision."""
         held = self.held()
         if isinstance(held, Path):
-            with _DiskFile(held) as file:
+            with DiskFile(held) as file:
                 return file.read_all(self.layers, pinned=pinned) if file.quantized else None
         return _host_codes(held)
 
@@ -302,7 +302,7 @@ class TieredStore:
 
         def read(job: tuple[tuple[LayerReader, Path], int, int]) -> RawEntry | None:
             (reader, path), at, end = job
-            with _DiskFile(path) as file:
+            with DiskFile(path) as file:
                 if not file.quantized or file.data_bytes(reader.layers) > end - at:
                     return None
                 return file.read_raw(reader.layers, buffer, at)
@@ -535,7 +535,7 @@ class TieredStore:
         meta = {"tenant": key[0], "record": key[1], "layers": str(first.shape[0]), "dtype": str(dtype).split(".")[-1],
                 "quantized": str(isinstance(packed[0], Quantized)), "label": entry.label if entry is not None else ""}
         if self._writer is None:
-            _write_tier_file(path, tensors, meta)
+            write_tier_file(path, tensors, meta)
             return path, path.stat().st_size
         pending = _Pending(path, packed)
         self._writer.submit(self._write_behind, key, pending, tensors, meta)
@@ -546,7 +546,7 @@ class TieredStore:
         if pending.cancelled:
             return
         try:
-            _write_tier_file(pending.path, tensors, meta)
+            write_tier_file(pending.path, tensors, meta)
         except OSError as exc:
             log.warning("tier file %s not written (%s); the entry stays in memory", pending.path, exc)
             return
@@ -562,7 +562,7 @@ class TieredStore:
         if isinstance(entry.data, _Pending):
             k, v = entry.data.packed
         elif entry.tier == "disk":
-            with _DiskFile(entry.data) as file:
+            with DiskFile(entry.data) as file:
                 k, v = file.read_all(entry.layers)
         else:
             k, v = entry.data
@@ -590,187 +590,6 @@ class TieredStore:
             self._used["disk"] += path.stat().st_size
 
 
-def tier_files(root: Path, keys: list[Key]) -> list[Path]:
-    """Where the disk-tier files of these entries would be, in every replica slot under `root` (no listing of
-    the slots' contents: a prefetch must not cost more than the files it saves)."""
-    try:
-        slots = [entry for entry in Path(root).iterdir() if entry.is_dir()]
-    except OSError:
-        return []
-    return [slot / file_name(key) for slot in slots for key in keys]
-
-
-def file_name(key: Key) -> str:
-    """The disk-tier file of an entry, inside its replica slot."""
-    return f"{key[0]}__{key[1]}.kv"
-
-
-def advise_willneed(paths: list[Path]) -> None:
-    """Start kernel readahead of whole files, without waiting: a prefetch into the page cache."""
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue  # gone since: the load will notice and fall back
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-
-
-def _write_tier_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-    """A layer-contiguous file with a CRC32 per tensor; no fsync (a torn file fails its checks and is dropped)."""
-    write_atomic(path, tensors, meta, durable=False, checksums=True)
-
-
-class _DiskFile:
-    """A tier file open for reading: the header parsed once, each layer's tensors read in one call and checked
-    against their CRC32s (a layer's tensors are adjacent in the file)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            self._handle = open(path, "rb", buffering=0)
-            self._header, self._start = read_header(self._handle, path)
-            self._crcs = json.loads(self._header.get("__metadata__", {}).get("crc32", "{}"))
-        except (OSError, ValueError) as exc:  # gone, or a header that parses but lies
-            self.close()
-            raise RecordCorruptError(f"{path}: cannot be read ({exc})") from None
-
-    @property
-    def quantized(self) -> bool:
-        return "k.000.codes" in self._header
-
-    def layer(self, index: int):
-        """One layer's K and V (codes and scales when quantized), read in one call and checked."""
-        names, infos = self._layer_infos(index)
-        first, last = min(i["data_offsets"][0] for i in infos), max(i["data_offsets"][1] for i in infos)
-        return self._layer_in(self._read(first, last), first, names, infos)
-
-    def read_all(self, layers: int, pinned: bool = False):
-        """Every layer in one read: K and V `[L, H, T, D]` (as `Quantized` when the file holds codes), checked;
-        copied straight into page-locked memory when `pinned` (the one copy a device upload needs). The file's
-        layers are equal in shape and evenly spaced, so each tensor of all layers is one strided copy, not L views."""
-        located = [self._layer_infos(index) for index in range(layers)]
-        last = max(info["data_offsets"][1] for _, infos in located for info in infos)
-        raw = self._read(0, last)
-        stride = _layer_stride([infos for _, infos in located])
-        if stride is None:  # `_store_packed` never writes such a file
-            raise RecordCorruptError(f"{self.path}: layers differ in shape or are not evenly spaced")
-        for names, infos in located:
-            for name, info in zip(names, infos):
-                self._checked(name, info, raw, 0)
-        flat = torch.frombuffer(raw, dtype=torch.uint8)
-        firsts = located[0][1]
-        out = _slab([((layers, *info["shape"]), dtype_of(info["dtype"])) for info in firsts], pinned)  # one buffer
-        for info, dest in zip(firsts, out):
-            begin, end = info["data_offsets"]
-            dest.view(layers, -1).view(torch.uint8).copy_(flat.as_strided((layers, end - begin), (stride, 1), begin))
-        if len(out) == 4:
-            return Quantized(out[0], out[1]), Quantized(out[2], out[3])
-        return out[0], out[1]
-
-    def data_bytes(self, layers: int) -> int:
-        """Bytes of the file's tensors (what `read_raw` reads)."""
-        return max(info["data_offsets"][1] for index in range(layers) for info in self._layer_infos(index)[1])
-
-    def read_raw(self, layers: int, buffer: torch.Tensor, at: int) -> RawEntry | None:
-        """The file's tensors read in one call into `buffer` at `at`, as they lie (layer after layer), checked;
-        None if its layers are not evenly spaced or its scales not 4-byte aligned (then read another way)."""
-        located = [self._layer_infos(index) for index in range(layers)]
-        stride = _layer_stride([infos for _, infos in located])
-        names, firsts = located[0]
-        offsets = tuple(at + info["data_offsets"][0] for info in firsts)
-        if stride is None or stride % 4 or any(o % 4 for o in offsets[1::2]) or len(firsts) != 4:
-            return None
-        size = self.data_bytes(layers)
-        view = memoryview(buffer.numpy())[at : at + size]
-        try:
-            self._handle.seek(self._start)
-            got = self._handle.readinto(view)
-        except (OSError, ValueError) as exc:
-            raise RecordCorruptError(f"{self.path}: cannot be read ({exc})") from None
-        if got != size:
-            raise RecordCorruptError(f"{self.path}: truncated")
-        for layer_names, infos in located:
-            for name, info in zip(layer_names, infos):
-                self._checked(name, info, view, 0)
-        heads, tokens, dim = firsts[0]["shape"]
-        if firsts[1]["shape"] != [heads, 1, dim] or any(dtype_of(i["dtype"]) != d for i, d in
-                                                         zip(firsts, (torch.int8, torch.float32) * 2)):
-            raise RecordCorruptError(f"{self.path}: codes and scales do not match")
-        return RawEntry(buffer, offsets, stride, stride, tokens, (layers, heads, dim))
-
-    def _layer_infos(self, index: int) -> tuple[list[str], list[dict]]:
-        quantized = f"k.{index:03d}.codes" in self._header
-        names = [f"{n}.{index:03d}{part}" for n in "kv" for part in ((".codes", ".scales") if quantized else ("",))]
-        infos = [self._header.get(name) for name in names]
-        if any(info is None for info in infos):
-            raise RecordCorruptError(f"{self.path}: layer {index} is missing")
-        return names, infos
-
-    def _read(self, first: int, last: int) -> bytearray:
-        raw = bytearray(last - first)  # the tensors are views of it: no copy after the read
-        try:
-            self._handle.seek(self._start + first)
-            got = self._handle.readinto(raw)
-        except (OSError, ValueError) as exc:
-            raise RecordCorruptError(f"{self.path}: cannot be read ({exc})") from None
-        if got != last - first:
-            raise RecordCorruptError(f"{self.path}: truncated")
-        return raw
-
-    def _layer_in(self, raw: bytearray, first: int, names: list[str], infos: list[dict]):
-        tensors = [self._tensor(name, info, raw, first) for name, info in zip(names, infos)]
-        if len(tensors) == 4:
-            return Quantized(tensors[0], tensors[1]), Quantized(tensors[2], tensors[3])
-        return tensors[0], tensors[1]
-
-    def _tensor(self, name: str, info: dict, raw: bytearray, first: int) -> torch.Tensor:
-        piece, begin, size, dtype = self._checked(name, info, raw, first)
-        if (begin - first) % size:  # a view needs aligned storage: copy this one
-            return torch.frombuffer(bytearray(piece), dtype=torch.uint8).view(dtype).reshape(info["shape"])
-        flat = torch.frombuffer(raw, dtype=torch.uint8, count=len(piece), offset=begin - first)
-        return flat.view(dtype).reshape(info["shape"])
-
-    def _checked(self, name: str, info: dict, raw: bytearray, first: int) -> tuple[memoryview, int, int, torch.dtype]:
-        """A tensor's bytes in `raw` (which starts at data offset `first`), checked against its CRC32 and shape."""
-        begin, end = info["data_offsets"]
-        piece = memoryview(raw)[begin - first : end - first]
-        if zlib.crc32(piece) != self._crcs.get(name):
-            raise RecordCorruptError(f"{self.path}: checksum of {name!r} does not match")
-        dtype = dtype_of(info["dtype"])
-        size = torch.empty((), dtype=dtype).element_size()
-        if len(piece) == 0 or len(piece) != torch.Size(info["shape"]).numel() * size:
-            raise RecordCorruptError(f"{self.path}: tensor {name!r} has the wrong size")
-        return piece, begin, size, dtype
-
-    def close(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            handle.close()
-            self._handle = None
-
-    def __enter__(self) -> "_DiskFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _layer_stride(layers: list[list[dict]]) -> int | None:
-    """The byte distance between consecutive layers' tensors if every layer's tensors match the first's in dtype
-    and shape and sit at the same distance further on (as `_store_packed` writes them), else None."""
-    first = layers[0]
-    stride = layers[1][0]["data_offsets"][0] - first[0]["data_offsets"][0] if len(layers) > 1 else 0
-    for index, infos in enumerate(layers):
-        for info, base in zip(infos, first):
-            if (info["dtype"], info["shape"]) != (base["dtype"], base["shape"]) \
-                    or info["data_offsets"][0] != base["data_offsets"][0] + index * stride:
-                return None
-    return stride
-
-
 def _host_codes(held: tuple[object, object]) -> tuple[Quantized, Quantized] | None:
     """An entry held in host memory as int8 codes, else None (kept at full precision, or on the device)."""
     k, v = held
@@ -792,7 +611,7 @@ def _host(packed: tuple[object, object], pinned: bool, non_blocking: bool = Fals
     get one buffer for their four tensors, so a load moves each to the device in one copy (`_to_device`)."""
     if pinned and all(isinstance(x, Quantized) for x in packed):
         k, v = packed
-        views = _slab([(tuple(t.shape), t.dtype) for t in (k.codes, k.scales, v.codes, v.scales)], pinned=True)
+        views = slab([(tuple(t.shape), t.dtype) for t in (k.codes, k.scales, v.codes, v.scales)], pinned=True)
         for view, t in zip(views, (k.codes, k.scales, v.codes, v.scales)):
             view.copy_(t, non_blocking=non_blocking)
         return Quantized(views[0], views[1]), Quantized(views[2], views[3])
@@ -806,21 +625,8 @@ def _host(packed: tuple[object, object], pinned: bool, non_blocking: bool = Fals
     return tuple(Quantized(copy(x.codes), copy(x.scales)) if isinstance(x, Quantized) else copy(x) for x in packed)
 
 
-_SLAB_ALIGN = 64  # bytes: every tensor of a slab starts aligned for any dtype and for vectorized copies
-
-
-def _slab(specs: list[tuple[tuple[int, ...], torch.dtype]], pinned: bool) -> list[torch.Tensor]:
-    """Empty host tensors of these (shape, dtype), all views of one (page-locked if `pinned`) buffer."""
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
-    offsets = [0]
-    for size in sizes[:-1]:
-        offsets.append(offsets[-1] + -(-size // _SLAB_ALIGN) * _SLAB_ALIGN)
-    buffer = torch.empty(offsets[-1] + sizes[-1], dtype=torch.uint8, pin_memory=pinned)
-    return [buffer[o : o + n].view(dtype).view(shape) for (shape, dtype), o, n in zip(specs, offsets, sizes)]
-
-
 def _to_device(entry: tuple[Quantized, Quantized], device: torch.device) -> tuple[Quantized, Quantized]:
-    """An int8 entry on `device`: in one transfer when its four tensors share one host buffer (`_slab`), else
+    """An int8 entry on `device`: in one transfer when its four tensors share one host buffer (`slab`), else
     one each. Non-blocking: from page-locked memory the copy is only queued."""
     tensors = [entry[0].codes, entry[0].scales, entry[1].codes, entry[1].scales]
     storage = tensors[0].untyped_storage()

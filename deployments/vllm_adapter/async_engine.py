@@ -30,7 +30,7 @@ from kvcore.plan import CapturePlan, CaptureSpan
 from kvcore.record import FactKV
 from kvcore.store import LocalFactStore
 from kvcore.streaming import tier_key
-from kvcore.tiers import advise_willneed, tier_files
+from kvcore.tier_disk import advise_willneed, tier_files
 from models.chat import split_chat
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ import torch
 
 from kvcore.packed import RawEntry, aligned, insert_packed, pack, raw_entry
 from kvcore.quantize import Quantized, dequantize, quantize
-from kvcore.tiers import _slab
+from kvcore.tier_disk import slab
 
 L, H, D = 3, 2, 8
 
@@ -19,7 +19,7 @@ def entry(tokens, seed):
 def in_one_buffer(k, v):
     """How the host tier keeps a pinned entry: its four tensors in one aligned buffer."""
     parts = [k.codes, k.scales, v.codes, v.scales]
-    views = _slab([(tuple(t.shape), t.dtype) for t in parts], pinned=False)
+    views = slab([(tuple(t.shape), t.dtype) for t in parts], pinned=False)
     for view, t in zip(views, parts):
         view.copy_(t)
     return Quantized(views[0], views[1]), Quantized(views[2], views[3])

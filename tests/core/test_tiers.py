@@ -212,7 +212,7 @@ def test_promoting_a_damaged_entry_drops_it(tmp_path):
 
 def test_tier_files_are_named_in_every_slot_and_prefetch_skips_absent_ones(tmp_path):
     from kvcore.streaming import tier_key
-    from kvcore.tiers import advise_willneed, tier_files
+    from kvcore.tier_disk import advise_willneed, tier_files
 
     keys = [tier_key("t", record, (1, 2, 3)) for record in ("f1.v1", "f1.v10", "f2.v1")]
     TieredStore("cpu", 0, 0, tmp_path / "h-slot0").put(keys[0], *kv(1))
@@ -262,11 +262,12 @@ def test_host_memory_moves_its_least_important_entry_down_first(tmp_path):
 def test_an_entry_in_one_host_buffer_moves_as_one_and_keeps_every_tensor():
     """Disk reads (and pinned spills) put an entry's four tensors in one buffer, aligned; moving it hands back
     views of one transfer that hold exactly the original codes and scales."""
-    from kvcore.tiers import _slab, _to_device
+    from kvcore.tier_disk import slab
+    from kvcore.tiers import _to_device
 
     k, v = quantize(kv(1)[0]), quantize(kv(2)[1])
     parts = [k.codes, k.scales, v.codes, v.scales]
-    views = _slab([(tuple(t.shape), t.dtype) for t in parts], pinned=False)
+    views = slab([(tuple(t.shape), t.dtype) for t in parts], pinned=False)
     for view, t in zip(views, parts):
         view.copy_(t)
     storage = views[0].untyped_storage().data_ptr()
@@ -280,13 +281,13 @@ def test_an_entry_in_one_host_buffer_moves_as_one_and_keeps_every_tensor():
 def test_a_tier_file_whose_layers_are_not_evenly_laid_out_is_refused(tmp_path):
     """Whole-file reads copy each tensor of all layers with one stride; a file not written that way (layers of
     different shapes) is refused as damaged rather than read at the wrong offsets."""
-    from kvcore.tiers import _DiskFile, _write_tier_file
+    from kvcore.tier_disk import DiskFile, write_tier_file
 
     path = tmp_path / "odd.kv"
     tensors = {"k.000": torch.zeros(2, 3, 8), "v.000": torch.zeros(2, 3, 8),
                "k.001": torch.zeros(2, 4, 8), "v.001": torch.zeros(2, 4, 8)}
-    _write_tier_file(path, tensors, {"layers": "2"})
-    with _DiskFile(path) as file, pytest.raises(RecordCorruptError, match="evenly spaced"):
+    write_tier_file(path, tensors, {"layers": "2"})
+    with DiskFile(path) as file, pytest.raises(RecordCorruptError, match="evenly spaced"):
         file.read_all(2)
 
 

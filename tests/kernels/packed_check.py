@@ -13,7 +13,7 @@ import torch
 
 from kvcore.packed import RawEntry, aligned, insert_packed, pack, raw_entry
 from kvcore.quantize import Quantized, quantize
-from kvcore.tiers import _slab
+from kvcore.tier_disk import slab
 
 LAYERS, HEADS, DIM, ROWS = 3, 3, 16, 64  # 3 heads: exercises the padded head dimension
 
@@ -28,7 +28,7 @@ def _entries() -> tuple[list[RawEntry], list[tuple[Quantized, Quantized]]]:
         entries.append((k, quantize(torch.randn(LAYERS, HEADS, tokens, DIM, generator=gen))))
     for k, v in entries[:3]:
         parts = [k.codes, k.scales, v.codes, v.scales]
-        views = _slab([(tuple(t.shape), t.dtype) for t in parts], pinned=False)
+        views = slab([(tuple(t.shape), t.dtype) for t in parts], pinned=False)
         for view, t in zip(views, parts):
             view.copy_(t)
         raws.append(raw_entry(Quantized(views[0], views[1]), Quantized(views[2], views[3])))
