@@ -56,6 +56,17 @@ def best_of(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def write_profile(path: Path, headline: str, profile, rows: int = 60) -> None:
+    """A diagnostic's cProfile as text: the headline, then the top `rows` functions by cumulative and own time."""
+    import pstats
+
+    with open(path, "w") as out:
+        out.write(headline + "\n")
+        for key in ("cumulative", "tottime"):
+            pstats.Stats(profile, stream=out).sort_stats(key).print_stats(rows)
+    print(headline, flush=True)
+
+
 def target(name: str, value: float, goal: str) -> dict[str, Any]:
     """`goal` is '>= X' or '<= X'; `met` is computed here so nobody has to trust prose."""
     op, bound = goal.split()

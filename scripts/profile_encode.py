@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import os
-import pstats
 import random
 import sys
 import time
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks._common import scratch_dir  # noqa: E402
+from benchmarks._common import scratch_dir, write_profile  # noqa: E402
 from benchmarks.encode_job import random_weights_model, sentence, write_floor  # noqa: E402
 from cluster.redis_server import LocalRedis  # noqa: E402
 from config import load_settings  # noqa: E402
@@ -72,12 +71,9 @@ def main() -> None:
         per_fact = stored / len(rows)
         floor = write_floor(folder / "floor", int(per_fact), len(rows) - len(batches[0]))
         done = len(rows) - len(batches[0])
-        with open(args.out, "w") as out:
-            out.write(f"w={args.window}: {done / elapsed:.1f} facts/s ({done * per_fact / elapsed / 1e9:.2f} GB/s "
-                      f"of records, {per_fact / 1e6:.2f} MB a fact); disk write floor {floor / 1e9:.2f} GB/s\n")
-            for key in ("cumulative", "tottime"):
-                pstats.Stats(profile, stream=out).sort_stats(key).print_stats(50)
-        print(open(args.out).readline(), end="")
+        write_profile(args.out, f"w={args.window}: {done / elapsed:.1f} facts/s ({done * per_fact / elapsed / 1e9:.2f} "
+                                f"GB/s of records, {per_fact / 1e6:.2f} MB a fact); disk write floor "
+                                f"{floor / 1e9:.2f} GB/s", profile)
     finally:
         server.stop()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import os
-import pstats
 import statistics
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks._common import scratch_dir  # noqa: E402
+from benchmarks._common import scratch_dir, write_profile  # noqa: E402
 from benchmarks.offload_tiers import CONFIGS, drop_page_cache, prepare  # noqa: E402
 
 
@@ -45,12 +44,8 @@ def main() -> None:
     profile.enable()
     lower, arena = bench.alternate(llm, "bench", sets, args.repeats, before_lower=before)
     profile.disable()
-    with open(args.out, "w") as out:
-        out.write(f"{args.tier} tier TTFT median {statistics.median(lower) * 1e3:.2f} ms, arena "
-                  f"{statistics.median(arena) * 1e3:.2f} ms, {len(lower)} lower asks\n")
-        for key in ("cumulative", "tottime"):
-            pstats.Stats(profile, stream=out).sort_stats(key).print_stats(60)
-    print(open(args.out).readline(), end="")
+    write_profile(args.out, f"{args.tier} tier TTFT median {statistics.median(lower) * 1e3:.2f} ms, arena "
+                            f"{statistics.median(arena) * 1e3:.2f} ms, {len(lower)} lower asks", profile)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ where each fact's K/V is held (tier, this replica's slot name, version) to the R
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
@@ -91,12 +92,13 @@ class InferscaleConnector(KVConnectorBase_V1):
                 replica = slot.name
             self._tiers = tiers
             self._placement = _placement_writer(replica) if extra.get("report_placement", False) else None
+            kernels = bool(extra.get("fused_kernel", True))  # the Triton kernels, where they apply
             self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", 1 << 30)),
-                                           tiers=tiers, step_writer=_step_writer() if extra.get("fused_kernel", True) else None,
+                                           tiers=tiers, step_writer=_triton_kernel("fused_inject", "fused_row_writer") if kernels else None,
                                            placement=self._placement,
                                            whole_load_bytes=int(extra.get("whole_load_bytes", 1 << 30)),
                                            device_tenant_bytes=_optional_int(extra.get("device_tenant_bytes")),
-                                           packed_inserter=_packed_inserter() if extra.get("fused_kernel", True) else None)
+                                           packed_inserter=_triton_kernel("packed_insert", "insert_packed_kernel") if kernels else None)
             self._capture = CaptureWorker(store, fingerprint, rope)
 
     # ---- scheduler side ----
@@ -201,21 +203,11 @@ def _placement_writer(replica: str):
     return PlacementWriter(RedisMeta(url), replica).start()
 
 
-def _packed_inserter():
-    """The Triton kernel that dequantizes whole tier loads into the arena, or None where Triton is not installed."""
+def _triton_kernel(module: str, name: str):
+    """`name` from `deployments.triton_adapter.<module>` (a kernel or its factory), or None where Triton is not
+    installed (the torch paths then)."""
     try:
-        from deployments.triton_adapter.packed_insert import insert_packed_kernel
+        return getattr(importlib.import_module(f"deployments.triton_adapter.{module}"), name)
     except ImportError as exc:
-        log.info("packed insert kernel unavailable: %s", exc)
+        log.info("Triton kernel %s unavailable: %s", name, exc)
         return None
-    return insert_packed_kernel
-
-
-def _step_writer():
-    """The Triton step writer's factory, or None where Triton is not installed."""
-    try:
-        from deployments.triton_adapter.fused_inject import fused_row_writer
-    except ImportError as exc:
-        log.info("fused injection kernel unavailable: %s", exc)
-        return None
-    return fused_row_writer

@@ -1,24 +1,14 @@
 """The Triton packed-insert kernel writes what the torch path writes (interpreted on CPU, compiled on CUDA)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels._run import run_check  # noqa: E402
 
 
 def _check(device: str, dtype: str, interpret: bool) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.packed_check", device, dtype], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_check("packed_check", device, dtype, interpret)
 
 
 def test_interpreted_kernel_matches_the_torch_path_bit_for_bit():
