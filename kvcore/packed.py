@@ -14,6 +14,7 @@ no kernel applies, and the kernel's reference.
 from __future__ import annotations
 
 import itertools
+import math
 from array import array
 from dataclasses import dataclass
 from typing import Protocol
@@ -83,13 +84,11 @@ def raw_entry(k: Quantized, v: Quantized) -> RawEntry:
     """An entry's bytes: the host buffer its tensors are views of (a host-tier entry), else a fresh one."""
     tensors = [k.codes, k.scales.float(), v.codes, v.scales.float()]
     shared = _shared_buffer(tensors)
-    if shared is None:
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        where = [0, *itertools.accumulate(aligned(n) for n in sizes)]
-        buffer = torch.empty(where[-1], dtype=torch.uint8)
-        for at, n, t in zip(where, sizes, tensors):
-            buffer[at : at + n].copy_(t.contiguous().view(-1).view(torch.uint8))
-        shared = buffer, where[:4]
+    if shared is None:  # separate host tensors (an unpinned host tier): one buffer made for them
+        views = slab([(tuple(t.shape), t.dtype) for t in tensors], pinned=False)
+        for view, t in zip(views, tensors):
+            view.copy_(t)
+        shared = _shared_buffer(views)
     buffer, where = shared
     layers, heads, tokens, dim = k.codes.shape
     return RawEntry(buffer, tuple(where), heads * tokens * dim, heads * dim * 4, tokens, (layers, heads, dim))
@@ -153,3 +152,12 @@ def _shared_buffer(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]
     if any(w % 4 for w in where[1::2]):
         return None
     return buffer, where
+
+
+def slab(specs: list[tuple[tuple[int, ...], torch.dtype]], pinned: bool) -> list[torch.Tensor]:
+    """Empty host tensors of these (shape, dtype), all views of one (page-locked if `pinned`) buffer, each aligned:
+    how the tiers keep an entry, so that it moves to the device in one copy."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    offsets = [0, *itertools.accumulate(aligned(size) for size in sizes[:-1])]
+    buffer = torch.empty(offsets[-1] + sizes[-1], dtype=torch.uint8, pin_memory=pinned)
+    return [buffer[o : o + n].view(dtype).view(shape) for (shape, dtype), o, n in zip(specs, offsets, sizes)]

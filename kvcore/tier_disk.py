@@ -3,13 +3,12 @@
 A file holds one entry's K and V (int8 codes and float32 scales, or values) layer after layer, so one layer is
 read on its own; every tensor's CRC32 is in the header, so a flipped, truncated or vanished file raises
 `RecordCorruptError` instead of serving garbage. `slab` makes the host buffers that reads land in: an entry's
-tensors side by side in one aligned (page-locked) buffer, so it reaches the device in one copy.
+tensors side by side in one aligned (page-locked) buffer (`kvcore.packed.slab`), so it reaches the device in one copy.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import zlib
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvcore.errors import RecordCorruptError
-from kvcore.packed import ALIGN, RawEntry
+from kvcore.packed import RawEntry, slab
 from kvcore.quantize import Quantized
 from kvcore.safetensors_io import dtype_of, read_header, write_atomic
 
@@ -86,14 +85,8 @@ class DiskFile:
         copied straight into page-locked memory when `pinned` (the one copy a device upload needs). The file's
         layers are equal in shape and evenly spaced, so each tensor of all layers is one strided copy, not L views."""
         located = [self._layer_infos(index) for index in range(layers)]
-        last = max(info["data_offsets"][1] for _, infos in located for info in infos)
-        raw = self._read(0, last)
-        stride = layer_stride([infos for _, infos in located])
-        if stride is None:  # `_store_packed` never writes such a file
-            raise RecordCorruptError(f"{self.path}: layers differ in shape or are not evenly spaced")
-        for names, infos in located:
-            for name, info in zip(names, infos):
-                self._checked(name, info, raw, 0)
+        raw = bytearray(self._data_bytes(located))  # the tensors are views of it: no copy after the read
+        stride = self._read_checked(located, memoryview(raw))
         flat = torch.frombuffer(raw, dtype=torch.uint8)
         firsts = located[0][1]
         out = slab([((layers, *info["shape"]), dtype_of(info["dtype"])) for info in firsts], pinned)  # one buffer
@@ -106,34 +99,46 @@ class DiskFile:
 
     def data_bytes(self, layers: int) -> int:
         """Bytes of the file's tensors (what `read_raw` reads)."""
-        return max(info["data_offsets"][1] for index in range(layers) for info in self._layer_infos(index)[1])
+        return self._data_bytes([self._layer_infos(index) for index in range(layers)])
 
     def read_raw(self, layers: int, buffer: torch.Tensor, at: int) -> RawEntry | None:
         """The file's tensors read in one call into `buffer` at `at`, as they lie (layer after layer), checked;
-        None if its layers are not evenly spaced or its scales not 4-byte aligned (then read another way)."""
+        None if its scales are not 4-byte aligned there (then read another way)."""
         located = [self._layer_infos(index) for index in range(layers)]
-        stride = layer_stride([infos for _, infos in located])
-        names, firsts = located[0]
-        offsets = tuple(at + info["data_offsets"][0] for info in firsts)
-        if stride is None or stride % 4 or any(o % 4 for o in offsets[1::2]) or len(firsts) != 4:
+        firsts = located[0][1]
+        if len(firsts) != 4:
             return None
-        size = self.data_bytes(layers)
-        view = memoryview(buffer.numpy())[at : at + size]
-        try:
-            self._handle.seek(self._start)
-            got = self._handle.readinto(view)
-        except (OSError, ValueError) as exc:
-            raise RecordCorruptError(f"{self.path}: cannot be read ({exc})") from None
-        if got != size:
-            raise RecordCorruptError(f"{self.path}: truncated")
-        for layer_names, infos in located:
-            for name, info in zip(layer_names, infos):
-                self._checked(name, info, view, 0)
+        stride = self._read_checked(located, memoryview(buffer.numpy())[at : at + self._data_bytes(located)])
+        offsets = tuple(at + info["data_offsets"][0] for info in firsts)
+        if stride % 4 or any(o % 4 for o in offsets[1::2]):
+            return None
         heads, tokens, dim = firsts[0]["shape"]
         if firsts[1]["shape"] != [heads, 1, dim] or any(dtype_of(i["dtype"]) != d for i, d in
                                                          zip(firsts, (torch.int8, torch.float32) * 2)):
             raise RecordCorruptError(f"{self.path}: codes and scales do not match")
         return RawEntry(buffer, offsets, stride, stride, tokens, (layers, heads, dim))
+
+    @staticmethod
+    def _data_bytes(located: list[tuple[list[str], list[dict]]]) -> int:
+        return max(info["data_offsets"][1] for _, infos in located for info in infos)
+
+    def _read_checked(self, located: list[tuple[list[str], list[dict]]], into: memoryview) -> int:
+        """Every layer's tensors read in one call into `into` and checked; the distance between layers. A file
+        whose layers differ in shape or are not evenly spaced is refused (`_store_packed` never writes one)."""
+        stride = layer_stride([infos for _, infos in located])
+        if stride is None:
+            raise RecordCorruptError(f"{self.path}: layers differ in shape or are not evenly spaced")
+        try:
+            self._handle.seek(self._start)
+            got = self._handle.readinto(into)
+        except (OSError, ValueError) as exc:
+            raise RecordCorruptError(f"{self.path}: cannot be read ({exc})") from None
+        if got != len(into):
+            raise RecordCorruptError(f"{self.path}: truncated")
+        for names, infos in located:
+            for name, info in zip(names, infos):
+                self._checked(name, info, into, 0)
+        return stride
 
     def _layer_infos(self, index: int) -> tuple[list[str], list[dict]]:
         quantized = f"k.{index:03d}.codes" in self._header
@@ -203,13 +208,3 @@ def layer_stride(layers: list[list[dict]]) -> int | None:
                     or info["data_offsets"][0] != base["data_offsets"][0] + index * stride:
                 return None
     return stride
-
-
-def slab(specs: list[tuple[tuple[int, ...], torch.dtype]], pinned: bool) -> list[torch.Tensor]:
-    """Empty host tensors of these (shape, dtype), all views of one (page-locked if `pinned`) buffer."""
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
-    offsets = [0]
-    for size in sizes[:-1]:
-        offsets.append(offsets[-1] + -(-size // ALIGN) * ALIGN)
-    buffer = torch.empty(offsets[-1] + sizes[-1], dtype=torch.uint8, pin_memory=pinned)
-    return [buffer[o : o + n].view(dtype).view(shape) for (shape, dtype), o, n in zip(specs, offsets, sizes)]

@@ -31,10 +31,10 @@ import torch
 
 from kvcore.conversation import check_identifier
 from kvcore.errors import RecordCorruptError
-from kvcore.packed import RawEntry, aligned, raw_entry
+from kvcore.packed import RawEntry, aligned, raw_entry, slab
 from kvcore.quantize import Quantized, dequantize, quantize, quantize_many
 from kvcore.safetensors_io import read_header
-from kvcore.tier_disk import DiskFile, Key, advise_willneed, file_name, slab, write_tier_file
+from kvcore.tier_disk import DiskFile, Key, advise_willneed, file_name, write_tier_file
 
 log = logging.getLogger(__name__)
 Tier = Literal["gpu", "cpu", "disk"]

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from kvcore.packed import RawEntry, aligned, insert_packed, pack, raw_entry
+from kvcore.packed import RawEntry, aligned, insert_packed, pack, raw_entry, slab
 from kvcore.quantize import Quantized, dequantize, quantize
-from kvcore.tier_disk import slab
 
 L, H, D = 3, 2, 8
 

@@ -262,7 +262,7 @@ def test_host_memory_moves_its_least_important_entry_down_first(tmp_path):
 def test_an_entry_in_one_host_buffer_moves_as_one_and_keeps_every_tensor():
     """Disk reads (and pinned spills) put an entry's four tensors in one buffer, aligned; moving it hands back
     views of one transfer that hold exactly the original codes and scales."""
-    from kvcore.tier_disk import slab
+    from kvcore.packed import slab
     from kvcore.tiers import _to_device
 
     k, v = quantize(kv(1)[0]), quantize(kv(2)[1])

@@ -11,9 +11,8 @@ import sys
 
 import torch
 
-from kvcore.packed import RawEntry, aligned, insert_packed, pack, raw_entry
+from kvcore.packed import RawEntry, aligned, insert_packed, pack, raw_entry, slab
 from kvcore.quantize import Quantized, quantize
-from kvcore.tier_disk import slab
 
 LAYERS, HEADS, DIM, ROWS = 3, 3, 16, 64  # 3 heads: exercises the padded head dimension
 
