@@ -9,7 +9,8 @@ Both the end-to-end rate and the rate once running (between the first and the la
 so without the actors' start and model load) are reported, each against the plain prefill. The disk's
 durable write rate for files of a record's size (`write_floor`) is measured in the same run: at small
 windows a fact's K/V is bytes the job must store faster than the GPU produces them, and
-`write_floor_over_prefill` says what share of plain prefill's rate the disk alone admits.
+`write_floor_over_prefill` says what share of plain prefill's rate the disk alone admits; the same bytes written
+as one file (`sequential_write_rate`) say how much any other layout of the records could gain over files.
 `--config` runs the job with a model of that shape and random weights (saved once, SmolLM2's tokenizer):
 a 135M model prefills a fact in microseconds, so only a serving-sized model shows whether the job keeps
 the GPU busy rather than how fast per-fact store writes are.
@@ -115,7 +116,9 @@ def main() -> None:
         floor = write_floor(folder / "floor", int(largest["record_bytes_per_fact"]), min(facts_per_run, 512))
         for row in rows:  # the share of plain prefill's rate that the disk can store, if the job did nothing else
             row["write_floor_over_prefill"] = floor / row["records_bytes_per_s_at_prefill_rate"]
-        print(f"disk write floor {floor / 1e9:.2f} GB/s", flush=True)
+        sequential = sequential_write_rate(folder / "sequential", int(largest["record_bytes_per_fact"]) * min(facts_per_run, 512))
+        print(f"disk write floor {floor / 1e9:.2f} GB/s (files of a record's size); one file {sequential / 1e9:.2f} GB/s",
+              flush=True)
     finally:
         ray.shutdown()
         server.stop()
@@ -124,7 +127,8 @@ def main() -> None:
     targets += [target(f"job_once_running_over_prefill_w{r['window']}", r["steady_ratio"], goal) for r in rows]
     write_report(args.out, {"benchmark": "encode_job", "quick": args.quick, "gpu": gpu, "workers": workers,
                             "model": str(args.config) if args.config else "SmolLM2-135M",
-                            "disk_write_floor_bytes_per_s": floor, "rows": rows,
+                            "disk_write_floor_bytes_per_s": floor, "disk_sequential_write_bytes_per_s": sequential,
+                            "rows": rows,
                             "targets": targets})
 
 
@@ -162,6 +166,25 @@ def write_floor(folder: Path, file_bytes: int, count: int, threads: int = 8) -> 
     elapsed = time.perf_counter() - start
     shutil.rmtree(folder, ignore_errors=True)
     return file_bytes * count / elapsed
+
+
+def sequential_write_rate(folder: Path, total_bytes: int, chunk: int = 64 << 20) -> float:
+    """Bytes a second this disk takes durably as one file written in large pieces and fsynced once: what a
+    log-structured layout of the records could reach at best."""
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = os.urandom(min(chunk, total_bytes))
+    start = time.perf_counter()
+    fd = os.open(folder / "all.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        written = 0
+        while written < total_bytes:
+            written += os.write(fd, payload[: total_bytes - written])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    elapsed = time.perf_counter() - start
+    shutil.rmtree(folder, ignore_errors=True)
+    return total_bytes / elapsed
 
 
 def random_weights_model(config_path: Path, into: Path, dtype: str) -> str:

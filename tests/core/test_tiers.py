@@ -344,3 +344,29 @@ def test_a_whole_read_decides_on_one_reading_of_where_an_entry_is(tmp_path):
     arena_k, arena_v = torch.zeros(L, T, H, D), torch.zeros(L, T, H, D)
     insert_packed(packed, torch.arange(T), arena_k, arena_v)
     assert torch.equal(arena_k.permute(0, 2, 1, 3), dequantize(quantize(k)))
+
+
+@pytest.mark.parametrize("data_checksum", [True, False], ids=["one-check", "per-tensor (older files)"])
+def test_a_whole_read_checks_every_byte_of_the_file_once(tmp_path, data_checksum):
+    """Whole and raw reads check the data section with the file's one CRC (files of earlier versions, with
+    per-tensor CRCs only, are checked tensor by tensor): a byte flipped in any layer is caught either way."""
+    from kvcore.packed import aligned
+    from kvcore.safetensors_io import write_atomic
+    from kvcore.tier_disk import DiskFile
+
+    k, v = quantize(kv(1)[0]), quantize(kv(2)[1])
+    tensors = {f"{n}.{i:03d}{part}": t[i] for i in range(L) for n, q in (("k", k), ("v", v))
+               for part, t in ((".codes", q.codes), (".scales", q.scales))}
+    path = tmp_path / "t__a.kv"
+    write_atomic(path, tensors, {"layers": str(L)}, durable=False, checksums=True, data_checksum=data_checksum)
+    with DiskFile(path) as file:
+        got_k, got_v = file.read_all(L)
+        data = file.data_bytes(L)
+        buffer = torch.zeros(aligned(data), dtype=torch.uint8)
+        raw = file.read_raw(L, buffer, 0)
+    assert torch.equal(got_k.codes, k.codes) and torch.equal(got_v.scales, v.scales) and raw is not None
+    assert raw.tokens == T and raw.shape == (L, H, D)
+    flip_a_byte(path, at=-data // 2)  # inside a middle layer's tensors
+    for read in (lambda f: f.read_all(L), lambda f: f.read_raw(L, buffer, 0)):
+        with DiskFile(path) as file, pytest.raises(RecordCorruptError, match="checksum"):
+            read(file)
