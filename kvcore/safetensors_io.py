@@ -54,14 +54,16 @@ def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Ma
     """Write several files, each complete or not at all: the temporary files written and fsynced side by side
     on a pool of threads (the writes and checksums release the GIL; the filesystem commits its journal for the
     group), then the renames and one fsync per folder. A failure removes the temporary files and leaves the
-    targets as they were."""
+    targets as they were. The tensors' bytes are found here, on the calling thread: torch calls on the pool's
+    threads would hand the GIL back and forth between them (it cost a job 4x its disk's rate)."""
     staged: list[tuple[str, Path]] = []
     error: BaseException | None = None
+    laid_out = [_lay_out(tensors) for _, tensors, _ in files]
     for folder in {path.parent for path, _, _ in files}:
         folder.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(min(8, len(files)) or 1) as pool:
-        futures = [pool.submit(_write_temporary, path, tensors, metadata, checksums, durable, data_checksum)
-                   for path, tensors, metadata in files]
+        futures = [pool.submit(_write_temporary, path, blobs, metadata, checksums, durable, data_checksum)
+                   for (path, _, metadata), blobs in zip(files, laid_out)]
         for future, (path, _, _) in zip(futures, files):
             try:
                 staged.append((future.result(), path))
@@ -81,21 +83,26 @@ def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Ma
             _fsync_path(str(folder))
 
 
-def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], checksums: bool,
-                     durable: bool = False, data_checksum: bool = False) -> str:
+def _lay_out(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, str, list[int], memoryview]]:
+    """Each tensor's name, dtype name, shape and host bytes, in order."""
+    out = []
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"dtype {tensor.dtype} cannot be stored")
+        out.append((name, _DTYPES[tensor.dtype], list(tensor.shape), _host_bytes(tensor)))
+    return out
+
+
+def _write_temporary(path: Path, blobs: list[tuple[str, str, list[int], memoryview]], metadata: Mapping[str, str],
+                     checksums: bool, durable: bool = False, data_checksum: bool = False) -> str:
     """The file's bytes under a temporary name next to `path`, in one gathered write (no copies of the tensors),
     fsynced before it is closed when `durable`."""
     header: dict[str, object] = {"__metadata__": dict(metadata)}
     offset = 0
-    blobs: list[memoryview] = []
     crcs: dict[str, int] = {}
     data_crc = 0
-    for name, tensor in tensors.items():
-        if tensor.dtype not in _DTYPES:
-            raise TypeError(f"dtype {tensor.dtype} cannot be stored")
-        blob = _host_bytes(tensor)
-        header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
+    for name, dtype, shape, blob in blobs:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(blob)]}
         offset += len(blob)
         if checksums:
             crcs[name] = zlib.crc32(blob)
@@ -109,7 +116,7 @@ def _write_temporary(path: Path, tensors: Mapping[str, torch.Tensor], metadata: 
     raw += b" " * (-len(raw) % 8)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        _write_all(fd, [struct.pack("<Q", len(raw)), raw, *blobs])
+        _write_all(fd, [struct.pack("<Q", len(raw)), raw, *(blob for *_, blob in blobs)])
         if durable:
             os.fsync(fd)
     except BaseException:
@@ -124,7 +131,7 @@ def _host_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes without a copy when it already sits contiguous in host memory (a record's layers
     are views of one buffer: a few thousand of them a second go through here while a job encodes)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        tensor = tensor.detach().cpu().contiguous()
+        tensor = tensor.cpu().contiguous()
     return memoryview(tensor.detach().view(-1).view(torch.uint8).numpy())
 
 
