@@ -55,7 +55,7 @@ def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Ma
     on a pool of threads (the writes and checksums release the GIL; the filesystem commits its journal for the
     group), then the renames and one fsync per folder. A failure removes the temporary files and leaves the
     targets as they were. The tensors' bytes are found here, on the calling thread: torch calls on the pool's
-    threads would hand the GIL back and forth between them (it cost a job 4x its disk's rate)."""
+    threads would hand the GIL back and forth between them (it held a job to a quarter of its disk's rate)."""
     staged: list[tuple[str, Path]] = []
     error: BaseException | None = None
     laid_out = [_lay_out(tensors) for _, tensors, _ in files]
