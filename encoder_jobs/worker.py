@@ -7,6 +7,7 @@ one that already has it is skipped. A fact that fails (too long, bad text) is re
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -44,6 +45,9 @@ class EncodeWorker:
         self._window = window
         self._limits = FactLimits(self._settings.encoding.max_fact_chars, self._settings.encoding.max_fact_tokens)
         self._stored = 0
+        # the model, tokenizers and clients live as long as the actor: kept out of the cyclic collector, whose
+        # full passes over them cost a batch ~44 ms (of ~0.6 s at the 8B shape) and now cost ~4
+        gc.freeze()
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         rows = [_plain(dict(zip(batch, values))) for values in zip(*batch.values())]
