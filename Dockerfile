@@ -1,5 +1,5 @@
 # The image the Helm chart (helm/inferscale) runs on every Ray pod: Ray 2.60 on Python 3.12 with CUDA, vLLM 0.26
-# (torch 2.11), FAISS on GPU, and inferscale with the bundled SmolLM2 converted at build time.
+# (torch 2.11), and inferscale with the bundled SmolLM2 converted at build time.
 #   docker build -t ghcr.io/inferscale/inferscale:0.1.0 .
 FROM rayproject/ray:2.60.0-py312-gpu
 

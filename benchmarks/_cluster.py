@@ -31,7 +31,8 @@ def shaped_model(config_path: Path, into: Path) -> tuple[str, str]:
     return str(into), "dummy-" + hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def start_cluster(state: Path, cuda: bool, shape: Path | None):
+def start_cluster(state: Path, cuda: bool, shape: Path | None, proxy: str = "haproxy"):
+    """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode."""
     import os
 
     import ray
@@ -40,12 +41,15 @@ def start_cluster(state: Path, cuda: bool, shape: Path | None):
     from cluster.ray_head import LOOPBACK_ENV, free_port
     from cluster.redis_server import LocalRedis
     from deployments.ray_serve.app import build_app
+    from deployments.ray_serve.serve_mode import apply_serve_env
     from tenants.auth import new_admin_key
 
     os.environ.update(LOOPBACK_ENV)
     redis = LocalRedis(state / "redis").start()
+    temp_dir = scratch_dir(prefix="ray-", dir="/tmp")
+    apply_serve_env(proxy, Path(temp_dir) / "serve")  # type: ignore[arg-type]
     ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-             _temp_dir=scratch_dir(prefix="ray-", dir="/tmp"))
+             _temp_dir=temp_dir, _node_ip_address="127.0.0.1")
     port, admin = free_port(), new_admin_key()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     env = {"VLLM_CACHE_ROOT": str(state / "vllm-cache")} | ({} if cuda else {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
@@ -65,7 +69,7 @@ def start_cluster(state: Path, cuda: bool, shape: Path | None):
     args = {"redis_url": redis.url, "state_dir": str(state), "admin_key": admin, "llm": llm,
             "ingress": ingress}
     serve.run(build_app(args), name="inferscale", route_prefix="/")
-    return f"http://127.0.0.1:{port}", admin, redis
+    return f"http://127.0.0.1:{port}", admin, redis, args
 
 
 @contextmanager
@@ -80,7 +84,7 @@ def cluster_for(base_url: str | None, admin_key: str | None, name: str, cuda: bo
             raise SystemExit("an admin key is needed with --base-url (--admin-key or INFERSCALE_ADMIN_KEY)")
         yield base_url.rstrip("/"), admin_key
         return
-    base, admin, redis = start_cluster(Path(scratch_dir(prefix=f"{name}-")), cuda=cuda, shape=None)
+    base, admin, redis, _ = start_cluster(Path(scratch_dir(prefix=f"{name}-")), cuda=cuda, shape=None)
     try:
         yield base, admin
     finally:

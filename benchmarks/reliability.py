@@ -79,7 +79,7 @@ def main() -> None:
     from benchmarks._cluster import start_cluster
 
     state = Path(scratch_dir(prefix="reliability-"))
-    base, admin, redis = start_cluster(state, cuda=False, shape=None)
+    base, admin, redis, _ = start_cluster(state, cuda=False, shape=None)
     try:
         tenant_key = Api(base, admin).tenant("fuzz-tenant")
         fuzzing = {who: fuzz(base, key, examples, state / f"fuzz-{who}") for who, key in (("tenant", tenant_key), ("admin", admin))}

@@ -97,7 +97,7 @@ def main() -> None:
     minutes, tenants, users, window_s = (2.0, 8, 4, 20.0) if args.quick else (args.minutes, 50, 16, args.window_s)
     from benchmarks._cluster import start_cluster
 
-    base, admin, redis = start_cluster(Path(scratch_dir(prefix="soak-")), cuda=False, shape=None)
+    base, admin, redis, _ = start_cluster(Path(scratch_dir(prefix="soak-")), cuda=False, shape=None)
     windows = soak(base, admin, redis.url, minutes=minutes, tenants=tenants, users=users, window_s=window_s)
     from ray import serve
 

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.command == "up":
                 return up.run_up(settings, port=args.port or up.default_port(), out=sys.stdout)
-            return up.run_down(settings) if args.command == "down" else up.run_serve(args.config)
+            return up.run_down(settings) if args.command == "down" else up.run_serve(settings, args.config)
         if args.command in ("encode", "tenant", "job"):
             from cluster.jobs_cli import run_encode, run_job_action, run_tenant_create
 

@@ -1,8 +1,8 @@
 """`inferscale encode` and `inferscale tenant`: run on the embedded default, or submit to a Ray cluster.
 
 Without `INFERSCALE_REDIS__URL` the command starts the project's redis-server on its state folder for
-its own duration. The admin key comes from `INFERSCALE_ADMIN_KEY`; on a store that has none yet, one is
-created and printed once. `--submit URL` sends the same command to a cluster's Ray Jobs API instead
+its own duration. The admin key comes from `INFERSCALE_ADMIN_KEY` (installed, replacing a stored one); without
+it, on a store that has none yet, one is created and printed once. `--submit URL` sends the same command to a cluster's Ray Jobs API instead
 (the input file travels in the job's working directory) and follows its log.
 """
 
@@ -35,8 +35,9 @@ def _store(settings: Settings) -> Iterator[tuple[str, TenantService, str]]:
     try:
         service = tenants.service
         admin = settings.admin_key
-        created = service.ensure_admin_key()
-        if created:
+        if admin:  # a configured key is authoritative, as for the serving app: installed, replacing a stored one
+            service.install_admin_key(admin)
+        elif created := service.ensure_admin_key():
             print(f"admin key (shown once; export {ADMIN_ENV}=...): {created}", file=sys.stderr)
             admin = created
         if not admin:

@@ -66,11 +66,14 @@ class RayHead:
         return head
 
     def stop(self) -> int:
-        """Kill this head's processes; returns how many there were."""
+        """Kill this head's processes (those naming its temp folder, and its Ray client server, which names only
+        the head's address); returns how many there were."""
         killed = 0
         for proc in psutil.process_iter(["cmdline"]):
             try:
-                if proc.pid != os.getpid() and any(self.temp_dir in part for part in proc.info["cmdline"] or []):
+                cmdline = proc.info["cmdline"] or []
+                if proc.pid != os.getpid() and (any(self.temp_dir in part for part in cmdline)
+                                                or f"--address={self.address}" in cmdline):
                     proc.kill()
                     killed += 1
             except (psutil.NoSuchProcess, psutil.AccessDenied):

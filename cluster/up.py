@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import requests
 
@@ -23,36 +23,54 @@ from cluster.demo import FACTS, QUESTIONS
 from cluster.ray_head import LOOPBACK_ENV, RayHead, free_port
 from cluster.redis_server import LocalRedis
 from config.settings import Settings
-from tenants.auth import new_admin_key
+from deployments.ray_serve.serve_mode import apply_serve_env, serve_env
+from tenants.auth import check_admin_key, new_admin_key
+from tenants.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
 APP_NAME = "inferscale"
 DEMO_TENANT = "demo"
+Deploy = Callable[[Settings, str, int, dict[str, Any]], None]  # (settings, Ray address, HTTP port, app args)
 
 
-def run_up(settings: Settings, *, port: int, out: TextIO) -> int:
+def run_up(settings: Settings, *, port: int, out: TextIO, deploy: Deploy | None = None) -> int:
+    """Start, deploy and demo; 2 before anything starts (already up, invalid admin key), 1 when a step fails.
+
+    `deploy` replaces `_deploy` (tests make it fail). A failure after something was started is printed
+    before the clean-up, which disconnects this driver from Ray before it stops the head.
+    """
     state_file = settings.state_dir / "up.json"
     if state_file.exists():
         print(f"inferscale: error: a cluster is already up ({state_file}); run `inferscale down` first", file=sys.stderr)
         return 2
     settings.state_dir.mkdir(parents=True, exist_ok=True)
+    admin_key, source = _admin_key(settings)
+    try:
+        check_admin_key(admin_key)
+    except InvalidInputError as exc:
+        print(f"inferscale: error: {source}: {exc}", file=sys.stderr)
+        return 2
     import torch
 
-    redis = None
-    if settings.redis.url is None:
-        redis = LocalRedis(settings.state_dir / "redis", settings.redis.port, settings.redis.appendfsync).start()
-    redis_url = settings.redis.url or redis.url
-    admin_key = settings.admin_key or _local_admin_key(settings.state_dir)
-    head = RayHead.start(num_cpus=max(8, os.cpu_count() or 2), num_gpus=torch.cuda.device_count() or None)
-    state = {"ray": head.to_dict(), "redis_pid": redis.pid if redis else None, "redis_url": redis_url,
-             "port": port}
-    state_file.write_text(json.dumps(state))
+    redis = head = None
     try:
-        _deploy(settings, head.address, port, _app_args(settings, redis_url, admin_key, torch.cuda.is_available()))
+        if settings.redis.url is None:
+            redis = LocalRedis(settings.state_dir / "redis", settings.redis.port, settings.redis.appendfsync).start()
+        redis_url = settings.redis.url or redis.url
+        apply_serve_env(settings.serve.proxy, settings.state_dir / "serve")  # the head and its workers read it at start
+        head = RayHead.start(num_cpus=max(8, os.cpu_count() or 2), num_gpus=torch.cuda.device_count() or None)
+        state = {"ray": head.to_dict(), "redis_pid": redis.pid if redis else None, "redis_url": redis_url,
+                 "port": port}
+        state_file.write_text(json.dumps(state))
+        (deploy or _deploy)(settings, head.address, port,
+                            _app_args(settings, redis_url, admin_key, torch.cuda.is_available()))
         _demo(f"http://127.0.0.1:{port}", admin_key, out)
-    except BaseException:
-        run_down(settings)
-        raise
+    except BaseException as exc:
+        _report_failure(exc)
+        _clean_up(state_file, redis, head)
+        if not isinstance(exc, Exception):
+            raise
+        return 1
     return 0
 
 
@@ -73,8 +91,42 @@ def run_down(settings: Settings) -> int:
     return 0
 
 
-def run_serve(config_path: Path) -> int:
-    """Deploy the applications of a Serve config YAML onto the Ray cluster at RAY_ADDRESS."""
+def _admin_key(settings: Settings) -> tuple[str, str]:
+    """The admin key `up` installs, and where it comes from (for error messages; never the key itself)."""
+    if settings.admin_key:
+        return settings.admin_key, "INFERSCALE_ADMIN_KEY"
+    return _local_admin_key(settings.state_dir), f"the stored admin key ({settings.state_dir / 'admin.key'})"
+
+
+def _report_failure(exc: BaseException) -> None:
+    """The cause of a failed `up`, printed before the clean-up: one line, then the message's other lines
+    (a failed deployment's replica traceback) and, at debug level, this process's traceback."""
+    first, _, rest = str(exc).strip().partition("\n")
+    cause = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    print(f"inferscale: error: `inferscale up` failed: {cause}", file=sys.stderr, flush=True)
+    if rest:
+        print(rest, file=sys.stderr, flush=True)
+    log.debug("`inferscale up` failed", exc_info=exc)
+
+
+def _clean_up(state_file: Path, redis: LocalRedis | None, head: RayHead | None) -> None:
+    """Stop what a failed `up` started. The driver leaves Ray first: a driver still attached to a head that
+    is killed under it makes Ray's client abort the process."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    killed = head.stop() if head is not None else 0
+    if redis is not None:
+        redis.stop()
+    state_file.unlink(missing_ok=True)
+    print(f"stopped what `inferscale up` started (the Ray head: {killed} processes"
+          f"{'; the local redis-server' if redis is not None else ''})", file=sys.stderr, flush=True)
+
+
+def run_serve(settings: Settings, config_path: Path) -> int:
+    """Deploy the applications of a Serve config YAML onto the Ray cluster at RAY_ADDRESS, in the proxy mode
+    of the settings: Serve's controller, proxies and replicas get its switches (a cluster whose nodes were
+    started with them, as the Helm chart does, runs the same way)."""
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
@@ -84,9 +136,12 @@ def run_serve(config_path: Path) -> int:
     from ray import serve
     from ray._common.utils import import_attr
 
-    ray.init(address=address, logging_level=logging.WARNING)
+    env = serve_env(settings.serve.proxy)
+    os.environ.update(env)
+    ray.init(address=address, logging_level=logging.WARNING, runtime_env={"env_vars": env})
     http = config.http_options
-    serve.start(http_options={"host": http.host or "127.0.0.1", "port": http.port or 8000})
+    serve.start(http_options={"host": http.host or "127.0.0.1", "port": http.port or 8000},
+                controller_options={"runtime_env": {"env_vars": env}})
     for app in config.applications:
         builder = import_attr(app.import_path)
         serve.run(builder(app.args or {}), name=app.name, route_prefix=app.route_prefix or "/")
@@ -115,11 +170,13 @@ def _deploy(settings: Settings, address: str, port: int, args: dict[str, Any]) -
     from deployments.ray_serve.app import build_app
 
     ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    started = time.perf_counter()
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-    log.info("deployed in %.1f s", time.perf_counter() - started)
-    ray.shutdown()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        started = time.perf_counter()
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        log.info("deployed in %.1f s", time.perf_counter() - started)
+    finally:
+        ray.shutdown()
 
 
 def _local_admin_key(state_dir: Path) -> str:

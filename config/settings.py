@@ -51,6 +51,14 @@ class TenantSettings(BaseModel):
     reconcile_after_s: float = Field(60.0, ge=0, description="Half-done changes older than this are repaired.")
 
 
+class ServeSettings(BaseModel):
+    """How Ray Serve carries requests (read by whatever starts Ray: `inferscale up`, tests, benchmarks)."""
+
+    proxy: Literal["haproxy", "python"] = Field(
+        "haproxy", description="haproxy: Ray Serve's high-throughput mode (HAProxy ingress, direct ingress, gRPC "
+                               "between replicas); python: Ray Serve's default Python proxy.")
+
+
 class Settings(BaseSettings):
     """The root of the settings tree."""
 
@@ -60,6 +68,7 @@ class Settings(BaseSettings):
     encoding: EncodingSettings = Field(default_factory=EncodingSettings)
     redis: RedisSettings = Field(default_factory=RedisSettings)
     tenants: TenantSettings = Field(default_factory=TenantSettings)
+    serve: ServeSettings = Field(default_factory=ServeSettings)
     state_dir: Path = Field(default_factory=lambda: Path.home() / ".local" / "share" / "inferscale",
                             description="Records, indexes and the local redis-server's data live here.")
     system_prompt: str = Field(

@@ -13,10 +13,13 @@ import logging
 import time
 import uuid
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from deployments.app_args import IngressArgs
+from deployments.chat_task import ChatTask, RetrievedFact
 from deployments.metrics import Metrics
+from deployments.query_batcher import QueryBatcher
 from deployments.rate_limit import RateLimiter
 from deployments.schemas import AddMemories, ChatRequest, CreateTenant, SearchMemories, SubmitJob, UpdateMemory
 from encoder_jobs.inputs import JobInputError, parse_input
@@ -28,9 +31,22 @@ log = logging.getLogger(__name__)
 
 
 class LLMBackend(Protocol):
-    def chat(self, task: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+    def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]: ...
 
     async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]: ...
+
+
+@dataclass
+class PreparedChat:
+    """A chat ready for the LLM replica: its task, how long retrieval took, and where the injected facts' K/V
+    sat (looked up beside the engine's work, not before it: it only feeds the usage report)."""
+
+    task: ChatTask
+    retrieval_ms: float
+    tiers: "asyncio.Future[dict[str, int]] | None" = None
+
+    async def memory_tiers(self) -> dict[str, int]:
+        return await self.tiers if self.tiers is not None else {}
 
 
 # (job id, key, tenant, input file, window (None: the tenant's), progress) -> the job's report
@@ -40,8 +56,9 @@ JobRunner = Callable[[str, str, str, Path, "int | None", Callable[[dict], None]]
 class Gateway:
     def __init__(self, service: TenantService, llm: LLMBackend, args: IngressArgs, served_name: str,
                  metrics: Metrics, jobs_dir: Path, run_job: JobRunner | None = None,
-                 extraction_window: int | None = None) -> None:
+                 extraction_window: int | None = None, queries: QueryBatcher | None = None) -> None:
         self.service, self.llm, self.args, self.served_name, self.metrics = service, llm, args, served_name, metrics
+        self.queries = queries or QueryBatcher(service.embedder)  # type: ignore[arg-type]
         self._limiter = RateLimiter(args.rate_per_s, args.burst)
         self._jobs_dir, self._run_job, self._extraction_window = jobs_dir, run_job, extraction_window
         self._background: set[asyncio.Future] = set()
@@ -55,8 +72,9 @@ class Gateway:
         return tenant
 
     # ---- chat ----
-    async def prepare_chat(self, tenant: Tenant, body: ChatRequest) -> tuple[dict[str, Any], float]:
-        """The task for the LLM server (retrieval done here) and the retrieval time in ms."""
+    async def prepare_chat(self, tenant: Tenant, body: ChatRequest) -> PreparedChat:
+        """Validate, embed the question (batched with concurrent ones), retrieve from the tenant's in-process
+        index (one Redis round trip: its change log) and build the task the LLM replica serves."""
         if body.model != self.served_name:
             raise InvalidInputError(f"unknown model {body.model!r}; this server serves {self.served_name!r}")
         k = self.args.default_k if body.memory.k is None else body.memory.k
@@ -66,22 +84,29 @@ class Gateway:
         if max_tokens > self.args.max_tokens:
             raise InvalidInputError(f"max_tokens must be at most {self.args.max_tokens}")
         started = time.perf_counter()
-        facts: list[dict[str, Any]] = []
-        if body.memory.mode != "off" and k > 0 and tenant.usage()["facts"] > 0:
+        facts: tuple[RetrievedFact, ...] = ()
+        if body.memory.mode != "off" and k > 0:
             query = body.last_user_text()[-self.service.max_fact_chars:]  # the question's end is what retrieval needs
-            hits = await asyncio.to_thread(tenant.search, query, k)
-            facts = [{"fact_id": f.id, "text": f.text, "record_id": f.record_id, "score": float(s)} for f, s in hits]
-        tiers: dict[str, int] = {}
-        if body.memory.mode == "inject" and facts:
-            for tier in await asyncio.to_thread(tenant.best_tiers, [f["fact_id"] for f in facts]):
-                tiers[tier] = tiers.get(tier, 0) + 1
-        version = tenant.version()
+            retrieved = tenant.retrieve(await self.queries.embed(query), k)
+            version = retrieved.version
+            facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in retrieved.hits)
+        else:
+            version = tenant.version()
         retrieval_ms = (time.perf_counter() - started) * 1000
         self.metrics.retrieval.observe(retrieval_ms / 1000)
-        task = {"tenant_id": tenant.id, "version": version, "messages": [m.model_dump() for m in body.messages],
-                "facts": facts, "mode": body.memory.mode, "max_tokens": max_tokens, "temperature": body.temperature,
-                "top_p": body.top_p, "seed": body.seed, "stop": body.stop, "memory_tiers": tiers}
-        return task, retrieval_ms
+        task = ChatTask(tenant.id, version, tuple((m.role, m.content) for m in body.messages), facts, body.memory.mode,
+                        max_tokens, body.temperature, body.top_p, body.seed, tuple(body.stop) if body.stop else None)
+        tiers = None
+        if body.memory.mode == "inject" and facts:
+            tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, [f.fact_id for f in facts]))
+        return PreparedChat(task, retrieval_ms, tiers)
+
+    @staticmethod
+    def _tier_counts(tenant: Tenant, fact_ids: list[str]) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for tier in tenant.best_tiers(fact_ids):
+            counts[tier] = counts.get(tier, 0) + 1
+        return counts
 
     def observe_usage(self, usage: dict[str, Any], mode: str) -> None:
         self.metrics.ttft.labels(mode=mode).observe(usage["ttft_ms"] / 1000)
@@ -103,8 +128,6 @@ class Gateway:
         return 202, self._start_job(tenant, api_key, body)
 
     def search(self, tenant: Tenant, body: SearchMemories) -> dict[str, Any]:
-        if tenant.usage()["facts"] == 0:
-            return {"results": []}
         hits = tenant.search(body.query, body.limit)
         return {"results": [{"id": f.id, "memory": f.text, "score": round(float(s), 6)} for f, s in hits]}
 

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.gateway import Gateway
+from deployments.gateway import Gateway, PreparedChat
 from deployments.schemas import (AddMemories, ChatRequest, CreateTenant, ErrorBody, SearchMemories, SubmitJob,
                                  UpdateMemory)
 from tenants.errors import TenantError
@@ -133,14 +133,14 @@ def create_app(gateway: Gateway) -> FastAPI:
                                                        "content": {"application/json": {}, "text/event-stream": {}}}})
     async def chat(tenant: TenantDep, body: ChatRequest):
         received = time.perf_counter()
-        task, retrieval_ms = await gateway.prepare_chat(tenant, body)
-        events = gateway.llm.chat(task)
+        prepared = await gateway.prepare_chat(tenant, body)
+        events = gateway.llm.chat(prepared.task)
         first = await _first_event(events)  # engine errors surface before any byte is sent
         completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": completion_id, "created": created, "model": gateway.served_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(gateway, first, events, base, received, retrieval_ms, include_usage,
+            return StreamingResponse(_sse(gateway, first, events, base, received, prepared, include_usage,
                                           body.memory.mode), media_type="text/event-stream")
         text, ttft_ms, final = [], None, None
         async for event in _chain(first, events):
@@ -151,7 +151,8 @@ def create_app(gateway: Gateway) -> FastAPI:
                 final = event
             elif "error" in event:  # the engine or its replica failed after the first event
                 raise EngineRefusal(int(event["error"]["status"]), event["error"]["message"])
-        usage = _usage(final, retrieval_ms, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000)
+        usage = _usage(final, prepared.retrieval_ms, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
+                       await prepared.memory_tiers())
         gateway.observe_usage(usage, body.memory.mode)
         return {**base, "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
                                                                  "finish_reason": final["finish_reason"]}], "usage": usage}
@@ -226,19 +227,19 @@ async def _chain(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> 
         yield event
 
 
-def _usage(final: dict[str, Any] | None, retrieval_ms: float, ttft_ms: float) -> dict[str, Any]:
+def _usage(final: dict[str, Any] | None, retrieval_ms: float, ttft_ms: float, tiers: dict[str, int]) -> dict[str, Any]:
     engine = (final or {}).get("usage", {})
     return {"prompt_tokens": engine.get("prompt_tokens", 0), "completion_tokens": engine.get("completion_tokens", 0),
             "total_tokens": engine.get("total_tokens", 0), "injected_tokens": engine.get("injected_tokens", 0),
             "prefilled_tokens": engine.get("prefilled_tokens", 0), "cached_tokens": engine.get("cached_tokens", 0),
             "memory_tokens": engine.get("memory_tokens", 0), "retrieval_ms": round(retrieval_ms, 3),
             "ttft_ms": round(ttft_ms, 3), "engine_ttft_ms": engine.get("engine_ttft_ms", 0.0),
-            "memory_fallback": engine.get("memory_fallback"), "memory_tiers": engine.get("memory_tiers", {}),
+            "memory_fallback": engine.get("memory_fallback"), "memory_tiers": tiers,
             "prompt_tokens_details": {"cached_tokens": engine.get("prompt_tokens", 0) - engine.get("prefilled_tokens", 0)}}
 
 
 async def _sse(gateway: Gateway, first: dict[str, Any], events: AsyncIterator[dict[str, Any]], base: dict[str, Any],
-               received: float, retrieval_ms: float, include_usage: bool, mode: str) -> AsyncIterator[bytes]:
+               received: float, prepared: PreparedChat, include_usage: bool, mode: str) -> AsyncIterator[bytes]:
     def chunk(delta: dict[str, Any], finish: str | None, usage: dict | None = None) -> bytes:
         body = {**base, "object": "chat.completion.chunk",
                 "choices": [] if usage is not None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
@@ -258,7 +259,8 @@ async def _sse(gateway: Gateway, first: dict[str, Any], events: AsyncIterator[di
         elif "error" in event:
             yield f"data: {json.dumps({'error': {'code': 'engine_error', 'message': event['error']['message']}})}\n\n".encode()
             return
-    usage = _usage(final, retrieval_ms, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000)
+    usage = _usage(final, prepared.retrieval_ms, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
+                   await prepared.memory_tiers())
     gateway.observe_usage(usage, mode)
     yield chunk({} if role_sent else {"role": "assistant", "content": ""}, (final or {}).get("finish_reason", "stop"))
     if include_usage:

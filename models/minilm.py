@@ -1,24 +1,30 @@
 """Sentence embeddings from the offline-packaged all-MiniLM-L6-v2 (384-d), loaded from site-packages.
 
 Mean pooling over the attention mask and L2 normalisation, as sentence-transformers configures this
-model, done here with transformers directly (the package's own sentence-transformers dependency is
-not needed).
+model. The forward is written here over the checkpoint's weights (a 6-layer BERT: a fused QKV product,
+SDPA, GELU, LayerNorm), not run through transformers' module tree: a query is a few dozen tokens, so the
+cost is per-op overhead, and a plain function has the least of it. On CUDA each (batch, length) bucket
+is captured once as a CUDA graph and replayed, so a batch of queries costs one launch. The function is
+checked against transformers' own `BertModel` (tests/tenants/test_minilm.py).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
 log = logging.getLogger(__name__)
 MAX_TOKENS = 256
+LENGTH_BUCKETS = (16, 32, 64, 128, 256)
 
 
 def minilm_path() -> Path:
@@ -29,27 +35,141 @@ def minilm_path() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class _Layer:
+    qkv_w: torch.Tensor  # [3 * hidden, hidden]
+    qkv_b: torch.Tensor
+    out_w: torch.Tensor
+    out_b: torch.Tensor
+    ln1: tuple[torch.Tensor, torch.Tensor]
+    up_w: torch.Tensor
+    up_b: torch.Tensor
+    down_w: torch.Tensor
+    down_b: torch.Tensor
+    ln2: tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Weights:
+    word: torch.Tensor  # [vocab, hidden]
+    position: torch.Tensor  # [positions, hidden]
+    token_type: torch.Tensor  # [hidden] (type 0)
+    ln: tuple[torch.Tensor, torch.Tensor]
+    layers: tuple[_Layer, ...]
+    heads: int
+    eps: float
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, device: str) -> "_Weights":
+        def t(x: torch.Tensor) -> torch.Tensor:
+            return x.detach().to(device=device, dtype=torch.float32).contiguous()
+
+        emb = model.embeddings
+        layers = []
+        for layer in model.encoder.layer:
+            att = layer.attention
+            qkv_w = torch.cat([att.self.query.weight, att.self.key.weight, att.self.value.weight])
+            qkv_b = torch.cat([att.self.query.bias, att.self.key.bias, att.self.value.bias])
+            layers.append(_Layer(t(qkv_w), t(qkv_b), t(att.output.dense.weight), t(att.output.dense.bias),
+                                 (t(att.output.LayerNorm.weight), t(att.output.LayerNorm.bias)),
+                                 t(layer.intermediate.dense.weight), t(layer.intermediate.dense.bias),
+                                 t(layer.output.dense.weight), t(layer.output.dense.bias),
+                                 (t(layer.output.LayerNorm.weight), t(layer.output.LayerNorm.bias))))
+        return cls(t(emb.word_embeddings.weight), t(emb.position_embeddings.weight), t(emb.token_type_embeddings.weight[0]),
+                   (t(emb.LayerNorm.weight), t(emb.LayerNorm.bias)), tuple(layers), model.config.num_attention_heads,
+                   model.config.layer_norm_eps)
+
+
+def encode(w: _Weights, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Normalised mean-pooled embeddings `[batch, hidden]` of token ids `[batch, tokens]`."""
+    batch, tokens = input_ids.shape
+    hidden = w.word.shape[1]
+    head_dim = hidden // w.heads
+    x = w.word[input_ids] + w.position[:tokens] + w.token_type  # [batch, tokens, hidden]
+    x = F.layer_norm(x, (hidden,), *w.ln, w.eps)
+    mask = attention_mask.to(x.dtype)
+    bias = ((1.0 - mask) * torch.finfo(x.dtype).min)[:, None, None, :]  # [batch, 1, 1, tokens]
+    for layer in w.layers:
+        qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(batch, tokens, 3, w.heads, head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [batch, heads, tokens, head_dim]
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        attended = attended.transpose(1, 2).reshape(batch, tokens, hidden)
+        x = F.layer_norm(F.linear(attended, layer.out_w, layer.out_b) + x, (hidden,), *layer.ln1, w.eps)
+        up = F.gelu(F.linear(x, layer.up_w, layer.up_b))
+        x = F.layer_norm(F.linear(up, layer.down_w, layer.down_b) + x, (hidden,), *layer.ln2, w.eps)
+    pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1e-9)
+    return F.normalize(pooled, dim=-1)
+
+
+class _Graph:
+    """One (batch, tokens) bucket of `encode`, captured as a CUDA graph over static input buffers."""
+
+    def __init__(self, w: _Weights, batch: int, tokens: int, device: torch.device) -> None:
+        self.ids = torch.zeros((batch, tokens), dtype=torch.long, device=device)
+        self.mask = torch.zeros((batch, tokens), dtype=torch.long, device=device)
+        self.mask[:, 0] = 1  # padding rows attend to one token, so they stay finite
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                encode(w, self.ids, self.mask)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = encode(w, self.ids, self.mask)
+
+    def run(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        rows, tokens = ids.shape
+        self.ids.zero_()
+        self.mask.zero_()
+        self.mask[:, 0] = 1
+        self.ids[:rows, :tokens].copy_(ids, non_blocking=True)
+        self.mask[:rows, :tokens].copy_(mask, non_blocking=True)
+        self.graph.replay()
+        return self.out[:rows].clone()
+
+
 class MiniLMEmbedder:
     """Texts to normalised 384-d float32 vectors, on CPU (or `device`), in batches."""
 
     dim = 384
 
-    def __init__(self, device: str = "cpu", batch_size: int = 64) -> None:
+    def __init__(self, device: str = "cpu", batch_size: int = 64, cuda_graphs: bool = True) -> None:
         path = minilm_path()
         self._tokenizer = AutoTokenizer.from_pretrained(path)
-        self._model = AutoModel.from_pretrained(path).to(device).eval()
-        self._device, self._batch = device, batch_size
+        model = AutoModel.from_pretrained(path).eval()
+        self.device = torch.device(device)
+        self._weights = _Weights.of(model, device)
+        self._batch = batch_size
+        self._graphs: dict[tuple[int, int], _Graph] | None = {} if cuda_graphs and self.device.type == "cuda" else None
         self._lock = threading.Lock()  # one forward at a time; tokenizers are not thread safe
 
     @torch.inference_mode()
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
+    def embed_tensor(self, texts: Sequence[str]) -> torch.Tensor:
+        """`[len(texts), 384]` on the embedder's device."""
         out = []
         with self._lock:
             for first in range(0, len(texts), self._batch):
                 batch = self._tokenizer(list(texts[first : first + self._batch]), padding=True, truncation=True,
-                                        max_length=MAX_TOKENS, return_tensors="pt").to(self._device)
-                hidden = self._model(**batch).last_hidden_state
-                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-                out.append(torch.nn.functional.normalize(pooled, dim=-1).float().cpu().numpy())
-        return np.concatenate(out) if out else np.empty((0, self.dim), np.float32)
+                                        max_length=MAX_TOKENS, return_tensors="pt")
+                ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+                out.append(self._forward(ids, mask))
+        return torch.cat(out) if out else torch.empty((0, self.dim), device=self.device)
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return self.embed_tensor(texts).float().cpu().numpy()
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self._graphs is None:
+            return encode(self._weights, ids, mask)
+        rows, tokens = ids.shape
+        key = (1 << (rows - 1).bit_length(), next(b for b in LENGTH_BUCKETS if b >= tokens))
+        graph = self._graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._graphs[key] = _Graph(self._weights, *key, self.device)
+            except RuntimeError as exc:  # a capture the driver refuses: eager forwards from now on
+                log.warning("CUDA graph capture of the query embedder failed (%s); running it eagerly", exc)
+                self._graphs = None
+                return encode(self._weights, ids, mask)
+        return graph.run(ids, mask)

@@ -12,9 +12,11 @@ from tenants.redis_meta import RedisMeta
 from tenants.service import TenantService
 
 
-def connect_service(redis_url: str, state_dir: Path, embedder: Embedder, limits: TenantSettings | None = None) -> TenantService:
+def connect_service(redis_url: str, state_dir: Path, embedder: Embedder, limits: TenantSettings | None = None,
+                    device: str = "cpu") -> TenantService:
+    """`device`: where the retrieval vectors live (the ingress keeps them next to its query embedder)."""
     limits = limits or TenantSettings()
     meta = RedisMeta(redis_url)
     return TenantService(meta, LocalFactStore(Path(state_dir) / "records"), embedder,
-                         TenantIndexes(meta, embedder.dim, Path(state_dir) / "indexes"),
+                         TenantIndexes(meta, embedder.dim, Path(state_dir) / "indexes", device),
                          max_facts=limits.max_facts, max_bytes=limits.max_bytes, max_fact_chars=limits.max_fact_chars)

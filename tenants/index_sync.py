@@ -1,8 +1,11 @@
-"""Per-process retrieval indexes, one per tenant, kept in step with Redis by replaying its change log.
+"""Per-process retrieval state, one per tenant, kept in step with Redis by replaying its change log.
 
-Redis holds every committed embedding, so an index is derived data: it is loaded from its last saved
-snapshot (or rebuilt from Redis when there is none, or when the log was trimmed past it) and then
-catches up with the change log before each search. Any number of processes can serve one tenant.
+Redis holds every committed fact and embedding, so what a process keeps is derived data: the tenant's
+vectors (an `ExactIndex` on the process's device), the metadata of its visible facts (text, record id,
+version) and the tenant's version. It is loaded from its last saved snapshot (or rebuilt from Redis when
+there is none, or when the log was trimmed past it) and catches up with the change log before each
+search: one round trip when nothing changed, so a chat's retrieval reads no fact from Redis. Any number
+of processes can serve one tenant, and a fact committed before a search is found by it.
 """
 
 from __future__ import annotations
@@ -15,61 +18,73 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from tenants.facts import VISIBLE
-from tenants.faiss_index import VectorIndex
+from tenants.facts import VISIBLE, Fact
 from tenants.redis_meta import RedisMeta
+from tenants.vector_index import ExactIndex
 
 log = logging.getLogger(__name__)
+SNAPSHOT, SIDE = "index.npz", "index.json"
 
 
 @dataclass
 class _TenantIndex:
-    index: VectorIndex
-    fact_of: dict[int, str] = field(default_factory=dict)  # index id -> fact id
+    index: ExactIndex
+    facts: dict[int, Fact] = field(default_factory=dict)  # index id -> the visible fact
     last_id: str = "0"  # the last change-log entry applied
+    version: int = 0  # the tenant's version as of last_id
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """A search's facts with their scores, best first, and the tenant version they were read at."""
+
+    hits: list[tuple[Fact, float]]
+    version: int
 
 
 class TenantIndexes:
     """Search the facts of one tenant at a time; never mixes tenants (one index each)."""
 
-    def __init__(self, meta: RedisMeta, dim: int, directory: Path, use_gpu: bool | None = None) -> None:
-        self._meta, self._dim, self._dir, self._use_gpu = meta, dim, Path(directory), use_gpu
+    def __init__(self, meta: RedisMeta, dim: int, directory: Path, device: str | torch.device = "cpu") -> None:
+        self._meta, self._dim, self._dir, self._device = meta, dim, Path(directory), torch.device(device)
         self._tenants: dict[str, _TenantIndex] = {}
         self._lock = threading.Lock()
 
-    def search(self, tenant_id: str, vector: np.ndarray, k: int) -> list[tuple[str, float]]:
-        """(fact id, score) of up to `k` nearest facts, best first, as of the latest committed change."""
+    def search(self, tenant_id: str, vector: np.ndarray | torch.Tensor, k: int) -> Retrieved:
+        """Up to `k` nearest visible facts, best first, as of the latest committed change."""
         state = self.sync(tenant_id)
         with state.lock:
             scores, ids = state.index.search(vector, k)
-            return [(state.fact_of[int(i)], float(s)) for s, i in zip(scores, ids) if int(i) in state.fact_of]
+            hits = [(state.facts[int(i)], float(s)) for s, i in zip(scores, ids) if int(i) in state.facts]
+            return Retrieved(hits, state.version)
 
     def sync(self, tenant_id: str) -> _TenantIndex:
         state = self._state(tenant_id)
         with state.lock:
-            first = self._meta.log_first_id(tenant_id)
+            first, entries = self._meta.log_since(tenant_id, state.last_id)
             if state.last_id != "0" and first is not None and _older(state.last_id, first):
                 self._rebuild(tenant_id, state)  # the log was trimmed past this index: changes may be missed
                 return state
-            entries = self._meta.log_after(tenant_id, state.last_id)
             while entries:
                 self._apply(tenant_id, state, entries)
                 entries = self._meta.log_after(tenant_id, state.last_id)
         return state
 
     def save(self, tenant_id: str) -> None:
-        """Write the tenant's index and how far it got, so a restart only replays what came after."""
+        """Write the tenant's vectors and how far they got, so a restart only replays what came after."""
         state = self.sync(tenant_id)
         with state.lock:
             folder = self._dir / tenant_id
             folder.mkdir(parents=True, exist_ok=True)
-            state.index.save(folder / "index.faiss")
-            side = {"last_id": state.last_id, "dim": self._dim, "fact_of": {str(i): f for i, f in state.fact_of.items()}}
-            tmp = folder / "index.json.tmp"
+            state.index.save(folder / SNAPSHOT)
+            side = {"last_id": state.last_id, "version": state.version, "dim": self._dim,
+                    "fact_of": {str(i): f.id for i, f in state.facts.items()}}
+            tmp = folder / f"{SIDE}.tmp"
             tmp.write_text(json.dumps(side))
-            tmp.replace(folder / "index.json")
+            tmp.replace(folder / SIDE)
 
     def save_all(self) -> None:
         for tenant_id in list(self._tenants):
@@ -92,48 +107,56 @@ class TenantIndexes:
     def _load(self, tenant_id: str) -> _TenantIndex:
         folder = self._dir / tenant_id
         try:
-            side = json.loads((folder / "index.json").read_text())
-            index = VectorIndex.load(folder / "index.faiss", self._dim, self._use_gpu)
-            return _TenantIndex(index, {int(i): f for i, f in side["fact_of"].items()}, side["last_id"])
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            side = json.loads((folder / SIDE).read_text())
+            index = ExactIndex.load(folder / SNAPSHOT, self._dim, self._device)
+            fact_of = {int(i): f for i, f in side["fact_of"].items()}
+            metas = self._meta.facts(tenant_id, list(fact_of.values()))
+            facts = {i: Fact.from_meta(m) for i, m in zip(fact_of, metas) if m and m["state"] in VISIBLE}
+            index.remove(np.array([i for i in fact_of if i not in facts], dtype=np.int64))  # gone since the snapshot
+            return _TenantIndex(index, facts, side["last_id"], int(side["version"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             if folder.exists():
                 log.warning("tenant %s: index snapshot unusable (%s); rebuilding from redis", tenant_id, exc)
-        state = _TenantIndex(VectorIndex(self._dim, self._use_gpu))
+        state = _TenantIndex(ExactIndex(self._dim, self._device))
         self._rebuild(tenant_id, state)
         return state
 
     def _rebuild(self, tenant_id: str, state: _TenantIndex) -> None:
         """Everything committed, from Redis; changes committed meanwhile are replayed after."""
         last_id = self._meta.log_last_id(tenant_id) or "0"
+        version = self._meta.version(tenant_id)
         facts = self._meta.all_facts(tenant_id)
         embeddings = self._meta.all_embeddings(tenant_id)
-        index = VectorIndex(self._dim, self._use_gpu)
-        visible = [(m["index_id"], fid) for fid, m in facts.items() if m["state"] in VISIBLE and fid in embeddings]
+        index = ExactIndex(self._dim, self._device)
+        visible = [(m["index_id"], Fact.from_meta(m)) for fid, m in facts.items() if m["state"] in VISIBLE and fid in embeddings]
         if visible:
-            ids = np.array([i for i, _ in visible], dtype=np.int64)
-            vectors = np.stack([np.frombuffer(embeddings[fid], dtype=np.float32) for _, fid in visible])
-            index.upsert(ids, vectors)
-        state.index, state.fact_of, state.last_id = index, {int(i): f for i, f in visible}, last_id
+            index.upsert(np.array([i for i, _ in visible], dtype=np.int64),
+                         np.stack([np.frombuffer(embeddings[f.id], dtype=np.float32) for _, f in visible]))
+        state.index, state.facts, state.last_id, state.version = index, {int(i): f for i, f in visible}, last_id, version
         log.info("tenant %s: index rebuilt with %d facts", tenant_id, len(visible))
 
     def _apply(self, tenant_id: str, state: _TenantIndex, entries: list[tuple[str, dict[str, str]]]) -> None:
         latest: dict[str, tuple[str, int]] = {}
         for _, fields in entries:
             latest[fields["fid"]] = (fields["op"], int(fields["iid"]))
-        upserts = [(fid, iid) for fid, (op, iid) in latest.items() if op in ("add", "update")]
+        changed = [(fid, iid) for fid, (op, iid) in latest.items() if op != "remove"]
         removes = [iid for op, iid in latest.values() if op == "remove"]
-        embeddings = self._meta.embeddings(tenant_id, [fid for fid, _ in upserts])
-        found = [(fid, iid, raw) for (fid, iid), raw in zip(upserts, embeddings) if raw is not None]
-        removes += [iid for (fid, iid), raw in zip(upserts, embeddings) if raw is None]  # deleted since
+        found = []
+        for (fid, iid), (meta, raw) in zip(changed, self._meta.facts_with_embeddings(tenant_id, [f for f, _ in changed])):
+            if meta is None or raw is None or meta["state"] not in VISIBLE:
+                removes.append(iid)  # deleted (or rolled back) since
+            else:
+                found.append((iid, Fact.from_meta(meta), raw))
         if removes:
             state.index.remove(np.array(removes, dtype=np.int64))
             for iid in removes:
-                state.fact_of.pop(iid, None)
+                state.facts.pop(iid, None)
         if found:
-            state.index.upsert(np.array([i for _, i, _ in found], dtype=np.int64),
+            state.index.upsert(np.array([i for i, _, _ in found], dtype=np.int64),
                                np.stack([np.frombuffer(raw, dtype=np.float32) for _, _, raw in found]))
-            state.fact_of.update({iid: fid for fid, iid, _ in found})
+            state.facts.update({iid: fact for iid, fact, _ in found})
         state.last_id = entries[-1][0]
+        state.version = max(state.version, *(int(fields.get("v", 0)) for _, fields in entries))
 
 
 def _older(a: str, b: str) -> bool:

@@ -195,6 +195,11 @@ class RedisMeta:
     def set_admin_hash(self, digest: str, replace: bool = False) -> bool:
         return bool(self._redis.set("is:admin", digest, nx=not replace))
 
+    def replace_admin_hash(self, digest: str) -> str | None:
+        """Store `digest` as the admin hash in one step; the hash it replaced (None when there was none)."""
+        raw = self._redis.set("is:admin", digest, get=True)
+        return raw.decode() if raw else None
+
     def delete_tenant(self, tenant_id: str) -> bool:
         """Drop the tenant and every key under its hash tag in one transaction (True if it existed)."""
         parts = ("facts", "emb", "pemb", "usage", "place", "version", "seq", "log", "jobs")
@@ -301,13 +306,28 @@ class RedisMeta:
         entries = self._redis.xrange(_t(tenant_id, "log"), min=f"({last_id}" if last_id != "0" else "-", count=count)
         return [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in entries]
 
+    def log_since(self, tenant_id: str, last_id: str, count: int = 10_000) -> tuple[str | None, list[tuple[str, dict[str, str]]]]:
+        """(the first id the log still keeps, the changes after `last_id`) in one round trip."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xrange(_t(tenant_id, "log"), count=1)
+        pipe.xrange(_t(tenant_id, "log"), min=f"({last_id}" if last_id != "0" else "-", count=count)
+        first, entries = pipe.execute()
+        return (first[0][0].decode() if first else None,
+                [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in entries])
+
+    def facts_with_embeddings(self, tenant_id: str, fact_ids: list[str]) -> list[tuple[dict | None, bytes | None]]:
+        """Metadata and committed embedding of each fact, in one round trip."""
+        if not fact_ids:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hmget(_t(tenant_id, "facts"), fact_ids)
+        pipe.hmget(_t(tenant_id, "emb"), fact_ids)
+        metas, embeddings = pipe.execute()
+        return [(json.loads(m) if m else None, e) for m, e in zip(metas, embeddings)]
+
     def log_last_id(self, tenant_id: str) -> str | None:
         last = self._redis.xrevrange(_t(tenant_id, "log"), count=1)
         return last[0][0].decode() if last else None
-
-    def log_first_id(self, tenant_id: str) -> str | None:
-        first = self._redis.xrange(_t(tenant_id, "log"), count=1)
-        return first[0][0].decode() if first else None
 
     # ---- placement ----
     def write_placements(self, replica: str, now: float, moves: dict[str, list[tuple[str, int, str | None]]]) -> None:

@@ -22,15 +22,17 @@ import time
 from typing import Callable
 
 import numpy as np
+import torch
 
 from kvcore.record import FactKV
 from kvcore.store import LocalFactStore
-from tenants.auth import TENANT_PREFIX, hash_key, matches, new_admin_key, new_tenant_key, tenant_of
+from tenants.auth import (TENANT_PREFIX, check_admin_key, hash_key, matches, new_admin_key, new_tenant_key,
+                          tenant_of)
 from tenants.embedding import Embedder
 from tenants.errors import (AuthError, ConflictError, FactNotFoundError, InvalidInputError, JobNotFoundError,
                             UnknownTenantError)
 from tenants.facts import VISIBLE, Fact, check_id, check_text, new_fact_id, record_id_for
-from tenants.index_sync import TenantIndexes
+from tenants.index_sync import Retrieved, TenantIndexes
 from tenants.redis_meta import RedisMeta
 
 log = logging.getLogger(__name__)
@@ -60,10 +62,16 @@ class TenantService:
         return key if self.meta.set_admin_hash(hash_key(key)) else None
 
     def install_admin_key(self, key: str) -> bool:
-        """Use `key` as the admin key when none is stored yet (True if it was installed)."""
-        if not isinstance(key, str) or not key.startswith("isa."):
-            raise InvalidInputError("an admin key starts with 'isa.'")
-        return self.meta.set_admin_hash(hash_key(key))
+        """Install a configured admin key (app args or INFERSCALE_ADMIN_KEY), replacing any stored one.
+
+        A configured key is authoritative: the key it replaces stops working at once. True when the stored
+        key changed; `InvalidInputError` (naming the rule) for a key that cannot be an admin key.
+        """
+        digest = hash_key(check_admin_key(key))
+        previous = self.meta.replace_admin_hash(digest)
+        if previous is not None and previous != digest:
+            log.warning("the configured admin key replaced the stored one; the previous admin key no longer works")
+        return previous != digest
 
     def check_admin(self, key: object) -> None:
         if not isinstance(key, str) or not matches(key, self.meta.admin_hash()):
@@ -254,13 +262,14 @@ class Tenant:
     def search(self, query: str, k: int = 10) -> list[tuple[Fact, float]]:
         """The top-k facts of this tenant for `query`, with cosine scores, best first."""
         query = check_text(query, self._s.max_fact_chars)
+        return self.retrieve(self._s.embedder.embed([query])[0], k).hits
+
+    def retrieve(self, vector: np.ndarray | torch.Tensor, k: int) -> Retrieved:
+        """The top-k facts for an embedded query (on any device) and the tenant version they were read at:
+        the chat path, which embeds its queries in batches and reads no fact from Redis."""
         if not isinstance(k, int) or not 1 <= k <= MAX_K:
             raise InvalidInputError(f"k must be within 1..{MAX_K}")
-        vector = self._s.embedder.embed([query])[0]
-        hits = self._s.indexes.search(self.id, vector, k + 16)  # room for entries changed since the sync
-        metas = self._s.meta.facts(self.id, [fid for fid, _ in hits])
-        found = [(Fact.from_meta(m), score) for (fid, score), m in zip(hits, metas) if m and m["state"] in VISIBLE]
-        return found[:k]
+        return self._s.indexes.search(self.id, vector, k)
 
     def placement(self, fact_id: str) -> dict[str, dict]:
         """Where serving replicas hold this fact's K/V: {replica: {tier, version, at}} (reported by the replicas)."""

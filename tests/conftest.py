@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+from cluster.ray_head import LOOPBACK_ENV
+
+# Before any test module imports ray: Ray reads these at import (with them, a local Ray takes 127.0.0.1 as its
+# node address and its processes listen there, not on the machine's public interface).
+os.environ.update(LOOPBACK_ENV)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -64,19 +72,21 @@ def engine(loaded):
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One in-process Ray for the session (encoding jobs and the Serve tests), on loopback, many logical CPUs."""
-    import os
+    """One in-process Ray for the session (encoding jobs and the Serve tests), on loopback, many logical CPUs,
+    Serve in the proxy mode the settings name (INFERSCALE_SERVE__PROXY; high-throughput mode by default)."""
     import shutil
     import tempfile
+    from pathlib import Path
 
     import ray
 
-    from cluster.ray_head import LOOPBACK_ENV
+    from config import load_settings
+    from deployments.ray_serve.serve_mode import apply_serve_env
 
-    os.environ.update(LOOPBACK_ENV)
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix sockets must fit 107 characters
+    apply_serve_env(load_settings().serve.proxy, Path(temp_dir) / "serve")
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             _temp_dir=temp_dir)
+             _temp_dir=temp_dir, _node_ip_address="127.0.0.1")
     yield ray
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)

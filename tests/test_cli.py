@@ -94,3 +94,102 @@ def test_encode_submits_through_the_ray_jobs_api(tmp_path):
     finally:
         head.stop()  # only this head: `ray stop` would stop every Ray here
 
+
+
+MARKER = "INFERSCALE_TEST_UP_RUN"  # set on `up` runs: every process they start inherits it
+
+
+def _up_env(tmp_path, **extra: str) -> dict[str, str]:
+    """A user's environment for `inferscale up`: its own state folder, its own redis-server and Ray head."""
+    import os
+
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("INFERSCALE_ADMIN_KEY", "INFERSCALE_REDIS__URL", "RAY_ADDRESS")}
+    return {**env, "INFERSCALE_STATE_DIR": str(tmp_path / "state"), "RAY_USAGE_STATS_ENABLED": "0",
+            MARKER: str(tmp_path), **extra}
+
+
+def _processes_of(run, wait_s: float = 0.0) -> list[str]:
+    """Live processes that a test's `up` run started: they carry its marker, or (redis-server, which writes
+    over its environment) work in its folder. Waits up to `wait_s` for them to go (Ray's workers exit
+    a moment after their raylet)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for proc in psutil.process_iter(["name", "status", "cwd"]):
+            try:
+                if proc.info["status"] != psutil.STATUS_ZOMBIE and (
+                        proc.environ().get(MARKER) == str(run) or (proc.info["cwd"] or "").startswith(str(run))):
+                    found.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("source, key, problem", [
+    ("env", "my-key", "6 characters"),
+    ("env", "my own admin key, with spaces", "it contains whitespace"),
+    ("env", "isk.demo." + "s" * 43, "it has the tenant-key form"),
+    ("stored", "isa.cut", "7 characters"),
+])
+def test_up_refuses_an_invalid_admin_key_before_starting_anything(tmp_path, source, key, problem):
+    from cluster.ray_head import free_port
+    from tenants.auth import ADMIN_KEY_RULE
+
+    env = _up_env(tmp_path, **({"INFERSCALE_ADMIN_KEY": key} if source == "env" else {}))
+    state = tmp_path / "state"
+    if source == "stored":
+        state.mkdir()
+        (state / "admin.key").write_text(key)
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--port", str(free_port())], env=env,
+                            capture_output=True, text=True, timeout=120)
+    where = "INFERSCALE_ADMIN_KEY" if source == "env" else f"the stored admin key ({state / 'admin.key'})"
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.splitlines()[-1] == f"inferscale: error: {where}: invalid admin key ({problem}): {ADMIN_KEY_RULE}"
+    assert key not in result.stderr and result.stdout == ""
+    assert not (state / "up.json").exists() and not (state / "redis").exists()  # LocalRedis makes its folder first
+    assert _processes_of(tmp_path) == []
+
+
+FAILING_UP = """
+import logging, os, sys
+from cluster import up
+from cluster.ray_head import LOOPBACK_ENV
+from config import load_settings
+
+def deploy(settings, address, port, args):
+    os.environ.update(LOOPBACK_ENV)  # before Ray is imported, as in _deploy
+    import ray
+    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)  # attached, like _deploy
+    print("driver attached:", ray.is_initialized(), "admin key passed:", args["admin_key"] == os.environ["INFERSCALE_ADMIN_KEY"], flush=True)
+    raise RuntimeError("the deployment failed (injected)\\nReplica constructor: detail of the cause")
+
+sys.exit(up.run_up(load_settings(), port=int(sys.argv[1]), out=sys.stdout, deploy=deploy))
+"""
+
+
+@pytest.mark.redis
+def test_up_prints_a_deploy_failure_before_cleaning_up(tmp_path):
+    """A failure after redis-server and the Ray head started is printed first; the driver then leaves Ray,
+    everything is stopped, and the process exits 1 (it used to be aborted by Ray's client, silently)."""
+    from cluster.ray_head import free_port
+
+    env = _up_env(tmp_path, INFERSCALE_ADMIN_KEY="my-own-admin-key-2026")
+    result = subprocess.run([sys.executable, "-c", FAILING_UP, str(free_port())], env=env, capture_output=True,
+                            text=True, timeout=180)
+    assert result.stdout.strip() == "driver attached: True admin key passed: True", result.stderr[-3000:]
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    error = lines.index("inferscale: error: `inferscale up` failed: RuntimeError: the deployment failed (injected)")
+    assert lines[error + 1] == "Replica constructor: detail of the cause"
+    stopped = [i for i, line in enumerate(lines) if line.startswith("stopped what `inferscale up` started")]
+    assert len(stopped) == 1 and stopped[0] > error, result.stderr[-3000:]
+    assert int(re.search(r"the Ray head: (\d+) processes; the local redis-server", lines[stopped[0]]).group(1)) > 0
+    assert not (tmp_path / "state" / "up.json").exists()
+    assert _processes_of(tmp_path, wait_s=15) == []

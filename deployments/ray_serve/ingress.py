@@ -1,12 +1,14 @@
 """`Ingress`: the HTTP front (FastAPI) of the cluster; auth, validation, retrieval, routing, metrics.
 
-Retrieval runs here, next to authentication: it needs the tenant's Redis metadata anyway, MiniLM on a
-query costs a few milliseconds, and it saves a hop to a separate deployment on every request. The chat
-then goes to an LLM server replica through the tenant-affinity router, streamed back event by event.
+Retrieval runs here, next to authentication: queries that arrive together are embedded in one forward
+(on the GPU where there is one), each tenant's vectors and fact metadata live in this process, kept
+current from Redis's change log, and a search is one matrix product. The chat then crosses to an LLM
+server replica once, as one `ChatTask`, through the tenant-affinity router, streamed back event by event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -18,9 +20,12 @@ from ray.serve.handle import DeploymentHandle
 
 from config.settings import load_settings
 from deployments.app_args import AppArgs
+from deployments.chat_task import ChatTask
 from deployments.gateway import Gateway
 from deployments.http_api import create_app
 from deployments.metrics import Metrics
+from deployments.query_batcher import QueryBatcher
+from deployments.ray_serve.loopback import bind_replica_grpc_to_node
 from models.minilm import MiniLMEmbedder
 from tenants.connect import connect_service
 
@@ -32,14 +37,29 @@ REPLICA_GONE = (RayActorError, BackPressureError, DeploymentUnavailableError, Re
 class ServeLLMBackend:
     """The LLM server deployment seen through its handle (streaming chats, encodings)."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, first_event_timeout_s: float = 30.0) -> None:
         self._handle = handle
         self._stream = handle.options(stream=True)
+        self._first_event_timeout_s = first_event_timeout_s
 
-    async def chat(self, task: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The replica's events; a replica that dies or is unavailable mid-request ends them with a retryable 503."""
+    async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
+        """The replica's events; a replica that dies or is unavailable mid-request ends them with a retryable 503,
+        and so does a chat that no replica starts within `first_event_timeout_s` (none is running: the only one
+        is being replaced), rather than waiting for the replacement."""
+        events = self._stream.chat.remote(task)
         try:
-            async for event in self._stream.chat.remote(task):
+            try:
+                first = await asyncio.wait_for(events.__anext__(), self._first_event_timeout_s)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                events.cancel()
+                log.warning("no model replica started a chat within %.0f s", self._first_event_timeout_s)
+                yield {"error": {"status": 503, "message": f"no model replica answered within "
+                                                           f"{self._first_event_timeout_s:g} s; retry the request"}}
+                return
+            yield first
+            async for event in events:
                 yield event
         except REPLICA_GONE as exc:
             log.warning("chat ended by an unavailable model replica: %s", type(exc).__name__)
@@ -67,17 +87,19 @@ def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Cal
 @serve.ingress()
 class Ingress:
     def __init__(self, llm: DeploymentHandle, args: dict[str, Any]) -> None:
+        bind_replica_grpc_to_node()
         self.args = AppArgs(**args)
         settings = load_settings(**self.args.settings)
-        service = connect_service(self.args.redis(settings), self.args.state_dir,
-                                  MiniLMEmbedder(device=self.args.ingress.embed_device), settings.tenants)
+        embedder = MiniLMEmbedder(device=self.args.ingress.embed_device)
+        service = connect_service(self.args.redis(settings), self.args.state_dir, embedder, settings.tenants,
+                                  device=self.args.ingress.embed_device)
         if admin_key := self.args.admin_key or settings.admin_key:
             service.install_admin_key(admin_key)
         elif (created := service.ensure_admin_key()) is not None:
             log.warning("admin key created (shown once; keep it, set INFERSCALE_ADMIN_KEY): %s", created)
-        self.gateway = Gateway(service, ServeLLMBackend(llm), self.args.ingress, self.args.llm.served_name,
+        self.gateway = Gateway(service, ServeLLMBackend(llm, self.args.ingress.first_event_timeout_s), self.args.ingress, self.args.llm.served_name,
                                Metrics(), self.args.state_dir / "jobs", _job_runner(self.args),
-                               extraction_window=self.args.encoding_window)
+                               extraction_window=self.args.encoding_window, queries=QueryBatcher(embedder))
 
     def __serve_build_asgi_app__(self):
         return create_app(self.gateway)

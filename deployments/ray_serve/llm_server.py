@@ -15,7 +15,9 @@ import torch
 
 from config.settings import load_settings
 from deployments.app_args import AppArgs
-from deployments.vllm_adapter.async_engine import ChatTask, MemoryEngine, RetrievedFact
+from deployments.ray_serve.loopback import bind_replica_grpc_to_node
+from deployments.chat_task import ChatTask
+from deployments.vllm_adapter.async_engine import MemoryEngine
 from models.loader import checkpoint_fingerprint, model_path
 from models.minilm import MiniLMEmbedder
 from tenants.connect import connect_service
@@ -24,34 +26,36 @@ from tenants.errors import TenantError
 log = logging.getLogger(__name__)
 
 
+def build_engine(args: AppArgs) -> MemoryEngine:
+    """The replica's engine from the application's arguments (benchmarks build the same one without Serve)."""
+    os.environ.update(args.llm.env)
+    settings = load_settings(**args.settings)
+    model_settings = settings.model.model_copy(update={"path": args.llm.model, "dtype": args.llm.dtype})
+    path = model_path(model_settings)
+    tiers = args.llm.tiers
+    if tiers:  # the connector's worker records placements in this Redis, read through the settings tree
+        os.environ["INFERSCALE_REDIS__URL"] = args.redis(settings)
+        tiers = {"report_placement": True, **tiers}
+    return MemoryEngine(path, args.llm.fingerprint or checkpoint_fingerprint(path), args.state_dir / "records",
+                        args.system_prompt, engine_kwargs=args.engine_kwargs(torch.cuda.is_available()),
+                        on_load_failure=args.llm.on_load_failure, device_cache_bytes=args.llm.device_cache_bytes,
+                        tiers=tiers, device_tenant_bytes=args.llm.device_tenant_bytes)
+
+
 class LLMServer:
     async def __init__(self, args: dict[str, Any]) -> None:
+        bind_replica_grpc_to_node()
         self.args = AppArgs(**args)
-        os.environ.update(self.args.llm.env)
+        self.engine = build_engine(self.args)
         settings = load_settings(**self.args.settings)
-        model_settings = settings.model.model_copy(update={"path": self.args.llm.model, "dtype": self.args.llm.dtype})
-        path = model_path(model_settings)
-        fingerprint = self.args.llm.fingerprint or checkpoint_fingerprint(path)
-        cuda = torch.cuda.is_available()
-        redis_url = self.args.redis(settings)
-        tiers = self.args.llm.tiers
-        if tiers:  # the connector's worker records placements in this Redis, read through the settings tree
-            os.environ["INFERSCALE_REDIS__URL"] = redis_url
-            tiers = {"report_placement": True, **tiers}
-        self.engine = MemoryEngine(path, fingerprint, self.args.state_dir / "records", self.args.system_prompt,
-                                   engine_kwargs=self.args.engine_kwargs(cuda), on_load_failure=self.args.llm.on_load_failure,
-                                   device_cache_bytes=self.args.llm.device_cache_bytes, tiers=tiers,
-                                   device_tenant_bytes=self.args.llm.device_tenant_bytes)
-        self.service = connect_service(redis_url, self.args.state_dir, MiniLMEmbedder(), settings.tenants)
+        self.service = connect_service(self.args.redis(settings), self.args.state_dir, MiniLMEmbedder(), settings.tenants)
         await self.engine.warm_up()
-        log.info("LLM server ready: %s (fingerprint %s, %s)", path, fingerprint, "cuda" if cuda else "cpu")
+        log.info("LLM server ready: %s (fingerprint %s, %s)", self.engine.model_name, self.engine.fingerprint,
+                 "cuda" if torch.cuda.is_available() else "cpu")
 
-    async def chat(self, task: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        facts = [RetrievedFact(f["fact_id"], f["text"], f.get("record_id"), float(f.get("score", 0.0)))
-                 for f in task.pop("facts", [])]
-        request = ChatTask(**task, facts=facts)
+    async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
         try:
-            async for event in self.engine.chat(request):
+            async for event in self.engine.chat(task):
                 yield event
         except ValueError as exc:  # the engine's own validation (context length, sampling values)
             yield {"error": {"status": 400, "message": str(exc)}}

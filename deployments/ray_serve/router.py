@@ -18,9 +18,11 @@ log = logging.getLogger(__name__)
 
 
 def tenant_of(args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
-    """The tenant a call is for: a `tenant_id` in its first (dict) argument or keyword arguments."""
+    """The tenant a call is for: the `tenant_id` of its first argument (a `ChatTask`, or a dict) or a keyword."""
     if "tenant_id" in kwargs:
         return str(kwargs["tenant_id"])
+    if args and isinstance(getattr(args[0], "tenant_id", None), str):
+        return args[0].tenant_id
     if args and isinstance(args[0], dict) and "tenant_id" in args[0]:
         return str(args[0]["tenant_id"])
     return None

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
@@ -22,7 +21,8 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from deployments.memory_prompt import MemoryItem, Mode, lay_out
+from deployments.chat_task import ChatTask, RetrievedFact
+from deployments.memory_prompt import MemoryItem, lay_out
 from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
 from kvcore.conversation import Fact
 from kvcore.errors import KVCoreError
@@ -31,36 +31,9 @@ from kvcore.record import FactKV
 from kvcore.store import LocalFactStore
 from kvcore.streaming import tier_key
 from kvcore.tier_disk import advise_willneed, tier_files
-from models.chat import split_chat
+from models.chat import build_frame, split_chat
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RetrievedFact:
-    """A fact as retrieval hands it to the engine (JSON-safe, crosses process boundaries)."""
-
-    fact_id: str
-    text: str
-    record_id: str | None = None
-    score: float = 0.0
-
-
-@dataclass
-class ChatTask:
-    """One chat request after authentication and retrieval."""
-
-    tenant_id: str
-    version: int
-    messages: list[dict[str, str]]
-    facts: list[RetrievedFact] = field(default_factory=list)
-    mode: Mode = "inject"
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] | None = None
-    memory_tiers: dict[str, int] = field(default_factory=dict)  # where retrieval found the facts' K/V, echoed in usage
 
 
 class MemoryEngine:
@@ -82,7 +55,8 @@ class MemoryEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self._system_prompt = system_prompt
-        self.prefix_ids = tuple(split_chat(self.tokenizer, system_prompt, [{"role": "user", "content": "?"}])[0])
+        self._chat_frame = build_frame(self.tokenizer, system_prompt)
+        self.prefix_ids = self._chat_frame.prefix_ids
         self.frame_id = f"chat-frame-{fingerprint[:16]}"
         self._frames: dict[str, bool] = {}
         self._frame_locks: dict[str, asyncio.Lock] = {}
@@ -141,14 +115,15 @@ class MemoryEngine:
         if task.mode == "inject" and self._tier_root is not None:  # disk-tier facts start loading before the engine sees them
             self._prefetch(task.tenant_id, [f.record_id for f in task.facts if f.record_id])
         frame = (self.frame_id, self.prefix_ids) if task.mode == "inject" and await self.ensure_frame(task.tenant_id) else None
-        prefix_ids, query_ids = split_chat(self.tokenizer, self._system_prompt, task.messages)
-        items = [self._item(task.tenant_id, fact) for fact in task.facts]
+        prefix_ids, query_ids = self._split(task)
+        items = self._items(task.tenant_id, task.facts)
         laid = lay_out(task.mode, task.tenant_id, task.version, prefix_ids, items, query_ids, frame)
         if len(laid.token_ids) + task.max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {len(laid.token_ids)} tokens plus max_tokens {task.max_tokens} exceeds "
                              f"the model's context of {self.max_model_len}")
         params = SamplingParams(max_tokens=task.max_tokens, temperature=task.temperature, top_p=task.top_p,
-                                seed=task.seed, stop=task.stop, output_kind=RequestOutputKind.DELTA)
+                                seed=task.seed, stop=list(task.stop) if task.stop else None,
+                                output_kind=RequestOutputKind.DELTA)
         if laid.plan is not None:
             params.extra_args = {"kv_transfer_params": laid.plan.to_params()}
         prompt = TokensPrompt(prompt_token_ids=laid.token_ids, cache_salt=laid.cache_salt)
@@ -170,7 +145,7 @@ class MemoryEngine:
             "total_tokens": len(laid.token_ids) + completion, "memory_tokens": laid.memory_tokens,
             "injected_tokens": injected, "cached_tokens": max(0, cached - injected),
             "prefilled_tokens": len(laid.token_ids) - cached, "engine_ttft_ms": round(ttft or 0.0, 3),
-            "memory_fallback": (report or {}).get("fallback"), "memory_tiers": task.memory_tiers}}
+            "memory_fallback": (report or {}).get("fallback")}}
 
     def _prefetch(self, tenant_id: str, record_ids: list[str]) -> None:
         """Advise the kernel to read the disk-tier files of these records (advisory: unknown records are skipped)."""
@@ -204,14 +179,39 @@ class MemoryEngine:
         except (KVCoreError, OSError):
             return False
 
-    def _item(self, tenant_id: str, fact: RetrievedFact) -> MemoryItem:
-        """A fact's tokens: its record's when it has one, else its text tokenized the same way encoding does."""
-        if fact.record_id is not None:
+    def _split(self, task: ChatTask) -> tuple[Sequence[int], list[int]]:
+        """(tokens before the memory region, tokens after it): a lone question is the only text tokenized, the
+        frame around it is known; other conversations go through the chat template."""
+        question = task.single_question()
+        if question is not None:
+            return self.prefix_ids, self._chat_frame.query_ids(self.tokenizer, question)
+        return split_chat(self.tokenizer, self._system_prompt, task.message_dicts())
+
+    def _items(self, tenant_id: str, facts: Sequence[RetrievedFact]) -> list[MemoryItem]:
+        """Each fact's tokens: its record's (headers read once, cached by the store) when it has one, else its
+        text tokenized the way encoding does."""
+        with_records = [f.record_id for f in facts if f.record_id is not None]
+        tokens: dict[str, tuple[int, ...]] = {}
+        if with_records:
             try:
-                return MemoryItem(fact.fact_id, self._store.info(tenant_id, fact.record_id).token_ids, fact.record_id,
-                                  fact.score)
+                tokens = {r: info.token_ids for r, (_, info) in zip(with_records, self._store.checked_infos(tenant_id, with_records))}
+            except (KVCoreError, OSError):
+                tokens = self._record_tokens_one_by_one(tenant_id, with_records)
+        items = []
+        for fact in facts:
+            if fact.record_id is not None and fact.record_id in tokens:
+                items.append(MemoryItem(fact.fact_id, tokens[fact.record_id], fact.record_id, fact.score))
+            else:
+                ids = self.tokenizer.encode(Fact(fact.fact_id, fact.text, 0).render(), add_special_tokens=False)
+                items.append(MemoryItem(fact.fact_id, tuple(ids)))
+        return items
+
+    def _record_tokens_one_by_one(self, tenant_id: str, record_ids: list[str]) -> dict[str, tuple[int, ...]]:
+        """Headers of the records still there (one was removed since retrieval): the others are pasted."""
+        found = {}
+        for record_id in record_ids:
+            try:
+                found[record_id] = self._store.info(tenant_id, record_id).token_ids
             except (KVCoreError, OSError):
                 log.info("a retrieved fact's record is gone; pasting its text")
-        ids = self.tokenizer.encode(Fact(fact.fact_id, fact.text, 0).render(), add_special_tokens=False)
-        return MemoryItem(fact.fact_id, tuple(ids))
-
+        return found

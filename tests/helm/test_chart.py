@@ -75,6 +75,20 @@ def test_the_offload_tier_gets_a_node_local_disk_on_gpu_workers_or_is_off(helm):
                for v in g["template"]["spec"]["volumes"])
 
 
+def test_serve_runs_in_high_throughput_mode_on_every_node_and_only_the_ingress_port_is_exposed(helm):
+    docs = render(helm)
+    service = one(docs, "RayService")
+    for container in containers(service):  # Ray reads the switches when it starts: head and workers alike
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert (env["RAY_SERVE_ENABLE_HA_PROXY"], env["RAY_SERVE_THROUGHPUT_OPTIMIZED"], env["INFERSCALE_SERVE__PROXY"]) == ("1", "1", "haproxy")
+    assert [p["port"] for p in service["spec"]["serveService"]["spec"]["ports"]] == [8000]
+    assert not [d for d in docs if d["kind"] == "Service" and "serve" in d["metadata"]["name"]]  # no other Service for Serve
+    back = one(render(helm, "--set", "serve.proxy=python"), "RayService")
+    for container in containers(back):
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert (env["RAY_SERVE_ENABLE_HA_PROXY"], env["RAY_SERVE_THROUGHPUT_OPTIMIZED"]) == ("0", "0")
+
+
 def test_gpu_workers_request_their_gpus_and_autoscale(helm):
     docs = render(helm, "-f", str(CI_VALUES))
     cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
@@ -137,7 +151,7 @@ def test_external_redis_needs_its_url_secret(helm):
 
 @pytest.mark.parametrize("bad", ["gpuWorkers.gpus=0", "serve.llm.onLoadFailure=ignore", "redis.appendfsync=sometimes",
                                  "encodeJob.tenant=Bad_Name", "state.mountPath=relative",
-                                 "serve.llm.offload.diskSizeLimit=lots"])
+                                 "serve.llm.offload.diskSizeLimit=lots", "serve.proxy=nginx"])
 def test_schema_refuses_bad_values(helm, bad):
     done = subprocess.run([str(helm), "template", "rel", str(CHART), "--set", bad], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "values don't meet the specifications of the schema" in done.stderr

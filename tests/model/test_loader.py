@@ -55,3 +55,14 @@ def test_bad_sources_fail_clearly(tmp_path, settings):
     fake = types.SimpleNamespace(config=types.SimpleNamespace(to_dict=lambda: {"model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         loader.model_spec(fake)
+
+
+def test_a_lone_question_tokenizes_as_the_chat_template_does(loaded, settings):
+    """The serving path tokenizes only the question inside the known frame; it must equal the full template."""
+    from models.chat import build_frame, split_chat
+
+    frame = build_frame(loaded.tokenizer, settings.system_prompt)
+    for question in ("Where does Maya work?", "  spaced  question \n", "Ünïcödé & <tags>?", "a"):
+        head, tail = split_chat(loaded.tokenizer, settings.system_prompt, [{"role": "user", "content": question}])
+        assert tuple(head) == frame.prefix_ids
+        assert frame.query_ids(loaded.tokenizer, question) == tail, question

@@ -71,7 +71,7 @@ def cluster(ray_local, tmp_path_factory):
             "llm": {"env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CACHE_ROOT": str(state / "vllm-cache")},
                     "engine_kwargs": {"kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16},
                     "tiers": {"disk_cache_dir": str(state / "tiers"), "host_cache_bytes": 64 << 20}},
-            "ingress": {"max_body_bytes": 64 * 1024}}
+            "ingress": {"max_body_bytes": 64 * 1024, "first_event_timeout_s": 10}}
     serve.run(build_app(args), name="inferscale", route_prefix="/")
     yield Cluster(f"http://127.0.0.1:{port}", admin, state, redis)
     serve.shutdown()

@@ -18,12 +18,29 @@ class _Stream:
         self._events, self._error = events, error
 
     def remote(self, task):
-        async def events():
-            for event in self._events:
-                yield event
-            if self._error is not None:
-                raise self._error
-        return events()
+        return _Events(self._events, self._error)
+
+
+class _Events:
+    """What a streaming handle call returns: an async iterator that can be cancelled."""
+
+    def __init__(self, events, error, delay_s=0.0):
+        self._events, self._error, self._delay_s, self.cancelled = list(events), error, delay_s, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(self._delay_s)
+        if self._events:
+            return self._events.pop(0)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        raise StopAsyncIteration
+
+    def cancel(self):
+        self.cancelled = True
 
 
 class _Handle:
@@ -49,3 +66,21 @@ def test_other_errors_are_not_hidden():
     with pytest.raises(ZeroDivisionError):
         asyncio.run(_collect(ServeLLMBackend(_Handle([], ZeroDivisionError()))))
     assert asyncio.run(_collect(ServeLLMBackend(_Handle([{"done": True}], None)))) == [{"done": True}]
+
+
+def test_a_chat_no_replica_starts_in_time_is_a_retryable_503_and_is_cancelled():
+    pending = _Events([{"delta": "late"}], None, delay_s=5.0)
+
+    class _Slow:
+        chat = None
+
+        def options(self, stream):
+            return self
+
+        def remote(self, task):
+            return pending
+
+    _Slow.chat = _Slow()
+    events = asyncio.run(_collect(ServeLLMBackend(_Slow(), first_event_timeout_s=0.05)))
+    assert len(events) == 1 and events[0]["error"]["status"] == 503 and "0.05 s" in events[0]["error"]["message"]
+    assert pending.cancelled

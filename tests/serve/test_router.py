@@ -23,6 +23,9 @@ def test_home_first_unless_it_is_busier_than_the_gap_then_least_loaded_first():
 
 
 def test_the_tenant_is_read_from_the_call():
+    from deployments.chat_task import ChatTask
+
+    assert tenant_of((ChatTask("ana", 3, (("user", "hi"),)),), {}) == "ana"
     assert tenant_of(({"tenant_id": "maya", "facts": []},), {}) == "maya"
     assert tenant_of((), {"tenant_id": "ravi"}) == "ravi"
     assert tenant_of(("text",), {}) is None

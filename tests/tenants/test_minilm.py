@@ -19,3 +19,54 @@ def test_semantic_search_finds_the_paraphrase(make_service, minilm):
     assert best.text == "I am allergic to peanuts." and score > 0.3
     vectors = minilm.embed(["a", "b b"])
     assert vectors.shape == (2, 384) and abs(float((vectors[0] ** 2).sum()) - 1) < 1e-5
+
+
+def test_the_forward_matches_transformers_bert(minilm):
+    """The hand-written forward equals sentence-transformers' recipe over transformers' own BertModel."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from models.minilm import minilm_path
+
+    texts = ["Where does Maya work?", "a", "My sister lives in Lisbon and visits every second summer, usually in June."]
+    tokenizer, model = AutoTokenizer.from_pretrained(minilm_path()), AutoModel.from_pretrained(minilm_path()).eval()
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    reference = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    ours = minilm.embed_tensor(texts)
+    assert ours.shape == (3, 384)
+    assert torch.allclose(ours, reference, atol=2e-5), (ours - reference).abs().max()
+    # a query embedded alone equals the same query embedded in a padded batch
+    assert torch.allclose(minilm.embed_tensor(texts[:1])[0], ours[0], atol=2e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_buckets_equal_the_eager_forward():
+    """On CUDA each (batch, length) bucket is a captured graph; its answers must equal the eager forward's, for
+    batches and lengths that pad into a bucket and for a bucket replayed with other inputs."""
+    import torch
+
+    graphed, eager = MiniLMEmbedder(device="cuda"), MiniLMEmbedder(device="cuda", cuda_graphs=False)
+    for texts in (["Where does Maya work?"], ["a", "b b b"], ["What does box 17 hold?"] * 3 + ["x " * 40]):
+        got, want = graphed.embed_tensor(texts), eager.embed_tensor(texts)
+        assert got.shape == (len(texts), 384) and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert graphed._graphs, "no graph was captured"
+
+
+@pytest.mark.gpu
+def test_search_on_the_device_matches_the_cpu():
+    import numpy as np
+
+    from tenants.vector_index import ExactIndex
+
+    rng = np.random.default_rng(1)
+    vectors = rng.standard_normal((3000, 384)).astype(np.float32)
+    ids = np.arange(3000) * 3
+    on_gpu, on_cpu = ExactIndex(384, "cuda"), ExactIndex(384)
+    for index in (on_gpu, on_cpu):
+        index.upsert(ids, vectors)
+        index.remove(ids[::7])
+    query = rng.standard_normal(384).astype(np.float32)
+    assert on_gpu.search(query, 50)[1].tolist() == on_cpu.search(query, 50)[1].tolist()

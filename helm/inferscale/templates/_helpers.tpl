@@ -71,6 +71,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   value: {{ .Values.state.mountPath | quote }}
 - name: INFERSCALE_SYSTEM_PROMPT
   value: {{ .Values.serve.systemPrompt | quote }}
+{{- $fast := eq .Values.serve.proxy "haproxy" }}
+- name: INFERSCALE_SERVE__PROXY
+  value: {{ .Values.serve.proxy | quote }}
+- name: RAY_SERVE_ENABLE_HA_PROXY  # read by Ray when it starts on each node: the same on head and workers
+  value: {{ ternary "1" "0" $fast | quote }}
+- name: RAY_SERVE_THROUGHPUT_OPTIMIZED
+  value: {{ ternary "1" "0" $fast | quote }}
 {{- end }}
 
 {{- define "inferscale.volumeMounts" -}}

@@ -1,0 +1,82 @@
+"""The ingress floor of one Ray Serve proxy mode, in a process of its own (Ray reads the mode at start).
+
+Deploys the real `Ingress` (with a stand-in for the LLM servers, which an authenticated `GET /v1/models`
+never reaches) on a fresh local Ray in `--proxy` mode, against an existing Redis and tenant key, and prints
+the latency of that request as JSON: the HTTP path, the proxy, the ingress replica and the key lookup.
+`serve_http.py` runs it for both modes, so the two floors are measured in one run on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def measure(base: str, key: str, calls: int) -> list[float]:
+    import requests
+
+    session, headers, times = requests.Session(), {"Authorization": f"Bearer {key}"}, []
+    for i in range(calls + 20):
+        started = time.perf_counter()
+        session.get(f"{base}/v1/models", headers=headers, timeout=60).raise_for_status()
+        if i >= 20:  # the first calls open connections and warm caches
+            times.append((time.perf_counter() - started) * 1000)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--proxy", choices=["haproxy", "python"], required=True)
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--state-dir", type=Path, required=True)
+    p.add_argument("--admin-key", required=True)
+    p.add_argument("--tenant-key", required=True)
+    p.add_argument("--calls", type=int, default=300)
+    args = p.parse_args()
+
+    import os
+    import tempfile
+
+    from cluster.ray_head import LOOPBACK_ENV, free_port
+    from deployments.ray_serve.serve_mode import apply_serve_env
+
+    os.environ.update(LOOPBACK_ENV)
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    apply_serve_env(args.proxy, Path(temp_dir) / "serve")
+
+    import ray
+    from ray import serve
+
+    from deployments.ray_serve.ingress import Ingress
+
+    @serve.deployment
+    class NoModel:
+        """Stands in for the LLM servers: the measured route never calls them."""
+
+        async def chat(self, task):
+            raise RuntimeError("not part of this measurement")
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
+             _node_ip_address="127.0.0.1")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app_args = {"redis_url": args.redis_url, "state_dir": str(args.state_dir), "admin_key": args.admin_key,
+                "ingress": {"rate_per_s": 100_000, "burst": 100_000}}  # the floor, not the tenant's rate limit
+    serve.run(serve.deployment(Ingress, name="Ingress").bind(NoModel.bind(), app_args), name="floor", route_prefix="/")
+    try:
+        times = sorted(measure(f"http://127.0.0.1:{port}", args.tenant_key, args.calls))
+        print(json.dumps({"proxy": args.proxy, "p50_ms": statistics.median(times),
+                          "p99_ms": times[int(0.99 * (len(times) - 1))], "calls": len(times)}))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The chat request as it crosses from the ingress to an LLM replica: one typed record, built once.
+
+The ingress authenticates, retrieves and validates; it hands the LLM replica a `ChatTask` that holds
+everything the engine needs (no second lookup on the other side). It travels by pickle (Ray's handle
+call, over gRPC in high-throughput mode), so it carries plain values only and stays small: fact texts and
+record ids, never K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["inject", "prompt", "off"]
+
+
+@dataclass(frozen=True)
+class RetrievedFact:
+    """A fact as retrieval found it: its text, its K/V record (None until encoded) and its similarity."""
+
+    fact_id: str
+    text: str
+    record_id: str | None = None
+    score: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChatTask:
+    """One chat request after authentication and retrieval."""
+
+    tenant_id: str
+    version: int  # the tenant's store version: salts the engine's prefix cache
+    messages: tuple[tuple[str, str], ...]  # (role, content), the caller's conversation
+    facts: tuple[RetrievedFact, ...] = ()
+    mode: Mode = "inject"
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+    def single_question(self) -> str | None:
+        """The question when the conversation is one user message (the frame then tokenizes only it)."""
+        if len(self.messages) == 1 and self.messages[0][0] == "user":
+            return self.messages[0][1]
+        return None

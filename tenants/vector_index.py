@@ -1,0 +1,96 @@
+"""One tenant's retrieval vectors as a matrix on a device: exact inner-product search is one matrix product.
+
+A tenant holds up to some thousands of facts, so an exact search of a 384-d query is a `[n, 384] @ [384]`
+product and a top-k: ~50 µs on one CPU core, a few µs of GPU time (measured against FAISS's flat index,
+which does the same work at the same speed on CPU: `benchmarks/retrieval.py`). Rows are addressed by the
+facts' int64 index ids; a removed row is masked, and its slot reused by the next insert.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class ExactIndex:
+    """Add, replace, remove and search normalised vectors by int64 id, on `device`."""
+
+    def __init__(self, dim: int, device: str | torch.device = "cpu") -> None:
+        self.dim, self.device = dim, torch.device(device)
+        self._vectors = torch.zeros((16, dim), dtype=torch.float32, device=self.device)  # [capacity, dim]
+        self._live = torch.zeros(16, dtype=torch.bool, device=self.device)  # [capacity]
+        self._row_of: dict[int, int] = {}
+        self._id_at: list[int | None] = [None] * 16
+        self._free: list[int] = list(range(15, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    def upsert(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        vectors = np.asarray(vectors, dtype=np.float32).reshape(len(ids), self.dim)
+        rows = [self._row(int(i)) for i in ids]
+        if rows:
+            index = torch.tensor(rows, device=self.device)
+            self._vectors[index] = torch.from_numpy(vectors).to(self.device)
+            self._live[index] = True
+
+    def remove(self, ids: np.ndarray) -> None:
+        rows = [self._row_of.pop(int(i)) for i in np.asarray(ids, dtype=np.int64).reshape(-1) if int(i) in self._row_of]
+        for row in rows:
+            self._id_at[row] = None
+            self._free.append(row)
+        if rows:
+            self._live[torch.tensor(rows, device=self.device)] = False
+
+    def search(self, query: np.ndarray | torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, ids) of the `k` nearest, best first; fewer when the index holds fewer."""
+        k = min(k, len(self))
+        if k <= 0:
+            return np.empty(0, np.float32), np.empty(0, np.int64)
+        query = torch.as_tensor(query, dtype=torch.float32).to(self.device, non_blocking=True).reshape(self.dim)
+        scores = self._vectors @ query  # [capacity]
+        scores.masked_fill_(~self._live, float("-inf"))
+        top = torch.topk(scores, k)
+        values, rows = top.values.cpu().numpy(), top.indices.cpu().numpy()
+        return values, np.array([self._id_at[r] for r in rows], dtype=np.int64)
+
+    def save(self, path: Path) -> None:
+        """ids and vectors as one .npz, written whole and renamed into place."""
+        path = Path(path)
+        ids = np.array(sorted(self._row_of), dtype=np.int64)
+        rows = torch.tensor([self._row_of[int(i)] for i in ids], dtype=torch.long, device=self.device)
+        vectors = self._vectors[rows].cpu().numpy() if len(ids) else np.empty((0, self.dim), np.float32)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as handle:
+            np.savez(handle, ids=ids, vectors=vectors)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, dim: int, device: str | torch.device = "cpu") -> "ExactIndex":
+        with np.load(Path(path)) as saved:
+            ids, vectors = saved["ids"], saved["vectors"]
+        if vectors.ndim != 2 or vectors.shape[1] != dim or len(ids) != len(vectors):
+            raise ValueError(f"{path} holds vectors of shape {vectors.shape}, expected [n, {dim}]")
+        index = cls(dim, device)
+        index.upsert(ids, vectors)
+        return index
+
+    def _row(self, index_id: int) -> int:
+        row = self._row_of.get(index_id)
+        if row is not None:
+            return row
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self._row_of[index_id], self._id_at[row] = row, index_id
+        return row
+
+    def _grow(self) -> None:
+        old = self._vectors.shape[0]
+        self._vectors = torch.cat([self._vectors, torch.zeros_like(self._vectors)])
+        self._live = torch.cat([self._live, torch.zeros_like(self._live)])
+        self._id_at += [None] * old
+        self._free = list(range(2 * old - 1, old - 1, -1))
