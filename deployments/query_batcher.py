@@ -26,7 +26,7 @@ class QueryBatcher:
     """`await embed(text)` -> the text's vector on the embedder's device, batched with concurrent callers."""
 
     def __init__(self, embedder: TensorEmbedder, max_batch: int = 32) -> None:
-        self._embedder, self._max = embedder, max_batch
+        self._embedder, self.max_batch = embedder, max_batch
         self._pending: list[tuple[str, asyncio.Future]] = []
         self._running = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed")  # forwards leave the event loop free
@@ -44,7 +44,7 @@ class QueryBatcher:
         loop = asyncio.get_running_loop()
         try:
             while self._pending:
-                batch, self._pending = self._pending[: self._max], self._pending[self._max :]
+                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
                 self.batches += 1
                 try:
                     vectors = await loop.run_in_executor(self._pool, self._embedder.embed_tensor, [t for t, _ in batch])

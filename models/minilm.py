@@ -115,7 +115,7 @@ class _Graph:
                 encode(w, self.ids, self.mask)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads keep using the GPU
             self.out = encode(w, self.ids, self.mask)
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -158,6 +158,17 @@ class MiniLMEmbedder:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         return self.embed_tensor(texts).float().cpu().numpy()
+
+    def prepare(self, max_batch: int, lengths: Sequence[int] = (16, 32)) -> None:
+        """Capture the buckets that queries use (batches up to `max_batch`, short texts) before serving, so no
+        request waits for a capture; nothing to do without CUDA graphs."""
+        if self._graphs is None:
+            return
+        batch = 1
+        while batch <= max_batch:
+            for length in lengths:
+                self.embed_tensor(["x " * (length - 2)] * batch)
+            batch *= 2
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self._graphs is None:

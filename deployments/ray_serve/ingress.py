@@ -91,6 +91,8 @@ class Ingress:
         self.args = AppArgs(**args)
         settings = load_settings(**self.args.settings)
         embedder = MiniLMEmbedder(device=self.args.ingress.embed_device)
+        queries = QueryBatcher(embedder)
+        embedder.prepare(queries.max_batch)
         service = connect_service(self.args.redis(settings), self.args.state_dir, embedder, settings.tenants,
                                   device=self.args.ingress.embed_device)
         if admin_key := self.args.admin_key or settings.admin_key:
@@ -99,7 +101,7 @@ class Ingress:
             log.warning("admin key created (shown once; keep it, set INFERSCALE_ADMIN_KEY): %s", created)
         self.gateway = Gateway(service, ServeLLMBackend(llm, self.args.ingress.first_event_timeout_s), self.args.ingress, self.args.llm.served_name,
                                Metrics(), self.args.state_dir / "jobs", _job_runner(self.args),
-                               extraction_window=self.args.encoding_window, queries=QueryBatcher(embedder))
+                               extraction_window=self.args.encoding_window, queries=queries)
 
     def __serve_build_asgi_app__(self):
         return create_app(self.gateway)
