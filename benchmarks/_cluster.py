@@ -55,7 +55,8 @@ def start_cluster(state: Path, cuda: bool, shape: Path | None, proxy: str = "hap
     env = {"VLLM_CACHE_ROOT": str(state / "vllm-cache")} | ({} if cuda else {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
     llm = {"dtype": "bfloat16" if cuda else "float32", "env": env, "max_ongoing_requests": 256,
            "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.9} if cuda else {"num_cpus": 1}}
-    ingress = {"rate_per_s": 10_000, "burst": 10_000, "max_ongoing_requests": 512}
+    ingress = {"rate_per_s": 10_000, "burst": 10_000, "max_ongoing_requests": 512,
+               "first_event_timeout_s": 900}  # a cold start of 100 tenants reads ~40 GB of records: not a lost replica
     if cuda:  # the GPU also embeds queries (a sliver of it per ingress replica), as a GPU deployment would
         llm["engine_kwargs"] = {"gpu_memory_utilization": 0.45, "max_model_len": 4096}
         # every tenant's facts stay hot in HBM, as for active tenants: records are float32 (exact re-rotation),

@@ -67,15 +67,21 @@ class RayHead:
 
     def stop(self) -> int:
         """Kill this head's processes (those naming its temp folder, and its Ray client server, which names only
-        the head's address); returns how many there were."""
-        killed = 0
+        the head's address) and what they started (Serve's HAProxy names neither); returns how many there were."""
+        ours = []
         for proc in psutil.process_iter(["cmdline"]):
             try:
                 cmdline = proc.info["cmdline"] or []
                 if proc.pid != os.getpid() and (any(self.temp_dir in part for part in cmdline)
                                                 or f"--address={self.address}" in cmdline):
-                    proc.kill()
-                    killed += 1
+                    ours += [proc, *proc.children(recursive=True)]
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        killed = 0
+        for proc in {p.pid: p for p in ours}.values():
+            try:
+                proc.kill()
+                killed += 1
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -96,6 +96,51 @@ def test_encode_submits_through_the_ray_jobs_api(tmp_path):
 
 
 
+@pytest.mark.parametrize("proxy", ["haproxy", "python"])
+def test_serve_deploys_a_config_onto_a_cluster_in_the_chosen_proxy_mode(tmp_path, proxy):
+    """`inferscale serve` onto a Ray head started without Serve's switches: the settings' proxy mode reaches Serve's
+    controller and replicas (HAProxy in front, or not), and the app answers through the ingress and its downstream."""
+    import os
+    from pathlib import Path
+
+    import psutil
+    import requests
+
+    from cluster.ray_head import RayHead, free_port
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_") and k not in ("RAY_ADDRESS", "INFERSCALE_SERVE__PROXY")}
+    env |= {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+            "PYTHONPATH": str(root), "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]}
+    port = free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"http_options: {{host: 127.0.0.1, port: {port}}}\napplications:\n  - name: tiny\n    route_prefix: /\n"
+                      "    import_path: tests.fixtures.tiny_serve_app:build\n    args: {}\n")
+    head, haproxies = RayHead.start(num_cpus=4, env=env), []
+    try:
+        done = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config)], cwd=root,
+                              env={**env, "RAY_ADDRESS": head.address, "INFERSCALE_SERVE__PROXY": proxy},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert requests.get(f"http://127.0.0.1:{port}/hello", timeout=30).json() == {"downstream": "hello"}
+        haproxies = [p for p in psutil.process_iter(["name", "cmdline"]) if p.info["name"] == "haproxy"
+                     and any(head.temp_dir in part or "haproxy" in part for part in p.info["cmdline"] or [])]
+        listeners = {c.laddr.port for p in haproxies for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+        assert (port in listeners) == (proxy == "haproxy"), (proxy, listeners)  # HAProxy is the ingress, or absent
+    finally:
+        head.stop()
+    assert not [p for p in haproxies if _alive(p)]  # the head's stop takes Serve's HAProxy with it
+
+
+def _alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 MARKER = "INFERSCALE_TEST_UP_RUN"  # set on `up` runs: every process they start inherits it
 
 
