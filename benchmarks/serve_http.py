@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._cluster import start_cluster  # noqa: E402
 from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
+from benchmarks.proxy_floor import measure as floor_ms  # noqa: E402
 
 MODEL = "inferscale-smollm2"
 COLORS = ["red", "blue", "green"]
@@ -95,17 +96,6 @@ def streamed(base: str, key: str, k: int, mode: str, text: str) -> tuple[float, 
     if "engine_ttft_ms" not in usage:
         raise RuntimeError(f"{mode} chat ended without usage")
     return (first or time.perf_counter() - started) * 1000, usage
-
-
-def floor_ms(base: str, key: str, calls: int = 200) -> list[float]:
-    """Authenticated `GET /v1/models`: the HTTP path, the proxy, the ingress and the key lookup, no retrieval or engine."""
-    session, headers, times = requests.Session(), {"Authorization": f"Bearer {key}"}, []
-    for i in range(calls + 20):
-        started = time.perf_counter()
-        session.get(f"{base}/v1/models", headers=headers, timeout=60).raise_for_status()
-        if i >= 20:
-            times.append((time.perf_counter() - started) * 1000)
-    return times
 
 
 def http_qps(base: str, tenants: list[tuple[str, str]], k: int, mode: str, total: int, first: int = 0) -> float:
@@ -260,7 +250,7 @@ def main() -> None:
                 ms, usage = streamed(base, tenants[r % tenants_n][1], k, mode, f"What does box {r} hold? ({mode} {r})")
                 samples[mode].append({"ttft_ms": ms, **{key: usage[key] for key in (
                     "engine_ttft_ms", "retrieval_ms", "prefilled_tokens", "injected_tokens", "prompt_tokens")}})
-        floor = floor_ms(base, tenants[0][1])
+        floor = floor_ms(base, tenants[0][1], calls=200)
         total = 2 * tenants_n if args.quick else 4 * tenants_n
         qps = {mode: http_qps(base, tenants, k, mode, total) for mode in ("prompt", "inject")}
         report["arena_warnings"] = arena_warnings()
