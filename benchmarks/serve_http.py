@@ -248,7 +248,7 @@ def main() -> None:
         for r in range(rounds_n):  # interleaved; a new question each round
             for mode in samples:
                 ms, usage = streamed(base, tenants[r % tenants_n][1], k, mode, f"What does box {r} hold? ({mode} {r})")
-                samples[mode].append({"ttft_ms": ms, **{key: usage[key] for key in (
+                samples[mode].append({"ttft_ms": ms, "hop_ms": usage.get("hop_ms", {}), **{key: usage[key] for key in (
                     "engine_ttft_ms", "retrieval_ms", "prefilled_tokens", "injected_tokens", "prompt_tokens")}})
         floor = floor_ms(base, tenants[0][1], calls=200)
         total = 2 * tenants_n if args.quick else 4 * tenants_n
@@ -278,6 +278,8 @@ def main() -> None:
         "engine_ttft_ms_p50": {mode: statistics.median(s["engine_ttft_ms"] for s in v) for mode, v in samples.items()},
         "http_minus_engine_ttft_ms": {"p50": statistics.median(over), "p99": pct(over, 0.99)},
         "retrieval_ms": {"p50": statistics.median(retrieval), "p99": pct(retrieval, 0.99)},
+        "hop_ms_p50": {leg: statistics.median(s["hop_ms"][leg] for s in inject if leg in s["hop_ms"])
+                       for leg in ("to_replica", "layout", "first_token_back") if any(leg in s["hop_ms"] for s in inject)},
         "ingress_floor_ms": {"p50": statistics.median(floor), "p99": pct(floor, 0.99)},
         "prefilled_tokens_p50": {mode: statistics.median(s["prefilled_tokens"] for s in v) for mode, v in samples.items()},
         "qps_http": qps, "engine_alone": alone, "rounds": rounds_n}

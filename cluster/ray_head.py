@@ -43,12 +43,13 @@ class RayHead:
 
     @classmethod
     def start(cls, num_cpus: int, num_gpus: int | None = None, timeout_s: float = 180,
-              env: dict[str, str] | None = None) -> "RayHead":
-        """`env`: the environment of the head (and so of job drivers); this process's by default."""
+              env: dict[str, str] | None = None, temp_dir: str | None = None) -> "RayHead":
+        """`env`: the environment of the head (and so of job drivers); this process's by default. `temp_dir`: the
+        head's folder (short: unix sockets live there), made here when not given; `stop` removes it."""
         ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
         if ray is None:
             raise FileNotFoundError("the `ray` command is missing: pip install 'ray[serve]'")
-        head = cls(tempfile.mkdtemp(prefix="ray-", dir="/tmp"), free_port(), free_port())
+        head = cls(temp_dir or tempfile.mkdtemp(prefix="ray-", dir="/tmp"), free_port(), free_port())
         args = [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={head.port}",
                 "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={head.dashboard_port}",
                 f"--num-cpus={num_cpus}", f"--temp-dir={head.temp_dir}",

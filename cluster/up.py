@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -57,8 +58,10 @@ def run_up(settings: Settings, *, port: int, out: TextIO, deploy: Deploy | None 
         if settings.redis.url is None:
             redis = LocalRedis(settings.state_dir / "redis", settings.redis.port, settings.redis.appendfsync).start()
         redis_url = settings.redis.url or redis.url
-        apply_serve_env(settings.serve.proxy, settings.state_dir / "serve")  # the head and its workers read it at start
-        head = RayHead.start(num_cpus=max(8, os.cpu_count() or 2), num_gpus=torch.cuda.device_count() or None)
+        head_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: HAProxy's sockets live below it too
+        apply_serve_env(settings.serve.proxy, Path(head_dir) / "serve")  # the head and its workers read it at start
+        head = RayHead.start(num_cpus=max(8, os.cpu_count() or 2), num_gpus=torch.cuda.device_count() or None,
+                             temp_dir=head_dir)
         state = {"ray": head.to_dict(), "redis_pid": redis.pid if redis else None, "redis_url": redis_url,
                  "port": port}
         state_file.write_text(json.dumps(state))

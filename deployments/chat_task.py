@@ -9,9 +9,8 @@ record ids, never K/V.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-Mode = Literal["inject", "prompt", "off"]
+from deployments.memory_prompt import Mode
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import json
 import logging
 import time
 import uuid
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from deployments.app_args import IngressArgs
@@ -44,6 +44,8 @@ class PreparedChat:
     task: ChatTask
     retrieval_ms: float
     tiers: "asyncio.Future[dict[str, int]] | None" = None
+    dispatched: float | None = None  # wall clock when the task left for the replica
+    first_event: float | None = None  # wall clock when the replica's first event came back
 
     async def memory_tiers(self) -> dict[str, int]:
         return await self.tiers if self.tiers is not None else {}

@@ -134,8 +134,10 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def chat(tenant: TenantDep, body: ChatRequest):
         received = time.perf_counter()
         prepared = await gateway.prepare_chat(tenant, body)
+        prepared.dispatched = time.time()
         events = gateway.llm.chat(prepared.task)
         first = await _first_event(events)  # engine errors surface before any byte is sent
+        prepared.first_event = time.time()
         completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": completion_id, "created": created, "model": gateway.served_name}
         if body.stream:
@@ -151,7 +153,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                 final = event
             elif "error" in event:  # the engine or its replica failed after the first event
                 raise EngineRefusal(int(event["error"]["status"]), event["error"]["message"])
-        usage = _usage(final, prepared.retrieval_ms, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
+        usage = _usage(final, prepared, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
                        await prepared.memory_tiers())
         gateway.observe_usage(usage, body.memory.mode)
         return {**base, "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
@@ -227,15 +229,26 @@ async def _chain(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> 
         yield event
 
 
-def _usage(final: dict[str, Any] | None, retrieval_ms: float, ttft_ms: float, tiers: dict[str, int]) -> dict[str, Any]:
+def _usage(final: dict[str, Any] | None, prepared: PreparedChat, ttft_ms: float, tiers: dict[str, int]) -> dict[str, Any]:
     engine = (final or {}).get("usage", {})
     return {"prompt_tokens": engine.get("prompt_tokens", 0), "completion_tokens": engine.get("completion_tokens", 0),
             "total_tokens": engine.get("total_tokens", 0), "injected_tokens": engine.get("injected_tokens", 0),
             "prefilled_tokens": engine.get("prefilled_tokens", 0), "cached_tokens": engine.get("cached_tokens", 0),
-            "memory_tokens": engine.get("memory_tokens", 0), "retrieval_ms": round(retrieval_ms, 3),
+            "memory_tokens": engine.get("memory_tokens", 0), "retrieval_ms": round(prepared.retrieval_ms, 3),
             "ttft_ms": round(ttft_ms, 3), "engine_ttft_ms": engine.get("engine_ttft_ms", 0.0),
             "memory_fallback": engine.get("memory_fallback"), "memory_tiers": tiers,
+            "hop_ms": _hop(prepared, engine.get("timeline")),
             "prompt_tokens_details": {"cached_tokens": engine.get("prompt_tokens", 0) - engine.get("prefilled_tokens", 0)}}
+
+
+def _hop(prepared: PreparedChat, timeline: dict[str, float] | None) -> dict[str, float]:
+    """What lies between the ingress and the engine, from both sides' wall clocks (one host): the task's way to
+    the replica, the replica's layout before the engine starts, the first token's way back to the ingress."""
+    if not timeline or prepared.dispatched is None or prepared.first_event is None:
+        return {}
+    return {"to_replica": round((timeline["arrived"] - prepared.dispatched) * 1000, 3),
+            "layout": round((timeline["engine_start"] - timeline["arrived"]) * 1000, 3),
+            "first_token_back": round((prepared.first_event - timeline["first_token"]) * 1000, 3)}
 
 
 async def _sse(gateway: Gateway, first: dict[str, Any], events: AsyncIterator[dict[str, Any]], base: dict[str, Any],
@@ -259,7 +272,7 @@ async def _sse(gateway: Gateway, first: dict[str, Any], events: AsyncIterator[di
         elif "error" in event:
             yield f"data: {json.dumps({'error': {'code': 'engine_error', 'message': event['error']['message']}})}\n\n".encode()
             return
-    usage = _usage(final, prepared.retrieval_ms, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
+    usage = _usage(final, prepared, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
                    await prepared.memory_tiers())
     gateway.observe_usage(usage, mode)
     yield chunk({} if role_sent else {"role": "assistant", "content": ""}, (final or {}).get("finish_reason", "stop"))

@@ -15,7 +15,7 @@ class Metrics:
         self.errors = Counter("inferscale_errors", "Error answers by status code", ["code"], registry=self.registry)
         self.ttft = Histogram("inferscale_ttft_seconds", "Time to first token at the ingress", ["mode"],
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.retrieval = Histogram("inferscale_retrieval_seconds", "Embedding + FAISS + metadata lookup",
+        self.retrieval = Histogram("inferscale_retrieval_seconds", "Query embedding, change-log catch-up and search",
                                    buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tokens = Counter("inferscale_prompt_tokens", "Prompt tokens by how they were served", ["kind"],
                               registry=self.registry)

@@ -9,13 +9,11 @@ Nothing waits for a batch to fill, so a lone request pays no delay.
 from __future__ import annotations
 
 import asyncio
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, Sequence
 
 import torch
 
-log = logging.getLogger(__name__)
 
 
 class TensorEmbedder(Protocol):

@@ -111,7 +111,10 @@ class MemoryEngine:
         return dict(await asyncio.gather(*(one(*fact) for fact in facts)))
 
     async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
-        """Text deltas (`{"delta": ...}`) then one final `{"done": True, "finish_reason", "usage"}`."""
+        """Text deltas (`{"delta": ...}`) then one final `{"done": True, "finish_reason", "usage"}`; the usage's
+        `timeline` holds wall-clock times (s) of the task's arrival, the engine's start and its first token, so the
+        ingress can split what lies between its own clock and the engine's (one host, one clock)."""
+        arrived = time.time()
         if task.mode == "inject" and self._tier_root is not None:  # disk-tier facts start loading before the engine sees them
             self._prefetch(task.tenant_id, [f.record_id for f in task.facts if f.record_id])
         frame = (self.frame_id, self.prefix_ids) if task.mode == "inject" and await self.ensure_frame(task.tenant_id) else None
@@ -127,6 +130,7 @@ class MemoryEngine:
         if laid.plan is not None:
             params.extra_args = {"kv_transfer_params": laid.plan.to_params()}
         prompt = TokensPrompt(prompt_token_ids=laid.token_ids, cache_salt=laid.cache_salt)
+        engine_start = time.time()
         started, ttft, completion, cached, report, finish = time.perf_counter(), None, 0, 0, None, None
         async for out in self._engine.generate(prompt, params, f"chat-{uuid.uuid4().hex}"):
             piece = out.outputs[0]
@@ -145,7 +149,8 @@ class MemoryEngine:
             "total_tokens": len(laid.token_ids) + completion, "memory_tokens": laid.memory_tokens,
             "injected_tokens": injected, "cached_tokens": max(0, cached - injected),
             "prefilled_tokens": len(laid.token_ids) - cached, "engine_ttft_ms": round(ttft or 0.0, 3),
-            "memory_fallback": (report or {}).get("fallback")}}
+            "memory_fallback": (report or {}).get("fallback"),
+            "timeline": {"arrived": arrived, "engine_start": engine_start, "first_token": engine_start + (ttft or 0.0) / 1000}}}
 
     def _prefetch(self, tenant_id: str, record_ids: list[str]) -> None:
         """Advise the kernel to read the disk-tier files of these records (advisory: unknown records are skipped)."""

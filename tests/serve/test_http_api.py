@@ -46,6 +46,9 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
     assert pasted["injected_tokens"] == 0 and pasted["prefilled_tokens"] == pasted["prompt_tokens"]
     for usage in (injected, pasted):
         assert usage["ttft_ms"] > 0 and usage["retrieval_ms"] > 0 and usage["completion_tokens"] > 0
+        hop = usage["hop_ms"]  # the legs between the ingress and the engine, each inside the request's own TTFT
+        assert set(hop) == {"to_replica", "layout", "first_token_back"} and all(v >= 0 for v in hop.values())
+        assert sum(hop.values()) + usage["engine_ttft_ms"] + usage["retrieval_ms"] < usage["ttft_ms"] + 1, usage
 
 
 def test_the_official_openai_client_works_unchanged_streaming_included(cluster):
