@@ -40,6 +40,9 @@ class LLMArgs(Strict):
     max_ongoing_requests: int = Field(64, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     env: dict[str, str] = Field(default_factory=dict, description="Environment of the replica (VLLM_* knobs).")
+    max_encodes_in_flight: int = Field(8, ge=1, description="Fact encodings (capture requests) one engine runs "
+                                                             "at once; more wait outside its queue, so chats do "
+                                                             "not queue behind a burst of writes.")
     spill_queue_gap: int = Field(8, ge=0, description="Queued requests by which a tenant's home replica may "
                                                        "exceed the least loaded one before its requests spill.")
 

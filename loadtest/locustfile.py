@@ -4,7 +4,9 @@
     locust -f loadtest/locustfile.py --host ... --headless -u 50 -r 10 -t 2m --csv out/run --mode prompt
 
 Needs the admin key (`INFERSCALE_ADMIN_KEY`, or `--admin-key`). At start it creates the tenants
-(`loadtest-<run>-<i>`), gives each its own facts, and removes them at the end (unless `--keep-tenants`).
+(`loadtest-<run>-<i>`), gives each its own facts, and removes them at the end (unless `--keep-tenants`);
+`--tenants-file` instead loads tenants made beforehand (a JSON list of `{"id", "key", "person"}`), so the
+load starts once their facts are encoded and measures steady serving apart from the write burst.
 `--mode` compares KV injection with pasting the same facts (`prompt`) or no memory (`off`); `--k` sets the
 facts per question; `--ack-log` records every acknowledged write, for fault tests to audit.
 """
@@ -12,6 +14,7 @@ facts per question; `--ack-log` records every acknowledged write, for fault test
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import uuid
@@ -39,6 +42,8 @@ def _options(parser) -> None:
     parser.add_argument("--admin-key", default=os.environ.get("INFERSCALE_ADMIN_KEY", ""))
     parser.add_argument("--ack-log", default="", help="append `tenant<TAB>fact id<TAB>text` of every acknowledged write")
     parser.add_argument("--keep-tenants", action="store_true", help="leave the tenants in place at the end (to audit them)")
+    parser.add_argument("--tenants-file", default="", help="JSON list of existing tenants {id, key, person} to load "
+                                                           "instead of creating (and removing) tenants")
 
 
 def facts_for(person: str, count: int, rng: random.Random) -> list[str]:
@@ -52,6 +57,10 @@ def facts_for(person: str, count: int, rng: random.Random) -> list[str]:
 def _create_tenants(environment, **_) -> None:
     """The tenants and their facts, 16 at a time (a hundred tenants one by one would eat a short run)."""
     options = environment.parsed_options
+    if options.tenants_file:
+        with open(options.tenants_file) as given:
+            _tenants.extend((t["id"], t["key"], t["person"]) for t in json.load(given))
+        return
     run = uuid.uuid4().hex[:6]
     admin = {"Authorization": f"Bearer {options.admin_key}"}
 
@@ -69,7 +78,7 @@ def _create_tenants(environment, **_) -> None:
 
 @events.test_stop.add_listener
 def _remove_tenants(environment, **_) -> None:
-    if environment.parsed_options.keep_tenants:
+    if environment.parsed_options.keep_tenants or environment.parsed_options.tenants_file:
         return
     admin = {"Authorization": f"Bearer {environment.parsed_options.admin_key}"}
     for tenant_id, _, _ in _tenants:

@@ -39,7 +39,8 @@ def build_engine(args: AppArgs) -> MemoryEngine:
     return MemoryEngine(path, args.llm.fingerprint or checkpoint_fingerprint(path), args.state_dir / "records",
                         args.system_prompt, engine_kwargs=args.engine_kwargs(torch.cuda.is_available()),
                         on_load_failure=args.llm.on_load_failure, device_cache_bytes=args.llm.device_cache_bytes,
-                        tiers=tiers, device_tenant_bytes=args.llm.device_tenant_bytes)
+                        tiers=tiers, device_tenant_bytes=args.llm.device_tenant_bytes,
+                        max_encodes_in_flight=args.llm.max_encodes_in_flight)
 
 
 class LLMServer:

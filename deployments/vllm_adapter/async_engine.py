@@ -36,13 +36,33 @@ from models.chat import build_frame, split_chat
 log = logging.getLogger(__name__)
 
 
+class EncodeSlots:
+    """At most `limit` encodings inside the engine at once; the rest wait here, in arrival order, outside the
+    engine's queue (where chats that arrive later would wait behind every one of them). Counts the peak."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"max_encodes_in_flight must be at least 1, got {limit}")
+        self._slots = asyncio.Semaphore(limit)
+        self.in_flight = self.peak = 0
+
+    async def __aenter__(self) -> None:
+        await self._slots.acquire()
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.in_flight -= 1
+        self._slots.release()
+
+
 class MemoryEngine:
     """The async engine plus what it needs to lay out memory: tokenizer, frame, record headers."""
 
     def __init__(self, model: Path, fingerprint: str, store_root: Path, system_prompt: str, *,
                  engine_kwargs: dict[str, Any] | None = None, on_load_failure: str = "recompute",
                  device_cache_bytes: int = 1 << 30, tiers: dict[str, Any] | None = None,
-                 device_tenant_bytes: int | None = None) -> None:
+                 device_tenant_bytes: int | None = None, max_encodes_in_flight: int = 8) -> None:
         self.fingerprint = fingerprint
         self.model_name = str(model)
         self._store = LocalFactStore(store_root)
@@ -60,6 +80,7 @@ class MemoryEngine:
         self.frame_id = f"chat-frame-{fingerprint[:16]}"
         self._frames: dict[str, bool] = {}
         self._frame_locks: dict[str, asyncio.Lock] = {}
+        self._encode_slots = EncodeSlots(max_encodes_in_flight)
         self.max_model_len = self._engine.model_config.max_model_len
 
     async def warm_up(self) -> None:
@@ -90,8 +111,13 @@ class MemoryEngine:
     async def encode_facts(self, tenant_id: str, facts: Sequence[tuple[str, int, str]],
                            attach: Callable[[str, int, FactKV], None]) -> dict[str, str]:
         """Encode facts `(id, version, text)` behind the chat frame with the engine's own prefill (a capture
-        each, run concurrently) and hand each record to `attach`; returns fact id -> "encoded" or the error."""
+        each, at most `max_encodes_in_flight` in the engine at once across callers, so a burst of writes does
+        not queue ahead of chats) and hand each record to `attach`; returns fact id -> "encoded" or the error."""
         async def one(fact_id: str, version: int, text: str) -> tuple[str, str]:
+            async with self._encode_slots:
+                return await encode(fact_id, version, text)
+
+        async def encode(fact_id: str, version: int, text: str) -> tuple[str, str]:
             scratch = f"{fact_id}.capture-{uuid.uuid4().hex[:8]}.v0"  # reconciled away if this process dies
             ids = self.tokenizer.encode(Fact(fact_id, text, 0).render(), add_special_tokens=False)
             begin = len(self.prefix_ids)
