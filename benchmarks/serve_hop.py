@@ -1,0 +1,127 @@
+"""The ingress-to-replica hop alone: what Ray Serve's streamed handle call costs, with no engine behind it.
+
+A FastAPI ingress (the same Serve mode as the cluster: `--proxy`) calls a trivial downstream deployment
+behind the real `TenantAffinityRouter` with a real `ChatTask` (no facts, and `--facts` retrieved facts) and
+reports, per request: the task's way to the replica (`to_replica`, the downstream's clock minus the
+ingress's), the first event's way back, and the client's whole HTTP time; beside it, the same ingress
+answering by itself (`direct`: HTTP without the hop). Runs in seconds (no model), so the hop can be
+profiled apart from the serving benchmark (`serve_http.py`, whose `hop_ms` has the same legs under load).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import parser, target, write_report  # noqa: E402
+
+ROUTER = "deployments.ray_serve.router.TenantAffinityRouter"
+
+
+def build(facts_text: str):
+    """(ingress app, downstream) bound for `serve.run`; imported late: Ray must read the mode first."""
+    from fastapi import FastAPI
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.chat_task import ChatTask, RetrievedFact
+
+    class Downstream:
+        async def chat(self, task: ChatTask):
+            yield {"arrived": time.time(), "facts": len(task.facts)}
+            yield {"done": True}
+
+    @serve.ingress()
+    class Front:
+        def __init__(self, down) -> None:
+            self._down = down.options(stream=True)
+
+        def __serve_build_asgi_app__(self):
+            app = FastAPI()
+
+            @app.get("/direct")
+            async def direct() -> dict:
+                return {"ok": True}
+
+            @app.get("/hop")
+            async def hop(facts: int = 0) -> dict:
+                task = ChatTask("tenant-1", 1, (("user", "What does box 3 hold?"),),
+                                tuple(RetrievedFact(f"f{i}", facts_text.format(i=i), f"r{i}", 0.5) for i in range(facts)))
+                sent = time.time()
+                events = self._down.chat.remote(task)
+                first = await events.__anext__()
+                back = time.time()
+                async for _ in events:
+                    pass
+                return {"to_replica_ms": (first["arrived"] - sent) * 1000, "first_back_ms": (back - first["arrived"]) * 1000}
+
+            return app
+
+    down = serve.deployment(Downstream, name="Downstream").options(
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER)).bind()
+    return serve.deployment(Front, name="Front").bind(down)
+
+
+def measure(base: str, calls: int, facts: int) -> dict:
+    session, rows = requests.Session(), []
+    for i in range(calls + 30):
+        started = time.perf_counter()
+        answer = session.get(f"{base}/hop", params={"facts": facts}, timeout=60).json()
+        if i >= 30:
+            rows.append({**answer, "http_ms": (time.perf_counter() - started) * 1000})
+    direct = []
+    for i in range(calls + 30):
+        started = time.perf_counter()
+        session.get(f"{base}/direct", timeout=60).raise_for_status()
+        if i >= 30:
+            direct.append((time.perf_counter() - started) * 1000)
+    p50 = {key: round(statistics.median(r[key] for r in rows), 3) for key in rows[0]}
+    return {**p50, "direct_http_ms": round(statistics.median(direct), 3),
+            "hop_http_extra_ms": round(p50["http_ms"] - statistics.median(direct), 3)}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--proxy", choices=["haproxy", "python"], default="haproxy")
+    p.add_argument("--facts", type=int, default=50)
+    args = p.parse_args()
+    from cluster.ray_head import LOOPBACK_ENV, free_port
+    from deployments.ray_serve.serve_mode import apply_serve_env
+
+    os.environ.update(LOOPBACK_ENV)
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: HAProxy's unix sockets live under it
+    apply_serve_env(args.proxy, Path(temp_dir) / "serve")
+    import ray
+    from ray import serve
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
+             _node_ip_address="127.0.0.1")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    calls = 200 if args.quick else 1000
+    try:
+        serve.run(build("Person 1 remembers detail {i}: the red box holds item {i}."), name="hop", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        report = {"proxy": args.proxy, "calls": calls, "no_facts": measure(base, calls, 0),
+                  f"facts_{args.facts}": measure(base, calls, args.facts)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    with_facts = report[f"facts_{args.facts}"]
+    # the serving targets leave HTTP - engine <= 3 ms for floor, retrieval and the hop together: the hop's share
+    # is what is left after the H200's floor (2.5 ms) and retrieval (1.3 ms): nothing, so any hop counts
+    report["targets"] = [target(f"task to the replica p50, ms ({args.facts} facts)", with_facts["to_replica_ms"], "<= 1"),
+                         target("HTTP with the hop - HTTP without, p50 ms", with_facts["hop_http_extra_ms"], "<= 1")]
+    write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
