@@ -31,27 +31,39 @@ def shaped_model(config_path: Path, into: Path) -> tuple[str, str]:
     return str(into), "dummy-" + hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def start_cluster(state: Path, cuda: bool, shape: Path | None, proxy: str = "haproxy"):
-    """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode."""
+def start_local_serve(proxy: str, num_cpus: int) -> int:
+    """A local Ray (loopback only) with Serve in `proxy` mode started in this process; returns the HTTP port.
+    Ray reads the mode as it starts, so nothing of Ray may have started in this process before."""
     import os
 
     import ray
     from ray import serve
 
     from cluster.ray_head import LOOPBACK_ENV, free_port
-    from cluster.redis_server import LocalRedis
-    from deployments.ray_serve.app import build_app
     from deployments.ray_serve.serve_mode import apply_serve_env
-    from tenants.auth import new_admin_key
 
     os.environ.update(LOOPBACK_ENV)
-    redis = LocalRedis(state / "redis").start()
-    temp_dir = scratch_dir(prefix="ray-", dir="/tmp")
+    temp_dir = scratch_dir(prefix="ray-", dir="/tmp")  # short: Ray's and HAProxy's unix sockets live under it
     apply_serve_env(proxy, Path(temp_dir) / "serve")  # type: ignore[arg-type]
-    ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-             _temp_dir=temp_dir, _node_ip_address="127.0.0.1")
-    port, admin = free_port(), new_admin_key()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
+             _node_ip_address="127.0.0.1")
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+def start_cluster(state: Path, cuda: bool, shape: Path | None, proxy: str = "haproxy"):
+    """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode."""
+    import os
+
+    from ray import serve
+
+    from cluster.redis_server import LocalRedis
+    from deployments.ray_serve.app import build_app
+    from tenants.auth import new_admin_key
+
+    redis = LocalRedis(state / "redis").start()
+    port, admin = start_local_serve(proxy, num_cpus=max(8, os.cpu_count() or 1)), new_admin_key()
     env = {"VLLM_CACHE_ROOT": str(state / "vllm-cache")} | ({} if cuda else {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
     llm = {"dtype": "bfloat16" if cuda else "float32", "env": env, "max_ongoing_requests": 256,
            "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.9} if cuda else {"num_cpus": 1}}

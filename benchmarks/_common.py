@@ -67,6 +67,17 @@ def write_profile(path: Path, headline: str, profile, rows: int = 60) -> None:
     print(headline, flush=True)
 
 
+def timed_ms(call: Callable[[], Any], calls: int, warm: int = 20) -> list[float]:
+    """ms of each of `calls` calls to `call`, after `warm` untimed ones (connections opened, caches warm)."""
+    times = []
+    for i in range(warm + calls):
+        started = time.perf_counter()
+        call()
+        if i >= warm:
+            times.append((time.perf_counter() - started) * 1000)
+    return times
+
+
 def target(name: str, value: float, goal: str) -> dict[str, Any]:
     """`goal` is '>= X' or '<= X'; `met` is computed here so nobody has to trust prose."""
     op, bound = goal.split()

@@ -12,23 +12,20 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._cluster import start_local_serve  # noqa: E402
+from benchmarks._common import timed_ms  # noqa: E402
 
 
 def measure(base: str, key: str, calls: int) -> list[float]:
     """ms of `calls` authenticated `GET /v1/models` on one connection, after 20 that open it and warm caches."""
     import requests
 
-    session, headers, times = requests.Session(), {"Authorization": f"Bearer {key}"}, []
-    for i in range(calls + 20):
-        started = time.perf_counter()
-        session.get(f"{base}/v1/models", headers=headers, timeout=60).raise_for_status()
-        if i >= 20:
-            times.append((time.perf_counter() - started) * 1000)
-    return times
+    session, headers = requests.Session(), {"Authorization": f"Bearer {key}"}
+    return timed_ms(lambda: session.get(f"{base}/v1/models", headers=headers, timeout=60).raise_for_status(), calls)
 
 
 def main() -> None:
@@ -41,16 +38,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=300)
     args = p.parse_args()
 
-    import os
-    import tempfile
-
-    from cluster.ray_head import LOOPBACK_ENV, free_port
-    from deployments.ray_serve.serve_mode import apply_serve_env
-
-    os.environ.update(LOOPBACK_ENV)
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    apply_serve_env(args.proxy, Path(temp_dir) / "serve")
-
+    port = start_local_serve(args.proxy, num_cpus=4)  # before anything imports ray: Ray reads the mode at import
     import ray
     from ray import serve
 
@@ -63,10 +51,6 @@ def main() -> None:
         async def chat(self, task):
             raise RuntimeError("not part of this measurement")
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
-             _node_ip_address="127.0.0.1")
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     app_args = {"redis_url": args.redis_url, "state_dir": str(args.state_dir), "admin_key": args.admin_key,
                 "ingress": {"rate_per_s": 100_000, "burst": 100_000}}  # the floor, not the tenant's rate limit
     serve.run(serve.deployment(Ingress, name="Ingress").bind(NoModel.bind(), app_args), name="floor", route_prefix="/")

@@ -10,10 +10,8 @@ profiled apart from the serving benchmark (`serve_http.py`, whose `hop_ms` has t
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +19,8 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._cluster import start_local_serve  # noqa: E402
+from benchmarks._common import parser, target, timed_ms, write_report  # noqa: E402
 
 ROUTER = "deployments.ray_serve.router.TenantAffinityRouter"
 
@@ -72,17 +71,15 @@ def build(facts_text: str):
 
 def measure(base: str, calls: int, facts: int) -> dict:
     session, rows = requests.Session(), []
-    for i in range(calls + 30):
+
+    def hop() -> None:
         started = time.perf_counter()
         answer = session.get(f"{base}/hop", params={"facts": facts}, timeout=60).json()
-        if i >= 30:
-            rows.append({**answer, "http_ms": (time.perf_counter() - started) * 1000})
-    direct = []
-    for i in range(calls + 30):
-        started = time.perf_counter()
-        session.get(f"{base}/direct", timeout=60).raise_for_status()
-        if i >= 30:
-            direct.append((time.perf_counter() - started) * 1000)
+        rows.append({**answer, "http_ms": (time.perf_counter() - started) * 1000})
+
+    timed_ms(hop, calls, warm=30)
+    direct = timed_ms(lambda: session.get(f"{base}/direct", timeout=60).raise_for_status(), calls, warm=30)
+    rows = rows[30:]  # the first ones open the connection and warm the router's caches
     p50 = {key: round(statistics.median(r[key] for r in rows), 3) for key in rows[0]}
     return {**p50, "direct_http_ms": round(statistics.median(direct), 3),
             "hop_http_extra_ms": round(p50["http_ms"] - statistics.median(direct), 3)}
@@ -93,19 +90,10 @@ def main() -> None:
     p.add_argument("--proxy", choices=["haproxy", "python"], default="haproxy")
     p.add_argument("--facts", type=int, default=50)
     args = p.parse_args()
-    from cluster.ray_head import LOOPBACK_ENV, free_port
-    from deployments.ray_serve.serve_mode import apply_serve_env
-
-    os.environ.update(LOOPBACK_ENV)
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: HAProxy's unix sockets live under it
-    apply_serve_env(args.proxy, Path(temp_dir) / "serve")
+    port = start_local_serve(args.proxy, num_cpus=4)
     import ray
     from ray import serve
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
-             _node_ip_address="127.0.0.1")
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     calls = 200 if args.quick else 1000
     try:
         serve.run(build("Person 1 remembers detail {i}: the red box holds item {i}."), name="hop", route_prefix="/")

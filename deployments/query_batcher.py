@@ -15,7 +15,6 @@ from typing import Protocol, Sequence
 import torch
 
 
-
 class TensorEmbedder(Protocol):
     def embed_tensor(self, texts: Sequence[str]) -> torch.Tensor: ...
 
