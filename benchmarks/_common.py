@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import os
 import platform
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -76,6 +78,23 @@ def timed_ms(call: Callable[[], Any], calls: int, warm: int = 20) -> list[float]
         if i >= warm:
             times.append((time.perf_counter() - started) * 1000)
     return times
+
+
+@contextmanager
+def sampled(label: str) -> Iterator[None]:
+    """A phase the stack samplers of `scripts/sampling` record under `label` (when INFERSCALE_SAMPLE_DIR is set)."""
+    folder = os.environ.get("INFERSCALE_SAMPLE_DIR")
+    if not folder:
+        yield
+        return
+    flag = Path(folder) / "label"
+    flag.parent.mkdir(parents=True, exist_ok=True)
+    flag.write_text(label)
+    try:
+        yield
+    finally:
+        flag.unlink(missing_ok=True)
+        time.sleep(0.1)  # the samplers look at the label every 50 ms
 
 
 def target(name: str, value: float, goal: str) -> dict[str, Any]:

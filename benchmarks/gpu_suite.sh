@@ -6,6 +6,8 @@
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
 #   steps: setup gpu-tests retrieval equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers
 #          profile-tiers (or profile-host, profile-disk) profile-encode
+# With SAMPLE_MS set, ttft and serve-http also sample every process's stacks during their timed phases
+# (scripts/sampling) and write OUT_DIR/<step>-stacks.txt.
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}
 shift
@@ -20,6 +22,12 @@ run() {  # name, seconds, command...
     echo "$name: exit $? in $((SECONDS - started)) s"
     grep -E "identical greedy|^k=|concurrent|^w=|TTFT|random traffic|passed|failed|Error" "$out/$name.log" | tail -8
 }
+sampled() {  # name, seconds, command...: run, with stack sampling when SAMPLE_MS is set
+    if [[ -z ${SAMPLE_MS:-} ]]; then run "$@"; return; fi
+    local name=$1
+    INFERSCALE_SAMPLE_DIR="$out/samples-$name" INFERSCALE_SAMPLE_MS=$SAMPLE_MS PYTHONPATH="$PWD/scripts/sampling:$PYTHONPATH" run "$@"
+    python3 scripts/stack_report.py "$out/samples-$name" --top 30 >"$out/$name-stacks.txt" 2>&1 && rm -rf "$out/samples-$name"
+}
 for step in "$@"; do
     case "$step" in
     setup)  # from /root/stash, which holds parts/ (part01 ... partNN, copied there one per device call)
@@ -28,11 +36,11 @@ for step in "$@"; do
         echo "install: exit $?"; grep -E "^CHECK|^!!|UNEXPECTED|^no unexpected" "$out/install.log" | tail -6 ;;
     gpu-tests) run gpu-tests 200 python3 -m pytest tests/core/test_gpu.py tests/kernels tests/tenants/test_minilm.py -m gpu -q -p no:cacheprovider ;;
     equivalence) run equivalence 200 python3 benchmarks/injection_equivalence.py --out "$out/equivalence.json" ;;
-    ttft) run ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" --out "$out/ttft.json" ;;
+    ttft) sampled ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" --out "$out/ttft.json" ;;
     retrieval) run retrieval 120 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;
     locust) run locust 420 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
-    serve-http) run serve-http 570 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json"
+    serve-http) sampled serve-http 570 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json"
         grep -h -B2 -A25 -e Traceback -e "device arena" /tmp/ray-*/session_latest/logs/*.err \
             /tmp/ray-*/session_latest/logs/serve/*.log 2>/dev/null | tail -300 >"$out/serve-errors.log" ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._cluster import start_cluster  # noqa: E402
-from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
+from benchmarks._common import parser, sampled, scratch_dir, target, write_report  # noqa: E402
 from benchmarks.proxy_floor import measure as floor_ms  # noqa: E402
 
 MODEL = "inferscale-smollm2"
@@ -97,6 +97,15 @@ def streamed(base: str, key: str, k: int, mode: str, text: str) -> tuple[float, 
     if "engine_ttft_ms" not in usage:
         raise RuntimeError(f"{mode} chat ended without usage")
     return (first or time.perf_counter() - started) * 1000, usage
+
+
+def sample_rounds(base: str, tenants: list[tuple[str, str]], k: int, rounds: int, samples: dict[str, list[dict]]) -> None:
+    """`rounds` streamed chats of each mode, interleaved, a new question each round, into `samples`."""
+    for r in range(rounds):
+        for mode in samples:
+            ms, usage = streamed(base, tenants[r % len(tenants)][1], k, mode, f"What does box {r} hold? ({mode} {r})")
+            samples[mode].append({"ttft_ms": ms, "hop_ms": usage.get("hop_ms", {}), **{key: usage[key] for key in (
+                "engine_ttft_ms", "retrieval_ms", "prefilled_tokens", "injected_tokens", "prompt_tokens")}})
 
 
 def http_qps(base: str, tenants: list[tuple[str, str]], k: int, mode: str, total: int, first: int = 0) -> float:
@@ -168,8 +177,9 @@ def engine_alone(app_args: dict, tasks: list, rounds: list, concurrency: int) ->
             async with gate:
                 return await serve(task)
 
-        started = time.perf_counter()
-        await asyncio.gather(*(gated(t) for t in tasks))
+        with sampled("alone-qps-inject"):
+            started = time.perf_counter()
+            await asyncio.gather(*(gated(t) for t in tasks))
         return {"ttft_ms_p50": statistics.median(ttft), "qps": len(tasks) / (time.perf_counter() - started)}
 
     try:
@@ -255,14 +265,14 @@ def main() -> None:
         for mode in ("prompt", "inject"):  # untimed requests: records resident, every ingress replica's indexes loaded
             http_qps(base, tenants, k, mode, tenants_n * (2 if args.quick else 8), first=10_000)
         samples: dict[str, list[dict]] = {"inject": [], "prompt": []}
-        for r in range(rounds_n):  # interleaved; a new question each round
-            for mode in samples:
-                ms, usage = streamed(base, tenants[r % tenants_n][1], k, mode, f"What does box {r} hold? ({mode} {r})")
-                samples[mode].append({"ttft_ms": ms, "hop_ms": usage.get("hop_ms", {}), **{key: usage[key] for key in (
-                    "engine_ttft_ms", "retrieval_ms", "prefilled_tokens", "injected_tokens", "prompt_tokens")}})
+        with sampled("http-rounds"):
+            sample_rounds(base, tenants, k, rounds_n, samples)
         floor = floor_ms(base, tenants[0][1], calls=200)
         total = 2 * tenants_n if args.quick else 4 * tenants_n
-        qps = {mode: http_qps(base, tenants, k, mode, total) for mode in ("prompt", "inject")}
+        qps = {}
+        for mode in ("prompt", "inject"):
+            with sampled(f"http-qps-{mode}"):
+                qps[mode] = http_qps(base, tenants, k, mode, total)
         report["arena_warnings"] = arena_warnings()
     finally:
         from ray import serve
