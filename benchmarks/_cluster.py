@@ -36,15 +36,14 @@ def start_local_serve(proxy: str, num_cpus: int) -> int:
     Ray reads the mode as it starts, so nothing of Ray may have started in this process before."""
     import os
 
-    import ray
-    from ray import serve
-
     from cluster.ray_head import LOOPBACK_ENV, free_port
     from deployments.ray_serve.serve_mode import apply_serve_env
 
     os.environ.update(LOOPBACK_ENV)
     temp_dir = scratch_dir(prefix="ray-", dir="/tmp")  # short: Ray's and HAProxy's unix sockets live under it
     apply_serve_env(proxy, Path(temp_dir) / "serve")  # type: ignore[arg-type]
+    import ray  # only now: Ray Serve reads the mode's switches when it is first imported
+    from ray import serve
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
              _node_ip_address="127.0.0.1")
     port = free_port()

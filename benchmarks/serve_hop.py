@@ -4,7 +4,9 @@ A FastAPI ingress (the same Serve mode as the cluster: `--proxy`) calls a trivia
 behind the real `TenantAffinityRouter` with a real `ChatTask` (no facts, and `--facts` retrieved facts) and
 reports, per request: the task's way to the replica (`to_replica`, the downstream's clock minus the
 ingress's), the first event's way back, and the client's whole HTTP time; beside it, the same ingress
-answering by itself (`direct`: HTTP without the hop). Runs in seconds (no model), so the hop can be
+answering by itself (`direct`: HTTP without the hop). The hop goes over the transport of the Serve mode
+(gRPC in high-throughput mode) and, beside it, over Ray actor calls (`via_actor`), the transport a handle
+keeps when the driver that made it lacked the mode's switches. Runs in seconds (no model), so the hop can be
 profiled apart from the serving benchmark (`serve_http.py`, whose `hop_ms` has the same legs under load).
 """
 
@@ -32,6 +34,7 @@ def build(facts_text: str):
     from ray.serve.config import RequestRouterConfig
 
     from deployments.chat_task import ChatTask, RetrievedFact
+    from deployments.ray_serve.transport import in_this_mode
 
     class Downstream:
         async def chat(self, task: ChatTask):
@@ -41,7 +44,8 @@ def build(facts_text: str):
     @serve.ingress()
     class Front:
         def __init__(self, down) -> None:
-            self._down = down.options(stream=True)
+            self._via = {"mode": in_this_mode(down).options(stream=True),
+                         "actor": down.options(stream=True, _by_reference=True)}
 
         def __serve_build_asgi_app__(self):
             app = FastAPI()
@@ -51,11 +55,11 @@ def build(facts_text: str):
                 return {"ok": True}
 
             @app.get("/hop")
-            async def hop(facts: int = 0) -> dict:
+            async def hop(facts: int = 0, via: str = "mode") -> dict:
                 task = ChatTask("tenant-1", 1, (("user", "What does box 3 hold?"),),
                                 tuple(RetrievedFact(f"f{i}", facts_text.format(i=i), f"r{i}", 0.5) for i in range(facts)))
                 sent = time.time()
-                events = self._down.chat.remote(task)
+                events = self._via[via].chat.remote(task)
                 first = await events.__anext__()
                 back = time.time()
                 async for _ in events:
@@ -69,12 +73,12 @@ def build(facts_text: str):
     return serve.deployment(Front, name="Front").bind(down)
 
 
-def measure(base: str, calls: int, facts: int) -> dict:
+def measure(base: str, calls: int, facts: int, via: str = "mode") -> dict:
     session, rows = requests.Session(), []
 
     def hop() -> None:
         started = time.perf_counter()
-        answer = session.get(f"{base}/hop", params={"facts": facts}, timeout=60).json()
+        answer = session.get(f"{base}/hop", params={"facts": facts, "via": via}, timeout=60).json()
         rows.append({**answer, "http_ms": (time.perf_counter() - started) * 1000})
 
     timed_ms(hop, calls, warm=30)
@@ -99,7 +103,8 @@ def main() -> None:
         serve.run(build("Person 1 remembers detail {i}: the red box holds item {i}."), name="hop", route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         report = {"proxy": args.proxy, "calls": calls, "no_facts": measure(base, calls, 0),
-                  f"facts_{args.facts}": measure(base, calls, args.facts)}
+                  f"facts_{args.facts}": measure(base, calls, args.facts),
+                  f"facts_{args.facts}_via_actor": measure(base, calls, args.facts, via="actor")}
     finally:
         serve.shutdown()
         ray.shutdown()

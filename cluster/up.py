@@ -131,6 +131,9 @@ def run_serve(settings: Settings, config_path: Path) -> int:
     of the settings: Serve's controller, proxies and replicas get its switches (a cluster whose nodes were
     started with them, as the Helm chart does, runs the same way)."""
     import yaml
+
+    env = serve_env(settings.serve.proxy)
+    os.environ.update(env)  # before Ray Serve is imported: it reads the switches then
     from ray.serve.schema import ServeDeploySchema
 
     config = ServeDeploySchema(**yaml.safe_load(config_path.read_text()))
@@ -139,8 +142,6 @@ def run_serve(settings: Settings, config_path: Path) -> int:
     from ray import serve
     from ray._common.utils import import_attr
 
-    env = serve_env(settings.serve.proxy)
-    os.environ.update(env)
     ray.init(address=address, logging_level=logging.WARNING, runtime_env={"env_vars": env})
     http = config.http_options
     serve.start(http_options={"host": http.host or "127.0.0.1", "port": http.port or 8000},

@@ -30,6 +30,25 @@ from tenants.service import Tenant, TenantService
 log = logging.getLogger(__name__)
 
 
+# One encode call's fact text at most: a call to an LLM replica is one gRPC message in high-throughput mode,
+# and Serve refuses those over 4 MiB (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH).
+ENCODE_CALL_BYTES = 1 << 20
+
+
+def by_size(work: list[tuple[str, int, str]], limit: int) -> list[list[tuple[str, int, str]]]:
+    """`work` cut in order into runs whose texts add up to at most `limit` bytes (a longer text alone)."""
+    parts: list[list[tuple[str, int, str]]] = [[]]
+    size = 0
+    for item in work:
+        length = len(item[2].encode())
+        if parts[-1] and size + length > limit:
+            parts.append([])
+            size = 0
+        parts[-1].append(item)
+        size += length
+    return parts if parts[0] else []
+
+
 class LLMBackend(Protocol):
     def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]: ...
 
@@ -185,7 +204,9 @@ class Gateway:
 
         async def encode() -> None:
             try:
-                outcome = await self.llm.encode(api_key, tenant_id, work)
+                outcome: dict[str, str] = {}
+                for part in by_size(work, ENCODE_CALL_BYTES):
+                    outcome |= await self.llm.encode(api_key, tenant_id, part)
                 retry = [w for w in work if outcome.get(w[0]) != "encoded"]
                 if retry:  # once more: a replica may have been replaced or busy in between
                     await asyncio.sleep(1.0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -25,6 +25,9 @@ class Metrics:
                                   "retrieved (gpu, cpu, disk, store)", ["tier"], registry=self.registry)
         self.encodings = Counter("inferscale_fact_encodings", "Background fact encodings", ["outcome"],
                                  registry=self.registry)
+        self.llm_transport = Gauge("inferscale_llm_transport", "1 for how this ingress calls the LLM servers "
+                                   "(grpc in Serve's high-throughput mode, actor otherwise)", ["transport"],
+                                   registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

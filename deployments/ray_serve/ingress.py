@@ -26,6 +26,7 @@ from deployments.http_api import create_app
 from deployments.metrics import Metrics
 from deployments.query_batcher import QueryBatcher
 from deployments.ray_serve.loopback import bind_replica_grpc_to_node
+from deployments.ray_serve.transport import in_this_mode, uses_grpc
 from models.minilm import MiniLMEmbedder
 from tenants.connect import connect_service
 
@@ -38,8 +39,10 @@ class ServeLLMBackend:
     """The LLM server deployment seen through its handle (streaming chats, encodings)."""
 
     def __init__(self, handle: DeploymentHandle, first_event_timeout_s: float = 30.0) -> None:
-        self._handle = handle
-        self._stream = handle.options(stream=True)
+        self._handle = in_this_mode(handle)
+        self._stream = self._handle.options(stream=True)
+        self.transport = "grpc" if uses_grpc(self._handle) else "actor"
+        log.info("calls to the LLM servers go over %s", self.transport)
         self._first_event_timeout_s = first_event_timeout_s
 
     async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
@@ -99,8 +102,10 @@ class Ingress:
             service.install_admin_key(admin_key)
         elif (created := service.ensure_admin_key()) is not None:
             log.warning("admin key created (shown once; keep it, set INFERSCALE_ADMIN_KEY): %s", created)
-        self.gateway = Gateway(service, ServeLLMBackend(llm, self.args.ingress.first_event_timeout_s), self.args.ingress, self.args.llm.served_name,
-                               Metrics(), self.args.state_dir / "jobs", _job_runner(self.args),
+        backend, metrics = ServeLLMBackend(llm, self.args.ingress.first_event_timeout_s), Metrics()
+        metrics.llm_transport.labels(transport=backend.transport).set(1)
+        self.gateway = Gateway(service, backend, self.args.ingress, self.args.llm.served_name,
+                               metrics, self.args.state_dir / "jobs", _job_runner(self.args),
                                extraction_window=self.args.encoding_window, queries=queries)
 
     def __serve_build_asgi_app__(self):

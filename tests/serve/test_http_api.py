@@ -6,6 +6,7 @@ import requests
 from openai import OpenAI
 
 from cluster.demo import FACTS
+from config import load_settings
 
 from tests.serve.conftest import MODEL
 
@@ -104,6 +105,9 @@ def test_tenant_admin_and_metrics(cluster):
     metrics = requests.get(f"{cluster.base}/metrics").text
     assert "inferscale_ttft_seconds_bucket" in metrics and 'inferscale_prompt_tokens_total{kind="injected"}' in metrics
     assert "alice" not in metrics and "Pixel" not in metrics  # no tenant content in labels
+    # the LLM servers are called over the Serve mode's transport, whatever the driver that built the app had
+    transport = "grpc" if load_settings().serve.proxy == "haproxy" else "actor"
+    assert f'inferscale_llm_transport{{transport="{transport}"}} 1.0' in metrics
     assert requests.get(f"{cluster.base}/healthz").json()["redis"] is True
 
 
@@ -129,6 +133,6 @@ def test_where_each_injected_fact_is_held_is_recorded_in_redis(cluster):
     usage = cluster.chat(frank, CAT, memory={"k": len(ids)}).json()["usage"]
     assert usage["memory_tiers"] == {"gpu": len(ids)}  # served from the device arena now
     metrics = requests.get(f"{cluster.base}/metrics").text
-    assert f'inferscale_memory_fact_tiers_total{{tier="gpu"}}' in metrics
+    assert 'inferscale_memory_fact_tiers_total{tier="gpu"}' in metrics
     slot = cluster.state_dir / "tiers" / replica
     assert slot.is_dir() and (cluster.state_dir / "tiers" / f"{replica}.lock").exists()
