@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import logging
 import re
+from array import array
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Protocol, Sequence
 
 import torch
 
-from kvcore.arena import DeviceArena, long_tensor
+from kvcore.arena import DeviceArena, joined_longs
 from kvcore.errors import ArenaFullError, KVCoreError, PlanError
 from kvcore.packed import PackedInserter
-from kvcore.paged import CacheTarget, PagedLayout, slot_mapping
+from kvcore.paged import CacheTarget, PagedLayout, step_slots
 from kvcore.placement import PlacementTracker, Sink
 from kvcore.plan import MemoryPlan
 from kvcore.record import FactKV
@@ -138,20 +140,24 @@ class InjectionScheduler:
         return {"inferscale": report} if report else None
 
     def _check(self, plan: MemoryPlan, prompt_ids: Sequence[int]) -> tuple[int, tuple[Stamp, ...], tuple[int, ...]]:
-        """The region's end and the checked versions and lengths of its records; `PlanError` if they do not fit."""
-        position, stamps, lengths = plan.region_start, [], []
-        for record_id, (stamp, info) in zip(plan.record_ids, self.store.checked_infos(plan.tenant_id, plan.record_ids)):
-            stamps.append(stamp)
-            lengths.append(len(info.token_ids))
+        """The region's end and the checked versions and lengths of its records; `PlanError` if they do not fit.
+        The region is compared with the records' tokens in one pass (the per-record walk only names a mismatch)."""
+        checked = self.store.checked_infos(plan.tenant_id, plan.record_ids)
+        for record_id, (_, info) in zip(plan.record_ids, checked):
             if info.params.model_fingerprint != self.fingerprint:
                 raise PlanError(f"fact {record_id!r} was encoded by model {info.params.model_fingerprint}, "
                                 f"the engine serves {self.fingerprint}")
-            if tuple(prompt_ids[position : position + len(info.token_ids)]) != info.token_ids:
-                raise PlanError(f"prompt tokens at {position} are not the tokens of fact {record_id!r}")
-            position += len(info.token_ids)
-        if position >= len(prompt_ids):
+        lengths = tuple(len(info.token_ids) for _, info in checked)
+        end = plan.region_start + sum(lengths)
+        if list(prompt_ids[plan.region_start : end]) != list(chain.from_iterable(info.token_ids for _, info in checked)):
+            position = plan.region_start
+            for record_id, (_, info) in zip(plan.record_ids, checked):
+                if tuple(prompt_ids[position : position + len(info.token_ids)]) != info.token_ids:
+                    raise PlanError(f"prompt tokens at {position} are not the tokens of fact {record_id!r}")
+                position += len(info.token_ids)
+        if end >= len(prompt_ids):
             raise PlanError("the memory region must be followed by at least one query token")
-        return position, tuple(stamps), tuple(lengths)
+        return end, tuple(stamp for stamp, _ in checked), lengths
 
     def _refuse(self, request_id: str, plan: MemoryPlan | None, prompt_ids: Sequence[int], num_computed: int, reason: str) -> int:
         log.warning("request %s: memory plan unusable (%s); policy %s", request_id, reason, self.policy)
@@ -271,7 +277,7 @@ class InjectionWorker:
         if not loads or self._arena is None:
             return
         self._arena.begin_step()
-        arena_parts: list[tuple[list[int], LoadSpec]] = []
+        arena_parts: list[tuple[list[array], LoadSpec]] = []
         own: list[tuple[_Source, LoadSpec]] = []
         for load in loads:
             if not load.valid:
@@ -289,11 +295,12 @@ class InjectionWorker:
                 self._fail(load, str(exc))
         if not arena_parts and not own:
             return
-        sources = ([_Source(self._arena.k, self._arena.v, sum(len(rows) for rows, _ in arena_parts))] if arena_parts else [])
+        sources = ([_Source(self._arena.k, self._arena.v, sum(load.end - load.begin for _, load in arena_parts))]
+                   if arena_parts else [])
         sources += [source for source, _ in own]
         ordered = [load for _, load in arena_parts] + [load for _, load in own]
-        rows = [row for rows, _ in arena_parts for row in rows] + [row for source, _ in own for row in range(source.count)]
-        self._step = self._index(sources, rows, ordered)
+        rows = [run for runs, _ in arena_parts for run in runs] + [array("q", range(source.count)) for source, _ in own]
+        self._step = self._index(sources, joined_longs(rows), ordered)
 
     def _flush_spills(self) -> None:
         if self._streams is not None:
@@ -349,17 +356,15 @@ class InjectionWorker:
         failed, self._failed = self._failed, set()
         return failed
 
-    def _index(self, sources: list[_Source], rows: list[int], loads: list[LoadSpec]) -> _Step | None:
+    def _index(self, sources: list[_Source], rows: torch.Tensor, loads: list[LoadSpec]) -> _Step | None:
         """Move the step's token index to the device in one copy, then look up its rotation angles.
 
         With a fused writer and every token in the arena, the whole step is written here (None returned)."""
-        positions = [torch.arange(load.begin, load.end) for load in loads]
-        slots = [slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size) for load in loads]
-        packed = torch.stack((long_tensor(rows), _cat(positions, dim=0), _cat(slots, dim=0)))
         device = self._arena.device
+        positions, slots = step_slots(loads, self._layout.block_size, device)
         if device.type == "cuda":
-            packed = packed.pin_memory()
-        index = packed.to(device, non_blocking=True)
+            rows = rows.pin_memory()
+        index = torch.stack((rows.to(device, non_blocking=True), positions, slots))
         self._table.reserve(max(load.end for load in loads))
         if self._writer is not None and len(sources) == 1 and sources[0].k is self._arena.k:
             self._writer(self._arena.k, self._arena.v, index, *self._table.tables)
@@ -416,17 +421,17 @@ class InjectionWorker:
             raise PlanError(f"fact {record_id!r} has {record.num_tokens} tokens, the plan needs {span}")
         return record
 
-    def _arena_rows(self, load: LoadSpec) -> list[int]:
-        """Arena rows of the load's tokens, copying records that are not resident yet."""
-        tenant, rows = load.plan.tenant_id, []
+    def _arena_rows(self, load: LoadSpec) -> list[array]:
+        """Arena rows of the load's tokens (runs, in token order), copying records that are not resident yet."""
+        tenant, runs = load.plan.tenant_id, []
         for record_id, stamp, lo, hi in self._spans(load):
             found = self._arena.rows((tenant, record_id), stamp)
             if found is None:
                 self._warn_thrash()
                 record = self._fetch(tenant, record_id, stamp, hi)
                 found = self._arena.insert((tenant, record_id), stamp, record.k, record.v)
-            rows.extend(found[lo:hi])
-        return rows
+            runs.append(found if lo == 0 and hi == len(found) else found[lo:hi])
+        return runs
 
     def _warn_thrash(self) -> None:
         """Say so (once per thousand) when, with no lower tier, records evicted from the arena are read again from

@@ -114,6 +114,36 @@ def slot_mapping(block_ids: Sequence[int], begin: int, end: int, block_size: int
     return table[positions // block_size] * block_size + positions % block_size
 
 
+def step_slots(loads: Sequence, block_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and cache slots of every token of a step's loads (each with `begin`, `end` and `block_ids` from
+    position 0), in load order, on `device`: `slot_mapping` of each, joined. The host sends one small copy (each
+    load's begin, count and blocks) and the device expands it, whatever the number of tokens."""
+    counts, offsets, tables, table_size = [], [], [], 0
+    for load in loads:
+        if load.end > len(load.block_ids) * block_size:
+            raise LayoutError(f"positions up to {load.end} need {-(-load.end // block_size)} blocks, "
+                              f"the request has {len(load.block_ids)}")
+        counts.append(load.end - load.begin)
+        offsets.append(table_size)
+        tables.append(array("q", load.block_ids))
+        table_size += len(load.block_ids)
+    n = len(counts)
+    header = array("q", counts)
+    header.extend(offsets)
+    header.extend(load.begin for load in loads)
+    host = torch.frombuffer(bytearray(b"".join([header, *tables])), dtype=torch.int64)
+    device = torch.device(device)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    packed = host.to(device, non_blocking=True)
+    counts_t, offsets_t, begins_t, table = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n], packed[3 * n :]
+    total = sum(counts)  # known here: the expansions need no device-to-host sync
+    firsts = torch.cumsum(counts_t, 0) - counts_t  # where each load's tokens start in the step
+    positions = torch.arange(total, device=device) - torch.repeat_interleave(firsts - begins_t, counts_t, output_size=total)
+    blocks = table[torch.repeat_interleave(offsets_t, counts_t, output_size=total) + positions // block_size]
+    return positions, blocks * block_size + positions % block_size
+
+
 def candidate_layouts(shape: Sequence[int], block_size: int, num_kv_heads: int, head_dim: int) -> list[PagedLayout]:
     """Every known layout that fits a cache tensor of `shape`."""
     shape = tuple(shape)

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kvcore.conversation import check_identifier
+from kvcore.conversation import check_identifier, check_identifiers
 from kvcore.errors import InvalidFactError, PlanError
 
 PLAN_KEY = "inferscale_memory"
@@ -40,8 +40,7 @@ class MemoryPlan:
     def __post_init__(self) -> None:
         try:
             check_identifier("tenant id", self.tenant_id)
-            for record_id in self.record_ids:
-                check_identifier("fact id", record_id)
+            check_identifiers("fact id", self.record_ids)
         except InvalidFactError as exc:
             raise PlanError(str(exc)) from None
         if not self.record_ids or len(self.record_ids) > MAX_RECORDS:

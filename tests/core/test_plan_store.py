@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvcore.errors import FactMissingError, PlanError
+from kvcore.conversation import check_identifiers
+from kvcore.errors import FactMissingError, InvalidFactError, PlanError
 from kvcore.plan import PLAN_KEY, MemoryPlan
 from kvcore.record import save_record
 from kvcore.store import LocalFactStore
@@ -81,3 +82,15 @@ def test_concurrent_writers_never_lose_a_version_bump(tmp_path):
         versions = list(pool.map(lambda i: stores[i % 2].put(make_record(f"f{i}", 3, seed=i)), range(64)))
     assert sorted(versions) == list(range(1, 65))
     assert stores[0].version("t1") == 64 and len(stores[1].record_ids("t1")) == 64
+
+
+@pytest.mark.parametrize("ids", [("a", "b/c"), ("a", "b\n"), ("a", ".."), ("a", 7), ("a", ""), ("x" * 129,)])
+def test_a_plan_naming_an_unsafe_record_id_is_refused(ids):
+    with pytest.raises(PlanError, match="fact id"):
+        MemoryPlan("t1", ids, 1)
+
+
+def test_safe_record_ids_pass_in_one_check():
+    check_identifiers("fact id", [f"fact-{i}.v2" for i in range(1000)])
+    with pytest.raises(InvalidFactError, match="'b/c'"):
+        check_identifiers("fact id", ["a", "b/c"])
