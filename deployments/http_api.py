@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Annotated, Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,12 +51,13 @@ def _key(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
-def _tenant_auth(request: Request) -> Tenant:
-    """A dependency, so it runs before the body is validated: no valid key is a 401, whatever the body."""
+async def _tenant_auth(request: Request) -> Tenant:
+    """A dependency, so it runs before the body is validated: no valid key is a 401, whatever the body. Async,
+    so FastAPI runs it on the event loop: a thread hop per request cost more than the key lookup itself."""
     return request.app.state.gateway.tenant(_key(request))
 
 
-def _admin_auth(request: Request) -> str:
+async def _admin_auth(request: Request) -> str:
     key = _key(request) or ""
     request.app.state.gateway.service.check_admin(key)
     return key
@@ -66,6 +67,47 @@ TenantDep = Annotated[Tenant, Depends(_tenant_auth)]
 AdminDep = Annotated[str, Depends(_admin_auth)]
 
 
+class LimitsAndMetrics:
+    """The body size limit (413 before anything reads the body) and the request and error counters, as a plain
+    ASGI middleware: Starlette's `BaseHTTPMiddleware` runs every request, and every chunk of a streamed answer,
+    through a task group and a memory stream of its own, which the first token paid for."""
+
+    def __init__(self, app: Callable, gateway: Gateway) -> None:
+        self._app, self._gateway = app, gateway
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        limit = self._gateway.args.max_body_bytes
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            response = error(413, f"request body over {limit} bytes")
+            await response(scope, receive, send)
+            self._count(scope, response.status_code)
+            return
+        status = 500
+
+        async def observed(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._app(scope, receive, observed)
+        finally:
+            self._count(scope, status)
+
+    def _count(self, scope: dict, status: int) -> None:
+        path = scope["path"]
+        route = path if not path.startswith("/v1/memories/") else "/v1/memories/{id}"
+        metrics = self._gateway.metrics
+        metrics.requests.labels(route=route if len(route) < 64 else "other", status=str(status)).inc()
+        if status >= 400:
+            metrics.errors.labels(code=str(status)).inc()
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     errors = {status: {"model": ErrorBody, "description": code.replace("_", " ")}
               for status, code in _CODES.items() if status != 500}
@@ -73,18 +115,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.state.gateway = gateway
     metrics = gateway.metrics
 
-    @app.middleware("http")
-    async def limits_and_metrics(request: Request, call_next):
-        route = request.url.path if not request.url.path.startswith("/v1/memories/") else "/v1/memories/{id}"
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > gateway.args.max_body_bytes):
-            response: Response = error(413, f"request body over {gateway.args.max_body_bytes} bytes")
-        else:
-            response = await call_next(request)
-        metrics.requests.labels(route=route if len(route) < 64 else "other", status=str(response.status_code)).inc()
-        if response.status_code >= 400:
-            metrics.errors.labels(code=str(response.status_code)).inc()
-        return response
+    app.add_middleware(LimitsAndMetrics, gateway=gateway)
 
     @app.exception_handler(TenantError)
     async def tenant_error(request: Request, exc: TenantError) -> JSONResponse:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
@@ -44,11 +45,15 @@ class _Events:
 
 
 class _Handle:
+    """A deployment handle: `options(stream=True)` streams; the transport option keeps the handle."""
+
+    handle_options = SimpleNamespace(_by_reference=False)
+
     def __init__(self, events, error):
         self._stream = _Stream(events, error)
 
-    def options(self, stream):
-        return self._stream
+    def options(self, stream=False, _by_reference=None):
+        return self._stream if stream else self
 
 
 async def _collect(backend):
@@ -73,8 +78,9 @@ def test_a_chat_no_replica_starts_in_time_is_a_retryable_503_and_is_cancelled():
 
     class _Slow:
         chat = None
+        handle_options = SimpleNamespace(_by_reference=False)
 
-        def options(self, stream):
+        def options(self, stream=False, _by_reference=None):
             return self
 
         def remote(self, task):
