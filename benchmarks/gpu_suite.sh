@@ -26,7 +26,8 @@ sampled() {  # name, seconds, command...: run, with stack sampling when SAMPLE_M
     if [[ -z ${SAMPLE_MS:-} ]]; then run "$@"; return; fi
     local name=$1
     INFERSCALE_SAMPLE_DIR="$out/samples-$name" INFERSCALE_SAMPLE_MS=$SAMPLE_MS PYTHONPATH="$PWD/scripts/sampling:$PYTHONPATH" run "$@"
-    python3 scripts/stack_report.py "$out/samples-$name" --top 30 >"$out/$name-stacks.txt" 2>&1 && rm -rf "$out/samples-$name"
+    python3 scripts/stack_report.py "$out/samples-$name" --top 30 >"$out/$name-stacks.txt" 2>&1
+    tar czf "$out/samples-$name.tgz" -C "$out" "samples-$name" && rm -rf "$out/samples-$name"  # the raw samples, for other cuts
 }
 for step in "$@"; do
     case "$step" in
@@ -39,8 +40,8 @@ for step in "$@"; do
     ttft) sampled ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" --out "$out/ttft.json" ;;
     retrieval) run retrieval 120 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;
-    locust) run locust 420 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
-    serve-http) sampled serve-http 570 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json"
+    locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
+    serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json"
         grep -h -B2 -A25 -e Traceback -e "device arena" /tmp/ray-*/session_latest/logs/*.err \
             /tmp/ray-*/session_latest/logs/serve/*.log 2>/dev/null | tail -300 >"$out/serve-errors.log" ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;

@@ -40,13 +40,16 @@ def report(folder: Path, top: int, min_share: float) -> str:
             busy = {t: c for t, c in per_thread.items() if sum(n for s, n in c.items() if not is_idle(s))}
             if not busy:
                 continue
-            lines.append(f"---- pid {data['pid']} {data['title'][:160]}")
+            header = f"---- pid {data['pid']} {data['title'][:160]}"
             for thread, stacks in sorted(busy.items(), key=lambda kv: -sum(kv[1].values())):
                 total = sum(stacks.values())
                 working = Counter({s: n for s, n in stacks.items() if not is_idle(s)})
                 share = sum(working.values()) / total
                 if share < min_share:
                     continue
+                if header:
+                    lines.append(header)
+                    header = ""
                 lines.append(f"  thread {thread}: {total} samples, {share:.0%} not waiting")
                 leaves, inclusive = Counter(), Counter()
                 for stack, n in working.items():
