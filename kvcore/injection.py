@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 import re
 from array import array
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Callable, Literal, Protocol, Sequence
 
 import torch
