@@ -55,11 +55,12 @@ def memory_request(prompt_ids: Sequence[int], plan: MemoryPlan | None, params: S
     prompt["cache_salt"] = plan.cache_salt
     params = params.clone()
     params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": plan.to_params()}
+    params.skip_clone = True  # this request's own copy: vLLM need not deep-copy it, plan and all, again
     return prompt, params
 
 
 def capture_request(prompt_ids: Sequence[int], plan: CapturePlan) -> tuple[TokensPrompt, SamplingParams]:
     """A one-token request whose prefill stores the K/V of `plan`'s spans as records (engine encoding)."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_clone=True,
                             extra_args={"kv_transfer_params": plan.to_params()})
     return TokensPrompt(prompt_token_ids=list(prompt_ids)), params
