@@ -14,8 +14,12 @@ from ray.serve.handle import DeploymentHandle
 
 
 def in_this_mode(handle: DeploymentHandle) -> DeploymentHandle:
-    """`handle` calling over gRPC when this process runs in high-throughput mode, else over actor calls."""
-    return handle.options(_by_reference=not RAY_SERVE_USE_GRPC_BY_DEFAULT)
+    """`handle` calling over gRPC when this process runs in high-throughput mode, else over actor calls. Over
+    gRPC, arguments and results are plain pickles: what crosses here (a `ChatTask`, event dicts) needs nothing
+    of cloudpickle, whose pure-Python pickler took 0.3 ms to write a task of 50 facts (pickle: 0.1 ms)."""
+    if not RAY_SERVE_USE_GRPC_BY_DEFAULT:
+        return handle.options(_by_reference=True)
+    return handle.options(_by_reference=False, request_serialization="pickle", response_serialization="pickle")
 
 
 def uses_grpc(handle: DeploymentHandle) -> bool:

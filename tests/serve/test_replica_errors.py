@@ -52,7 +52,7 @@ class _Handle:
     def __init__(self, events, error):
         self._stream = _Stream(events, error)
 
-    def options(self, stream=False, _by_reference=None):
+    def options(self, stream=False, **transport):
         return self._stream if stream else self
 
 
@@ -80,7 +80,7 @@ def test_a_chat_no_replica_starts_in_time_is_a_retryable_503_and_is_cancelled():
         chat = None
         handle_options = SimpleNamespace(_by_reference=False)
 
-        def options(self, stream=False, _by_reference=None):
+        def options(self, stream=False, **transport):
             return self
 
         def remote(self, task):
