@@ -44,6 +44,7 @@ def start_local_serve(proxy: str, num_cpus: int) -> int:
     apply_serve_env(proxy, Path(temp_dir) / "serve")  # type: ignore[arg-type]
     import ray  # only now: Ray Serve reads the mode's switches when it is first imported
     from ray import serve
+
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
              _node_ip_address="127.0.0.1")
     port = free_port()
