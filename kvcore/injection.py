@@ -25,7 +25,6 @@ import logging
 import re
 from array import array
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Callable, Literal, Protocol, Sequence
 
 import torch
@@ -141,15 +140,20 @@ class InjectionScheduler:
 
     def _check(self, plan: MemoryPlan, prompt_ids: Sequence[int]) -> tuple[int, tuple[Stamp, ...], tuple[int, ...]]:
         """The region's end and the checked versions and lengths of its records; `PlanError` if they do not fit.
-        The region is compared with the records' tokens in one pass (the per-record walk only names a mismatch)."""
+        The region is compared with the records' tokens in one list comparison (the per-record walk only names
+        a mismatch): this runs in the engine's scheduler for every request, ~50 records each."""
         checked = self.store.checked_infos(plan.tenant_id, plan.record_ids)
-        for record_id, (_, info) in zip(plan.record_ids, checked):
-            if info.params.model_fingerprint != self.fingerprint:
+        fingerprint, joined, stamps, lengths = self.fingerprint, [], [], []
+        for record_id, (stamp, info) in zip(plan.record_ids, checked):
+            if info.params.model_fingerprint != fingerprint:
                 raise PlanError(f"fact {record_id!r} was encoded by model {info.params.model_fingerprint}, "
-                                f"the engine serves {self.fingerprint}")
-        lengths = tuple(len(info.token_ids) for _, info in checked)
-        end = plan.region_start + sum(lengths)
-        if list(prompt_ids[plan.region_start : end]) != list(chain.from_iterable(info.token_ids for _, info in checked)):
+                                f"the engine serves {fingerprint}")
+            joined += info.token_ids
+            stamps.append(stamp)
+            lengths.append(len(info.token_ids))
+        end = plan.region_start + len(joined)
+        region = prompt_ids[plan.region_start : end]
+        if (region if isinstance(region, list) else list(region)) != joined:
             position = plan.region_start
             for record_id, (_, info) in zip(plan.record_ids, checked):
                 if tuple(prompt_ids[position : position + len(info.token_ids)]) != info.token_ids:
@@ -157,7 +161,7 @@ class InjectionScheduler:
                 position += len(info.token_ids)
         if end >= len(prompt_ids):
             raise PlanError("the memory region must be followed by at least one query token")
-        return end, tuple(stamp for stamp, _ in checked), lengths
+        return end, tuple(stamps), tuple(lengths)
 
     def _refuse(self, request_id: str, plan: MemoryPlan | None, prompt_ids: Sequence[int], num_computed: int, reason: str) -> int:
         log.warning("request %s: memory plan unusable (%s); policy %s", request_id, reason, self.policy)
@@ -422,16 +426,28 @@ class InjectionWorker:
         return record
 
     def _arena_rows(self, load: LoadSpec) -> list[array]:
-        """Arena rows of the load's tokens (runs, in token order), copying records that are not resident yet."""
-        tenant, runs = load.plan.tenant_id, []
+        """Arena rows of the load's tokens (runs, in token order), copying records that are not resident yet.
+        A load of its whole region (the usual case) takes every record whole, without cutting spans."""
+        tenant, plan, rows, runs = load.plan.tenant_id, load.plan, self._arena.rows, []
+        if load.begin == plan.region_start and load.end == plan.region_start + sum(load.lengths):
+            for record_id, stamp, length in zip(plan.record_ids, load.stamps, load.lengths):
+                found = rows((tenant, record_id), stamp)
+                if found is None:
+                    found = self._admit(tenant, record_id, stamp, length)
+                runs.append(found if len(found) == length else found[:length])
+            return runs
         for record_id, stamp, lo, hi in self._spans(load):
-            found = self._arena.rows((tenant, record_id), stamp)
+            found = rows((tenant, record_id), stamp)
             if found is None:
-                self._warn_thrash()
-                record = self._fetch(tenant, record_id, stamp, hi)
-                found = self._arena.insert((tenant, record_id), stamp, record.k, record.v)
+                found = self._admit(tenant, record_id, stamp, hi)
             runs.append(found if lo == 0 and hi == len(found) else found[lo:hi])
         return runs
+
+    def _admit(self, tenant: str, record_id: str, stamp: Stamp, span: int) -> array:
+        """Copy a record that is not resident into the arena; its rows."""
+        self._warn_thrash()
+        record = self._fetch(tenant, record_id, stamp, span)
+        return self._arena.insert((tenant, record_id), stamp, record.k, record.v)
 
     def _warn_thrash(self) -> None:
         """Say so (once per thousand) when, with no lower tier, records evicted from the arena are read again from

@@ -139,12 +139,12 @@ class LocalFactStore:
 
     def checked_infos(self, tenant_id: str, record_ids: Sequence[str]) -> list[tuple[Stamp, RecordInfo]]:
         marker = self._marker(tenant_id)
-        found = []
+        found, cached = [], self._infos.get
         for record_id in record_ids:
             key = (tenant_id, record_id)
-            known = self._infos.get(key)
-            if known is not None and marker is not None and known[2] == marker:
-                found.append((known[0], known[1]))
+            known = cached(key)
+            if known is not None and known[2] == marker and marker is not None:
+                found.append(known[:2])
                 continue
             path = self._path(tenant_id, record_id)
             signature = _signature(path, tenant_id, record_id)
