@@ -32,9 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._cluster import start_cluster  # noqa: E402
 from benchmarks._common import parser, sampled, scratch_dir, target, write_report  # noqa: E402
+from benchmarks._http_load import closed_loop  # noqa: E402
 from benchmarks.proxy_floor import measure as floor_ms  # noqa: E402
 
 MODEL = "inferscale-smollm2"
+SESSION = requests.Session()  # keep-alive, as the clients users run (openai's) keep their connections
 COLORS = ["red", "blue", "green"]
 
 
@@ -81,8 +83,8 @@ def streamed(base: str, key: str, k: int, mode: str, text: str) -> tuple[float, 
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "stream": True,
             "stream_options": {"include_usage": True}, "memory": {"k": k, "mode": mode}}
     started, first, usage = time.perf_counter(), None, {}
-    with requests.post(f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
-                       stream=True, timeout=120) as answer:
+    with SESSION.post(f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                      stream=True, timeout=120) as answer:
         if answer.status_code != 200:
             raise RuntimeError(f"{mode} chat answered {answer.status_code}: {answer.text[:2000]}")
         for line in answer.iter_lines():
@@ -109,19 +111,18 @@ def sample_rounds(base: str, tenants: list[tuple[str, str]], k: int, rounds: int
 
 
 def http_qps(base: str, tenants: list[tuple[str, str]], k: int, mode: str, total: int, first: int = 0) -> float:
-    """Requests per second of `total` chats from one concurrent user per tenant, each question new."""
-    def one(i: int) -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": question(first + i)}], "max_tokens": 1,
-                "memory": {"k": k, "mode": mode}}
-        answer = requests.post(f"{base}/v1/chat/completions", json=body, timeout=600,
-                               headers={"Authorization": f"Bearer {tenants[i % len(tenants)][1]}"})
-        if answer.status_code != 200:
-            raise RuntimeError(f"{mode} chat answered {answer.status_code}: {answer.text[:2000]}")
+    """Requests per second of `total` chats from one concurrent user per tenant, each question new (worker
+    processes with keep-alive connections: one process of threads would measure its own ceiling)."""
+    calls = [(tenants[i % len(tenants)][1], {"model": MODEL, "messages": [{"role": "user", "content": question(first + i)}],
+                                             "max_tokens": 1, "memory": {"k": k, "mode": mode}}) for i in range(total)]
+    return closed_loop(base, "/v1/chat/completions", calls, users=len(tenants)).rate
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(len(tenants)) as pool:
-        list(pool.map(one, range(total)))
-    return total / (time.perf_counter() - started)
+
+def http_ceiling(base: str, tenants: list[tuple[str, str]], total: int) -> float:
+    """Requests per second of the authenticated `GET /v1/models` from the same users and load generator: the
+    most the HTTP path (client, proxy, ingress, auth) carries with no engine behind it."""
+    calls = [(tenants[i % len(tenants)][1], None) for i in range(total)]
+    return closed_loop(base, "/v1/models", calls, users=len(tenants)).rate
 
 
 def locust_run(base: str, admin: str, users: int, seconds: int, k: int, out: Path) -> dict:
@@ -275,7 +276,7 @@ def main() -> None:
             sample_rounds(base, tenants, k, rounds_n, samples)
         floor = floor_ms(base, tenants[0][1], calls=200)
         total = 2 * tenants_n if args.quick else 4 * tenants_n
-        qps = {}
+        qps = {"ceiling": http_ceiling(base, tenants, 20 * tenants_n)}
         for mode in ("prompt", "inject"):
             with sampled(f"http-qps-{mode}"):
                 qps[mode] = http_qps(base, tenants, k, mode, total)
