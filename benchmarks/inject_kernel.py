@@ -44,6 +44,12 @@ def timed(call, device: torch.device, repeats: int) -> float:
     return sorted(runs)[len(runs) // 2]
 
 
+def copy_rate(elements: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
+    """GB/s of a plain device copy of float32 values into `dtype` (the roofline: same bytes per element)."""
+    source, dest = torch.randn(elements, device=device), torch.empty(elements, dtype=dtype, device=device)
+    return elements * (4 + dtype.itemsize) / timed(lambda: dest.copy_(source), device, repeats) / 1e6
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, help="HF config.json of the model shape (default: the 8B shape; --quick: small)")
@@ -80,15 +86,11 @@ def main() -> None:
             rotate_into(rotated, keys, row_cos[:, None], row_sin[:, None], rope)
             cache.index_copy_(0, slots, torch.cat((rotated, values.to(dtype)), dim=-1))
 
-    chunk = min(layers * tokens * heads * dim * 2, 1 << 30)  # the copy roofline on up to 2**30 elements
-    source, dest = torch.randn(chunk, generator=gen, device=device), torch.empty(chunk, dtype=dtype, device=device)
-    copy_ms = timed(lambda: dest.copy_(source), device, repeats)
-    copy_gbs = chunk * (4 + dtype.itemsize) / copy_ms / 1e6
+    copy_gbs = copy_rate(min(layers * tokens * heads * dim * 2, 1 << 30), dtype, device, repeats)
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "shape": {"layers": layers, "kv_heads": heads, "head_dim": dim}, "requests": requests,
                     "tokens": tokens, "gb_moved": round(moved / 1e9, 2), "copy_gb_s": round(copy_gbs, 1)}
     ms = {"torch_path": timed(torch_path, device, max(2, repeats // 3))}
-    del source, dest
     if device.type == "cuda":
         from deployments.triton_adapter.fused_inject import _CONFIGS, fused_row_writer
 
