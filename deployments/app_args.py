@@ -60,6 +60,8 @@ class IngressArgs(Strict):
     burst: int = Field(100, ge=1, description="Requests a tenant may send at once before the rate applies.")
     max_k: int = Field(100, ge=1, le=1000, description="Most facts one chat request may retrieve.")
     default_k: int = Field(10, ge=0)
+    default_recompute: int = Field(0, ge=0, description="Retrieved facts prefilled after the injected ones instead "
+                                                        "of injected, when a chat does not say (`memory.recompute`).")
     max_tokens: int = Field(512, ge=1, description="Most tokens one completion may ask for.")
     first_event_timeout_s: float = Field(30.0, gt=0, description="A chat no LLM replica has started after this "
                                                                  "long (none is running) is answered 503, retryable.")

@@ -37,6 +37,7 @@ class ChatTask:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] | None = None
+    recompute: int = 0  # inject mode: this many of the best-scored facts are pasted and prefilled, not injected
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": role, "content": content} for role, content in self.messages]

@@ -110,6 +110,8 @@ class Gateway:
         k = self.args.default_k if body.memory.k is None else body.memory.k
         if k > self.args.max_k:
             raise InvalidInputError(f"memory.k must be at most {self.args.max_k}")
+        if body.memory.recompute is not None and body.memory.recompute > k:
+            raise InvalidInputError(f"memory.recompute ({body.memory.recompute}) must be at most memory.k ({k})")
         max_tokens = body.max_completion_tokens or body.max_tokens or 128
         if max_tokens > self.args.max_tokens:
             raise InvalidInputError(f"max_tokens must be at most {self.args.max_tokens}")
@@ -124,8 +126,10 @@ class Gateway:
             version = tenant.version()
         retrieval_ms = (time.perf_counter() - started) * 1000
         self.metrics.retrieval.observe(retrieval_ms / 1000)
+        recompute = self.args.default_recompute if body.memory.recompute is None else body.memory.recompute
         task = ChatTask(tenant.id, version, tuple((m.role, m.content) for m in body.messages), facts, body.memory.mode,
-                        max_tokens, body.temperature, body.top_p, body.seed, tuple(body.stop) if body.stop else None)
+                        max_tokens, body.temperature, body.top_p, body.seed, tuple(body.stop) if body.stop else None,
+                        min(recompute, len(facts)))
         lookup = None
         if body.memory.mode == "inject" and facts:
             lookup = partial(self._tier_counts, tenant, [f.fact_id for f in facts])

@@ -1,9 +1,12 @@
 """Lay out one chat request's prompt around its retrieved facts, for each memory mode.
 
-`inject`: `[chat-frame record][facts with K/V records][facts without K/V, as text][conversation]`; the
-records form the memory region the connector fills, so only the text after it is prefilled. A fact
-whose K/V does not exist yet (encoding is asynchronous) is pasted right after the region, which keeps
-the region a prefix. Without the tenant's frame record nothing can be injected and the request is laid
+`inject`: `[chat-frame record][facts with K/V records][recomputed facts and facts without K/V, as text]
+[conversation]`; the records form the memory region the connector fills, so only the text after it is
+prefilled. A fact whose K/V does not exist yet (encoding is asynchronous) is pasted right after the region,
+which keeps the region a prefix. With `recompute` m > 0, the m facts retrieval scored highest are pasted
+there too instead of injected (selective recomputation at fact granularity, CacheBlend's idea within vLLM's
+prefix contract): prefilled after the region, they attend to every injected fact and to each other, which
+facts encoded one by one cannot. Without the tenant's frame record nothing can be injected and the request is laid
 out like `prompt`. `prompt`: the same facts pasted as text (the baseline of memory systems that paste
 retrieved facts). `off`: no facts. Every request is salted per tenant and version, so no prefix-cache
 block, pasted or injected, is ever shared between tenants; computed and injected blocks have separate
@@ -38,13 +41,17 @@ class LaidOutPrompt:
     plan: MemoryPlan | None
     cache_salt: str
     memory_tokens: int  # tokens of facts in the prompt, injected or pasted
+    recomputed_tokens: int = 0  # tokens of facts that had K/V but were pasted to be recomputed
 
 
 def lay_out(mode: Mode, tenant_id: str, version: int, prefix_ids: Sequence[int], items: Sequence[MemoryItem],
-            query_ids: Sequence[int], frame: tuple[str, Sequence[int]] | None = None) -> LaidOutPrompt:
-    """The prompt of one request; `frame` is the tenant's chat-frame record (id, tokens), when it exists."""
+            query_ids: Sequence[int], frame: tuple[str, Sequence[int]] | None = None, recompute: int = 0) -> LaidOutPrompt:
+    """The prompt of one request; `frame` is the tenant's chat-frame record (id, tokens), when it exists;
+    `recompute` facts with K/V are pasted instead (the highest scored, in retrieval order)."""
     if mode not in MODES:
         raise ValueError(f"memory mode must be one of {MODES}, got {mode!r}")
+    if recompute < 0:
+        raise ValueError(f"recompute must be >= 0, got {recompute}")
     salt = cache_salt(tenant_id, version)
     text_salt = f"{salt}-text"  # computed blocks never mix with injected ones (their K/V differ slightly)
     items = list(items) if mode != "off" else []
@@ -53,8 +60,13 @@ def lay_out(mode: Mode, tenant_id: str, version: int, prefix_ids: Sequence[int],
     if mode != "inject" or frame is None or tuple(frame[1]) != tuple(prefix_ids) or not query_ids:
         pasted = [t for item in items for t in item.token_ids]
         return LaidOutPrompt([*prefix_ids, *pasted, *query_ids], None, text_salt, memory_tokens)
-    pasted = [t for item in items if item.record_id is None for t in item.token_ids]
-    region = [*prefix_ids, *(t for item in injectable for t in item.token_ids)]
-    plan = MemoryPlan(tenant_id, (frame[0], *(item.record_id for item in injectable)), version,
-                      importance=(FRAME_IMPORTANCE, *(item.score for item in injectable)))
-    return LaidOutPrompt([*region, *pasted, *query_ids], plan, salt, memory_tokens)
+    chosen = {id(item) for item in sorted(injectable, key=lambda item: -item.score)[:recompute]}
+    injected = [item for item in injectable if id(item) not in chosen]
+    pasted = [t for item in items if item.record_id is None or id(item) in chosen for t in item.token_ids]
+    recomputed = sum(len(item.token_ids) for item in injectable if id(item) in chosen)
+    if not injected:  # every fact recomputed: a prompt laid out like `prompt`, with its own salt
+        return LaidOutPrompt([*prefix_ids, *pasted, *query_ids], None, text_salt, memory_tokens, recomputed)
+    region = [*prefix_ids, *(t for item in injected for t in item.token_ids)]
+    plan = MemoryPlan(tenant_id, (frame[0], *(item.record_id for item in injected)), version,
+                      importance=(FRAME_IMPORTANCE, *(item.score for item in injected)))
+    return LaidOutPrompt([*region, *pasted, *query_ids], plan, salt, memory_tokens, recomputed)

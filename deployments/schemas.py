@@ -21,6 +21,9 @@ class MemoryOptions(BaseModel):
 
     k: int | None = Field(None, ge=0, le=1000, description="Facts to retrieve (0: none).")
     mode: Mode = "inject"
+    recompute: int | None = Field(None, ge=0, le=1000, description="inject: of the retrieved facts, this many of "
+                                  "the best-scored are prefilled after the injected ones instead of injected, so "
+                                  "they attend to all of them (default: the server's).")
 
 
 class StreamOptions(BaseModel):

@@ -2,12 +2,15 @@
 
 Per conversation and window w, a tenant gets the conversation's observation facts through an encoding job
 (`POST /v1/jobs`, facts anchored after their evidence turns, encoded behind w turns); every question is then
-asked with `mode` = inject (each w), prompt and off at each k, greedy, seed 0. Inject and prompt retrieve the
+asked with `mode` = inject (each w; `_m<m>`: the m best-scored facts recomputed, `memory.recompute`), prompt
+and off at each k, greedy, seed 0. Ratios to prompt mode are paired over the same questions, with 95 %
+bootstrap intervals (`scoring.py`); `devset.py` generates a development set of 360 questions. Inject and prompt retrieve the
 same facts (same texts, same index, same query). Scores: LoCoMo's F1, exact match, per category and overall,
 retrieval recall of the evidence turns, TTFT (ingress, first token). Writes a JSON report with `targets` and a
 PNG of F1 and TTFT against k next to it.
 
     python benchmarks/quality/run.py --data PATH --out PATH [--base-url URL --admin-key KEY] [--quick]
+        [--modes inject_w5,inject_w5_m3,prompt --ks 10,50 --samples N]
 
 Without --base-url a cluster is started in this process (redis-server, local Ray, SmolLM2).
 """
@@ -15,6 +18,7 @@ Without --base-url a cluster is started in this process (redis-server, local Ray
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -27,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import target, write_report  # noqa: E402
 from benchmarks.quality.locomo import CATEGORIES, LocomoError, Sample, load_samples  # noqa: E402
-from benchmarks.quality.scoring import exact_match, recall, score  # noqa: E402
+from benchmarks.quality.scoring import exact_match, mean_interval, ratio_interval, recall, score  # noqa: E402
 
 SUFFIX = " Answer in a few words."
 
@@ -36,7 +40,7 @@ SUFFIX = " Answer in a few words."
 class Plan:
     windows: tuple[int, ...]
     ks: tuple[int, ...]
-    modes: tuple[str, ...]  # "inject_w<w>", "prompt", "off"
+    modes: tuple[str, ...]  # "inject_w<w>" or "inject_w<w>_m<m>" (m facts recomputed), "prompt", "off"
     samples: int | None = None  # the first N conversations; None: all
     max_tokens: int = 24
     model: str = "inferscale-smollm2"
@@ -45,8 +49,31 @@ class Plan:
     def of(cls, quick: bool) -> "Plan":
         if quick:
             return cls(windows=(5,), ks=(10,), modes=("inject_w5", "prompt"), samples=1)
-        windows = (0, 5, 20)
-        return cls(windows=windows, ks=(5, 10, 20, 50), modes=(*(f"inject_w{w}" for w in windows), "prompt", "off"))
+        return cls.parse("inject_w0,inject_w5,inject_w20,inject_w5_m1,inject_w5_m3,inject_w5_m5,prompt,off", "10,50")
+
+    @classmethod
+    def parse(cls, modes: str, ks: str, samples: int | None = None) -> "Plan":
+        """A plan from comma-separated modes and ks; the windows are those the inject modes name."""
+        names = tuple(m.strip() for m in modes.split(",") if m.strip())
+        for name in names:
+            if name not in ("prompt", "off") and not re.fullmatch(r"inject_w\d+(_m\d+)?", name):
+                raise ValueError(f"unknown mode {name!r}: inject_w<w>[_m<m>], prompt or off")
+        try:
+            k_values = tuple(int(k) for k in ks.split(","))
+        except ValueError:
+            raise ValueError(f"ks must be comma-separated integers, got {ks!r}") from None
+        if not names or not k_values or min(k_values) < 1:
+            raise ValueError("at least one mode and one k >= 1 are needed")
+        windows = tuple(sorted({window_of(n) for n in names if n.startswith("inject")})) or (5,)
+        return cls(windows=windows, ks=k_values, modes=names, samples=samples)
+
+
+def window_of(mode: str) -> int:
+    return int(mode.split("_w")[1].split("_")[0])
+
+
+def recompute_of(mode: str) -> int:
+    return int(mode.split("_m")[1]) if "_m" in mode else 0
 
 
 @dataclass
@@ -80,9 +107,10 @@ def prepare_tenant(client: Client, tenant_id: str, sample: Sample, window: int, 
     return key
 
 
-def ask(client: Client, key: str, plan: Plan, question: str, k: int, mode: str) -> tuple[str, dict]:
+def ask(client: Client, key: str, plan: Plan, question: str, k: int, mode: str, recompute: int = 0) -> tuple[str, dict]:
+    memory = {"k": k, "mode": mode} | ({"recompute": min(recompute, k)} if mode == "inject" else {})
     body = {"model": plan.model, "messages": [{"role": "user", "content": question + SUFFIX}],
-            "max_tokens": plan.max_tokens, "temperature": 0.0, "seed": 0, "memory": {"k": k, "mode": mode}}
+            "max_tokens": plan.max_tokens, "temperature": 0.0, "seed": 0, "memory": memory}
     answer = client.call("POST", "/v1/chat/completions", key, body)
     return answer["choices"][0]["message"]["content"], answer["usage"]
 
@@ -103,17 +131,20 @@ def evaluate(client: Client, samples: list[Sample], plan: Plan, tenant_prefix: s
             for k in plan.ks:
                 found = recall(retrieved(client, plain_key, q.question, k, evidence_of), q.evidence)
                 for mode in plan.modes:
-                    key, wire = (keys[int(mode.split("_w")[1])], "inject") if mode.startswith("inject") else (plain_key, mode)
-                    prediction, usage = ask(client, key, plan, q.question, k, wire)
+                    key, wire = (keys[window_of(mode)], "inject") if mode.startswith("inject") else (plain_key, mode)
+                    prediction, usage = ask(client, key, plan, q.question, k, wire, recompute_of(mode))
                     rows.append({"sample": sample.sample_id, "category": q.category, "k": k, "mode": mode,
                                  "question": q.question, "gold": q.answer, "prediction": prediction,
                                  "f1": score(prediction, q.answer, q.category), "em": exact_match(prediction, q.answer),
                                  "recall": found, "ttft_ms": usage["ttft_ms"], "injected_tokens": usage["injected_tokens"],
-                                 "prefilled_tokens": usage["prefilled_tokens"]})
+                                 "prefilled_tokens": usage["prefilled_tokens"],
+                                 "recomputed_tokens": usage.get("recomputed_tokens", 0)})
     return summarize(rows, plan)
 
 
 def summarize(rows: list[dict], plan: Plan) -> dict:
+    """Per mode and k: F1 (with its 95 % bootstrap interval over questions), exact match, recall, TTFT and F1 per
+    category; per inject mode and k, its F1 as a share of prompt mode's on the same questions, with its interval."""
     table: dict[str, dict[str, dict]] = {}
     for mode in plan.modes:
         table[mode] = {}
@@ -122,20 +153,32 @@ def summarize(rows: list[dict], plan: Plan) -> dict:
             if not chosen:
                 continue
             table[mode][str(k)] = {
-                "f1": statistics.fmean(r["f1"] for r in chosen), "em": statistics.fmean(r["em"] for r in chosen),
+                "f1": statistics.fmean(r["f1"] for r in chosen), "f1_ci95": mean_interval([r["f1"] for r in chosen]),
+                "em": statistics.fmean(r["em"] for r in chosen),
                 "recall": statistics.fmean(r["recall"] for r in chosen),
                 "ttft_ms_median": statistics.median(r["ttft_ms"] for r in chosen),
                 "injected_tokens_mean": statistics.fmean(r["injected_tokens"] for r in chosen),
                 "f1_by_category": {CATEGORIES[c]: statistics.fmean(r["f1"] for r in chosen if r["category"] == c)
                                    for c in sorted({r["category"] for r in chosen})},
                 "questions": len(chosen)}
-    targets = []
-    if "inject_w5" in table and "prompt" in table:
-        for k in plan.ks:
-            inject, prompt = table["inject_w5"][str(k)]["f1"], table["prompt"][str(k)]["f1"]
-            ratio = inject / prompt if prompt else (1.0 if inject == prompt else 0.0)
-            targets.append(target(f"f1 inject (w=5) / prompt at k={k}", ratio, ">= 0.97"))
-    return {"modes": table, "rows": rows, "targets": targets}
+    ratios = {mode: {str(k): paired_ratio(rows, mode, "prompt", k) for k in plan.ks}
+              for mode in plan.modes if mode.startswith("inject") and "prompt" in plan.modes}
+    targets = [{**target(f"f1 inject (w=5) / prompt at k={k}", r["ratio"], ">= 0.97"), "ci95": r["ci95"]}
+               for k, r in ratios.get("inject_w5", {}).items()]
+    return {"modes": table, "f1_ratio_to_prompt": ratios, "rows": rows, "targets": targets}
+
+
+def paired_ratio(rows: list[dict], mode: str, reference: str, k: int) -> dict:
+    """F1 of `mode` over F1 of `reference` on the questions both answered at `k`, with a paired bootstrap interval."""
+    def by_question(name: str) -> dict[tuple[str, str], float]:
+        return {(r["sample"], r["question"]): r["f1"] for r in rows if r["mode"] == name and r["k"] == k}
+
+    ours, theirs = by_question(mode), by_question(reference)
+    both = sorted(ours.keys() & theirs.keys())
+    top, bottom = [ours[q] for q in both], [theirs[q] for q in both]
+    ratio = sum(top) / sum(bottom) if sum(bottom) else (1.0 if sum(top) == sum(bottom) else 0.0)
+    return {"ratio": ratio, "ci95": ratio_interval(top, bottom) if both and sum(bottom) else (ratio, ratio),
+            "questions": len(both)}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -164,12 +207,16 @@ def main() -> None:
     parser.add_argument("--base-url", help="a running cluster; default: start one in this process")
     parser.add_argument("--admin-key", help="its admin key (default: INFERSCALE_ADMIN_KEY)")
     parser.add_argument("--quick", action="store_true", help="first conversation, k=10, w=5, inject and prompt")
+    parser.add_argument("--modes", help="comma-separated modes (inject_w<w>[_m<m>], prompt, off); default: all of "
+                                        "the full plan")
+    parser.add_argument("--ks", default="10,50", help="comma-separated k values (with --modes)")
+    parser.add_argument("--samples", type=int, help="only the first N conversations")
     args = parser.parse_args()
     try:
         samples = load_samples(args.data)  # a bad file fails here, before any cluster work
-    except LocomoError as exc:
+        plan = Plan.parse(args.modes, args.ks, args.samples) if args.modes else Plan.of(args.quick)
+    except (LocomoError, ValueError) as exc:
         parser.error(str(exc))
-    plan = Plan.of(args.quick)
     from benchmarks._cluster import cluster_for
 
     with cluster_for(args.base_url, args.admin_key, "quality", cuda=_cuda()) as (base, admin):

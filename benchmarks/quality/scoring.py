@@ -1,12 +1,15 @@
 """LoCoMo's answer scoring: normalised token F1 (partial F1 over comma-separated parts for multi-hop), exact match,
-the adversarial category scored by abstention, and retrieval recall of the evidence turns."""
+the adversarial category scored by abstention, retrieval recall of the evidence turns, and bootstrap intervals
+over questions (a mean, and a ratio of two configurations' means on the same questions)."""
 
 from __future__ import annotations
 
 import re
 import string
 from collections import Counter
-from typing import Iterable
+from typing import Iterable, Sequence
+
+import numpy as np
 
 ABSTAIN = ("not mentioned", "no information", "not available", "don't know", "do not know", "unknown")
 
@@ -53,3 +56,28 @@ def recall(retrieved_evidence: Iterable[Iterable[str]], gold_evidence: Iterable[
         return 1.0
     covered = set().union(*(set(e) for e in retrieved_evidence))
     return len(gold & covered) / len(gold)
+
+
+def mean_interval(values: Sequence[float], rounds: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean, resampling the questions."""
+    data = np.asarray(values, dtype=float)
+    if data.size == 0:
+        raise ValueError("no values")
+    picks = np.random.default_rng(seed).integers(0, data.size, (rounds, data.size))
+    means = data[picks].mean(axis=1)
+    tail = (1 - level) / 2
+    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
+
+
+def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], rounds: int = 2000, level: float = 0.95,
+                   seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(numerator) / mean(denominator), the two scored on the same questions
+    (index i of both is one question): the questions are resampled together, so their shared difficulty cancels."""
+    top, bottom = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
+    if top.shape != bottom.shape or top.size == 0:
+        raise ValueError(f"paired scores needed, got {top.size} and {bottom.size}")
+    picks = np.random.default_rng(seed).integers(0, top.size, (rounds, top.size))
+    sums = bottom[picks].sum(axis=1)
+    ratios = np.where(sums > 0, top[picks].sum(axis=1) / np.where(sums > 0, sums, 1), np.nan)
+    tail = (1 - level) / 2
+    return float(np.nanquantile(ratios, tail)), float(np.nanquantile(ratios, 1 - tail))

@@ -146,7 +146,7 @@ class MemoryEngine:
         frame = (self.frame_id, self.prefix_ids) if task.mode == "inject" and await self.ensure_frame(task.tenant_id) else None
         prefix_ids, query_ids = self._split(task)
         items = self._items(task.tenant_id, task.facts)
-        laid = lay_out(task.mode, task.tenant_id, task.version, prefix_ids, items, query_ids, frame)
+        laid = lay_out(task.mode, task.tenant_id, task.version, prefix_ids, items, query_ids, frame, task.recompute)
         if len(laid.token_ids) + task.max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {len(laid.token_ids)} tokens plus max_tokens {task.max_tokens} exceeds "
                              f"the model's context of {self.max_model_len}")
@@ -174,6 +174,7 @@ class MemoryEngine:
         yield {"done": True, "finish_reason": finish or "stop", "usage": {
             "prompt_tokens": len(laid.token_ids), "completion_tokens": completion,
             "total_tokens": len(laid.token_ids) + completion, "memory_tokens": laid.memory_tokens,
+            "recomputed_tokens": laid.recomputed_tokens,
             "injected_tokens": injected, "cached_tokens": max(0, cached - injected),
             "prefilled_tokens": len(laid.token_ids) - cached, "engine_ttft_ms": round(ttft or 0.0, 3),
             "memory_fallback": (report or {}).get("fallback"),

@@ -62,3 +62,50 @@ def test_loader_refuses_bad_files_with_the_place(tmp_path, broken, message):
     path.write_text(json.dumps(broken))
     with pytest.raises(LocomoError, match=message):
         load_samples(path)
+
+
+def test_bootstrap_intervals_cover_the_estimate_and_narrow_with_more_questions():
+    from benchmarks.quality.scoring import mean_interval, ratio_interval
+
+    few, many = [0.0, 1.0] * 10, [0.0, 1.0] * 200
+    lo_few, hi_few = mean_interval(few)
+    lo_many, hi_many = mean_interval(many)
+    assert lo_few < 0.5 < hi_few and lo_many < 0.5 < hi_many
+    assert hi_many - lo_many < (hi_few - lo_few) / 3  # sqrt(20) ~ 4.5 times narrower
+    assert mean_interval([0.7] * 30) == pytest.approx((0.7, 0.7))
+    # paired: B scores each question at 0.8 of A, whatever its difficulty; the ratio is exact on every resample
+    a = [0.1 * (i % 10) + 0.05 for i in range(100)]
+    assert ratio_interval([0.8 * x for x in a], a) == pytest.approx((0.8, 0.8))
+    unpaired_lo, unpaired_hi = ratio_interval([0.8 * x for x in a], a[::-1])  # the pairing broken: the ratio spreads
+    assert unpaired_hi - unpaired_lo > 0.1
+    with pytest.raises(ValueError):
+        ratio_interval([1.0], [1.0, 2.0])
+
+
+def test_dev_set_is_deterministic_large_and_in_the_locomo_layout(tmp_path):
+    from collections import Counter
+
+    from benchmarks.quality.devset import dataset as dev
+
+    data = dev(conversations=10, seed=0)
+    assert json.dumps(data) == json.dumps(dev(conversations=10, seed=0))
+    assert json.dumps(dev(conversations=2, seed=1)) != json.dumps(data[:2])
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps(data))
+    samples = load_samples(path)
+    questions = [q for s in samples for q in s.questions]
+    categories = Counter(q.category for q in questions)
+    assert len(questions) >= 300 and set(categories) == {1, 2, 3, 4, 5} and min(categories.values()) >= 40
+    for sample in samples:
+        turns = {t.dia_id for t in sample.turns}
+        assert len(sample.observations) > 50  # more facts than the largest k asks for
+        assert all(o.evidence and set(o.evidence) <= turns for o in sample.observations)
+        assert all(set(q.evidence) <= turns for q in sample.questions)
+        multi = [q for q in sample.questions if q.category == 1]
+        assert all(len(q.evidence) == 2 for q in multi) and any(len({e.split(":")[0] for e in q.evidence}) == 2 for q in multi)
+        assert len({t.date for t in sample.turns}) == 5  # five dated sessions
+        # every answer of a non-adversarial question is stated in the conversation
+        text = " ".join(t.text for t in sample.turns)
+        for q in sample.questions:
+            if q.category not in (1, 5):
+                assert q.answer in text, q

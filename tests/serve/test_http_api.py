@@ -45,6 +45,14 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
     query_tokens = injected["prompt_tokens"] - injected["injected_tokens"]
     assert injected["prefilled_tokens"] == query_tokens < 40
     assert pasted["injected_tokens"] == 0 and pasted["prefilled_tokens"] == pasted["prompt_tokens"]
+    # selective recomputation: the best-scored fact is prefilled after the injected ones, the same prompt tokens
+    mixed = cluster.chat(carol, "Where does Maya work?", memory={"k": 3, "recompute": 1}).json()["usage"]
+    assert mixed["prompt_tokens"] == injected["prompt_tokens"] and 0 < mixed["recomputed_tokens"] < mixed["memory_tokens"]
+    assert mixed["prefilled_tokens"] == query_tokens + mixed["recomputed_tokens"]
+    assert mixed["injected_tokens"] + mixed["cached_tokens"] == injected["injected_tokens"] - mixed["recomputed_tokens"]
+    assert injected["recomputed_tokens"] == pasted["recomputed_tokens"] == 0
+    refused = cluster.chat(carol, "Where does Maya work?", memory={"k": 3, "recompute": 4})
+    assert refused.status_code == 422 and "memory.recompute (4) must be at most memory.k (3)" in refused.text
     for usage in (injected, pasted):
         assert usage["ttft_ms"] > 0 and usage["retrieval_ms"] > 0 and usage["completion_tokens"] > 0
         hop = usage["hop_ms"]  # the legs between the ingress and the engine, each inside the request's own TTFT

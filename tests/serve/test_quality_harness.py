@@ -32,6 +32,11 @@ def test_quick_quality_run_scores_both_modes_on_the_same_facts(cluster, tmp_path
     summary = report["modes"]["prompt"]["10"]
     assert summary["questions"] == questions and set(summary["f1_by_category"]) >= {"single-hop", "adversarial"}
     assert [t["name"] for t in report["targets"]] == ["f1 inject (w=5) / prompt at k=10"]
+    lo, hi = summary["f1_ci95"]
+    assert 0.0 <= lo <= summary["f1"] <= hi <= 1.0
+    paired = report["f1_ratio_to_prompt"]["inject_w5"]["10"]
+    assert paired["questions"] == questions and report["targets"][0]["value"] == paired["ratio"]
+    assert report["targets"][0]["ci95"] == paired["ci95"] and paired["ci95"][0] <= paired["ci95"][1]
     # the job stored the 7 facts of the conversation once, in the tenant of window 5
     listed = Client(cluster.base, cluster.admin_key).call("GET", "/v1/tenants/qh-0-w5", cluster.admin_key)
     assert listed["usage"]["facts"] == 7 and int(listed["window"]) == 5
