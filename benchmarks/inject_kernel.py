@@ -5,9 +5,10 @@ Under 100 concurrent k=50 requests the engine's first step of a batch writes eve
 paged cache: per token and layer, K and V read from the arena (float32 records) and one `[K | V]` cache row
 written (the engine's dtype), ~58 GB a step at the Llama-3.1-8B shape. Stack samples of the engine (H200) put
 the time this takes in the gap between injection and vLLM's own prefix cache. This times one such step,
-same process, same tensors: the fused Triton writer (`deployments/triton_adapter`) in each configuration it
-tunes over (and the one it chooses), the torch path the connector takes without it, and, as the roofline, a
-plain device copy of a float32 tensor into the engine's dtype (the same read and write bytes per element).
+same process, same tensors: the fused Triton writer (`deployments/triton_adapter`) at several tile sizes and
+warp counts (its default among them, which the target judges), the torch path the connector takes without
+it, and, as the roofline, a plain device copy of a float32 tensor into the engine's dtype (the same read and
+write bytes per element).
 `--config` takes the model shape (default: the 8B shape); on a CPU (`--quick`) a small shape, torch path only.
 """
 
@@ -27,6 +28,7 @@ from kvcore.rope import RopeConfig, RotationTable, rotate_into  # noqa: E402
 
 EIGHT_B = Path(__file__).with_name("configs") / "llama31-8b-shape.json"
 REQUESTS, TOKENS_PER_REQUEST, ARENA_ROWS = 100, 1524, 16_384  # 100 requests of 51 records of ~30 tokens
+CONFIGS = ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16))  # (tile elements, warps)
 
 
 def timed(call, device: torch.device, repeats: int) -> float:
@@ -92,20 +94,17 @@ def main() -> None:
                     "tokens": tokens, "gb_moved": round(moved / 1e9, 2), "copy_gb_s": round(copy_gbs, 1)}
     ms = {"torch_path": timed(torch_path, device, max(2, repeats // 3))}
     if device.type == "cuda":
-        from deployments.triton_adapter.fused_inject import _CONFIGS, fused_row_writer
+        from deployments.triton_adapter.fused_inject import DEFAULT_TILE, DEFAULT_WARPS, fused_row_writer
 
-        writer = fused_row_writer(caches, rope)
-        writer(arena_k, arena_v, index, cos, sin)  # the first large step tunes it
-        report["chosen"] = list(writer.config)
-        for config in _CONFIGS:
-            ms[f"fused tile {config[0]} warps {config[1]}"] = timed(
-                lambda c=config: writer._launch(c, arena_k, arena_v, index, cos, sin), device, repeats)
-        ms["fused (chosen)"] = timed(lambda: writer(arena_k, arena_v, index, cos, sin), device, repeats)
+        for tile, warps in CONFIGS:
+            writer = fused_row_writer(caches, rope, tile, warps)
+            default = " (default)" if (tile, warps) == (DEFAULT_TILE, DEFAULT_WARPS) else ""
+            ms[f"fused tile {tile} warps {warps}{default}"] = timed(lambda: writer(arena_k, arena_v, index, cos, sin), device, repeats)
     report["step_ms"] = {name: round(v, 3) for name, v in ms.items()}
     report["gb_s"] = {name: round(moved / v / 1e6, 1) for name, v in ms.items()}
     for name, v in ms.items():
         print(f"{name:28s} {v:9.3f} ms  {moved / v / 1e6:8.1f} GB/s  ({moved / v / 1e6 / copy_gbs:.2f} of copy)", flush=True)
-    best = "fused (chosen)" if "fused (chosen)" in ms else "torch_path"
+    best = next((name for name in ms if name.endswith("(default)")), "torch_path")
     report["targets"] = [target(f"injection step writer ({best}) / device copy, bandwidth", moved / ms[best] / 1e6 / copy_gbs, ">= 0.7")]
     write_report(args.out, report)
 

@@ -62,22 +62,18 @@ def _inject_rows(k_ptr, v_ptr, index_ptr, cos_ptr, sin_ptr, dest_table_ptr, toke
     tl.store(dest_base + dest + 3 * HALF, v2.to(OUT_DTYPE), mask=ok)
 
 
-# (elements of one loaded tile, warps) a writer times on its first large step; the first is the default
-_CONFIGS = ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16))
-_TUNE_MIN_TOKENS = 4096  # steps this large (about three k=50 requests) decide the configuration
-_TUNE_RUNS = 3
+DEFAULT_TILE, DEFAULT_WARPS = 2048, 4  # elements one program loads per tensor, and its warps
 
 
 class FusedRowWriter:
     """Writes a step's tokens from an arena `[L, R, H, D]` into every layer's joint `[slots, H, 2D]` rows.
 
     The kernel is bound by memory traffic (each token of each layer: its K and V read once, its cache row
-    written once), and how close it comes to the device's bandwidth depends on the tile each program moves and
-    its warps. On the first step of at least `_TUNE_MIN_TOKENS` tokens on CUDA the writer times each of
-    `_CONFIGS` on that step itself (a write is idempotent: the same rows get the same values) and keeps the
-    fastest for the rest of its life."""
+    written once). At the default tile and warps it moves a 100-request step of the 8B shape at 1.06 of the
+    device's own copy rate on an H200 (`benchmarks/inject_kernel.py`, which times the other tiles and warps:
+    0.83-1.00)."""
 
-    def __init__(self, rows: Sequence[torch.Tensor]) -> None:
+    def __init__(self, rows: Sequence[torch.Tensor], tile: int = DEFAULT_TILE, warps: int = DEFAULT_WARPS) -> None:
         first = rows[0]
         self._heads, self._half = first.shape[1], first.shape[2] // 4
         self._slot_stride, self._head_stride = first.stride(0), first.stride(1)
@@ -85,58 +81,23 @@ class FusedRowWriter:
         self._table = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64, device=first.device)
         self._keep = list(rows)  # the addresses in the table stay valid while the caches live
         self._heads_pow2 = triton.next_power_of_2(self._heads)
-        self._config: tuple[int, int] | None = None if first.device.type == "cuda" else _CONFIGS[0]
-        self.timings_ms: dict[tuple[int, int], float] = {}  # what the tuning step measured, per configuration
-
-    @property
-    def config(self) -> tuple[int, int]:
-        """(tile elements, warps) in use: the tuned one, or the default until a step was large enough to tune."""
-        return self._config or _CONFIGS[0]
+        self._block_t = max(1, tile // (self._heads_pow2 * self._half))
+        self._warps = warps
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """`k`, `v` the arena `[L, R, H, D]`; `index` `[3, T]` int64 (row, position, slot); `cos`/`sin` `[N, D/2]` float32."""
         tokens = index.shape[1]
         if tokens == 0:
             return
-        if self._config is None and tokens >= _TUNE_MIN_TOKENS:
-            self._config = self._tune(k, v, index, cos, sin)
-        self._launch(self.config, k, v, index, cos, sin)
-
-    def _launch(self, config: tuple[int, int], k, v, index, cos, sin) -> None:
-        tile, warps = config
-        tokens, layers = index.shape[1], k.shape[0]
-        block_t = max(1, tile // (self._heads_pow2 * self._half))
-        _inject_rows[(triton.cdiv(tokens, block_t), layers)](
+        _inject_rows[(triton.cdiv(tokens, self._block_t), k.shape[0])](
             k, v, index, cos, sin, self._table, tokens,
             k.stride(0), k.stride(1), k.stride(2), self._slot_stride, self._head_stride,
-            HEADS=self._heads, HEADS_POW2=self._heads_pow2, HALF=self._half, BLOCK_T=block_t,
-            OUT_DTYPE=self._dtype, num_warps=warps)
-
-    def _tune(self, k, v, index, cos, sin) -> tuple[int, int]:
-        usable = []
-        for config in _CONFIGS:
-            try:
-                self._launch(config, k, v, index, cos, sin)  # compiles it
-                usable.append(config)
-            except Exception as exc:  # noqa: BLE001 - a configuration the device cannot run is skipped, not fatal
-                log.warning("fused injection kernel: tile %d, %d warps unusable here: %s", *config, exc)
-        for config in usable:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(_TUNE_RUNS):
-                self._launch(config, k, v, index, cos, sin)
-            end.record()
-            end.synchronize()
-            self.timings_ms[config] = start.elapsed_time(end) / _TUNE_RUNS
-        if _CONFIGS[0] not in self.timings_ms:
-            return _CONFIGS[0]  # the default raises as it always would; nothing to choose from
-        best = min(self.timings_ms, key=self.timings_ms.__getitem__)
-        log.info("fused injection kernel: tile %d elements, %d warps (%.2f ms for %d tokens; default %.2f ms)",
-                 best[0], best[1], self.timings_ms[best], index.shape[1], self.timings_ms[_CONFIGS[0]])
-        return best
+            HEADS=self._heads, HEADS_POW2=self._heads_pow2, HALF=self._half, BLOCK_T=self._block_t,
+            OUT_DTYPE=self._dtype, num_warps=self._warps)
 
 
-def fused_row_writer(rows: Sequence[torch.Tensor], rope: RopeConfig) -> FusedRowWriter | None:
+def fused_row_writer(rows: Sequence[torch.Tensor], rope: RopeConfig, tile: int = DEFAULT_TILE,
+                     warps: int = DEFAULT_WARPS) -> FusedRowWriter | None:
     """A fused writer for these caches, or None when they are outside the kernel's scope (torch path then)."""
     first = rows[0] if rows else None
     why = _unsupported(rows, rope)
@@ -145,7 +106,7 @@ def fused_row_writer(rows: Sequence[torch.Tensor], rope: RopeConfig) -> FusedRow
         return None
     log.info("fused injection kernel: %d layers, %d kv heads, head dim %d, %s", len(rows), first.shape[1],
              first.shape[2] // 2, first.dtype)
-    return FusedRowWriter(rows)
+    return FusedRowWriter(rows, tile, warps)
 
 
 def _unsupported(rows: Sequence[torch.Tensor], rope: RopeConfig) -> str:
