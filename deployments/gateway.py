@@ -12,8 +12,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Protocol
 
@@ -58,25 +57,17 @@ class LLMBackend(Protocol):
 
 @dataclass
 class PreparedChat:
-    """A chat ready for the LLM replica: its task, how long retrieval took, and how to look up where the injected
-    facts' K/V sat (it only feeds the usage report, so it runs beside the engine's work, not before it)."""
+    """A chat ready for the LLM replica: its task, how long retrieval took, and where the injected facts' K/V
+    sat (looked up beside the engine's work, not before it: it only feeds the usage report)."""
 
     task: ChatTask
     retrieval_ms: float
-    tier_lookup: Callable[[], dict[str, int]] | None = None
+    tiers: "asyncio.Future[dict[str, int]] | None" = None
     dispatched: float | None = None  # wall clock when the task left for the replica
     first_event: float | None = None  # wall clock when the replica's first event came back
-    _tiers: "asyncio.Future[dict[str, int]] | None" = field(default=None, repr=False)
-
-    def begin_tier_lookup(self) -> None:
-        """Start the lookup in a thread once the first event is back: a thread started before the task leaves
-        competes for the GIL with sending it."""
-        if self.tier_lookup is not None and self._tiers is None:
-            self._tiers = asyncio.ensure_future(asyncio.to_thread(self.tier_lookup))
 
     async def memory_tiers(self) -> dict[str, int]:
-        self.begin_tier_lookup()
-        return await self._tiers if self._tiers is not None else {}
+        return await self.tiers if self.tiers is not None else {}
 
 
 # (job id, key, tenant, input file, window (None: the tenant's), progress) -> the job's report
@@ -130,10 +121,10 @@ class Gateway:
         task = ChatTask(tenant.id, version, tuple((m.role, m.content) for m in body.messages), facts, body.memory.mode,
                         max_tokens, body.temperature, body.top_p, body.seed, tuple(body.stop) if body.stop else None,
                         min(recompute, len(facts)))
-        lookup = None
-        if body.memory.mode == "inject" and facts:
-            lookup = partial(self._tier_counts, tenant, [f.fact_id for f in facts])
-        return PreparedChat(task, retrieval_ms, lookup)
+        tiers = None
+        if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
+            tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, [f.fact_id for f in facts]))
+        return PreparedChat(task, retrieval_ms, tiers)
 
     @staticmethod
     def _tier_counts(tenant: Tenant, fact_ids: list[str]) -> dict[str, int]:

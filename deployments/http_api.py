@@ -169,7 +169,6 @@ def create_app(gateway: Gateway) -> FastAPI:
         events = gateway.llm.chat(prepared.task)
         first = await _first_event(events)  # engine errors surface before any byte is sent
         prepared.first_event = time.time()
-        prepared.begin_tier_lookup()
         completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": completion_id, "created": created, "model": gateway.served_name}
         if body.stream:
