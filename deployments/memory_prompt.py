@@ -64,8 +64,6 @@ def lay_out(mode: Mode, tenant_id: str, version: int, prefix_ids: Sequence[int],
     injected = [item for item in injectable if id(item) not in chosen]
     pasted = [t for item in items if item.record_id is None or id(item) in chosen for t in item.token_ids]
     recomputed = sum(len(item.token_ids) for item in injectable if id(item) in chosen)
-    if not injected:  # every fact recomputed: a prompt laid out like `prompt`, with its own salt
-        return LaidOutPrompt([*prefix_ids, *pasted, *query_ids], None, text_salt, memory_tokens, recomputed)
     region = [*prefix_ids, *(t for item in injected for t in item.token_ids)]
     plan = MemoryPlan(tenant_id, (frame[0], *(item.record_id for item in injected)), version,
                       importance=(FRAME_IMPORTANCE, *(item.score for item in injected)))

@@ -26,11 +26,15 @@ def test_recompute_pastes_the_best_scored_facts_after_the_injected_ones():
     assert two.plan.record_ids == ("frame", "rd") and two.token_ids == [1, 2, 3, 40, 10, 11, 20, 30, 31, 32, 9, 9]
 
 
-def test_recomputing_every_fact_is_a_prompt_layout_with_the_text_salt():
+def test_with_every_fact_recomputed_or_none_encoded_yet_the_frame_is_still_injected():
     laid = lay_out("inject", "t1", 4, PREFIX, ITEMS, QUERY, FRAME, recompute=10)
-    assert laid.plan is None and laid.cache_salt == f"{cache_salt('t1', 4)}-text"
+    assert laid.plan.record_ids == ("frame",) and laid.cache_salt == cache_salt("t1", 4)
     assert laid.token_ids == [1, 2, 3, 10, 11, 20, 30, 31, 32, 40, 9, 9] and laid.recomputed_tokens == 6
     assert lay_out("prompt", "t1", 4, PREFIX, ITEMS, QUERY, FRAME, recompute=2).token_ids == laid.token_ids
+    fresh = [MemoryItem(i.fact_id, i.token_ids, None, i.score) for i in ITEMS]  # facts whose K/V is not encoded yet
+    none_yet = lay_out("inject", "t1", 4, PREFIX, fresh, QUERY, FRAME)
+    assert none_yet.plan.record_ids == ("frame",) and none_yet.recomputed_tokens == 0
+    assert none_yet.token_ids == [1, 2, 3, 10, 11, 20, 30, 31, 32, 40, 9, 9]
 
 
 def test_bad_layout_arguments_are_refused():
