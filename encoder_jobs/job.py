@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from config.settings import Settings
 from encoder_jobs.extract import extract_facts
 from encoder_jobs.inputs import load_input
@@ -29,6 +27,8 @@ from tenants.connect import connect_service
 from tenants.errors import TenantError
 
 log = logging.getLogger(__name__)
+
+MIN_GPU_SHARE = 0.005  # below this a GPU is as good as taken: encode on CPU rather than wait for it
 
 
 @dataclass
@@ -91,10 +91,11 @@ def _run_on_ray(settings: Settings, redis_url: str, key: str, tenant_id: str, wi
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
-    gpu = torch.cuda.is_available()
-    gpu_share = 1 / settings.encoding.actors_per_gpu if gpu else 0
+    gpu_share = encoder_gpu_share(ray.cluster_resources().get("GPU", 0.0), ray.available_resources().get("GPU", 0.0),
+                                  settings.encoding.actors_per_gpu, workers)
+    log.info("encoding %d facts of %s on %s actors", len(rows), tenant_id, f"GPU ({gpu_share:.3g} each)" if gpu_share else "CPU")
     dataset = ray.data.from_items(rows).map_batches(
-        EncodeWorker, batch_size=batch_size, concurrency=workers, num_gpus=gpu_share, num_cpus=0 if gpu else 1,
+        EncodeWorker, batch_size=batch_size, concurrency=workers, num_gpus=gpu_share, num_cpus=0 if gpu_share else 1,
         fn_constructor_kwargs={"settings": settings.model_dump(mode="json"), "redis_url": redis_url,
                                "key": key, "tenant_id": tenant_id, "window": window})
     for batch in dataset.iter_batches(batch_size=None, batch_format="default"):
@@ -107,3 +108,13 @@ def _run_on_ray(settings: Settings, redis_url: str, key: str, tenant_id: str, wi
                 report.failed += 1
                 report.errors[str(fact_id)] = str(error)
         progress(report)
+
+
+def encoder_gpu_share(total: float, free: float, actors_per_gpu: int, workers: int) -> float:
+    """The GPU share each encoding actor asks Ray for: 1/actors_per_gpu, or what the cluster has left when the
+    serving replicas hold most of it (asking for more than is free would wait forever); 0 (CPU actors) when the
+    cluster has no GPU or none of it is free."""
+    if total <= 0 or free < MIN_GPU_SHARE * workers:
+        return 0.0
+    return min(1 / actors_per_gpu, free / workers)
+

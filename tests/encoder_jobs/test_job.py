@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from encoder_jobs.inputs import JobInputError
-from encoder_jobs.job import run_job
+from encoder_jobs.job import encoder_gpu_share, run_job
 from encoder_jobs.worker import CRASH_ENV
 from kvcore.conversation import Fact, FactLimits, Turn
 from kvcore.encoding import encode_jobs, plan_fact_jobs
@@ -113,3 +113,14 @@ def test_a_locomo_conversation_goes_through_extraction_with_the_model(ray_local,
     assert all(f.kv_ready for f in facts if f.id.startswith("ej-"))
     again = run(job_env, path)  # greedy extraction repeats itself: nothing new is encoded
     assert again.encoded == 0 and len(tenant.list_facts()) == len(facts)
+
+
+@pytest.mark.parametrize("total, free, per_gpu, workers, share", [
+    (0.0, 0.0, 2, 1, 0.0),     # no GPU in the cluster: CPU actors
+    (1.0, 1.0, 2, 1, 0.5),     # a free GPU: the configured share
+    (1.0, 0.1, 2, 1, 0.1),     # the serving replica holds 0.9: what is left, not a share that never comes
+    (1.0, 0.1, 2, 4, 0.025),   # split over the workers
+    (1.0, 0.004, 2, 1, 0.0),   # the GPU is taken: CPU actors rather than waiting
+])
+def test_encoding_actors_ask_for_a_gpu_share_the_cluster_has(total, free, per_gpu, workers, share):
+    assert encoder_gpu_share(total, free, per_gpu, workers) == pytest.approx(share)
