@@ -159,11 +159,12 @@ def _app_args(settings: Settings, redis_url: str, admin_key: str, cuda: bool) ->
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
     return {"redis_url": redis_url, "state_dir": str(settings.state_dir), "admin_key": admin_key,
             "system_prompt": settings.system_prompt, "encoding_window": settings.encoding.window,
-            "settings": settings.model_dump(mode="json"),
+            "settings": settings.model_dump(mode="json"), "ingress": {"default_recompute": settings.serve.recompute},
             "llm": {"dtype": "bfloat16" if cuda else settings.model.dtype, "env": env,
                     "tiers": {"disk_cache_dir": str(settings.state_dir / "tiers"), "host_cache_bytes": 1 << 30,
                               "disk_cache_bytes": 8 << 30},
-                    "ray_actor_options": {"num_cpus": 1, "num_gpus": 1} if cuda else {"num_cpus": 1}}}
+                    # a tenth of the GPU stays free for encoding jobs' actors (Ray counts shares, not memory)
+                    "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.9} if cuda else {"num_cpus": 1}}}
 
 
 def _deploy(settings: Settings, address: str, port: int, args: dict[str, Any]) -> None:
