@@ -57,6 +57,9 @@ class ServeSettings(BaseModel):
     proxy: Literal["haproxy", "python"] = Field(
         "haproxy", description="haproxy: Ray Serve's high-throughput mode (HAProxy ingress, direct ingress, gRPC "
                                "between replicas); python: Ray Serve's default Python proxy.")
+    recompute: int = Field(1, ge=0, description="Of the facts a chat injects, the best-scored this many are prefilled "
+                                                "after the others instead (selective recomputation) when neither the "
+                                                "chat nor its tenant says; chosen on the quality dev set (README).")
 
 
 class Settings(BaseSettings):

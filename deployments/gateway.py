@@ -117,7 +117,7 @@ class Gateway:
             version = tenant.version()
         retrieval_ms = (time.perf_counter() - started) * 1000
         self.metrics.retrieval.observe(retrieval_ms / 1000)
-        recompute = self.args.default_recompute if body.memory.recompute is None else body.memory.recompute
+        recompute = next(m for m in (body.memory.recompute, tenant.recompute, self.args.default_recompute) if m is not None)
         task = ChatTask(tenant.id, version, tuple((m.role, m.content) for m in body.messages), facts, body.memory.mode,
                         max_tokens, body.temperature, body.top_p, body.seed, tuple(body.stop) if body.stop else None,
                         min(recompute, len(facts)))
@@ -187,7 +187,8 @@ class Gateway:
     # ---- admin ----
     def create_tenant(self, admin_key: str | None, body: CreateTenant) -> dict[str, Any]:
         info, key = self.service.create_tenant(admin_key or "", body.id, max_facts=body.max_facts,
-                                               max_bytes=body.max_bytes, window=body.window)
+                                               max_bytes=body.max_bytes, window=body.window,
+                                               recompute=body.recompute)
         return {"tenant": info, "api_key": key}
 
     def list_tenants(self, admin_key: str | None) -> dict[str, Any]:

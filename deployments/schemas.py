@@ -115,6 +115,8 @@ class CreateTenant(BaseModel):
     max_facts: int | None = Field(None, ge=1)
     max_bytes: int | None = Field(None, ge=1)
     window: int = Field(5, ge=0, le=1000)
+    recompute: int | None = Field(None, ge=0, le=1000, description="Facts its chats prefill after the injected ones "
+                                                                    "when a chat does not say (None: the cluster's).")
 
 
 class ErrorDetail(BaseModel):

@@ -78,16 +78,20 @@ class TenantService:
             raise AuthError("missing or wrong admin key")
 
     def create_tenant(self, admin_key: str, tenant_id: str, *, max_facts: int | None = None,
-                      max_bytes: int | None = None, window: int = 5, model_fingerprint: str = "") -> tuple[dict, str]:
-        """Register a tenant; returns its registry entry and its API key (shown only this once)."""
+                      max_bytes: int | None = None, window: int = 5, model_fingerprint: str = "",
+                      recompute: int | None = None) -> tuple[dict, str]:
+        """Register a tenant; returns its registry entry and its API key (shown only this once). `recompute`:
+        the facts its chats prefill after the injected ones when a chat does not say (None: the cluster's)."""
         self.check_admin(admin_key)
         tenant_id = check_id("tenant id", tenant_id)
         limits = {"max_facts": max_facts or self.defaults["max_facts"], "max_bytes": max_bytes or self.defaults["max_bytes"]}
         if any(not isinstance(v, int) or v < 1 for v in limits.values()) or not isinstance(window, int) or window < 0:
             raise InvalidInputError("quotas must be positive integers and the window a non-negative integer")
+        if recompute is not None and (not isinstance(recompute, int) or recompute < 0):
+            raise InvalidInputError("recompute must be a non-negative integer")
         key = new_tenant_key(tenant_id)
         fields = {"key_hash": hash_key(key), **limits, "window": window, "model_fingerprint": model_fingerprint,
-                  "created": time.time()}
+                  "created": time.time()} | ({} if recompute is None else {"recompute": recompute})
         self.meta.create_tenant(tenant_id, fields)
         return self.tenant_info(admin_key, tenant_id), key
 
@@ -154,6 +158,11 @@ class Tenant:
     @property
     def window(self) -> int:
         return int(self._info.get("window", 0))
+
+    @property
+    def recompute(self) -> int | None:
+        """Facts a chat prefills after the injected ones when it does not say; None: the cluster's default."""
+        return int(self._info["recompute"]) if "recompute" in self._info else None
 
     @property
     def model_fingerprint(self) -> str:
@@ -363,4 +372,4 @@ def _size(text: str, kv: FactKV | None) -> int:
 def _public(info: dict[str, str]) -> dict:
     return {"id": info["id"], "max_facts": int(info["max_facts"]), "max_bytes": int(info["max_bytes"]),
             "window": int(info["window"]), "model_fingerprint": info.get("model_fingerprint", ""),
-            "created": float(info["created"])}
+            "created": float(info["created"])} | ({"recompute": int(info["recompute"])} if "recompute" in info else {})

@@ -53,6 +53,18 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
     assert injected["recomputed_tokens"] == pasted["recomputed_tokens"] == 0
     refused = cluster.chat(carol, "Where does Maya work?", memory={"k": 3, "recompute": 4})
     assert refused.status_code == 422 and "memory.recompute (4) must be at most memory.k (3)" in refused.text
+    # a tenant's own default applies when the chat does not say; the chat's own value still wins
+    made = requests.post(f"{cluster.base}/v1/tenants", json={"id": "dora", "window": 0, "recompute": 1},
+                         headers=cluster.admin(), timeout=30)
+    assert made.status_code == 201 and made.json()["tenant"]["recompute"] == 1, made.text
+    dora = {"Authorization": f"Bearer {made.json()['api_key']}"}
+    cluster.add_and_wait(dora, PIXEL)
+    own = cluster.chat(dora, "Where does Maya work?", memory={"k": 3}).json()["usage"]
+    assert own["recomputed_tokens"] == mixed["recomputed_tokens"] > 0
+    assert cluster.chat(dora, "Where does Maya work?", memory={"k": 3, "recompute": 0}).json()["usage"]["recomputed_tokens"] == 0
+    bad = requests.post(f"{cluster.base}/v1/tenants", json={"id": "dora-2", "recompute": -1}, headers=cluster.admin(), timeout=30)
+    assert bad.status_code == 422 and "recompute" in bad.text
+    assert requests.get(f"{cluster.base}/v1/tenants/dora-2", headers=cluster.admin(), timeout=30).status_code == 404
     for usage in (injected, pasted):
         assert usage["ttft_ms"] > 0 and usage["retrieval_ms"] > 0 and usage["completion_tokens"] > 0
         hop = usage["hop_ms"]  # the legs between the ingress and the engine, each inside the request's own TTFT

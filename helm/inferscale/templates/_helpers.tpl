@@ -136,6 +136,7 @@ applications:
         rate_per_s: {{ .Values.serve.ingress.ratePerSecond }}
         burst: {{ .Values.serve.ingress.burst }}
         max_body_bytes: {{ .Values.serve.ingress.maxBodyBytes | int64 }}
+        default_recompute: {{ .Values.serve.ingress.defaultRecompute | int }}
         ray_actor_options:
           num_cpus: 1
 {{- end }}
