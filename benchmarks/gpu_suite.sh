@@ -5,7 +5,7 @@
 # scripts/gpu/install.sh, once its parts sit in /root/stash/parts (one part per device call, README.md).
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
 #   steps: setup gpu-tests inject-kernel retrieval equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers
-#          profile-tiers (or profile-host, profile-disk) profile-encode
+#          profile-tiers (or profile-host, profile-disk) profile-encode quality
 # With SAMPLE_MS set, ttft and serve-http also sample every process's stacks during their timed phases
 # (scripts/sampling) and write OUT_DIR/<step>-stacks.txt.
 set -u
@@ -46,6 +46,11 @@ for step in "$@"; do
     serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json"
         grep -h -B2 -A25 -e Traceback -e "device arena" /tmp/ray-*/session_latest/logs/*.err \
             /tmp/ray-*/session_latest/logs/serve/*.log 2>/dev/null | tail -300 >"$out/serve-errors.log" ;;
+    quality)  # the answer-quality dev set (SmolLM2 in bf16): windows, recomputation, prompt and off at k = 10, 50
+        python3 -m benchmarks.quality.devset --out /tmp/devset.json
+        run quality "${QUALITY_LIMIT:-560}" python3 benchmarks/quality/run.py --data /tmp/devset.json --out "$out/quality.json" --concurrency "${QUALITY_CONCURRENCY:-16}" \
+            --modes "${QUALITY_MODES:-inject_w0,inject_w5,inject_w20,inject_w5_m1,inject_w5_m3,inject_w5_m5,prompt,off}" --ks 10,50
+        grep -E "^conversation" "$out/quality.log" | tail -3 ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
     encode-job-shape) run encode-job-shape 540 python3 benchmarks/encode_job.py --config "$SHAPE" --out "$out/encode_job_8b.json" ;;
     offload-tiers) run offload-tiers 420 python3 benchmarks/offload_tiers.py --out "$out/offload_tiers.json" ;;

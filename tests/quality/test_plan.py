@@ -18,6 +18,8 @@ def test_modes_name_their_window_and_recomputation():
 def test_bad_plans_are_refused(modes, ks, message):
     with pytest.raises(ValueError, match=message):
         Plan.parse(modes, ks)
+    with pytest.raises(ValueError, match="concurrency"):
+        Plan.parse("prompt", "10", concurrency=0)
 
 
 def test_summary_pairs_each_inject_mode_with_prompt_on_the_same_questions():
@@ -35,4 +37,6 @@ def test_summary_pairs_each_inject_mode_with_prompt_on_the_same_questions():
     lo, hi = report["modes"]["prompt"]["10"]["f1_ci95"]
     assert lo < 0.5 < hi
     assert report["targets"] == [{"name": "f1 inject (w=5) / prompt at k=10", "value": pytest.approx(0.9), "goal": ">= 0.97",
-                                  "met": False, "ci95": pytest.approx((0.9, 0.9))}]
+                                  "met": False, "ci95": pytest.approx((0.9, 0.9))},
+                                 {"name": "f1 best inject (inject_w5_m3) / prompt at k=10", "value": pytest.approx(1.0),
+                                  "goal": ">= 0.97", "met": True, "ci95": pytest.approx((1.0, 1.0))}]

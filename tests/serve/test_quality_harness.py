@@ -3,6 +3,8 @@ encoding jobs submitted with POST /v1/jobs, questions asked by injection and by 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from benchmarks.quality.locomo import load_samples
@@ -16,11 +18,16 @@ def test_quick_quality_run_scores_both_modes_on_the_same_facts(cluster, tmp_path
     path = tmp_path / "synthetic.json"
     path.write_text(json.dumps(dataset()))
     samples = load_samples(path)
-    plan = Plan.of(quick=True)
-    report = evaluate(Client(cluster.base, cluster.admin_key), samples, plan, tenant_prefix="qh")
+    plan = dataclasses.replace(Plan.of(quick=True), concurrency=4)
+    progress: list[dict] = []
+    report = evaluate(Client(cluster.base, cluster.admin_key), samples, plan, tenant_prefix="qh",
+                      on_progress=progress.append)
     rows = report["rows"]
     questions = len(samples[0].questions)
     assert len(rows) == questions * len(plan.modes)
+    # questions asked four at a time keep their order; the summary after the one conversation is the report's
+    assert [r["question"] for r in rows[:: len(plan.modes)]] == [q.question for q in samples[0].questions]
+    assert [p["conversations_done"] for p in progress] == [1] and progress[0]["modes"] == report["modes"]
     inject = [r for r in rows if r["mode"] == "inject_w5"]
     prompt = [r for r in rows if r["mode"] == "prompt"]
     assert all(r["injected_tokens"] == 0 for r in prompt)
