@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-@triton.jit
+# `tokens` changes every step: unspecialized, one compiled kernel serves every step (Triton would otherwise
+# compile again for each new divisibility class of the count, inside serving: seen on the H200)
+@triton.jit(do_not_specialize=["tokens"])
 def _inject_rows(k_ptr, v_ptr, index_ptr, cos_ptr, sin_ptr, dest_table_ptr, tokens,
                  src_layer_stride, src_row_stride, src_head_stride, dest_slot_stride, dest_head_stride,
                  HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
