@@ -23,11 +23,17 @@ from deployments.query_batcher import QueryBatcher
 from deployments.rate_limit import RateLimiter
 from deployments.schemas import AddMemories, ChatRequest, CreateTenant, SearchMemories, SubmitJob, UpdateMemory
 from encoder_jobs.inputs import JobInputError, parse_input
-from tenants.errors import InvalidInputError, RateLimitedError
+from tenants.errors import InvalidInputError, RateLimitedError, TenantError
 from tenants.facts import Fact
 from tenants.service import Tenant, TenantService
 
 log = logging.getLogger(__name__)
+
+
+class UnknownModelError(TenantError):
+    """The request names a model this server does not serve (OpenAI answers 404)."""
+
+    http_status = 404
 
 
 # One encode call's fact text at most: a call to an LLM replica is one gRPC message in high-throughput mode,
@@ -97,7 +103,7 @@ class Gateway:
         """Validate, embed the question (batched with concurrent ones), retrieve from the tenant's in-process
         index (one Redis round trip: its change log) and build the task the LLM replica serves."""
         if body.model != self.served_name:
-            raise InvalidInputError(f"unknown model {body.model!r}; this server serves {self.served_name!r}")
+            raise UnknownModelError(f"unknown model {body.model!r}; this server serves {self.served_name!r}")
         k = self.args.default_k if body.memory.k is None else body.memory.k
         if k > self.args.max_k:
             raise InvalidInputError(f"memory.k must be at most {self.args.max_k}")

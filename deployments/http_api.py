@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.gateway import Gateway, PreparedChat
-from deployments.schemas import (AddMemories, ChatRequest, CreateTenant, ErrorBody, SearchMemories, SubmitJob,
-                                 UpdateMemory)
+from deployments.schemas import (UNSUPPORTED, AddMemories, ChatRequest, CreateTenant, ErrorBody, SearchMemories,
+                                 SubmitJob, UpdateMemory)
 from tenants.errors import TenantError
 from tenants.redis_meta import STORE_UNAVAILABLE
 from tenants.service import Tenant
@@ -40,8 +40,22 @@ class EngineRefusal(Exception):
         self.status = status
 
 
-def error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": _CODES.get(status, "error"), "message": message}}, status_code=status)
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """`{"error": {"code", "message", "type", "param"}}`: the project's code and OpenAI's type and param."""
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse({"error": {"code": _CODES.get(status, "error"), "message": message, "type": kind, "param": param}},
+                        status_code=status)
+
+
+OPENAI_ROUTES = frozenset({"/v1/chat/completions"})  # answered with OpenAI's statuses (400, not 422)
+
+
+def _where(problem: dict) -> str:
+    """The field a validation problem is about, as `messages.0.content` (the body itself: empty)."""
+    return ".".join(str(x) for x in problem.get("loc", ()) if x != "body")
 
 
 def _key(request: Request) -> str | None:
@@ -100,10 +114,11 @@ class LimitsAndMetrics:
             self._count(scope, status)
 
     def _count(self, scope: dict, status: int) -> None:
-        path = scope["path"]
-        route = path if not path.startswith("/v1/memories/") else "/v1/memories/{id}"
+        # the route's template (`/v1/jobs/{job_id}`), never the path: ids would make labels unbounded and name
+        # tenants; a request no route matched (404, or refused before routing) counts under one label
+        route = getattr(scope.get("route"), "path", None) or "unrouted"
         metrics = self._gateway.metrics
-        metrics.requests.labels(route=route if len(route) < 64 else "other", status=str(status)).inc()
+        metrics.requests.labels(route=route, status=str(status)).inc()
         if status >= 400:
             metrics.errors.labels(code=str(status)).inc()
 
@@ -119,15 +134,22 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.exception_handler(TenantError)
     async def tenant_error(request: Request, exc: TenantError) -> JSONResponse:
-        return error(exc.http_status, str(exc))
+        status = exc.http_status
+        if status == 422 and request.url.path in OPENAI_ROUTES:  # OpenAI's clients expect 400 for a bad request
+            status = 400
+        return error(status, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = exc.errors()
         if any(p.get("type") == "json_invalid" for p in problems):
             return error(400, "the body is not valid JSON")
-        text = "; ".join(f"{'.'.join(str(x) for x in p.get('loc', ()) if x != 'body')}: {p.get('msg')}" for p in problems[:5])
-        return error(422, text or "invalid request")
+        text = "; ".join(f"{_where(p) + ': ' if _where(p) else ''}{p.get('msg')}" for p in problems[:5])
+        if request.url.path not in OPENAI_ROUTES:
+            return error(422, text or "invalid request")
+        first = problems[0] if problems else {}
+        named = (first.get("ctx") or {}).get("param") if first.get("type") == UNSUPPORTED else None
+        return error(400, text or "invalid request", _where(first) or named or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

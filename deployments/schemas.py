@@ -5,15 +5,40 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from deployments.memory_prompt import Mode
 
 
+UNSUPPORTED = "unsupported_parameter"  # a pydantic error type the chat route answers as OpenAI's 400 naming the field
+
+
+def unsupported(param: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError(UNSUPPORTED, "{message}", {"param": param, "message": message})
+
+
 class Message(BaseModel):
+    """A chat message; OpenAI's `developer` role is a system message, text content parts are joined."""
+
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str = Field(..., min_length=1, max_length=32_000)
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, role: str) -> str:
+        return "system" if role == "developer" else role
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        kinds = sorted({str(part.get("type")) if isinstance(part, dict) else type(part).__name__ for part in content})
+        if kinds != ["text"]:
+            raise unsupported("content", f"content parts of type {', '.join(kinds)}: only text parts are supported")
+        return "\n".join(str(part.get("text", "")) for part in content)
 
 
 class MemoryOptions(BaseModel):
@@ -30,11 +55,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI chat parameters that would change the answer and are not served: refused by name, never ignored
+_REFUSED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None, "parallel_tool_calls": None,
+            "logit_bias": None, "audio": None, "modalities": None, "prediction": None, "web_search_options": None,
+            "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": None, "frequency_penalty": 0,
+            "presence_penalty": 0}  # name -> the value that changes nothing (accepted)
+
+
 class ChatRequest(BaseModel):
-    """OpenAI's fields that change the answer are honoured; ones that do not apply are ignored, as OpenAI-
-    compatible servers do, except `n` > 1, which is refused."""
+    """OpenAI's fields that change the answer are honoured; those that would and are not served (tools, a JSON
+    response format, logprobs, penalties, n > 1) are refused by name; bookkeeping fields (user, metadata,
+    store, service_tier) are accepted and ignored."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, harmless in _REFUSED.items():
+                if name in data and data[name] is not None and data[name] != harmless:
+                    raise unsupported(name, f"{name} is not supported by this server")
+            if data.get("n") not in (None, 1):
+                raise unsupported("n", "n must be 1: this server returns one choice")
+        return data
 
     model: str = Field(..., min_length=1, max_length=256)
     messages: list[Message] = Field(..., min_length=1, max_length=256)
@@ -122,6 +166,8 @@ class CreateTenant(BaseModel):
 class ErrorDetail(BaseModel):
     code: str
     message: str
+    type: str  # OpenAI's error type: invalid_request_error, authentication_error, not_found_error, ...
+    param: str | None = None  # the request field at fault, where one is
 
 
 class ErrorBody(BaseModel):

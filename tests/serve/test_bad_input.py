@@ -26,17 +26,17 @@ def cases(cluster, auth, fact_id):
         ("no key, invalid body", "post", "/v1/memories", {"facts": []}, {}, 401),
         ("tenant key on admin route", "get", "/v1/tenants", None, auth, 401),
         ("malformed JSON", "post", "/v1/chat/completions", "{not json", auth, 400),
-        ("missing messages", "post", "/v1/chat/completions", {"model": MODEL}, auth, 422),
-        ("unknown model", "post", "/v1/chat/completions", {**CHAT, "model": "gpt-9"}, auth, 422),
-        ("k too large", "post", "/v1/chat/completions", {**CHAT, "memory": {"k": 5000}}, auth, 422),
-        ("unknown mode", "post", "/v1/chat/completions", {**CHAT, "memory": {"mode": "telepathy"}}, auth, 422),
-        ("empty messages", "post", "/v1/chat/completions", {**CHAT, "messages": []}, auth, 422),
+        ("missing messages", "post", "/v1/chat/completions", {"model": MODEL}, auth, 400),
+        ("unknown model", "post", "/v1/chat/completions", {**CHAT, "model": "gpt-9"}, auth, 404),
+        ("k too large", "post", "/v1/chat/completions", {**CHAT, "memory": {"k": 5000}}, auth, 400),
+        ("unknown mode", "post", "/v1/chat/completions", {**CHAT, "memory": {"mode": "telepathy"}}, auth, 400),
+        ("empty messages", "post", "/v1/chat/completions", {**CHAT, "messages": []}, auth, 400),
         ("ends with assistant", "post", "/v1/chat/completions",
-         {**CHAT, "messages": [{"role": "assistant", "content": "hi"}]}, auth, 422),
-        ("bad role", "post", "/v1/chat/completions", {**CHAT, "messages": [{"role": "root", "content": "x"}]}, auth, 422),
-        ("n=2", "post", "/v1/chat/completions", {**CHAT, "n": 2}, auth, 422),
-        ("max_tokens too large", "post", "/v1/chat/completions", {**CHAT, "max_tokens": 100000}, auth, 422),
-        ("temperature out of range", "post", "/v1/chat/completions", {**CHAT, "temperature": 9}, auth, 422),
+         {**CHAT, "messages": [{"role": "assistant", "content": "hi"}]}, auth, 400),
+        ("bad role", "post", "/v1/chat/completions", {**CHAT, "messages": [{"role": "root", "content": "x"}]}, auth, 400),
+        ("n=2", "post", "/v1/chat/completions", {**CHAT, "n": 2}, auth, 400),
+        ("max_tokens too large", "post", "/v1/chat/completions", {**CHAT, "max_tokens": 100000}, auth, 400),
+        ("temperature out of range", "post", "/v1/chat/completions", {**CHAT, "temperature": 9}, auth, 400),
         ("prompt longer than the context", "post", "/v1/chat/completions",
          {**CHAT, "messages": [{"role": "user", "content": "word " * 3000}]}, auth, 400),
         ("body too large", "post", "/v1/memories", {"facts": ["x" * 70_000]}, auth, 413),
@@ -71,8 +71,39 @@ def test_each_bad_input_answers_4xx_with_a_message_and_stores_nothing(cluster, g
         answer = getattr(requests, method)(f"{cluster.base}{path}", timeout=60, **kwargs)
         assert answer.status_code == status, (name, answer.status_code, answer.text[:300])
         error = answer.json()["error"]
-        assert error["code"] and error["message"], name
+        assert error["code"] and error["message"] and error["type"], name
     after = requests.get(f"{cluster.base}/v1/memories", headers=auth).json()
     assert after == before
     assert requests.get(f"{cluster.base}/v1/tenants", headers=cluster.admin()).json() == tenants_before
     assert requests.get(f"{cluster.base}/v1/memories/{fact_id}", headers=auth).json()["version"] == 1
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content"),
+])
+def test_chat_parameters_that_are_not_served_are_refused_by_name(cluster, grace, extra, param):
+    """OpenAI's clients get OpenAI's answer: a 400 whose `param` names the field, never a silently ignored one."""
+    auth, _ = grace
+    answer = requests.post(f"{cluster.base}/v1/chat/completions", json={**CHAT, **extra}, headers=auth, timeout=60)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and param.split(".")[0] in error["message"]
+
+
+def test_openai_shaped_requests_that_change_nothing_are_served(cluster, grace):
+    """Text content parts, the developer role and bookkeeping fields (user, metadata, a text response format)."""
+    auth, _ = grace
+    body = {**CHAT, "messages": [{"role": "developer", "content": "Answer briefly."},
+                                 {"role": "user", "content": [{"type": "text", "text": "What does Grace"},
+                                                              {"type": "text", "text": "like to drink?"}]}],
+            "user": "someone", "metadata": {"run": "1"}, "response_format": {"type": "text"}, "logprobs": False,
+            "frequency_penalty": 0, "max_tokens": 8, "memory": {"k": 1, "mode": "prompt"}}
+    answer = requests.post(f"{cluster.base}/v1/chat/completions", json=body, headers=auth, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["memory_tokens"] > 0 and answer.json()["choices"][0]["message"]["content"]

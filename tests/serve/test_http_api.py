@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import requests
 from openai import OpenAI
 
@@ -52,7 +54,7 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
     assert mixed["injected_tokens"] + mixed["cached_tokens"] == injected["injected_tokens"] - mixed["recomputed_tokens"]
     assert injected["recomputed_tokens"] == pasted["recomputed_tokens"] == 0
     refused = cluster.chat(carol, "Where does Maya work?", memory={"k": 3, "recompute": 4})
-    assert refused.status_code == 422 and "memory.recompute (4) must be at most memory.k (3)" in refused.text
+    assert refused.status_code == 400 and "memory.recompute (4) must be at most memory.k (3)" in refused.text
     # a tenant's own default applies when the chat does not say; the chat's own value still wins
     made = requests.post(f"{cluster.base}/v1/tenants", json={"id": "dora", "window": 0, "recompute": 1},
                          headers=cluster.admin(), timeout=30)
@@ -125,6 +127,14 @@ def test_tenant_admin_and_metrics(cluster):
     metrics = requests.get(f"{cluster.base}/metrics").text
     assert "inferscale_ttft_seconds_bucket" in metrics and 'inferscale_prompt_tokens_total{kind="injected"}' in metrics
     assert "alice" not in metrics and "Pixel" not in metrics  # no tenant content in labels
+    # requests are labelled by their route's template: no tenant, job or memory id, no unknown path
+    assert requests.get(f"{cluster.base}/v1/jobs/job-4f1c9e", headers=cluster.admin()).status_code in (401, 404)
+    assert requests.get(f"{cluster.base}/v1/no-such-route-7d2a").status_code == 404
+    metrics = requests.get(f"{cluster.base}/metrics").text
+    routes = set(re.findall(r'inferscale_requests_total\{route="([^"]*)"', metrics))
+    assert {"/v1/tenants/{tenant_id}", "/v1/jobs/{job_id}", "unrouted"} <= routes, routes
+    assert not {r for r in routes if "frank" in r or "job-4f1c9e" in r or "7d2a" in r}, routes
+    assert all(r == "unrouted" or r.startswith("/") for r in routes), routes
     # the LLM servers are called over the Serve mode's transport, whatever the driver that built the app had
     transport = "grpc" if load_settings().serve.proxy == "haproxy" else "actor"
     assert f'inferscale_llm_transport{{transport="{transport}"}} 1.0' in metrics
