@@ -39,7 +39,11 @@ def _store(root: Path, dtype: torch.dtype) -> LocalFactStore:
 
 def run(device: str, dtype: torch.dtype, writer_factory) -> list[torch.Tensor]:
     """Two requests' loads written into fresh channel-layout caches; returns the caches."""
-    store = _store(Path(tempfile.mkdtemp(prefix="fused-")), dtype)
+    with tempfile.TemporaryDirectory(prefix="fused-") as root:  # the records are read while the loads run
+        return _write(_store(Path(root), dtype), device, dtype, writer_factory)
+
+
+def _write(store: LocalFactStore, device: str, dtype: torch.dtype, writer_factory) -> list[torch.Tensor]:
     layout = PagedLayout("channels", BLOCK, HEADS, ROPE.head_dim)
     caches = {f"model.layers.{i}.attn": torch.zeros(BLOCKS, BLOCK, HEADS, 2 * ROPE.head_dim, dtype=dtype,
                                                     device=device).permute(0, 2, 1, 3) for i in range(LAYERS)}
