@@ -87,14 +87,17 @@ def _submit(args: argparse.Namespace) -> int:
     env = {k: v for k, v in os.environ.items() if k.startswith("INFERSCALE_")}
     client = JobSubmissionClient(args.submit)
     deadline = time.monotonic() + 120
-    while True:  # a head that just started has no job agent for a few seconds
-        try:
-            job_id = client.submit_job(entrypoint=" ".join(command), runtime_env={"working_dir": str(folder), "env_vars": env})
-            break
-        except RuntimeError as exc:
-            if "No available agent" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(2)
+    try:
+        while True:  # a head that just started has no job agent for a few seconds
+            try:
+                job_id = client.submit_job(entrypoint=" ".join(command), runtime_env={"working_dir": str(folder), "env_vars": env})
+                break
+            except RuntimeError as exc:
+                if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+    finally:  # submit_job uploads the folder to the cluster: the local copy is not needed afterwards
+        shutil.rmtree(folder, ignore_errors=True)
     print(f"submitted {job_id}", file=sys.stderr)
     import asyncio
 
