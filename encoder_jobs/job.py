@@ -117,4 +117,3 @@ def encoder_gpu_share(total: float, free: float, actors_per_gpu: int, workers: i
     if total <= 0 or free < MIN_GPU_SHARE * workers:
         return 0.0
     return min(1 / actors_per_gpu, free / workers)
-
