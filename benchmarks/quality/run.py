@@ -49,6 +49,10 @@ class Plan:
     model: str = "inferscale-smollm2"
     concurrency: int = 1  # questions asked at once (each asks its modes and ks in turn)
 
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+
     @classmethod
     def of(cls, quick: bool) -> "Plan":
         if quick:
@@ -68,8 +72,6 @@ class Plan:
             raise ValueError(f"ks must be comma-separated integers, got {ks!r}") from None
         if not names or not k_values or min(k_values) < 1:
             raise ValueError("at least one mode and one k >= 1 are needed")
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         windows = tuple(sorted({window_of(n) for n in names if n.startswith("inject")})) or (5,)
         return cls(windows=windows, ks=k_values, modes=names, samples=samples, concurrency=concurrency)
 
@@ -248,8 +250,6 @@ def main() -> None:
         samples = load_samples(args.data)  # a bad file fails here, before any cluster work
         plan = (Plan.parse(args.modes, args.ks, args.samples, args.concurrency) if args.modes
                 else dataclasses.replace(Plan.of(args.quick), concurrency=args.concurrency))
-        if args.concurrency < 1:
-            raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     except (LocomoError, ValueError) as exc:
         parser.error(str(exc))
     from benchmarks._cluster import cluster_for
