@@ -13,10 +13,11 @@ from tenants.service import TenantService
 
 
 def connect_service(redis_url: str, state_dir: Path, embedder: Embedder, limits: TenantSettings | None = None,
-                    device: str = "cpu") -> TenantService:
-    """`device`: where the retrieval vectors live (the ingress keeps them next to its query embedder)."""
+                    device: str = "cpu", cache_registry: bool = False) -> TenantService:
+    """`device`: where the retrieval vectors live (the ingress keeps them next to its query embedder);
+    `cache_registry`: hold tenant registry entries in memory (the ingress authenticates every request)."""
     limits = limits or TenantSettings()
-    meta = RedisMeta(redis_url)
+    meta = RedisMeta(redis_url, cache_registry=cache_registry)
     return TenantService(meta, LocalFactStore(Path(state_dir) / "records"), embedder,
                          TenantIndexes(meta, embedder.dim, Path(state_dir) / "indexes", device),
                          max_facts=limits.max_facts, max_bytes=limits.max_bytes, max_fact_chars=limits.max_fact_chars)

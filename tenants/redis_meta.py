@@ -13,6 +13,11 @@ Keys, all under one tenant's hash tag so a cluster keeps a tenant on one shard:
     is:t:{tid}:seq                retrieval-index ids
     is:t:{tid}:log                stream of committed changes, which every process's index replays
     is:t:{tid}:jobs               job id -> status JSON of the tenant's encoding jobs
+    is:registry                   pub/sub channel: the id of a tenant whose registry entry changed
+
+Every write of a registry entry publishes its tenant id in the same atomic step, so a process that holds
+entries in memory (`RegistryCache`: the ingress, which authenticates every request) drops them before it
+can serve a stale one for longer than the message takes to arrive.
 
 Every multi-key change is one Lua script, so it is atomic and checks its preconditions (state and
 version of the fact, quotas) in the same step that writes.
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from typing import Any, Iterable
 
 import redis
@@ -30,11 +37,13 @@ from tenants.errors import ConflictError, FactExistsError, FactNotFoundError, Qu
 
 log = logging.getLogger(__name__)
 LOG_MAXLEN = 100_000
+REGISTRY_CHANNEL = "is:registry"
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return redis.error_reply('EXISTS tenant') end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('PUBLISH', 'is:registry', ARGV[2])  -- REGISTRY_CHANNEL
 return 1
 """
 
@@ -156,9 +165,12 @@ STORE_UNAVAILABLE: tuple[type[Exception], ...] = (redis.ConnectionError, redis.T
 class RedisMeta:
     """Typed access to the keys above; errors come back as the tenants layer's own exceptions."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, cache_registry: bool = False) -> None:
+        """`cache_registry`: hold tenant registry entries in this process (`RegistryCache`), for a process that
+        reads them on every request."""
         self.url = url
         self._redis = redis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
+        self._registry = RegistryCache(self._redis) if cache_registry else None
         self._scripts = {name: self._redis.register_script(body) for name, body in (
             ("create", _CREATE), ("reserve", _RESERVE), ("begin_update", _BEGIN_UPDATE), ("commit", _COMMIT),
             ("delete", _DELETE), ("rollback", _ROLLBACK), ("place", _PLACE), ("unplace", _UNPLACE))}
@@ -171,6 +183,8 @@ class RedisMeta:
         return self._redis.info("memory")
 
     def close(self) -> None:
+        if self._registry is not None:
+            self._registry.close()
         self._redis.close()
 
     # ---- tenants and the admin key ----
@@ -179,11 +193,25 @@ class RedisMeta:
         self._run("create", [_t(tenant_id), b"is:tenants"], flat)
 
     def tenant(self, tenant_id: str) -> dict[str, str] | None:
+        """The registry entry (None for an unknown tenant); from memory when this process caches the registry."""
+        if self._registry is not None:
+            return self._registry.get(tenant_id, self._read_tenant)
+        return self._read_tenant(tenant_id)
+
+    def _read_tenant(self, tenant_id: str) -> dict[str, str] | None:
         raw = self._redis.hgetall(_t(tenant_id))
         return {k.decode(): v.decode() for k, v in raw.items()} if raw else None
 
     def update_tenant(self, tenant_id: str, fields: dict[str, Any]) -> None:
-        self._redis.hset(_t(tenant_id), mapping={k: str(v) for k, v in fields.items()})
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(_t(tenant_id), mapping={k: str(v) for k, v in fields.items()})
+            pipe.publish(REGISTRY_CHANNEL, tenant_id)
+            pipe.execute()
+        self._forget_tenant(tenant_id)
+
+    def _forget_tenant(self, tenant_id: str) -> None:
+        if self._registry is not None:
+            self._registry.forget(tenant_id)
 
     def tenant_ids(self) -> list[str]:
         return sorted(x.decode() for x in self._redis.smembers("is:tenants"))
@@ -206,7 +234,9 @@ class RedisMeta:
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.srem("is:tenants", tenant_id)
             pipe.delete(_t(tenant_id), *(_t(tenant_id, part) for part in parts))
-            removed, _ = pipe.execute()
+            pipe.publish(REGISTRY_CHANNEL, tenant_id)
+            removed, _, _ = pipe.execute()
+        self._forget_tenant(tenant_id)
         return bool(removed)
 
     # ---- encoding jobs ----
@@ -359,6 +389,97 @@ class RedisMeta:
             return self._scripts[name](keys=keys, args=args)
         except redis.ResponseError as exc:
             raise _translate(str(exc)) from None
+
+
+class RegistryCache:
+    """Tenant registry entries held in memory, dropped as writers announce changes on `REGISTRY_CHANNEL`.
+
+    Authentication reads a tenant's entry on every request; from Redis that was a round trip on the event loop,
+    most of the ingress's own floor. Every read first applies the change messages that have reached this
+    process's subscription (a poll of its socket, no round trip), as Redis's own client-side caching does, so
+    a key deleted or rotated anywhere stops working here as soon as Redis has told us. Unknown tenants are never
+    cached (a key works as soon as its tenant is created); a lost subscription clears everything, and reads go
+    to Redis until a new one is confirmed; `ttl_s` bounds an entry's age whatever happens.
+    """
+
+    RESUBSCRIBE_S = 1.0
+
+    def __init__(self, client: "redis.Redis", ttl_s: float = 30.0) -> None:
+        self._client, self._ttl_s = client, ttl_s
+        self._entries: dict[str, tuple[float, dict[str, str]]] = {}
+        self._pubsub: Any = None
+        self._live = False  # the subscription is confirmed: every change since then has reached us or will
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def live(self) -> bool:
+        return self._live
+
+    def get(self, tenant_id: str, read: Any) -> dict[str, str] | None:
+        """The entry from memory when held and fresh, else `read(tenant_id)` (kept when the subscription is live)."""
+        with self._lock:
+            now = time.monotonic()
+            self._apply_changes(now)
+            held = self._entries.get(tenant_id)
+            if held is not None and now - held[0] < self._ttl_s:
+                return held[1]
+            entry = read(tenant_id)
+            if entry is not None and self._live:
+                # a change announced during the read may or may not be in it: then it is not kept
+                if not {tenant_id, "*"} & self._apply_changes(now) and self._live:
+                    self._entries[tenant_id] = (now, entry)
+            return entry
+
+    def forget(self, tenant_id: str) -> None:
+        """Drop one entry now (this process changed it; its own message may still be on the way)."""
+        with self._lock:
+            self._entries.pop(tenant_id, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_subscription()
+
+    def _apply_changes(self, now: float) -> set[str]:
+        """Apply the change messages that have arrived; the tenants they named (every one, as `*`, when all
+        entries were dropped)."""
+        named: set[str] = set()
+        if self._pubsub is None:
+            if now < self._retry_at:
+                return named
+            self._retry_at = now + self.RESUBSCRIBE_S
+            try:
+                self._pubsub = self._client.pubsub()
+                self._pubsub.subscribe(REGISTRY_CHANNEL)
+            except (redis.RedisError, OSError) as exc:
+                log.warning("registry subscription failed (%s); tenants are read from Redis", type(exc).__name__)
+                self._drop_subscription()
+                return named
+        try:
+            while (message := self._pubsub.get_message(timeout=0)) is not None:
+                if message["type"] == "subscribe":  # also after a reconnect, when what was missed is unknown
+                    self._entries.clear()
+                    self._live = True
+                    named.add("*")
+                elif message["type"] == "message":
+                    tenant_id = message["data"].decode()
+                    self._entries.pop(tenant_id, None)
+                    named.add(tenant_id)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("registry subscription lost (%s); tenants are read from Redis until it is back", type(exc).__name__)
+            self._drop_subscription()
+            named.add("*")
+        return named
+
+    def _drop_subscription(self) -> None:
+        self._entries.clear()
+        self._live = False
+        if self._pubsub is not None:
+            try:
+                self._pubsub.close()
+            except (redis.RedisError, OSError):
+                pass
+        self._pubsub = None
 
 
 def _t(tenant_id: str, part: str | None = None) -> str:

@@ -97,7 +97,7 @@ class Ingress:
         queries = QueryBatcher(embedder)
         embedder.prepare(queries.max_batch)
         service = connect_service(self.args.redis(settings), self.args.state_dir, embedder, settings.tenants,
-                                  device=self.args.ingress.embed_device)
+                                  device=self.args.ingress.embed_device, cache_registry=True)
         if admin_key := self.args.admin_key or settings.admin_key:
             service.install_admin_key(admin_key)
         elif (created := service.ensure_admin_key()) is not None:
