@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.memory_prompt import FactOrder
+
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "block_size": 32,
     "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": 32,
@@ -62,6 +64,10 @@ class IngressArgs(Strict):
     default_k: int = Field(10, ge=0)
     default_recompute: int = Field(0, ge=0, description="Retrieved facts prefilled after the injected ones instead "
                                                         "of injected, when a chat does not say (`memory.recompute`).")
+    # best last (the best-scored fact next to the question): on the dev set it lifted pure injection from 0.07 to
+    # 1.28 of prompt-mode F1 at k=10 (README: answer quality)
+    default_order: FactOrder = Field("best_last", description="The facts' order in a chat's prompt when it does not "
+                                                              "say (`memory.order`).")
     max_tokens: int = Field(512, ge=1, description="Most tokens one completion may ask for.")
     first_event_timeout_s: float = Field(30.0, gt=0, description="A chat no LLM replica has started after this "
                                                                  "long (none is running) is answered 503, retryable.")

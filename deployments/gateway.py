@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from deployments.app_args import IngressArgs
 from deployments.chat_task import ChatTask, RetrievedFact
+from deployments.memory_prompt import FactOrder
 from deployments.metrics import Metrics
 from deployments.query_batcher import QueryBatcher
 from deployments.rate_limit import RateLimiter
@@ -80,6 +81,15 @@ class PreparedChat:
 JobRunner = Callable[[str, str, str, Path, "int | None", Callable[[dict], None]], dict]
 
 
+def order_facts(hits: list[tuple[Fact, float]], order: FactOrder) -> list[tuple[Fact, float]]:
+    """Retrieval's hits (best first) in the order the prompt lays them out."""
+    if order == "best_last":
+        return hits[::-1]
+    if order == "time":  # as said: facts of a conversation by their turn, then those written without one, by time
+        return sorted(hits, key=lambda hit: (hit[0].source_turn is None, hit[0].source_turn or 0, hit[0].created))
+    return hits
+
+
 class Gateway:
     def __init__(self, service: TenantService, llm: LLMBackend, args: IngressArgs, served_name: str,
                  metrics: Metrics, jobs_dir: Path, run_job: JobRunner | None = None,
@@ -118,7 +128,8 @@ class Gateway:
             query = body.last_user_text()[-self.service.max_fact_chars:]  # the question's end is what retrieval needs
             retrieved = tenant.retrieve(await self.queries.embed(query), k)
             version = retrieved.version
-            facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in retrieved.hits)
+            hits = order_facts(retrieved.hits, body.memory.order or self.args.default_order)
+            facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in hits)
         else:
             version = tenant.version()
         retrieval_ms = (time.perf_counter() - started) * 1000

@@ -22,6 +22,9 @@ from kvcore.plan import MemoryPlan, cache_salt
 
 Mode = Literal["inject", "prompt", "off"]
 MODES: tuple[Mode, ...] = ("inject", "prompt", "off")
+# The order of a chat's facts in its prompt: best-scored first (retrieval's order), best-scored last (nearest
+# the question), or as they were said (source turn, then time written), which temporal questions read.
+FactOrder = Literal["best_first", "best_last", "time"]
 FRAME_IMPORTANCE = 1.0  # the chat frame opens every request: as important as a perfect retrieval match
 
 

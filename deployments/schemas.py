@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from deployments.memory_prompt import Mode
+from deployments.memory_prompt import FactOrder, Mode
 
 
 UNSUPPORTED = "unsupported_parameter"  # a pydantic error type the chat route answers as OpenAI's 400 naming the field
@@ -49,6 +49,8 @@ class MemoryOptions(BaseModel):
     recompute: int | None = Field(None, ge=0, le=1000, description="inject: of the retrieved facts, this many of "
                                   "the best-scored are prefilled after the injected ones instead of injected, so "
                                   "they attend to all of them (default: the server's).")
+    order: FactOrder | None = Field(None, description="The facts' order in the prompt: best_first (retrieval's), "
+                                    "best_last (the best nearest the question) or time (as said); default: the server's.")
 
 
 class StreamOptions(BaseModel):

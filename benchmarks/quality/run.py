@@ -3,7 +3,7 @@
 Per conversation and window w, a tenant gets the conversation's observation facts through an encoding job
 (`POST /v1/jobs`, facts anchored after their evidence turns, encoded behind w turns); every question is then
 asked with `mode` = inject (each w; `_m<m>`: the m best-scored facts recomputed, `memory.recompute`), prompt
-and off at each k, greedy, seed 0. Ratios to prompt mode are paired over the same questions, with 95 %
+and off at each k (a suffix `_best_last` or `_time` on an inject or prompt mode sets `memory.order`), greedy, seed 0. Ratios to prompt mode are paired over the same questions, with 95 %
 bootstrap intervals (`scoring.py`); `devset.py` generates a development set of 360 questions. Inject and prompt retrieve the
 same facts (same texts, same index, same query). Scores: LoCoMo's F1, exact match, per category and overall,
 retrieval recall of the evidence turns, TTFT (ingress, first token). Writes a JSON report with `targets` and a
@@ -43,7 +43,8 @@ SUFFIX = " Answer in a few words."
 class Plan:
     windows: tuple[int, ...]
     ks: tuple[int, ...]
-    modes: tuple[str, ...]  # "inject_w<w>" or "inject_w<w>_m<m>" (m facts recomputed), "prompt", "off"
+    modes: tuple[str, ...]  # "inject_w<w>" or "inject_w<w>_m<m>" (m facts recomputed), "prompt", "off";
+    # inject and prompt modes may end in "_best_last" or "_time" (`memory.order`)
     samples: int | None = None  # the first N conversations; None: all
     max_tokens: int = 24
     model: str = "inferscale-smollm2"
@@ -64,8 +65,9 @@ class Plan:
         """A plan from comma-separated modes and ks; the windows are those the inject modes name."""
         names = tuple(m.strip() for m in modes.split(",") if m.strip())
         for name in names:
-            if name not in ("prompt", "off") and not re.fullmatch(r"inject_w\d+(_m\d+)?", name):
-                raise ValueError(f"unknown mode {name!r}: inject_w<w>[_m<m>], prompt or off")
+            if name != "off" and not re.fullmatch(r"(inject_w\d+(_m\d+)?|prompt)(_best_last|_time)?", name):
+                raise ValueError(f"unknown mode {name!r}: inject_w<w>[_m<m>] or prompt, either with an optional "
+                                 f"_best_last or _time, or off")
         try:
             k_values = tuple(int(k) for k in ks.split(","))
         except ValueError:
@@ -81,7 +83,13 @@ def window_of(mode: str) -> int:
 
 
 def recompute_of(mode: str) -> int:
-    return int(mode.split("_m")[1]) if "_m" in mode else 0
+    found = re.search(r"_m(\d+)", mode)
+    return int(found.group(1)) if found else 0
+
+
+def order_of(mode: str) -> str | None:
+    """The `memory.order` a mode names (None: the server's default)."""
+    return next((order for order in ("best_last", "time") if mode.endswith("_" + order)), None)
 
 
 @dataclass
@@ -115,8 +123,10 @@ def prepare_tenant(client: Client, tenant_id: str, sample: Sample, window: int, 
     return key
 
 
-def ask(client: Client, key: str, plan: Plan, question: str, k: int, mode: str, recompute: int = 0) -> tuple[str, dict]:
+def ask(client: Client, key: str, plan: Plan, question: str, k: int, mode: str, recompute: int = 0,
+        order: str | None = None) -> tuple[str, dict]:
     memory = {"k": k, "mode": mode} | ({"recompute": min(recompute, k)} if mode == "inject" else {})
+    memory |= {"order": order} if order else {}
     body = {"model": plan.model, "messages": [{"role": "user", "content": question + SUFFIX}],
             "max_tokens": plan.max_tokens, "temperature": 0.0, "seed": 0, "memory": memory}
     answer = client.call("POST", "/v1/chat/completions", key, body)
@@ -146,8 +156,9 @@ def evaluate(client: Client, samples: list[Sample], plan: Plan, tenant_prefix: s
             for k in plan.ks:
                 hit = recall(retrieved(client, plain_key, q.question, k, evidence_of), q.evidence)
                 for mode in plan.modes:
-                    key, wire = (keys[window_of(mode)], "inject") if mode.startswith("inject") else (plain_key, mode)
-                    prediction, usage = ask(client, key, plan, q.question, k, wire, recompute_of(mode))
+                    key, wire = ((keys[window_of(mode)], "inject") if mode.startswith("inject")
+                                 else (plain_key, mode.split("_")[0]))
+                    prediction, usage = ask(client, key, plan, q.question, k, wire, recompute_of(mode), order_of(mode))
                     found.append({"sample": sample.sample_id, "category": q.category, "k": k, "mode": mode,
                                   "question": q.question, "gold": q.answer, "prediction": prediction,
                                   "f1": score(prediction, q.answer, q.category),

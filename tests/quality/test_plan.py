@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.quality.run import Plan, recompute_of, summarize, window_of
+from benchmarks.quality.run import Plan, order_of, recompute_of, summarize, window_of
 
 
 def test_modes_name_their_window_and_recomputation():
@@ -13,8 +13,16 @@ def test_modes_name_their_window_and_recomputation():
     assert {"inject_w5_m1", "inject_w5_m3", "inject_w5_m5", "inject_w20", "off"} <= set(Plan.of(quick=False).modes)
 
 
+def test_modes_may_name_the_order_of_their_facts():
+    plan = Plan.parse("inject_w5_m1_best_last,inject_w20_time,prompt_time,prompt", "10")
+    assert plan.windows == (5, 20)
+    assert [order_of(m) for m in plan.modes] == ["best_last", "time", "time", None]
+    assert (window_of("inject_w5_m1_best_last"), recompute_of("inject_w5_m1_best_last"), recompute_of("inject_w5_time")) == (5, 1, 0)
+
+
 @pytest.mark.parametrize("modes, ks, message", [("inject_x", "10", "unknown mode"), ("paste", "10", "unknown mode"),
-                                                ("prompt", "ten", "integers"), ("prompt", "0", "k >= 1"), ("", "10", "one mode")])
+                                                ("prompt", "ten", "integers"), ("off_time", "10", "unknown mode"),
+                                                ("inject_w5_worst_first", "10", "unknown mode"), ("prompt", "0", "k >= 1"), ("", "10", "one mode")])
 def test_bad_plans_are_refused(modes, ks, message):
     with pytest.raises(ValueError, match=message):
         Plan.parse(modes, ks)

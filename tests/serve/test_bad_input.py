@@ -30,6 +30,7 @@ def cases(cluster, auth, fact_id):
         ("unknown model", "post", "/v1/chat/completions", {**CHAT, "model": "gpt-9"}, auth, 404),
         ("k too large", "post", "/v1/chat/completions", {**CHAT, "memory": {"k": 5000}}, auth, 400),
         ("unknown mode", "post", "/v1/chat/completions", {**CHAT, "memory": {"mode": "telepathy"}}, auth, 400),
+        ("unknown order", "post", "/v1/chat/completions", {**CHAT, "memory": {"order": "random"}}, auth, 400),
         ("empty messages", "post", "/v1/chat/completions", {**CHAT, "messages": []}, auth, 400),
         ("ends with assistant", "post", "/v1/chat/completions",
          {**CHAT, "messages": [{"role": "assistant", "content": "hi"}]}, auth, 400),
@@ -103,7 +104,7 @@ def test_openai_shaped_requests_that_change_nothing_are_served(cluster, grace):
                                  {"role": "user", "content": [{"type": "text", "text": "What does Grace"},
                                                               {"type": "text", "text": "like to drink?"}]}],
             "user": "someone", "metadata": {"run": "1"}, "response_format": {"type": "text"}, "logprobs": False,
-            "frequency_penalty": 0, "max_tokens": 8, "memory": {"k": 1, "mode": "prompt"}}
+            "frequency_penalty": 0, "max_tokens": 8, "memory": {"k": 1, "mode": "prompt", "order": "time"}}
     answer = requests.post(f"{cluster.base}/v1/chat/completions", json=body, headers=auth, timeout=120)
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["memory_tokens"] > 0 and answer.json()["choices"][0]["message"]["content"]
