@@ -70,4 +70,4 @@ def lay_out(mode: Mode, tenant_id: str, version: int, prefix_ids: Sequence[int],
     region = [*prefix_ids, *(t for item in injected for t in item.token_ids)]
     plan = MemoryPlan(tenant_id, (frame[0], *(item.record_id for item in injected)), version,
                       importance=(FRAME_IMPORTANCE, *(item.score for item in injected)))
-    return LaidOutPrompt([*region, *pasted, *query_ids], plan, salt, memory_tokens, recomputed)
+    return LaidOutPrompt([*region, *pasted, *query_ids], plan, plan.cache_salt, memory_tokens, recomputed)

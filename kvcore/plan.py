@@ -53,7 +53,10 @@ class MemoryPlan:
 
     @property
     def cache_salt(self) -> str:
-        return cache_salt(self.tenant_id, self.store_version)
+        """The tenant's salt, plus where the region starts and how many records fill it: the same tokens laid out
+        with another region boundary (a fact recomputed, or pasted until its K/V exists) hold other K/V past it
+        (computed, not injected), so their blocks must never be shared through vLLM's prefix cache."""
+        return f"{cache_salt(self.tenant_id, self.store_version)}-r{self.region_start}.{len(self.record_ids)}"
 
     def to_params(self) -> dict[str, Any]:
         """The `kv_transfer_params` entry for this plan (JSON-safe)."""

@@ -19,7 +19,9 @@ def test_plan_round_trips_and_salts_per_tenant_and_version():
     assert MemoryPlan.from_params({"other": 1}) is None and MemoryPlan.from_params(None) is None
     salts = {plan.cache_salt, MemoryPlan("bob", ("prefix", "f1"), 3).cache_salt, MemoryPlan("alice", ("f1",), 4).cache_salt}
     assert len(salts) == 3
-    assert MemoryPlan("alice", ("f2",), 3).cache_salt == plan.cache_salt  # same tenant and version share
+    assert MemoryPlan("alice", ("f2", "f3"), 3).cache_salt == plan.cache_salt  # same tenant, version and region shape
+    assert MemoryPlan("alice", ("f2",), 3).cache_salt != plan.cache_salt  # another region boundary: never shared
+    assert MemoryPlan("alice", ("prefix", "f1"), 3, region_start=4).cache_salt != plan.cache_salt
 
 
 @pytest.mark.parametrize(
