@@ -120,7 +120,7 @@ class Gateway:
         if body.memory.recompute is not None and body.memory.recompute > k:
             raise InvalidInputError(f"memory.recompute ({body.memory.recompute}) must be at most memory.k ({k})")
         max_tokens = body.max_completion_tokens or body.max_tokens or 128
-        if max_tokens > self.args.max_tokens:
+        if self.args.max_tokens is not None and max_tokens > self.args.max_tokens:
             raise InvalidInputError(f"max_tokens must be at most {self.args.max_tokens}")
         started = time.perf_counter()
         facts: tuple[RetrievedFact, ...] = ()
@@ -154,7 +154,7 @@ class Gateway:
         self.metrics.ttft.labels(mode=mode).observe(usage["ttft_ms"] / 1000)
         self.metrics.tokens.labels(kind="injected").inc(usage["injected_tokens"])
         self.metrics.tokens.labels(kind="prefilled").inc(usage["prefilled_tokens"])
-        self.metrics.tokens.labels(kind="cached").inc(usage.get("cached_tokens", 0))
+        self.metrics.tokens.labels(kind="cached").inc(usage.get("prefix_cached_tokens", 0))
         self.metrics.tokens.labels(kind="completion").inc(usage["completion_tokens"])
         if usage.get("memory_fallback"):
             self.metrics.fallbacks.inc()

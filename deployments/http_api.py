@@ -286,12 +286,13 @@ def _usage(final: dict[str, Any] | None, prepared: PreparedChat, ttft_ms: float,
     engine = (final or {}).get("usage", {})
     return {"prompt_tokens": engine.get("prompt_tokens", 0), "completion_tokens": engine.get("completion_tokens", 0),
             "total_tokens": engine.get("total_tokens", 0), "injected_tokens": engine.get("injected_tokens", 0),
-            "prefilled_tokens": engine.get("prefilled_tokens", 0), "cached_tokens": engine.get("cached_tokens", 0),
+            "prefilled_tokens": engine.get("prefilled_tokens", 0), "prefix_cached_tokens": engine.get("prefix_cached_tokens", 0),
             "memory_tokens": engine.get("memory_tokens", 0), "recomputed_tokens": engine.get("recomputed_tokens", 0),
             "retrieval_ms": round(prepared.retrieval_ms, 3),
             "ttft_ms": round(ttft_ms, 3), "engine_ttft_ms": engine.get("engine_ttft_ms", 0.0),
             "memory_fallback": engine.get("memory_fallback"), "memory_tiers": tiers,
             "hop_ms": _hop(prepared, engine.get("timeline")),
+            # OpenAI's meaning: prompt tokens not computed for this request (injected, or from the prefix cache)
             "prompt_tokens_details": {"cached_tokens": engine.get("prompt_tokens", 0) - engine.get("prefilled_tokens", 0)}}
 
 

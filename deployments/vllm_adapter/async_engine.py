@@ -24,6 +24,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from deployments.chat_task import ChatTask, RetrievedFact
 from deployments.memory_prompt import MemoryItem, lay_out
 from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
+from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES
 from kvcore.conversation import Fact
 from kvcore.errors import KVCoreError
 from kvcore.plan import CapturePlan, CaptureSpan
@@ -61,7 +62,7 @@ class MemoryEngine:
 
     def __init__(self, model: Path, fingerprint: str, store_root: Path, system_prompt: str, *,
                  engine_kwargs: dict[str, Any] | None = None, on_load_failure: str = "recompute",
-                 device_cache_bytes: int = 1 << 30, tiers: dict[str, Any] | None = None,
+                 device_cache_bytes: int = DEFAULT_DEVICE_CACHE_BYTES, tiers: dict[str, Any] | None = None,
                  device_tenant_bytes: int | None = None, max_encodes_in_flight: int = 8) -> None:
         self.fingerprint = fingerprint
         self.model_name = str(model)
@@ -175,7 +176,7 @@ class MemoryEngine:
             "prompt_tokens": len(laid.token_ids), "completion_tokens": completion,
             "total_tokens": len(laid.token_ids) + completion, "memory_tokens": laid.memory_tokens,
             "recomputed_tokens": laid.recomputed_tokens,
-            "injected_tokens": injected, "cached_tokens": max(0, cached - injected),
+            "injected_tokens": injected, "prefix_cached_tokens": max(0, cached - injected),
             "prefilled_tokens": len(laid.token_ids) - cached, "engine_ttft_ms": round(ttft or 0.0, 3),
             "memory_fallback": (report or {}).get("fallback"),
             "timeline": {"arrived": arrived, "engine_start": engine_start, "first_token": engine_start + (ttft or 0.0) / 1000}}}

@@ -51,7 +51,11 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
     mixed = cluster.chat(carol, "Where does Maya work?", memory={"k": 3, "recompute": 1}).json()["usage"]
     assert mixed["prompt_tokens"] == injected["prompt_tokens"] and 0 < mixed["recomputed_tokens"] < mixed["memory_tokens"]
     assert mixed["prefilled_tokens"] == query_tokens + mixed["recomputed_tokens"]
-    assert mixed["injected_tokens"] + mixed["cached_tokens"] == injected["injected_tokens"] - mixed["recomputed_tokens"]
+    assert mixed["injected_tokens"] + mixed["prefix_cached_tokens"] == injected["injected_tokens"] - mixed["recomputed_tokens"]
+    for usage in (injected, pasted, mixed):  # one account: every prompt token was prefilled, injected or prefix-cached
+        not_computed = usage["injected_tokens"] + usage["prefix_cached_tokens"]
+        assert usage["prompt_tokens"] == usage["prefilled_tokens"] + not_computed
+        assert usage["prompt_tokens_details"]["cached_tokens"] == not_computed
     assert injected["recomputed_tokens"] == pasted["recomputed_tokens"] == 0
     refused = cluster.chat(carol, "Where does Maya work?", memory={"k": 3, "recompute": 4})
     assert refused.status_code == 400 and "memory.recompute (4) must be at most memory.k (3)" in refused.text
