@@ -32,7 +32,8 @@ class LLMArgs(Strict):
     fingerprint: str | None = Field(None, description="Model fingerprint; None reads it from the checkpoint.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments, as given.")
     on_load_failure: Literal["recompute", "fail"] = "recompute"
-    device_cache_bytes: int = Field(256 << 20, ge=0, description="The connector's device arena of records.")
+    device_cache_bytes: int = Field(1 << 30, ge=0,  # kvcore.arena.DEFAULT_DEVICE_CACHE_BYTES (a test holds them equal)
+                                    description="The connector's device arena of records.")
     device_tenant_bytes: int | None = Field(None, gt=0, description="One tenant's share of the arena at most "
                                                                     "(None: no cap); a tenant at its share "
                                                                     "evicts its own records first.")
@@ -68,7 +69,8 @@ class IngressArgs(Strict):
     # 1.28 of prompt-mode F1 at k=10 (README: answer quality)
     default_order: FactOrder = Field("best_last", description="The facts' order in a chat's prompt when it does not "
                                                               "say (`memory.order`).")
-    max_tokens: int = Field(512, ge=1, description="Most tokens one completion may ask for.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens one completion may ask for; None: as many as "
+                                   "the model's context leaves after the prompt (checked by the LLM replica).")
     first_event_timeout_s: float = Field(30.0, gt=0, description="A chat no LLM replica has started after this "
                                                                  "long (none is running) is answered 503, retryable.")
 

@@ -21,6 +21,7 @@ import torch
 from kvcore.errors import ArenaFullError, IncompatibleRecordsError
 
 log = logging.getLogger(__name__)
+DEFAULT_DEVICE_CACHE_BYTES = 1 << 30  # the arena's size wherever a caller does not choose one
 
 
 @dataclass

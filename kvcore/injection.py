@@ -29,7 +29,7 @@ from typing import Callable, Literal, Protocol, Sequence
 
 import torch
 
-from kvcore.arena import DeviceArena, joined_longs
+from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES, DeviceArena, joined_longs
 from kvcore.errors import ArenaFullError, KVCoreError, PlanError
 from kvcore.packed import PackedInserter
 from kvcore.paged import CacheTarget, PagedLayout, step_slots
@@ -210,7 +210,7 @@ class _Step:
 class InjectionWorker:
     """Worker-side loads into one engine's paged caches, from a device arena of hot records."""
 
-    def __init__(self, store: FactStore, fingerprint: str, rope: RopeConfig, device_cache_bytes: int = 1 << 30,
+    def __init__(self, store: FactStore, fingerprint: str, rope: RopeConfig, device_cache_bytes: int = DEFAULT_DEVICE_CACHE_BYTES,
                  rotate_bytes: int = 256 << 20, tiers: TieredStore | None = None,
                  step_writer: StepWriterFactory | None = None, placement: Sink | None = None,
                  whole_load_bytes: int = 1 << 30, device_tenant_bytes: int | None = None,

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES
 from kvcore.capture import CaptureSpec, CaptureTracker, CaptureWorker
 from kvcore.errors import PlanError
 from kvcore.injection import InjectionScheduler, InjectionWorker, LoadSpec
@@ -93,7 +94,7 @@ class InferscaleConnector(KVConnectorBase_V1):
             self._tiers = tiers
             self._placement = _placement_writer(replica) if extra.get("report_placement", False) else None
             kernels = bool(extra.get("fused_kernel", True))  # the Triton kernels, where they apply
-            self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", 1 << 30)),
+            self._worker = InjectionWorker(store, fingerprint, rope, int(extra.get("device_cache_bytes", DEFAULT_DEVICE_CACHE_BYTES)),
                                            tiers=tiers, step_writer=_triton_kernel("fused_inject", "fused_row_writer") if kernels else None,
                                            placement=self._placement,
                                            whole_load_bytes=int(extra.get("whole_load_bytes", 1 << 30)),

@@ -14,6 +14,7 @@ from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
+from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES
 from kvcore.plan import CapturePlan, MemoryPlan
 
 CONNECTOR_CLASS = "InferscaleConnector"
@@ -21,7 +22,7 @@ CONNECTOR_MODULE = "deployments.vllm_adapter.connector"
 
 
 def kv_transfer_config(store_root: Path, fingerprint: str, on_load_failure: Literal["recompute", "fail"] = "recompute",
-                       device_cache_bytes: int = 1 << 30, tiers: dict[str, Any] | None = None,
+                       device_cache_bytes: int = DEFAULT_DEVICE_CACHE_BYTES, tiers: dict[str, Any] | None = None,
                        fused_kernel: bool = True, device_tenant_bytes: int | None = None) -> KVTransferConfig:
     """The `KVTransferConfig` that loads `InferscaleConnector` out of tree (`tiers`: `disk_cache_dir`,
     `host_cache_bytes`, `compress_lower`; `fused_kernel`: the Triton step writer on CUDA)."""
@@ -39,7 +40,7 @@ def kv_transfer_config(store_root: Path, fingerprint: str, on_load_failure: Lite
 
 
 def build_llm(model: str | Path, store_root: Path, fingerprint: str, *,
-              on_load_failure: Literal["recompute", "fail"] = "recompute", device_cache_bytes: int = 1 << 30,
+              on_load_failure: Literal["recompute", "fail"] = "recompute", device_cache_bytes: int = DEFAULT_DEVICE_CACHE_BYTES,
               tiers: dict[str, Any] | None = None, fused_kernel: bool = True, **engine_kwargs: Any) -> LLM:
     """An offline `LLM` with prefix caching on and KV injection wired in."""
     engine_kwargs.setdefault("enable_prefix_caching", True)

@@ -21,3 +21,16 @@ def test_example_config_validates_and_typos_are_refused():
     assert args.llm.num_replicas == 2 and args.engine_kwargs(cuda=True)["max_model_len"] == 8192
     with pytest.raises(ValidationError):
         AppArgs(**{**config["applications"][0]["args"], "llm": {"num_replica": 2}})
+
+
+def test_the_arena_has_one_default_size():
+    """The served app and every engine builder size the connector's device arena alike when nobody chooses."""
+    import inspect
+
+    from deployments.vllm_adapter.engine import build_llm, kv_transfer_config
+    from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES
+    from kvcore.injection import InjectionWorker
+
+    assert AppArgs(state_dir="/srv").llm.device_cache_bytes == DEFAULT_DEVICE_CACHE_BYTES
+    for builder in (build_llm, kv_transfer_config, InjectionWorker):
+        assert inspect.signature(builder).parameters["device_cache_bytes"].default == DEFAULT_DEVICE_CACHE_BYTES
