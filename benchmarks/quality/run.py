@@ -3,8 +3,9 @@
 Per conversation and window w, a tenant gets the conversation's observation facts through an encoding job
 (`POST /v1/jobs`, facts anchored after their evidence turns, encoded behind w turns); every question is then
 asked with `mode` = inject (each w; `_m<m>`: the m best-scored facts recomputed, `memory.recompute`), prompt
-and off at each k (a suffix `_best_last` or `_time` on an inject or prompt mode sets `memory.order`), greedy, seed 0. Ratios to prompt mode are paired over the same questions, with 95 %
-bootstrap intervals (`scoring.py`); `devset.py` generates a development set of 360 questions. Inject and prompt retrieve the
+and off at each k, greedy, seed 0; a suffix `_best_first`, `_best_last` or `_time` on an inject or prompt mode
+sets `memory.order`. Ratios to prompt mode are paired over the same questions, with 95 % bootstrap intervals
+(`scoring.py`); `devset.py` generates a development set of 360 questions. Inject and prompt retrieve the
 same facts (same texts, same index, same query). Scores: LoCoMo's F1, exact match, per category and overall,
 retrieval recall of the evidence turns, TTFT (ingress, first token). Writes a JSON report with `targets` and a
 PNG of F1 and TTFT against k next to it.
@@ -44,7 +45,7 @@ class Plan:
     windows: tuple[int, ...]
     ks: tuple[int, ...]
     modes: tuple[str, ...]  # "inject_w<w>" or "inject_w<w>_m<m>" (m facts recomputed), "prompt", "off";
-    # inject and prompt modes may end in "_best_last" or "_time" (`memory.order`)
+    # inject and prompt modes may end in "_best_first", "_best_last" or "_time" (`memory.order`)
     samples: int | None = None  # the first N conversations; None: all
     max_tokens: int = 24
     model: str = "inferscale-smollm2"
@@ -65,9 +66,9 @@ class Plan:
         """A plan from comma-separated modes and ks; the windows are those the inject modes name."""
         names = tuple(m.strip() for m in modes.split(",") if m.strip())
         for name in names:
-            if name != "off" and not re.fullmatch(r"(inject_w\d+(_m\d+)?|prompt)(_best_last|_time)?", name):
+            if name != "off" and not re.fullmatch(r"(inject_w\d+(_m\d+)?|prompt)(_best_first|_best_last|_time)?", name):
                 raise ValueError(f"unknown mode {name!r}: inject_w<w>[_m<m>] or prompt, either with an optional "
-                                 f"_best_last or _time, or off")
+                                 f"_best_first, _best_last or _time, or off")
         try:
             k_values = tuple(int(k) for k in ks.split(","))
         except ValueError:
@@ -89,7 +90,7 @@ def recompute_of(mode: str) -> int:
 
 def order_of(mode: str) -> str | None:
     """The `memory.order` a mode names (None: the server's default)."""
-    return next((order for order in ("best_last", "time") if mode.endswith("_" + order)), None)
+    return next((order for order in ("best_first", "best_last", "time") if mode.endswith("_" + order)), None)
 
 
 @dataclass

@@ -14,9 +14,9 @@ def test_modes_name_their_window_and_recomputation():
 
 
 def test_modes_may_name_the_order_of_their_facts():
-    plan = Plan.parse("inject_w5_m1_best_last,inject_w20_time,prompt_time,prompt", "10")
+    plan = Plan.parse("inject_w5_m1_best_last,inject_w20_time,prompt_time,prompt_best_first,prompt", "10")
     assert plan.windows == (5, 20)
-    assert [order_of(m) for m in plan.modes] == ["best_last", "time", "time", None]
+    assert [order_of(m) for m in plan.modes] == ["best_last", "time", "time", "best_first", None]
     assert (window_of("inject_w5_m1_best_last"), recompute_of("inject_w5_m1_best_last"), recompute_of("inject_w5_time")) == (5, 1, 0)
 
 
