@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,14 +16,11 @@ from dataclasses import dataclass
 
 import psutil
 
+from config.ports import free_port
+
 log = logging.getLogger(__name__)
 LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

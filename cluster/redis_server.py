@@ -13,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from config.ports import free_port
+
 log = logging.getLogger(__name__)
 
 
@@ -25,7 +27,7 @@ class LocalRedis:
 
     def __init__(self, data_dir: Path, port: int = 0, appendfsync: str = "everysec") -> None:
         self.data_dir = Path(data_dir)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.appendfsync = appendfsync
         self._process: subprocess.Popen | None = None
 
@@ -73,11 +75,6 @@ class LocalRedis:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _answers(port: int) -> bool:

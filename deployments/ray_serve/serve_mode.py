@@ -15,20 +15,15 @@ metrics listeners on the ingress's own address when that is loopback (Ray binds 
 from __future__ import annotations
 
 import os
-import socket
 import stat
 import sys
 from pathlib import Path
 from typing import Literal
 
+from config.ports import free_port
+
 ProxyMode = Literal["haproxy", "python"]
 PROXY_MODES: tuple[ProxyMode, ...] = ("haproxy", "python")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve_env(proxy: ProxyMode, run_dir: Path | None = None) -> dict[str, str]:
@@ -50,9 +45,9 @@ def serve_env(proxy: ProxyMode, run_dir: Path | None = None) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(run_dir / "metrics.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(run_dir),
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(run_dir / "server-state"),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
-            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port())}
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port())}
 
 
 def write_haproxy_wrapper(run_dir: Path) -> Path:

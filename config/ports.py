@@ -1,0 +1,46 @@
+"""Free loopback ports for the servers a local cluster starts, chosen where no outgoing connection can take them.
+
+A port handed out by the kernel (`bind(0)`) comes from the ephemeral range, the same range every outgoing
+connection draws its source port from: between choosing a port and the server binding it (HAProxy's stats port
+binds a minute later, once Serve is up) a connection of Ray's can take it, and the server fails with "address
+already in use". Ports are therefore chosen at random below that range and checked free.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 20_000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in _RANGE_FILE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32_768, 60_999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(attempts: int = 200) -> int:
+    """A loopback port that is free now and outside the ephemeral range (one from the kernel if none is found)."""
+    low, _ = _ephemeral_range()
+    if low - 1 > _LOWEST:
+        for _ in range(attempts):
+            port = random.randint(_LOWEST, low - 1)
+            if _bindable(port):
+                return port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

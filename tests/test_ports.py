@@ -1,0 +1,25 @@
+"""Ports for local servers come from below the ephemeral range, where no outgoing connection can take them."""
+
+import socket
+
+from config import ports
+
+
+def test_ports_are_free_and_below_the_ephemeral_range():
+    low, _ = ports._ephemeral_range()
+    chosen = {ports.free_port() for _ in range(20)}
+    assert all(ports._LOWEST <= port < low for port in chosen)
+    for port in chosen:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # raises if it was not free
+
+
+def test_a_port_in_use_is_skipped(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([busy, busy, 24_321])
+        monkeypatch.setattr(ports, "_ephemeral_range", lambda: (32_768, 60_999))
+        monkeypatch.setattr(ports.random, "randint", lambda a, b: next(picks))
+        assert ports.free_port() == 24_321
