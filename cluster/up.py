@@ -21,8 +21,9 @@ from typing import Any, Callable, TextIO
 import requests
 
 from cluster.demo import FACTS, QUESTIONS
-from cluster.ray_head import LOOPBACK_ENV, RayHead, free_port
+from cluster.ray_head import LOOPBACK_ENV, RayHead
 from cluster.redis_server import LocalRedis
+from config.ports import free_port, port_free
 from config.settings import Settings
 from deployments.ray_serve.serve_mode import apply_serve_env, serve_env
 from tenants.auth import check_admin_key, new_admin_key
@@ -234,15 +235,4 @@ stop it with: inferscale down""", file=out)
 
 
 def default_port() -> int:
-    return 8000 if _port_free(8000) else free_port()
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    return 8000 if port_free(8000) else free_port()

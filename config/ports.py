@@ -24,7 +24,8 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32_768, 60_999  # Linux's default
 
 
-def _bindable(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether a server could bind `port` on loopback now."""
     with socket.socket() as sock:
         try:
             sock.bind(("127.0.0.1", port))
@@ -39,7 +40,7 @@ def free_port(attempts: int = 200) -> int:
     if low - 1 > _LOWEST:
         for _ in range(attempts):
             port = random.randint(_LOWEST, low - 1)
-            if _bindable(port):
+            if port_free(port):
                 return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
