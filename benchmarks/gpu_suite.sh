@@ -13,6 +13,7 @@ out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}
 shift
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/redisbin:$PATH"
 export RAY_USAGE_STATS_ENABLED=0
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/root/stash/vllm-cache}  # kept while the machine stays warm: later calls compile less
 SHAPE=benchmarks/configs/llama31-8b-shape.json
 run() {  # name, seconds, command...
     local name=$1 limit=$2

@@ -20,12 +20,33 @@ from benchmarks._cluster import start_local_serve  # noqa: E402
 from benchmarks._common import timed_ms  # noqa: E402
 
 
-def measure(base: str, key: str, calls: int) -> list[float]:
-    """ms of `calls` authenticated `GET /v1/models` on one connection, after 20 that open it and warm caches."""
+def measure(base: str, key: str, calls: int, path: str = "/v1/models") -> list[float]:
+    """ms of `calls` authenticated GETs of `path` on one connection, after 20 that open it and warm caches."""
     import requests
 
     session, headers = requests.Session(), {"Authorization": f"Bearer {key}"}
-    return timed_ms(lambda: session.get(f"{base}/v1/models", headers=headers, timeout=60).raise_for_status(), calls)
+    return timed_ms(lambda: session.get(f"{base}{path}", headers=headers, timeout=60).raise_for_status(), calls)
+
+
+def deploy_probe(num_replicas: int) -> str:
+    """The mode's own floor beside ours: a trivial FastAPI ingress (one route, no auth, no work) deployed as
+    an app of its own in the running cluster, with as many replicas as the real ingress; returns its path."""
+    from fastapi import FastAPI
+    from ray import serve
+
+    app = FastAPI()
+
+    @app.get("/")
+    async def ok() -> dict:
+        return {"ok": True}
+
+    @serve.deployment(name="Probe", num_replicas=num_replicas, ray_actor_options={"num_cpus": 0})
+    @serve.ingress(app)
+    class Probe:
+        """Answers at once: what is measured is the proxy, the replica's HTTP server and FastAPI."""
+
+    serve.run(Probe.bind(), name="probe", route_prefix="/probe")
+    return "/probe/"
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """Retrieval on the chat path, piece by piece: embedding a query (alone and in a batch), searching a tenant's
-vectors (a torch matrix product on the device, against FAISS's flat index when faiss is installed), and the
-whole step as the ingress runs it (embed, one Redis round trip to catch up with the change log, search) over
-a real redis-server with `--facts` facts a tenant. Targets: the whole step p50 <= 1.5 ms on the GPU; on the
-CPU the figures are reported with the same names.
+vectors (a torch matrix product on the device and on the CPU, against FAISS's flat index when faiss is
+installed), catching up with the change log (a Redis round trip, against a change feed that says nothing
+changed), and the whole step over a real redis-server with `--facts` facts a tenant: as the ingress runs it
+(embed on the device, search on the CPU, change feed) and as it ran before (search on the device, a round
+trip each time). Targets: the ingress's whole step p50 <= 1.5 ms on the GPU; on the CPU the figures are
+reported with the same names.
 """
 
 from __future__ import annotations
@@ -65,7 +67,11 @@ def main() -> None:
     index = ExactIndex(384, device)
     index.upsert(ids, vectors)
     q = embedder.embed_tensor([query])[0]
-    report["search_ms"] = {"torch": timed(lambda: index.search(q, 66), repeats)}
+    report["search_ms"] = {f"torch_{device}": timed(lambda: index.search(q, 66), repeats)}
+    if device != "cpu":
+        host_index, host_q = ExactIndex(384, "cpu"), q.cpu()
+        host_index.upsert(ids, vectors)
+        report["search_ms"]["torch_cpu"] = timed(lambda: host_index.search(host_q, 66), repeats)
     try:
         import faiss
 
@@ -79,24 +85,32 @@ def main() -> None:
     state = Path(scratch_dir(prefix="retrieval-"))
     redis = LocalRedis(state / "redis").start()
     try:
-        service = connect_service(redis.url, state, embedder, device=device)
+        service = connect_service(redis.url, state, embedder, device=device)  # as before: a round trip each time
+        ingress = connect_service(redis.url, state, embedder, device="cpu", cache_registry=True)  # as the ingress now
         key = service.create_tenant(service.ensure_admin_key() or "", "bench")[1]
-        tenant = service.authenticate(key)
+        tenant, served = service.authenticate(key), ingress.authenticate(key)
         texts = [f"Note {i}: the {['red', 'blue', 'green'][i % 3]} box holds item {i * 7}." for i in range(args.facts)]
         for first in range(0, len(texts), 500):
             tenant.add_facts(texts[first : first + 500])
 
-        def whole() -> None:
+        def as_ingress() -> None:
+            served.retrieve(embedder.embed_tensor([query])[0].cpu(), 50)
+
+        def as_before() -> None:
             tenant.retrieve(embedder.embed_tensor([query])[0], 50)
 
-        report["retrieval_ms"] = timed(whole, repeats)
-        report["sync_ms"] = timed(lambda: service.indexes.sync("bench"), repeats)
-        found = tenant.retrieve(embedder.embed_tensor(["What does the red box hold?"])[0], 5).hits
+        report["retrieval_ms"] = timed(as_ingress, repeats)
+        report["retrieval_ms_before"] = timed(as_before, repeats)
+        report["sync_ms"] = {"round_trip": timed(lambda: service.indexes.sync("bench"), repeats),
+                             "change_feed": timed(lambda: ingress.indexes.sync("bench"), repeats)}
+        found = served.retrieve(embedder.embed_tensor(["What does the red box hold?"])[0].cpu(), 5).hits
         report["sample_hits"] = [fact.text for fact, _ in found]
     finally:
         redis.stop()
-    report["targets"] = [target(f"retrieval p50, ms (embed + change-log sync + search, {args.facts} facts, {device})",
-                                report["retrieval_ms"]["p50"], "<= 1.5")]
+    report["targets"] = [target(f"retrieval p50, ms (embed on {device} + change feed + search on the CPU, {args.facts} facts)",
+                                report["retrieval_ms"]["p50"], "<= 1.5"),
+                         target("retrieval as the ingress runs it / as it ran before (search on the device, a round trip)",
+                                report["retrieval_ms"]["p50"] / report["retrieval_ms_before"]["p50"], "<= 1")]
     write_report(args.out, report)
 
 

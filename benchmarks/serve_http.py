@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._cluster import start_cluster  # noqa: E402
 from benchmarks._common import parser, sampled, scratch_dir, target, write_report  # noqa: E402
 from benchmarks._http_load import closed_loop  # noqa: E402
-from benchmarks.proxy_floor import measure as floor_ms  # noqa: E402
+from benchmarks.proxy_floor import deploy_probe, measure as floor_ms  # noqa: E402
 
 MODEL = "inferscale-smollm2"
 SESSION = requests.Session()  # keep-alive, as the clients users run (openai's) keep their connections
@@ -107,7 +107,7 @@ def sample_rounds(base: str, tenants: list[tuple[str, str]], k: int, rounds: int
         for mode in samples:
             ms, usage = streamed(base, tenants[r % len(tenants)][1], k, mode, f"What does box {r} hold? ({mode} {r})")
             samples[mode].append({"ttft_ms": ms, "hop_ms": usage.get("hop_ms", {}), **{key: usage[key] for key in (
-                "engine_ttft_ms", "retrieval_ms", "prefilled_tokens", "injected_tokens", "prompt_tokens")}})
+                "engine_ttft_ms", "retrieval_ms", "retrieval_embed_ms", "prefilled_tokens", "injected_tokens", "prompt_tokens")}})
 
 
 def http_qps(base: str, tenants: list[tuple[str, str]], k: int, mode: str, total: int, first: int = 0) -> float:
@@ -241,6 +241,7 @@ def main() -> None:
     clock = Phases()
     state = Path(scratch_dir(prefix="serve-bench-"))
     base, admin, redis, app_args = start_cluster(state, cuda, args.config, args.proxy)
+    probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
     clock.done("deploy")
     from models.minilm import MiniLMEmbedder
     from tenants.connect import connect_service
@@ -274,7 +275,10 @@ def main() -> None:
         samples: dict[str, list[dict]] = {"inject": [], "prompt": []}
         with sampled("http-rounds"):
             sample_rounds(base, tenants, k, rounds_n, samples)
-        floor = floor_ms(base, tenants[0][1], calls=200)
+        floor, mode_floor = [], []
+        for _ in range(3):  # interleaved, so drift of the machine falls on both
+            floor += floor_ms(base, tenants[0][1], calls=100)
+            mode_floor += floor_ms(base, tenants[0][1], calls=100, path=probe)
         total = 2 * tenants_n if args.quick else 4 * tenants_n
         qps = {"ceiling": http_ceiling(base, tenants, 20 * tenants_n)}
         for mode in ("prompt", "inject"):
@@ -282,7 +286,7 @@ def main() -> None:
                 qps[mode] = http_qps(base, tenants, k, mode, total)
         clock.done("http_measured")
         report["arena_warnings"] = arena_warnings()
-        report |= http_figures(samples, floor, qps, rounds_n)
+        report |= http_figures(samples, floor, mode_floor, qps, rounds_n)
         finish(report, args.out, k, tenants_n, facts_n)  # written now too: the reference below may run out of time
     finally:
         stop_cluster()
@@ -324,18 +328,22 @@ def stop_cluster() -> None:
     ray.shutdown()
 
 
-def http_figures(samples: dict[str, list[dict]], floor: list[float], qps: dict[str, float], rounds: int) -> dict:
+def http_figures(samples: dict[str, list[dict]], floor: list[float], mode_floor: list[float], qps: dict[str, float],
+                 rounds: int) -> dict:
     inject = samples["inject"]
     over = [s["ttft_ms"] - s["engine_ttft_ms"] for s in inject]
     retrieval = [s["retrieval_ms"] for s in inject]
+    embed = [s["retrieval_embed_ms"] for s in inject]
     return {
         "ttft_ms_p50": {mode: statistics.median(s["ttft_ms"] for s in v) for mode, v in samples.items()},
         "engine_ttft_ms_p50": {mode: statistics.median(s["engine_ttft_ms"] for s in v) for mode, v in samples.items()},
         "http_minus_engine_ttft_ms": {"p50": statistics.median(over), "p99": pct(over, 0.99)},
-        "retrieval_ms": {"p50": statistics.median(retrieval), "p99": pct(retrieval, 0.99)},
+        "retrieval_ms": {"p50": statistics.median(retrieval), "p99": pct(retrieval, 0.99),
+                         "embed_p50": statistics.median(embed), "embed_p99": pct(embed, 0.99)},
         "hop_ms_p50": {leg: statistics.median(s["hop_ms"][leg] for s in inject if leg in s["hop_ms"])
                        for leg in ("to_replica", "layout", "first_token_back") if any(leg in s["hop_ms"] for s in inject)},
         "ingress_floor_ms": {"p50": statistics.median(floor), "p99": pct(floor, 0.99)},
+        "mode_floor_ms": {"p50": statistics.median(mode_floor), "p99": pct(mode_floor, 0.99)},  # a trivial ingress, same cluster
         "prefilled_tokens_p50": {mode: statistics.median(s["prefilled_tokens"] for s in v) for mode, v in samples.items()},
         "qps_http": qps, "rounds": rounds}
 

@@ -20,10 +20,12 @@ class TensorEmbedder(Protocol):
 
 
 class QueryBatcher:
-    """`await embed(text)` -> the text's vector on the embedder's device, batched with concurrent callers."""
+    """`await embed(text)` -> the text's vector on `device` (the search's; None: the embedder's), batched with
+    concurrent callers."""
 
-    def __init__(self, embedder: TensorEmbedder, max_batch: int = 32) -> None:
+    def __init__(self, embedder: TensorEmbedder, max_batch: int = 32, device: str | torch.device | None = None) -> None:
         self._embedder, self.max_batch = embedder, max_batch
+        self._device = torch.device(device) if device is not None else None
         self._pending: list[tuple[str, asyncio.Future]] = []
         self._running = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed")  # forwards leave the event loop free
@@ -37,6 +39,14 @@ class QueryBatcher:
             asyncio.ensure_future(self._drain())
         return await future
 
+    def _forward(self, texts: list[str]) -> torch.Tensor:
+        vectors = self._embedder.embed_tensor(texts)
+        if self._device is not None:
+            vectors = vectors.to(self._device)
+        if vectors.is_cuda:  # wait for the GPU here, off the event loop, not in the search that follows on it
+            torch.cuda.current_stream(vectors.device).synchronize()
+        return vectors
+
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -44,7 +54,7 @@ class QueryBatcher:
                 batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
                 self.batches += 1
                 try:
-                    vectors = await loop.run_in_executor(self._pool, self._embedder.embed_tensor, [t for t, _ in batch])
+                    vectors = await loop.run_in_executor(self._pool, self._forward, [t for t, _ in batch])
                 except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
                     for _, future in batch:
                         if not future.done():

@@ -4,8 +4,11 @@ Redis holds every committed fact and embedding, so what a process keeps is deriv
 vectors (an `ExactIndex` on the process's device), the metadata of its visible facts (text, record id,
 version) and the tenant's version. It is loaded from its last saved snapshot (or rebuilt from Redis when
 there is none, or when the log was trimmed past it) and catches up with the change log before each
-search: one round trip when nothing changed, so a chat's retrieval reads no fact from Redis. Any number
-of processes can serve one tenant, and a fact committed before a search is found by it.
+search, and a chat's retrieval reads no fact from Redis. Where the process has a live change feed (the
+ingress: `RedisMeta(cache_registry=True)`), a tenant whose facts nobody announced a change of since its last
+catch-up is searched with no round trip at all; otherwise the catch-up is one round trip when nothing
+changed. Any number of processes can serve one tenant, and a fact committed before a search is found by it
+once its announcement has arrived (before the writer's own answer, in practice).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 
 from tenants.facts import VISIBLE, Fact
-from tenants.redis_meta import RedisMeta
+from tenants.redis_meta import ANY, RedisMeta
 from tenants.vector_index import ExactIndex
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,8 @@ class TenantIndexes:
     def __init__(self, meta: RedisMeta, dim: int, directory: Path, device: str | torch.device = "cpu") -> None:
         self._meta, self._dim, self._dir, self._device = meta, dim, Path(directory), torch.device(device)
         self._tenants: dict[str, _TenantIndex] = {}
+        self._quiet: set[str] = set()  # caught up, and no change announced since (only while the feed is live)
+        self._heard: dict[str, int] = {}  # announcements per tenant, and of "anything" (ANY), so far
         self._lock = threading.Lock()
 
     def search(self, tenant_id: str, vector: np.ndarray | torch.Tensor, k: int) -> Retrieved:
@@ -62,16 +67,43 @@ class TenantIndexes:
             return Retrieved(hits, state.version)
 
     def sync(self, tenant_id: str) -> _TenantIndex:
+        live = self._announced()
         state = self._state(tenant_id)
+        if live and tenant_id in self._quiet:
+            return state
         with state.lock:
+            heard = self._heard_of(tenant_id)
             first, entries = self._meta.log_since(tenant_id, state.last_id)
-            if state.last_id != "0" and first is not None and _older(state.last_id, first):
-                self._rebuild(tenant_id, state)  # the log was trimmed past this index: changes may be missed
-                return state
-            while entries:
-                self._apply(tenant_id, state, entries)
-                entries = self._meta.log_after(tenant_id, state.last_id)
+            if state.last_id != "0" and (first is None or _older(state.last_id, first)):
+                # the log was trimmed past this index (changes may be missed), or it is gone with its tenant
+                self._rebuild(tenant_id, state)
+            else:
+                while entries:
+                    self._apply(tenant_id, state, entries)
+                    entries = self._meta.log_after(tenant_id, state.last_id)
+            # quiet from now on unless a change was announced while we read (it may or may not be in what we
+            # read), whichever thread took the announcement
+            if live and self._announced():
+                with self._lock:
+                    if self._heard_of(tenant_id) == heard:
+                        self._quiet.add(tenant_id)
         return state
+
+    def _announced(self) -> bool:
+        """Apply the feed's announcements (counted, and dropped from the quiet set); whether the feed is live."""
+        live, named = self._meta.fact_changes()
+        if named:
+            with self._lock:
+                for tenant_id in named:
+                    self._heard[tenant_id] = self._heard.get(tenant_id, 0) + 1
+                if ANY in named:
+                    self._quiet.clear()
+                else:
+                    self._quiet -= named
+        return live
+
+    def _heard_of(self, tenant_id: str) -> tuple[int, int]:
+        return self._heard.get(ANY, 0), self._heard.get(tenant_id, 0)
 
     def save(self, tenant_id: str) -> None:
         """Write the tenant's vectors and how far they got, so a restart only replays what came after."""
@@ -93,6 +125,7 @@ class TenantIndexes:
     def forget(self, tenant_id: str, remove_snapshot: bool = False) -> None:
         with self._lock:
             self._tenants.pop(tenant_id, None)
+            self._quiet.discard(tenant_id)
         if remove_snapshot:
             shutil.rmtree(self._dir / tenant_id, ignore_errors=True)
 

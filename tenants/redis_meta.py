@@ -14,10 +14,12 @@ Keys, all under one tenant's hash tag so a cluster keeps a tenant on one shard:
     is:t:{tid}:log                stream of committed changes, which every process's index replays
     is:t:{tid}:jobs               job id -> status JSON of the tenant's encoding jobs
     is:registry                   pub/sub channel: the id of a tenant whose registry entry changed
+    is:facts                      pub/sub channel: the change-log key of a tenant whose facts changed
 
-Every write of a registry entry publishes its tenant id in the same atomic step, so a process that holds
-entries in memory (`RegistryCache`: the ingress, which authenticates every request) drops them before it
-can serve a stale one for longer than the message takes to arrive.
+Every write of a registry entry, and every change-log entry, is announced on its channel in the same atomic
+step, so a process that holds state in memory (`RegistryCache`, and the retrieval indexes that replay the
+change log: the ingress, which authenticates and retrieves on every request) knows it is stale as soon as
+the message arrives, and asks Redis nothing while nothing has changed (`ChangeFeed`).
 
 Every multi-key change is one Lua script, so it is atomic and checks its preconditions (state and
 version of the fact, quotas) in the same step that writes.
@@ -38,6 +40,8 @@ from tenants.errors import ConflictError, FactExistsError, FactNotFoundError, Qu
 log = logging.getLogger(__name__)
 LOG_MAXLEN = 100_000
 REGISTRY_CHANNEL = "is:registry"
+FACTS_CHANNEL = "is:facts"
+ANY = "*"  # a change feed's word for "anything may have changed" (a new or lost subscription)
 
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return redis.error_reply('EXISTS tenant') end
@@ -93,6 +97,7 @@ end
 if delta ~= 0 then redis.call('HINCRBY', KEYS[4], 'bytes', delta) end
 local v = redis.call('INCR', KEYS[5])
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[9], '*', 'op', ARGV[5], 'fid', ARGV[1], 'iid', ARGV[7], 'v', v)
+redis.call('PUBLISH', 'is:facts', KEYS[6])  -- FACTS_CHANNEL
 return v
 """
 
@@ -109,6 +114,7 @@ redis.call('HINCRBY', KEYS[4], 'facts', -1)
 if release ~= 0 then redis.call('HINCRBY', KEYS[4], 'bytes', 0 - release) end
 local v = redis.call('INCR', KEYS[5])
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[2], '*', 'op', 'remove', 'fid', ARGV[1], 'iid', tostring(m['index_id']), 'v', v)
+redis.call('PUBLISH', 'is:facts', KEYS[6])  -- FACTS_CHANNEL
 return cur
 """
 
@@ -170,7 +176,8 @@ class RedisMeta:
         reads them on every request."""
         self.url = url
         self._redis = redis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
-        self._registry = RegistryCache(self._redis) if cache_registry else None
+        self._feed = ChangeFeed(self._redis, (REGISTRY_CHANNEL, FACTS_CHANNEL)) if cache_registry else None
+        self._registry = RegistryCache(self._feed) if self._feed is not None else None
         self._scripts = {name: self._redis.register_script(body) for name, body in (
             ("create", _CREATE), ("reserve", _RESERVE), ("begin_update", _BEGIN_UPDATE), ("commit", _COMMIT),
             ("delete", _DELETE), ("rollback", _ROLLBACK), ("place", _PLACE), ("unplace", _UNPLACE))}
@@ -183,9 +190,17 @@ class RedisMeta:
         return self._redis.info("memory")
 
     def close(self) -> None:
-        if self._registry is not None:
-            self._registry.close()
+        if self._feed is not None:
+            self._feed.close()
         self._redis.close()
+
+    def fact_changes(self) -> tuple[bool, set[str]]:
+        """(whether this process's change feed is live, the tenants whose facts changed since the last call, or
+        `ANY`); (False, {ANY}) without a feed: every caller must then ask Redis."""
+        if self._feed is None:
+            return False, {ANY}
+        named = self._feed.take(FACTS_CHANNEL)
+        return self._feed.live, {n if n == ANY else _tenant_of(n) for n in named}
 
     # ---- tenants and the admin key ----
     def create_tenant(self, tenant_id: str, fields: dict[str, Any]) -> None:
@@ -235,7 +250,8 @@ class RedisMeta:
             pipe.srem("is:tenants", tenant_id)
             pipe.delete(_t(tenant_id), *(_t(tenant_id, part) for part in parts))
             pipe.publish(REGISTRY_CHANNEL, tenant_id)
-            removed, _, _ = pipe.execute()
+            pipe.publish(FACTS_CHANNEL, _t(tenant_id, "log"))  # its facts (and its log) are gone too
+            removed, *_ = pipe.execute()
         self._forget_tenant(tenant_id)
         return bool(removed)
 
@@ -391,89 +407,69 @@ class RedisMeta:
             raise _translate(str(exc)) from None
 
 
-class RegistryCache:
-    """Tenant registry entries held in memory, dropped as writers announce changes on `REGISTRY_CHANNEL`.
+class ChangeFeed:
+    """This process's one Pub/Sub subscription to the change channels, polled by its readers (no thread).
 
-    Authentication reads a tenant's entry on every request; from Redis that was a round trip on the ingress's
-    event loop each time (398 -> 122 µs of ingress work per request on 2 CPU cores). Every read first applies the change messages that have reached this
-    process's subscription (a poll of its socket, no round trip), as Redis's own client-side caching does, so
-    a key deleted or rotated anywhere stops working here as soon as Redis has told us. Unknown tenants are never
-    cached (a key works as soon as its tenant is created); a lost subscription clears everything, and reads go
-    to Redis until a new one is confirmed; `ttl_s` bounds an entry's age whatever happens.
+    `take(channel)` first applies the messages that have reached the subscription's socket (a poll, no round
+    trip), as Redis's own client-side caching does, then hands over and forgets the ids announced on that
+    channel. A new subscription, or a lost one, announces `ANY` on every channel (what was missed is
+    unknown); after a loss readers go to Redis until a new subscription is confirmed (`live`).
     """
 
     RESUBSCRIBE_S = 1.0
 
-    def __init__(self, client: "redis.Redis", ttl_s: float = 30.0) -> None:
-        self._client, self._ttl_s = client, ttl_s
-        self._entries: dict[str, tuple[float, dict[str, str]]] = {}
+    def __init__(self, client: "redis.Redis", channels: tuple[str, ...]) -> None:
+        self._client, self._channels = client, channels
+        self._pending: dict[str, set[str]] = {c: set() for c in channels}
+        self._confirmed: set[str] = set()
         self._pubsub: Any = None
-        self._live = False  # the subscription is confirmed: every change since then has reached us or will
         self._retry_at = 0.0
         self._lock = threading.Lock()
 
     @property
     def live(self) -> bool:
-        return self._live
+        """Every channel's subscription is confirmed: every change since has reached us or will."""
+        return len(self._confirmed) == len(self._channels)
 
-    def get(self, tenant_id: str, read: Callable[[str], dict[str, str] | None]) -> dict[str, str] | None:
-        """The entry from memory when held and fresh, else `read(tenant_id)` (kept when the subscription is live)."""
+    def take(self, channel: str) -> set[str]:
         with self._lock:
-            now = time.monotonic()
-            self._apply_changes(now)
-            held = self._entries.get(tenant_id)
-            if held is not None and now - held[0] < self._ttl_s:
-                return held[1]
-            entry = read(tenant_id)
-            if entry is not None and self._live:
-                # a change announced during the read may or may not be in it: then it is not kept
-                if not {tenant_id, "*"} & self._apply_changes(now) and self._live:
-                    self._entries[tenant_id] = (now, entry)
-            return entry
-
-    def forget(self, tenant_id: str) -> None:
-        """Drop one entry now (this process changed it; its own message may still be on the way)."""
-        with self._lock:
-            self._entries.pop(tenant_id, None)
+            self._poll()
+            named, self._pending[channel] = self._pending[channel], set()
+            return named
 
     def close(self) -> None:
         with self._lock:
-            self._drop_subscription()
+            self._drop()
 
-    def _apply_changes(self, now: float) -> set[str]:
-        """Apply the change messages that have arrived; the tenants they named (every one, as `*`, when all
-        entries were dropped)."""
-        named: set[str] = set()
+    def _poll(self) -> None:
         if self._pubsub is None:
+            now = time.monotonic()
             if now < self._retry_at:
-                return named
+                return
             self._retry_at = now + self.RESUBSCRIBE_S
             try:
                 self._pubsub = self._client.pubsub()
-                self._pubsub.subscribe(REGISTRY_CHANNEL)
+                self._pubsub.subscribe(*self._channels)
             except (redis.RedisError, OSError) as exc:
-                log.warning("registry subscription failed (%s); tenants are read from Redis", type(exc).__name__)
-                self._drop_subscription()
-                return named
+                log.warning("change subscription failed (%s); state is read from Redis", type(exc).__name__)
+                self._drop()
+                return
         try:
             while (message := self._pubsub.get_message(timeout=0)) is not None:
+                channel = message["channel"].decode()
                 if message["type"] == "subscribe":  # also after a reconnect, when what was missed is unknown
-                    self._entries.clear()
-                    self._live = True
-                    named.add("*")
+                    self._confirmed.add(channel)
+                    self._pending[channel].add(ANY)
                 elif message["type"] == "message":
-                    tenant_id = message["data"].decode()
-                    self._entries.pop(tenant_id, None)
-                    named.add(tenant_id)
+                    self._pending[channel].add(message["data"].decode())
         except (redis.RedisError, OSError) as exc:
-            log.warning("registry subscription lost (%s); tenants are read from Redis until it is back", type(exc).__name__)
-            self._drop_subscription()
-            named.add("*")
-        return named
+            log.warning("change subscription lost (%s); state is read from Redis until it is back", type(exc).__name__)
+            self._drop()
 
-    def _drop_subscription(self) -> None:
-        self._entries.clear()
-        self._live = False
+    def _drop(self) -> None:
+        self._confirmed.clear()
+        for named in self._pending.values():
+            named.add(ANY)
         if self._pubsub is not None:
             try:
                 self._pubsub.close()
@@ -482,8 +478,61 @@ class RegistryCache:
         self._pubsub = None
 
 
+class RegistryCache:
+    """Tenant registry entries held in memory, dropped as writers announce changes on `REGISTRY_CHANNEL`.
+
+    Authentication reads a tenant's entry on every request; from Redis that was a round trip on the ingress's
+    event loop each time (398 -> 122 µs of ingress work per request on 2 CPU cores). Every read first applies
+    the announcements of the `ChangeFeed`, so a key deleted or rotated anywhere stops working here as soon as
+    Redis has told us. Unknown tenants are never cached (a key works as soon as its tenant is created); while
+    the feed is not live reads go to Redis; `ttl_s` bounds an entry's age whatever happens.
+    """
+
+    def __init__(self, feed: ChangeFeed, ttl_s: float = 30.0) -> None:
+        self._feed, self._ttl_s = feed, ttl_s
+        self._entries: dict[str, tuple[float, dict[str, str]]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def live(self) -> bool:
+        return self._feed.live
+
+    def get(self, tenant_id: str, read: Callable[[str], dict[str, str] | None]) -> dict[str, str] | None:
+        """The entry from memory when held and fresh, else `read(tenant_id)` (kept when the feed is live)."""
+        with self._lock:
+            now = time.monotonic()
+            self._apply(self._feed.take(REGISTRY_CHANNEL))
+            held = self._entries.get(tenant_id)
+            if held is not None and now - held[0] < self._ttl_s:
+                return held[1]
+            entry = read(tenant_id)
+            if entry is not None and self._feed.live:
+                # a change announced during the read may or may not be in it: then it is not kept
+                named = self._feed.take(REGISTRY_CHANNEL)
+                self._apply(named)
+                if not {tenant_id, ANY} & named and self._feed.live:
+                    self._entries[tenant_id] = (now, entry)
+            return entry
+
+    def forget(self, tenant_id: str) -> None:
+        """Drop one entry now (this process changed it; its own message may still be on the way)."""
+        with self._lock:
+            self._entries.pop(tenant_id, None)
+
+    def _apply(self, named: set[str]) -> None:
+        if ANY in named:
+            self._entries.clear()
+        for tenant_id in named:
+            self._entries.pop(tenant_id, None)
+
+
 def _t(tenant_id: str, part: str | None = None) -> str:
     return f"is:t:{{{tenant_id}}}" + (f":{part}" if part else "")
+
+
+def _tenant_of(key: str) -> str:
+    """The tenant id inside one of its keys (`_t`'s inverse)."""
+    return key[len("is:t:{"):key.rindex("}")]
 
 
 def _json(value: dict) -> str:

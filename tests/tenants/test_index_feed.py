@@ -1,0 +1,99 @@
+"""Retrieval indexes kept current by the change feed: no Redis round trip while a tenant is unchanged, every
+announced change found by the next search, a deleted and re-created tenant never served its old facts."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from tenants.connect import connect_service
+
+
+def _reader(writer_service):
+    """A second process's view of the same store (the ingress: change feed on)."""
+    return connect_service(writer_service.meta.url, writer_service.records.root.parent, writer_service.embedder,
+                           cache_registry=True)
+
+
+def _soon(search, want, timeout_s: float = 1.0):
+    """The search's texts once they equal `want` or `timeout_s` has passed. Redis writes the announcement in
+    the same pass of its event loop as the writer's answer, not always before it: microseconds later."""
+    deadline = time.monotonic() + timeout_s
+    while (found := [f.text for f, _ in search()]) != want and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return found
+
+
+def _count_log_reads(service) -> list[str]:
+    calls: list[str] = []
+    original = service.meta.log_since
+
+    def counted(tenant_id, last_id, count=10_000):
+        calls.append(tenant_id)
+        return original(tenant_id, last_id, count)
+
+    service.meta.log_since = counted
+    return calls
+
+
+def test_an_unchanged_tenant_is_searched_without_a_round_trip_and_a_change_is_seen_at_once(make_service):
+    writer = make_service()
+    admin = writer.ensure_admin_key()
+    _, key = writer.create_tenant(admin, "acme")
+    writer.authenticate(key).add_facts(["Maya has a grey cat called Pixel."])
+    reader = _reader(writer)
+    reads = _count_log_reads(reader)
+    tenant = reader.authenticate(key)
+    for _ in range(3):
+        assert [f.text for f, _ in tenant.search("cat", 5)] == ["Maya has a grey cat called Pixel."]
+    assert len(reads) <= 2  # caught up once (twice if the subscription was confirmed in between), then quiet
+    before = len(reads)
+    writer.authenticate(key).add_facts(["Maya works at the aquarium."])
+    both = ["Maya works at the aquarium.", "Maya has a grey cat called Pixel."]
+    assert _soon(lambda: tenant.search("aquarium", 5), both) == both
+    assert len(reads) == before + 1  # one catch-up, when the announcement arrived
+    fact_id = next(f.id for f, _ in tenant.search("aquarium", 1))
+    writer.authenticate(key).delete_fact(fact_id)
+    assert _soon(lambda: tenant.search("aquarium", 5), both[1:]) == both[1:]
+
+
+def test_a_recreated_tenant_is_never_served_its_old_facts(make_service):
+    writer = make_service()
+    admin = writer.ensure_admin_key()
+    _, key = writer.create_tenant(admin, "acme")
+    writer.authenticate(key).add_facts(["The vault code is 4417."])
+    reader = _reader(writer)
+    for _ in range(2):
+        assert reader.authenticate(key).search("vault code", 5)
+    writer.delete_tenant(admin, "acme")
+    _, new_key = writer.create_tenant(admin, "acme")  # the same id, someone else's now, with no facts yet
+    assert _soon(lambda: reader.authenticate(new_key).search("vault code", 5), []) == []
+    writer.authenticate(new_key).add_facts(["Tea is served at four."])
+    tea = ["Tea is served at four."]
+    assert _soon(lambda: reader.authenticate(new_key).search("vault code", 5), tea) == tea
+
+
+def test_without_a_live_feed_every_search_catches_up_with_redis(make_service):
+    writer = make_service()
+    admin = writer.ensure_admin_key()
+    _, key = writer.create_tenant(admin, "acme")
+    writer.authenticate(key).add_facts(["Maya has a grey cat called Pixel."])
+    reader = _reader(writer)
+    tenant = reader.authenticate(key)
+    for _ in range(2):
+        tenant.search("cat", 5)
+    reads = _count_log_reads(reader)
+    redis.Redis.from_url(writer.meta.url).execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+    for _ in range(3):  # the loss is noticed at the next search; until a new subscription, Redis every time
+        tenant.search("cat", 5)
+    assert len(reads) == 3
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not reader.meta._feed.live:
+        tenant.search("cat", 5)
+        time.sleep(0.05)
+    assert reader.meta._feed.live
+    before = len(reads)
+    for _ in range(3):
+        tenant.search("cat", 5)
+    assert len(reads) - before <= 1  # quiet again
