@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     encode.add_argument("--tenant", required=True)
     encode.add_argument("--input", required=True, type=Path, help="JSON: turns + facts, or a LoCoMo conversation")
     encode.add_argument("--window", type=int, default=None, help="context window in turns (default: the tenant's)")
+    encode.add_argument("--neighbours", type=int, default=None,
+                        help="nearest facts each fact is encoded behind, after its window (default: the tenant's)")
     encode.add_argument("--workers", type=int, default=1, help="encoding actors (on a GPU, encoding.actors_per_gpu of them share one)")
     encode.add_argument("--batch-size", type=int, default=16, help="facts per actor call")
     encode.add_argument("--submit", metavar="DASHBOARD_URL", default=None,
@@ -43,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     tenants = sub.add_parser("tenant", help="create a tenant (prints its API key once)")
     tenants.add_argument("name")
     tenants.add_argument("--window", type=int, default=5)
+    tenants.add_argument("--neighbours", type=int, default=0, help="nearest facts each fact is encoded behind")
     return parser
 
 

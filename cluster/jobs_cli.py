@@ -49,8 +49,8 @@ def _store(settings: Settings) -> Iterator[tuple[str, TenantService, str]]:
 
 def run_tenant_create(settings: Settings, args: argparse.Namespace) -> int:
     with _store(settings) as (_, service, admin):
-        info, key = service.create_tenant(admin, args.name, window=args.window)
-    print(json.dumps({"tenant": info["id"], "api_key": key, "window": info["window"]}))
+        info, key = service.create_tenant(admin, args.name, window=args.window, neighbours=args.neighbours)
+    print(json.dumps({"tenant": info["id"], "api_key": key, "window": info["window"], "neighbours": info["neighbours"]}))
     return 0
 
 
@@ -60,7 +60,7 @@ def run_encode(settings: Settings, args: argparse.Namespace) -> int:
         return _submit(args)
     with _store(settings) as (url, _, admin):
         report = run_job(settings, redis_url=url, key=admin, tenant_id=args.tenant, input_path=args.input,
-                         window=args.window, workers=args.workers, batch_size=args.batch_size, progress=_progress)
+                         window=args.window, neighbours=args.neighbours, workers=args.workers, batch_size=args.batch_size, progress=_progress)
     print(file=sys.stderr)
     print(json.dumps(report.to_dict()))
     return 0 if report.failed == 0 else 1
@@ -82,8 +82,9 @@ def _submit(args: argparse.Namespace) -> int:
     shutil.copy(args.input, folder / "input.json")
     command = ["inferscale", "encode", "--tenant", args.tenant, "--input", "input.json",
                "--workers", str(args.workers), "--batch-size", str(args.batch_size)]
-    if args.window is not None:
-        command += ["--window", str(args.window)]
+    for flag, value in (("--window", args.window), ("--neighbours", args.neighbours)):
+        if value is not None:
+            command += [flag, str(value)]
     env = {k: v for k, v in os.environ.items() if k.startswith("INFERSCALE_")}
     client = JobSubmissionClient(args.submit)
     deadline = time.monotonic() + 120

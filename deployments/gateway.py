@@ -69,6 +69,7 @@ class PreparedChat:
 
     task: ChatTask
     retrieval_ms: float
+    embed_ms: float = 0.0  # of retrieval_ms, the question's embedding (the rest: the change log and the search)
     tiers: "asyncio.Future[dict[str, int]] | None" = None
     dispatched: float | None = None  # wall clock when the task left for the replica
     first_event: float | None = None  # wall clock when the replica's first event came back
@@ -77,8 +78,8 @@ class PreparedChat:
         return await self.tiers if self.tiers is not None else {}
 
 
-# (job id, key, tenant, input file, window (None: the tenant's), progress) -> the job's report
-JobRunner = Callable[[str, str, str, Path, "int | None", Callable[[dict], None]], dict]
+# (job id, key, tenant, input file, window, neighbours (None: the tenant's), progress) -> the job's report
+JobRunner = Callable[[str, str, str, Path, "int | None", "int | None", Callable[[dict], None]], dict]
 
 
 def order_facts(hits: list[tuple[Fact, float]], order: FactOrder) -> list[tuple[Fact, float]]:
@@ -123,10 +124,13 @@ class Gateway:
         if self.args.max_tokens is not None and max_tokens > self.args.max_tokens:
             raise InvalidInputError(f"max_tokens must be at most {self.args.max_tokens}")
         started = time.perf_counter()
+        embedded = started
         facts: tuple[RetrievedFact, ...] = ()
         if body.memory.mode != "off" and k > 0:
             query = body.last_user_text()[-self.service.max_fact_chars:]  # the question's end is what retrieval needs
-            retrieved = tenant.retrieve(await self.queries.embed(query), k)
+            vector = await self.queries.embed(query)
+            embedded = time.perf_counter()
+            retrieved = tenant.retrieve(vector, k)
             version = retrieved.version
             hits = order_facts(retrieved.hits, body.memory.order or self.args.default_order)
             facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in hits)
@@ -141,7 +145,7 @@ class Gateway:
         tiers = None
         if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
             tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, [f.fact_id for f in facts]))
-        return PreparedChat(task, retrieval_ms, tiers)
+        return PreparedChat(task, retrieval_ms, (embedded - started) * 1000, tiers)
 
     @staticmethod
     def _tier_counts(tenant: Tenant, fact_ids: list[str]) -> dict[str, int]:
@@ -199,13 +203,13 @@ class Gateway:
             parse_input(body.input, self.service.max_fact_chars)
         except JobInputError as exc:
             raise InvalidInputError(f"job input: {exc}") from None
-        return self._queue_job(tenant, api_key, body.input, body.window)
+        return self._queue_job(tenant, api_key, body.input, body.window, body.neighbours)
 
     # ---- admin ----
     def create_tenant(self, admin_key: str | None, body: CreateTenant) -> dict[str, Any]:
         info, key = self.service.create_tenant(admin_key or "", body.id, max_facts=body.max_facts,
                                                max_bytes=body.max_bytes, window=body.window,
-                                               recompute=body.recompute)
+                                               recompute=body.recompute, neighbours=body.neighbours)
         return {"tenant": info, "api_key": key}
 
     def list_tenants(self, admin_key: str | None) -> dict[str, Any]:
@@ -254,7 +258,8 @@ class Gateway:
             raise InvalidInputError("messages hold no user or assistant turns to extract facts from")
         return self._queue_job(tenant, api_key, {"turns": turns}, self._extraction_window)
 
-    def _queue_job(self, tenant: Tenant, api_key: str, job_input: dict[str, Any], window: int | None) -> dict[str, Any]:
+    def _queue_job(self, tenant: Tenant, api_key: str, job_input: dict[str, Any], window: int | None,
+                   neighbours: int | None = None) -> dict[str, Any]:
         if self._run_job is None:
             raise InvalidInputError("this deployment runs no encoding jobs")
         job_id = f"job-{uuid.uuid4().hex[:16]}"
@@ -268,7 +273,7 @@ class Gateway:
 
         def run() -> None:
             try:
-                report = self._run_job(job_id, api_key, tenant.id, path, window, progress)
+                report = self._run_job(job_id, api_key, tenant.id, path, window, neighbours, progress)
                 tenant.record_job(job_id, {"id": job_id, "status": "succeeded", "report": report, "finished": time.time()})
             except Exception as exc:  # noqa: BLE001 - the job's status carries the reason
                 log.exception("extraction job failed")

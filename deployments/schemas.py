@@ -132,12 +132,15 @@ class AddMemories(BaseModel):
 
 class SubmitJob(BaseModel):
     """An encoding job: `input` in the job file format (explicit facts with their turns, or a LoCoMo
-    conversation to extract facts from), encoded behind `window` turns (None: the tenant's window)."""
+    conversation to extract facts from), encoded behind `window` turns and `neighbours` nearest facts (None:
+    the tenant's settings)."""
 
     model_config = ConfigDict(extra="forbid")
 
     input: dict[str, Any]
     window: int | None = Field(None, ge=0, le=256)
+    neighbours: int | None = Field(None, ge=0, le=64, description="Nearest facts each fact is encoded behind, "
+                                                                    "after its window turns (None: the tenant's).")
 
 
 class SearchMemories(BaseModel):
@@ -163,6 +166,8 @@ class CreateTenant(BaseModel):
     window: int = Field(5, ge=0, le=1000)
     recompute: int | None = Field(None, ge=0, le=1000, description="Facts its chats prefill after the injected ones "
                                                                     "when a chat does not say (None: the cluster's).")
+    neighbours: int = Field(0, ge=0, le=64, description="Nearest facts (by embedding) each of its facts is encoded "
+                                                         "behind in encoding jobs, after its window turns.")
 
 
 class ErrorDetail(BaseModel):

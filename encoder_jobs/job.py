@@ -18,6 +18,7 @@ from typing import Callable
 from config.settings import Settings
 from encoder_jobs.extract import extract_facts
 from encoder_jobs.inputs import load_input
+from encoder_jobs.neighbours import nearest_texts
 from encoder_jobs.tasks import task_rows
 from encoder_jobs.worker import EncodeWorker
 from models.generation import ChatGenerator
@@ -25,6 +26,7 @@ from models.loader import load_model
 from models.minilm import MiniLMEmbedder
 from tenants.connect import connect_service
 from tenants.errors import TenantError
+from tenants.service import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +48,17 @@ class JobReport:
 
 
 def run_job(settings: Settings, *, redis_url: str, key: str, tenant_id: str, input_path: Path,
-            window: int | None = None, workers: int = 1, batch_size: int = 16,
+            window: int | None = None, neighbours: int | None = None, workers: int = 1, batch_size: int = 16,
             progress: Callable[[JobReport], None] = lambda report: None) -> JobReport:
+    """`window` turns and `neighbours` nearest facts before each fact (None: the tenant's settings)."""
     job_input = load_input(input_path, settings.tenants.max_fact_chars)  # before anything is written
-    service = connect_service(redis_url, settings.state_dir, MiniLMEmbedder(), settings.tenants)
+    embedder = MiniLMEmbedder()
+    service = connect_service(redis_url, settings.state_dir, embedder, settings.tenants)
     tenant = service.open_tenant(key, tenant_id)
     window = tenant.window if window is None else window
-    if window < 0:
-        raise ValueError("window must be >= 0")
+    neighbours = tenant.neighbours if neighbours is None else neighbours
+    if window < 0 or neighbours < 0:
+        raise ValueError("window and neighbours must be >= 0")
     report = JobReport()
     facts = job_input.facts
     if facts is None:  # a conversation: extract facts and decide what each one does to the store
@@ -78,10 +83,25 @@ def run_job(settings: Settings, *, redis_url: str, key: str, tenant_id: str, inp
     existing = service.meta.facts(tenant_id, [r["fact_id"] for r in rows])
     todo = [r for r, meta in zip(rows, existing) if not (meta and meta.get("record_id") and meta["state"] == "active")]
     report.skipped = len(rows) - len(todo)
+    if todo:
+        near = _neighbours(tenant, embedder, [r["text"] for r in rows], neighbours)
+        by_id = {r["fact_id"]: texts for r, texts in zip(rows, near)}
+        for row in todo:
+            row["neighbours"] = by_id[row["fact_id"]]
     progress(report)
     if todo:
         _run_on_ray(settings, redis_url, key, tenant_id, window, todo, workers, batch_size, report, progress)
     return report
+
+
+def _neighbours(tenant: Tenant, embedder: MiniLMEmbedder, texts: list[str], count: int) -> list[list[str]]:
+    """The `count` nearest facts of each text, among the job's facts and the tenant's stored ones."""
+    if count == 0:
+        return [[] for _ in texts]
+    vectors = embedder.embed_tensor(texts)
+    stored = [[(f.text, score) for f, score in tenant.retrieve(v, count + 1).hits] for v in vectors] \
+        if tenant.usage()["facts"] else None
+    return nearest_texts(texts, vectors, stored or [], count)
 
 
 def _run_on_ray(settings: Settings, redis_url: str, key: str, tenant_id: str, window: int, rows: list[dict],

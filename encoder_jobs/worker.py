@@ -80,7 +80,8 @@ class EncodeWorker:
             turns = [Turn(t["speaker"], t["text"], t["time"]) for t in row["context"]]
             try:
                 job = plan_fact_jobs(turns, [Fact(row["fact_id"], row["text"], len(turns))], window=self._window,
-                                     prefix_ids=self._frame.prefix_ids, tokenizer=self._encoder, limits=self._limits)[0]
+                                     prefix_ids=self._frame.prefix_ids, tokenizer=self._encoder, limits=self._limits,
+                                     neighbours={row["fact_id"]: row["neighbours"]})[0]
                 planned.append((row, job))
             except KVCoreError as exc:
                 statuses[row["fact_id"]] = ("failed", str(exc))
@@ -137,4 +138,5 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
     """Ray Data hands columns over as numpy arrays: back to Python values."""
     return {"fact_id": str(row["fact_id"]), "text": str(row["text"]), "anchor": int(row["anchor"]),
             "context": [{"speaker": str(t["speaker"]), "text": str(t["text"]), "time": None if t["time"] is None else str(t["time"])}
-                        for t in row["context"]]}
+                        for t in row["context"]],
+            "neighbours": [str(text) for text in (() if row.get("neighbours") is None else row["neighbours"])]}

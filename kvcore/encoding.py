@@ -1,7 +1,8 @@
 """Context-window encoding: run each fact behind the turns that preceded it, keep only the fact's K/V.
 
-Each job is `[prefix][window turns][target]`; the prefix is the chat frame up to the memory region (the
-system prompt), so a fact sees what it will see at serving time. Jobs are batched by a token budget,
+Each job is `[prefix][window turns][neighbour facts][target]`; the prefix is the chat frame up to the memory
+region (the system prompt), so a fact sees what it will see at serving time; the neighbour facts (optional)
+are other facts rendered as the memory region renders them, the ones it is likely to be retrieved with. Jobs are batched by a token budget,
 right-padded (so every row's real tokens sit at positions 0..len-1 and padding never leaks into them),
 and run through a `KVForward`. With `window=0` every fact is encoded on its own; with a window that
 holds all preceding memory the result equals a joint prefill of the whole memory exactly.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -45,8 +46,10 @@ def plan_fact_jobs(
     prefix_ids: Sequence[int],
     tokenizer: TokenEncoder,
     limits: FactLimits = FactLimits(),
+    neighbours: Mapping[str, Sequence[str]] | None = None,
 ) -> list[EncodingJob]:
-    """Validate every fact first (nothing is encoded if one is bad), then tokenize jobs."""
+    """Validate every fact first (nothing is encoded if one is bad), then tokenize jobs. `neighbours`: fact id
+    -> texts of other facts to encode it behind, after its window turns (the last nearest the fact)."""
     if window < 0:
         raise InvalidFactError(f"window must be >= 0, got {window}")
     seen: set[str] = set()
@@ -67,7 +70,11 @@ def plan_fact_jobs(
             if index not in turn_ids:
                 turn_ids[index] = tokenizer.encode_text(turn.render())
             context.extend(turn_ids[index])
-        jobs.append(EncodingJob(fact.fact_id, tuple(context), tuple(target), {"anchor": str(fact.anchor)}))
+        near = (neighbours or {}).get(fact.fact_id, ())
+        for text in near:
+            context.extend(tokenizer.encode_text(Fact(fact.fact_id, text, 0).render()))
+        meta = {"anchor": str(fact.anchor)} | ({"neighbours": str(len(near))} if near else {})
+        jobs.append(EncodingJob(fact.fact_id, tuple(context), tuple(target), meta))
     return jobs
 
 

@@ -79,9 +79,10 @@ class TenantService:
 
     def create_tenant(self, admin_key: str, tenant_id: str, *, max_facts: int | None = None,
                       max_bytes: int | None = None, window: int = 5, model_fingerprint: str = "",
-                      recompute: int | None = None) -> tuple[dict, str]:
+                      recompute: int | None = None, neighbours: int = 0) -> tuple[dict, str]:
         """Register a tenant; returns its registry entry and its API key (shown only this once). `recompute`:
-        the facts its chats prefill after the injected ones when a chat does not say (None: the cluster's)."""
+        the facts its chats prefill after the injected ones when a chat does not say (None: the cluster's);
+        `window` turns and `neighbours` nearest facts: the context its facts are encoded behind."""
         self.check_admin(admin_key)
         tenant_id = check_id("tenant id", tenant_id)
         limits = {"max_facts": max_facts or self.defaults["max_facts"], "max_bytes": max_bytes or self.defaults["max_bytes"]}
@@ -89,9 +90,12 @@ class TenantService:
             raise InvalidInputError("quotas must be positive integers and the window a non-negative integer")
         if recompute is not None and (not isinstance(recompute, int) or recompute < 0):
             raise InvalidInputError("recompute must be a non-negative integer")
+        if not isinstance(neighbours, int) or neighbours < 0:
+            raise InvalidInputError("neighbours must be a non-negative integer")
         key = new_tenant_key(tenant_id)
         fields = {"key_hash": hash_key(key), **limits, "window": window, "model_fingerprint": model_fingerprint,
                   "created": time.time()} | ({} if recompute is None else {"recompute": recompute})
+        fields |= {"neighbours": neighbours} if neighbours else {}
         self.meta.create_tenant(tenant_id, fields)
         return self.tenant_info(admin_key, tenant_id), key
 
@@ -158,6 +162,11 @@ class Tenant:
     @property
     def window(self) -> int:
         return int(self._info.get("window", 0))
+
+    @property
+    def neighbours(self) -> int:
+        """Nearest facts each fact is encoded behind (after its window turns)."""
+        return int(self._info.get("neighbours", 0))
 
     @property
     def recompute(self) -> int | None:
@@ -361,8 +370,10 @@ class Tenant:
 
 
 def _encoding(kv: FactKV | None) -> dict | None:
-    """How the fact's K/V was made (window, model fingerprint, rope, dtype), as metadata."""
-    return json.loads(kv.params.to_json()) if kv is not None else None
+    """How the fact's K/V was made (window, neighbour facts, model fingerprint, rope, dtype), as metadata."""
+    if kv is None:
+        return None
+    return json.loads(kv.params.to_json()) | {"neighbours": int(kv.meta.get("neighbours", 0))}
 
 
 def _size(text: str, kv: FactKV | None) -> int:
@@ -372,4 +383,5 @@ def _size(text: str, kv: FactKV | None) -> int:
 def _public(info: dict[str, str]) -> dict:
     return {"id": info["id"], "max_facts": int(info["max_facts"]), "max_bytes": int(info["max_bytes"]),
             "window": int(info["window"]), "model_fingerprint": info.get("model_fingerprint", ""),
-            "created": float(info["created"])} | ({"recompute": int(info["recompute"])} if "recompute" in info else {})
+            "neighbours": int(info.get("neighbours", 0)), "created": float(info["created"])} \
+        | ({"recompute": int(info["recompute"])} if "recompute" in info else {})

@@ -1,8 +1,9 @@
 """Answer quality of KV injection vs prompt injection on LoCoMo-format data, through the public HTTP API.
 
-Per conversation and window w, a tenant gets the conversation's observation facts through an encoding job
-(`POST /v1/jobs`, facts anchored after their evidence turns, encoded behind w turns); every question is then
-asked with `mode` = inject (each w; `_m<m>`: the m best-scored facts recomputed, `memory.recompute`), prompt
+Per conversation and encoding context (w turns, and with `_n<n>` the n nearest facts), a tenant gets the
+conversation's observation facts through an encoding job (`POST /v1/jobs`, facts anchored after their evidence
+turns, encoded behind that context); every question is then asked with `mode` = inject (each context; `_m<m>`:
+the m best-scored facts recomputed, `memory.recompute`), prompt
 and off at each k, greedy, seed 0; a suffix `_best_first`, `_best_last` or `_time` on an inject or prompt mode
 sets `memory.order`. Ratios to prompt mode are paired over the same questions, with 95 % bootstrap intervals
 (`scoring.py`); `devset.py` generates a development set of 360 questions. Inject and prompt retrieve the
@@ -11,7 +12,7 @@ retrieval recall of the evidence turns, TTFT (ingress, first token). Writes a JS
 PNG of F1 and TTFT against k next to it.
 
     python benchmarks/quality/run.py --data PATH --out PATH [--base-url URL --admin-key KEY] [--quick]
-        [--modes inject_w5,inject_w5_m3,prompt --ks 10,50 --samples N --concurrency N]
+        [--modes inject_w5,inject_w5_n4_m1,prompt --ks 10,50 --samples N --concurrency N]
 
 Without --base-url a cluster is started in this process (redis-server, local Ray, SmolLM2).
 """
@@ -40,12 +41,15 @@ from benchmarks.quality.scoring import exact_match, mean_interval, ratio_interva
 SUFFIX = " Answer in a few words."
 
 
+MODE = re.compile(r"(inject_w\d+(_n\d+)?(_m\d+)?|prompt)(_best_first|_best_last|_time)?")
+
+
 @dataclass
 class Plan:
-    windows: tuple[int, ...]
+    contexts: tuple[tuple[int, int], ...]  # (window, neighbours) of each tenant the inject modes need
     ks: tuple[int, ...]
-    modes: tuple[str, ...]  # "inject_w<w>" or "inject_w<w>_m<m>" (m facts recomputed), "prompt", "off";
-    # inject and prompt modes may end in "_best_first", "_best_last" or "_time" (`memory.order`)
+    modes: tuple[str, ...]  # "inject_w<w>[_n<n>][_m<m>]" (n nearest facts in the encoding context, m facts
+    # recomputed), "prompt", "off"; inject and prompt modes may end in "_best_first", "_best_last" or "_time"
     samples: int | None = None  # the first N conversations; None: all
     max_tokens: int = 24
     model: str = "inferscale-smollm2"
@@ -58,7 +62,7 @@ class Plan:
     @classmethod
     def of(cls, quick: bool) -> "Plan":
         if quick:
-            return cls(windows=(5,), ks=(10,), modes=("inject_w5", "prompt"), samples=1)
+            return cls(contexts=((5, 0),), ks=(10,), modes=("inject_w5", "prompt"), samples=1)
         return cls.parse("inject_w0,inject_w5,inject_w20,inject_w5_m1,inject_w5_m3,inject_w5_m5,prompt,off", "10,50")
 
     @classmethod
@@ -66,8 +70,8 @@ class Plan:
         """A plan from comma-separated modes and ks; the windows are those the inject modes name."""
         names = tuple(m.strip() for m in modes.split(",") if m.strip())
         for name in names:
-            if name != "off" and not re.fullmatch(r"(inject_w\d+(_m\d+)?|prompt)(_best_first|_best_last|_time)?", name):
-                raise ValueError(f"unknown mode {name!r}: inject_w<w>[_m<m>] or prompt, either with an optional "
+            if name != "off" and not MODE.fullmatch(name):
+                raise ValueError(f"unknown mode {name!r}: inject_w<w>[_n<n>][_m<m>] or prompt, either with an optional "
                                  f"_best_first, _best_last or _time, or off")
         try:
             k_values = tuple(int(k) for k in ks.split(","))
@@ -75,12 +79,14 @@ class Plan:
             raise ValueError(f"ks must be comma-separated integers, got {ks!r}") from None
         if not names or not k_values or min(k_values) < 1:
             raise ValueError("at least one mode and one k >= 1 are needed")
-        windows = tuple(sorted({window_of(n) for n in names if n.startswith("inject")})) or (5,)
-        return cls(windows=windows, ks=k_values, modes=names, samples=samples, concurrency=concurrency)
+        contexts = tuple(sorted({context_of(n) for n in names if n.startswith("inject")})) or ((5, 0),)
+        return cls(contexts=contexts, ks=k_values, modes=names, samples=samples, concurrency=concurrency)
 
 
-def window_of(mode: str) -> int:
-    return int(mode.split("_w")[1].split("_")[0])
+def context_of(mode: str) -> tuple[int, int]:
+    """(window, neighbours) of an inject mode's encoding context."""
+    near = re.search(r"_n(\d+)", mode)
+    return int(mode.split("_w")[1].split("_")[0]), int(near.group(1)) if near else 0
 
 
 def recompute_of(mode: str) -> int:
@@ -108,11 +114,15 @@ class Client:
         return answer.json()
 
 
-def prepare_tenant(client: Client, tenant_id: str, sample: Sample, window: int, timeout_s: float = 1800) -> str:
-    """A fresh tenant holding the sample's facts encoded behind `window` turns; returns its API key."""
+def prepare_tenant(client: Client, tenant_id: str, sample: Sample, context: tuple[int, int], timeout_s: float = 1800) -> str:
+    """A fresh tenant holding the sample's facts encoded behind `context` (window turns, neighbour facts);
+    returns its API key."""
+    window, neighbours = context
     client.call("DELETE", f"/v1/tenants/{tenant_id}", client.admin_key, ok=(200, 204, 404))
-    key = client.call("POST", "/v1/tenants", client.admin_key, {"id": tenant_id, "window": window}, ok=(201,))["api_key"]
-    job = client.call("POST", "/v1/jobs", key, {"input": sample.job_input(), "window": window}, ok=(202,))
+    key = client.call("POST", "/v1/tenants", client.admin_key,
+                      {"id": tenant_id, "window": window, "neighbours": neighbours}, ok=(201,))["api_key"]
+    job = client.call("POST", "/v1/jobs", key, {"input": sample.job_input(), "window": window, "neighbours": neighbours},
+                      ok=(202,))
     deadline = time.monotonic() + timeout_s
     while (status := client.call("GET", f"/v1/jobs/{job['job_id']}", key))["status"] not in ("succeeded", "failed"):
         if time.monotonic() > deadline:
@@ -148,8 +158,8 @@ def evaluate(client: Client, samples: list[Sample], plan: Plan, tenant_prefix: s
     chosen = samples[: plan.samples]
     started = time.monotonic()
     for index, sample in enumerate(chosen):
-        keys = {w: prepare_tenant(client, f"{tenant_prefix}-{index}-w{w}", sample, w) for w in plan.windows}
-        plain_key = keys[5] if 5 in keys else keys[plan.windows[0]]  # prompt / off: the text alone, any window
+        keys = {c: prepare_tenant(client, f"{tenant_prefix}-{index}-w{c[0]}-n{c[1]}", sample, c) for c in plan.contexts}
+        plain_key = keys.get((5, 0), keys[plan.contexts[0]])  # prompt / off: the text alone, any context
         evidence_of = {o.text: o.evidence for o in sample.observations}
 
         def one_question(q) -> list[dict]:
@@ -157,7 +167,7 @@ def evaluate(client: Client, samples: list[Sample], plan: Plan, tenant_prefix: s
             for k in plan.ks:
                 hit = recall(retrieved(client, plain_key, q.question, k, evidence_of), q.evidence)
                 for mode in plan.modes:
-                    key, wire = ((keys[window_of(mode)], "inject") if mode.startswith("inject")
+                    key, wire = ((keys[context_of(mode)], "inject") if mode.startswith("inject")
                                  else (plain_key, mode.split("_")[0]))
                     prediction, usage = ask(client, key, plan, q.question, k, wire, recompute_of(mode), order_of(mode))
                     found.append({"sample": sample.sample_id, "category": q.category, "k": k, "mode": mode,
@@ -250,7 +260,7 @@ def main() -> None:
     parser.add_argument("--base-url", help="a running cluster; default: start one in this process")
     parser.add_argument("--admin-key", help="its admin key (default: INFERSCALE_ADMIN_KEY)")
     parser.add_argument("--quick", action="store_true", help="first conversation, k=10, w=5, inject and prompt")
-    parser.add_argument("--modes", help="comma-separated modes (inject_w<w>[_m<m>], prompt, off); default: all of "
+    parser.add_argument("--modes", help="comma-separated modes (inject_w<w>[_n<n>][_m<m>], prompt, off); default: all of "
                                         "the full plan")
     parser.add_argument("--ks", default="10,50", help="comma-separated k values (with --modes)")
     parser.add_argument("--samples", type=int, help="only the first N conversations")

@@ -79,9 +79,10 @@ def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Cal
     # the job writes records where the LLM servers read them: the application's state folder
     settings = load_settings(**{**args.settings, "state_dir": args.state_dir})
 
-    def run(job_id: str, key: str, tenant_id: str, path: Path, window: int | None, progress: Callable[[dict], None]) -> dict:
+    def run(job_id: str, key: str, tenant_id: str, path: Path, window: int | None, neighbours: int | None,
+            progress: Callable[[dict], None]) -> dict:
         report = run_job(settings, redis_url=args.redis(settings), key=key, tenant_id=tenant_id, input_path=path,
-                         window=window, progress=lambda r: progress(r.to_dict()))
+                         window=window, neighbours=neighbours, progress=lambda r: progress(r.to_dict()))
         return report.to_dict()
 
     return run
@@ -94,10 +95,10 @@ class Ingress:
         self.args = AppArgs(**args)
         settings = load_settings(**self.args.settings)
         embedder = MiniLMEmbedder(device=self.args.ingress.embed_device)
-        queries = QueryBatcher(embedder)
+        queries = QueryBatcher(embedder, device=self.args.ingress.index_device)
         embedder.prepare(queries.max_batch)
         service = connect_service(self.args.redis(settings), self.args.state_dir, embedder, settings.tenants,
-                                  device=self.args.ingress.embed_device, cache_registry=True)
+                                  device=self.args.ingress.index_device, cache_registry=True)
         if admin_key := self.args.admin_key or settings.admin_key:
             service.install_admin_key(admin_key)
         elif (created := service.ensure_admin_key()) is not None:

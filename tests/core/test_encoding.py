@@ -84,3 +84,13 @@ def test_records_carry_params_and_requested_dtype():
     assert rec.k.dtype == torch.bfloat16 and rec.params.dtype == "bfloat16"
     assert (rec.params.window, rec.params.model_fingerprint, rec.params.rope) == (4, SPEC.fingerprint, SPEC.rope)
     assert rec.k.shape == (3, 2, 3, 8)
+
+
+def test_neighbours_sit_after_the_window_and_before_the_fact():
+    facts = [Fact("f3", "y", 3), Fact("f4", "z", 4)]
+    jobs = plan_fact_jobs(TURNS, facts, window=1, prefix_ids=[7], tokenizer=CharTokens(),
+                          neighbours={"f3": ["far", "near"]})
+    render = CharTokens().encode_text
+    assert jobs[0].context_ids == tuple([7] + render(TURNS[2].render()) + render("far\n") + render("near\n"))
+    assert jobs[0].meta == {"anchor": "3", "neighbours": "2"}
+    assert jobs[1].context_ids == tuple([7] + render(TURNS[3].render())) and "neighbours" not in jobs[1].meta

@@ -63,6 +63,34 @@ def test_a_conversation_is_encoded_once_and_equals_the_core(ray_local, job_env, 
     assert len(service.records.record_ids("maya")) == 4
 
 
+def test_facts_are_encoded_behind_their_nearest_facts_when_asked(ray_local, job_env, tmp_path):
+    """`neighbours=2`: each fact's K/V is the core's encoding behind the two facts nearest it (by the retrieval
+    embedding, the nearest last), after its window; the same facts alone differ."""
+    from encoder_jobs.neighbours import nearest_texts
+    from models.minilm import MiniLMEmbedder
+    from models.transformers_adapter import HFKVForward
+
+    settings, service, admin = job_env
+    report = run(job_env, write_input(tmp_path / "in.json"), window=0, neighbours=2)
+    assert (report.encoded, report.failed) == (4, 0), report.errors
+    stored = {f.text: f for f in service.tenant_for_admin(admin, "maya").list_facts()}
+    assert all(f.encoding["neighbours"] == 2 and f.encoding["window"] == 0 for f in stored.values())
+
+    texts = [t for t, _ in FACTS]
+    near = nearest_texts(texts, MiniLMEmbedder().embed_tensor(texts), [], 2)
+    assert all(len(n) == 2 and t not in n for t, n in zip(texts, near))
+    loaded = load_model(settings.model)
+    frame = build_frame(loaded.tokenizer, settings.system_prompt)
+    facts = [Fact(f"f{i}", t, 0) for i, t in enumerate(texts)]
+    for neighbours, same in (({f"f{i}": n for i, n in enumerate(near)}, True), (None, False)):
+        jobs = plan_fact_jobs([], facts, window=0, prefix_ids=frame.prefix_ids, tokenizer=TokenizerEncoder(loaded.tokenizer),
+                              neighbours=neighbours)
+        direct = encode_jobs(jobs, HFKVForward(loaded), loaded.spec, tenant_id="maya", window=0, dtype=loaded.dtype)
+        for text, expected in zip(texts, direct):
+            record = service.records.get("maya", stored[text].record_id)
+            assert torch.allclose(record.k, expected.k, atol=1e-4) is same, (text, neighbours is not None)
+
+
 def test_a_killed_worker_is_finished_by_resubmitting_exactly_once(ray_local, job_env, tmp_path, monkeypatch):
     settings, service, admin = job_env
     path = write_input(tmp_path / "in.json")

@@ -103,3 +103,19 @@ def test_batched_encoding_of_real_facts_equals_one_at_a_time(loaded, forward, fr
     for job, rec in zip(jobs, batched):
         alone = _encode(loaded, forward, [job], 2)[0]
         assert (rec.k - alone.k).abs().max() < 1e-4 and (rec.v - alone.v).abs().max() < 1e-4
+
+
+def test_neighbour_context_is_exact_when_it_holds_the_facts_before_it(loaded, forward, engine, frame):
+    """Corollary 9 for neighbour contexts: each fact encoded behind the facts laid out before it in the memory
+    region (the neighbours, least similar first) is a joint prefill of that region; alone (no neighbours) it is not."""
+    texts = ["Maya has a grey cat called Pixel.", "Pixel sleeps on the piano.", "Maya's piano is in the attic."]
+    facts = [Fact(f"n{i}", text, 0) for i, text in enumerate(texts)]
+    tokens = TokenizerEncoder(loaded.tokenizer)
+    prefix = _prefix(loaded, forward, frame)
+    query = frame.query_ids(loaded.tokenizer, "Where does Maya's cat sleep?")
+    gaps = {}
+    for name, near in (("before", {f"n{i}": texts[:i] for i in range(3)}), ("alone", None)):
+        jobs = plan_fact_jobs([], facts, window=0, prefix_ids=frame.prefix_ids, tokenizer=tokens, neighbours=near)
+        gaps[name] = _gap(engine, compose(_encode(loaded, forward, jobs, 0), prefix), query)
+    assert gaps["before"] <= TOL, gaps
+    assert gaps["alone"] > 1e-2, gaps

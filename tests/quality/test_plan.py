@@ -2,27 +2,35 @@
 
 import pytest
 
-from benchmarks.quality.run import Plan, order_of, recompute_of, summarize, window_of
+from benchmarks.quality.run import Plan, context_of, order_of, recompute_of, summarize
 
 
 def test_modes_name_their_window_and_recomputation():
     plan = Plan.parse("inject_w0, inject_w5_m3,prompt,off", "10,50")
-    assert plan.windows == (0, 5) and plan.ks == (10, 50) and plan.modes == ("inject_w0", "inject_w5_m3", "prompt", "off")
-    assert (window_of("inject_w20_m5"), recompute_of("inject_w20_m5"), recompute_of("inject_w5")) == (20, 5, 0)
-    assert Plan.parse("prompt", "10").windows == (5,)  # the text-only modes still need a tenant
+    assert plan.contexts == ((0, 0), (5, 0)) and plan.ks == (10, 50) and plan.modes == ("inject_w0", "inject_w5_m3", "prompt", "off")
+    assert (context_of("inject_w20_m5"), recompute_of("inject_w20_m5"), recompute_of("inject_w5")) == ((20, 0), 5, 0)
+    assert Plan.parse("prompt", "10").contexts == ((5, 0),)  # the text-only modes still need a tenant
     assert {"inject_w5_m1", "inject_w5_m3", "inject_w5_m5", "inject_w20", "off"} <= set(Plan.of(quick=False).modes)
 
 
 def test_modes_may_name_the_order_of_their_facts():
     plan = Plan.parse("inject_w5_m1_best_last,inject_w20_time,prompt_time,prompt_best_first,prompt", "10")
-    assert plan.windows == (5, 20)
+    assert plan.contexts == ((5, 0), (20, 0))
     assert [order_of(m) for m in plan.modes] == ["best_last", "time", "time", "best_first", None]
-    assert (window_of("inject_w5_m1_best_last"), recompute_of("inject_w5_m1_best_last"), recompute_of("inject_w5_time")) == (5, 1, 0)
+    assert (context_of("inject_w5_m1_best_last"), recompute_of("inject_w5_m1_best_last"), recompute_of("inject_w5_time")) == ((5, 0), 1, 0)
+
+
+def test_modes_may_encode_facts_behind_their_neighbours():
+    plan = Plan.parse("inject_w0_n4_m1_best_last,inject_w5_n4,inject_w5_m1,prompt", "50")
+    assert plan.contexts == ((0, 4), (5, 0), (5, 4))
+    assert (context_of("inject_w0_n4_m1_best_last"), recompute_of("inject_w0_n4_m1_best_last")) == ((0, 4), 1)
+    assert order_of("inject_w0_n4_m1_best_last") == "best_last"
 
 
 @pytest.mark.parametrize("modes, ks, message", [("inject_x", "10", "unknown mode"), ("paste", "10", "unknown mode"),
                                                 ("prompt", "ten", "integers"), ("off_time", "10", "unknown mode"),
-                                                ("inject_w5_worst_first", "10", "unknown mode"), ("prompt", "0", "k >= 1"), ("", "10", "one mode")])
+                                                ("inject_w5_worst_first", "10", "unknown mode"),
+                                                ("inject_w5_m1_n4", "10", "unknown mode"), ("inject_n4", "10", "unknown mode"), ("prompt", "0", "k >= 1"), ("", "10", "one mode")])
 def test_bad_plans_are_refused(modes, ks, message):
     with pytest.raises(ValueError, match=message):
         Plan.parse(modes, ks)

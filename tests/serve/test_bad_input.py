@@ -56,6 +56,8 @@ def cases(cluster, auth, fact_id):
         ("job fact after the last turn", "post", "/v1/jobs",
          {"input": {"turns": [{"speaker": "A", "text": "hi"}], "facts": [{"text": "A says hi.", "turn": 5}]}}, auth, 422),
         ("job window negative", "post", "/v1/jobs", {"input": {"turns": []}, "window": -1}, auth, 422),
+        ("job neighbours negative", "post", "/v1/jobs", {"input": {"turns": []}, "neighbours": -1}, auth, 422),
+        ("tenant neighbours beyond 64", "post", "/v1/tenants", {"id": "nbr", "neighbours": 65}, admin, 422),
         ("existing tenant", "post", "/v1/tenants", {"id": "grace"}, admin, 409),
         ("bad tenant id", "post", "/v1/tenants", {"id": "../x"}, admin, 422),
         ("unknown tenant", "delete", "/v1/tenants/nobody", None, admin, 404),

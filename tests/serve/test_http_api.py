@@ -60,9 +60,10 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
     refused = cluster.chat(carol, "Where does Maya work?", memory={"k": 3, "recompute": 4})
     assert refused.status_code == 400 and "memory.recompute (4) must be at most memory.k (3)" in refused.text
     # a tenant's own default applies when the chat does not say; the chat's own value still wins
-    made = requests.post(f"{cluster.base}/v1/tenants", json={"id": "dora", "window": 0, "recompute": 1},
+    made = requests.post(f"{cluster.base}/v1/tenants", json={"id": "dora", "window": 0, "recompute": 1, "neighbours": 2},
                          headers=cluster.admin(), timeout=30)
     assert made.status_code == 201 and made.json()["tenant"]["recompute"] == 1, made.text
+    assert made.json()["tenant"]["neighbours"] == 2  # its encoding jobs' context: 2 nearest facts
     dora = {"Authorization": f"Bearer {made.json()['api_key']}"}
     cluster.add_and_wait(dora, PIXEL)
     own = cluster.chat(dora, "Where does Maya work?", memory={"k": 3}).json()["usage"]
@@ -73,6 +74,7 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
     assert requests.get(f"{cluster.base}/v1/tenants/dora-2", headers=cluster.admin(), timeout=30).status_code == 404
     for usage in (injected, pasted):
         assert usage["ttft_ms"] > 0 and usage["retrieval_ms"] > 0 and usage["completion_tokens"] > 0
+        assert 0 < usage["retrieval_embed_ms"] < usage["retrieval_ms"], usage  # the embedding, then the search
         hop = usage["hop_ms"]  # the legs between the ingress and the engine, each inside the request's own TTFT
         assert set(hop) == {"to_replica", "layout", "first_token_back"} and all(v >= 0 for v in hop.values())
         assert sum(hop.values()) + usage["engine_ttft_ms"] + usage["retrieval_ms"] < usage["ttft_ms"] + 1, usage

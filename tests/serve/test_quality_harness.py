@@ -47,7 +47,7 @@ def test_quick_quality_run_scores_both_modes_on_the_same_facts(cluster, tmp_path
     assert paired["questions"] == questions and report["targets"][0]["value"] == pytest.approx(paired["ratio"], abs=1e-4)
     assert report["targets"][0]["ci95"] == paired["ci95"] and paired["ci95"][0] <= paired["ci95"][1]
     # the job stored the 7 facts of the conversation once, in the tenant of window 5
-    listed = Client(cluster.base, cluster.admin_key).call("GET", "/v1/tenants/qh-0-w5", cluster.admin_key)
-    assert listed["usage"]["facts"] == 7 and int(listed["window"]) == 5
+    listed = Client(cluster.base, cluster.admin_key).call("GET", "/v1/tenants/qh-0-w5-n0", cluster.admin_key)
+    assert listed["usage"]["facts"] == 7 and (listed["window"], listed["neighbours"]) == (5, 0)
     plot(report, tmp_path / "quality.png")
     assert (tmp_path / "quality.png").stat().st_size > 5_000
