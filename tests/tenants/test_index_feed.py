@@ -25,6 +25,15 @@ def _soon(search, want, timeout_s: float = 1.0):
     return found
 
 
+def _acme(make_service, fact: str):
+    """(writer service, admin key, tenant key, reader service) of a tenant `acme` holding `fact`."""
+    writer = make_service()
+    admin = writer.ensure_admin_key()
+    _, key = writer.create_tenant(admin, "acme")
+    writer.authenticate(key).add_facts([fact])
+    return writer, admin, key, _reader(writer)
+
+
 def _count_log_reads(service) -> list[str]:
     calls: list[str] = []
     original = service.meta.log_since
@@ -38,11 +47,7 @@ def _count_log_reads(service) -> list[str]:
 
 
 def test_an_unchanged_tenant_is_searched_without_a_round_trip_and_a_change_is_seen_at_once(make_service):
-    writer = make_service()
-    admin = writer.ensure_admin_key()
-    _, key = writer.create_tenant(admin, "acme")
-    writer.authenticate(key).add_facts(["Maya has a grey cat called Pixel."])
-    reader = _reader(writer)
+    writer, admin, key, reader = _acme(make_service, "Maya has a grey cat called Pixel.")
     reads = _count_log_reads(reader)
     tenant = reader.authenticate(key)
     for _ in range(3):
@@ -59,11 +64,7 @@ def test_an_unchanged_tenant_is_searched_without_a_round_trip_and_a_change_is_se
 
 
 def test_a_recreated_tenant_is_never_served_its_old_facts(make_service):
-    writer = make_service()
-    admin = writer.ensure_admin_key()
-    _, key = writer.create_tenant(admin, "acme")
-    writer.authenticate(key).add_facts(["The vault code is 4417."])
-    reader = _reader(writer)
+    writer, admin, key, reader = _acme(make_service, "The vault code is 4417.")
     for _ in range(2):
         assert reader.authenticate(key).search("vault code", 5)
     writer.delete_tenant(admin, "acme")
@@ -75,11 +76,7 @@ def test_a_recreated_tenant_is_never_served_its_old_facts(make_service):
 
 
 def test_without_a_live_feed_every_search_catches_up_with_redis(make_service):
-    writer = make_service()
-    admin = writer.ensure_admin_key()
-    _, key = writer.create_tenant(admin, "acme")
-    writer.authenticate(key).add_facts(["Maya has a grey cat called Pixel."])
-    reader = _reader(writer)
+    writer, admin, key, reader = _acme(make_service, "Maya has a grey cat called Pixel.")
     tenant = reader.authenticate(key)
     for _ in range(2):
         tenant.search("cat", 5)
