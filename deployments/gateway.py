@@ -26,6 +26,7 @@ from deployments.schemas import AddMemories, CreateTenant, GenerationRequest, Se
 from encoder_jobs.inputs import JobInputError, parse_input
 from tenants.errors import InvalidInputError, RateLimitedError, TenantError
 from tenants.facts import Fact
+from tenants.scopes import Scope
 from tenants.service import Tenant, TenantService
 
 log = logging.getLogger(__name__)
@@ -109,12 +110,17 @@ class Gateway:
             raise RateLimitedError(f"too many requests; at most {self.args.rate_per_s:g}/s with bursts of {self.args.burst}")
         return tenant
 
+    def in_scope(self, tenant: Tenant, scope: Scope | None) -> Tenant:
+        """The memory a request is about: an end user's scope of the tenant, or (None) the tenant's own."""
+        return tenant if scope is None else self.service.open_scope(tenant, scope)
+
     # ---- chat ----
     async def prepare_chat(self, tenant: Tenant, body: GenerationRequest) -> PreparedChat:
         """Validate, embed the question (batched with concurrent ones), retrieve from the tenant's in-process
         index (one Redis round trip: its change log) and build the task the LLM replica serves."""
         if body.model != self.served_name:
             raise UnknownModelError(f"unknown model {body.model!r}; this server serves {self.served_name!r}")
+        tenant = self.in_scope(tenant, body.scope())
         k = self.args.default_k if body.memory.k is None else body.memory.k
         if k > self.args.max_k:
             raise InvalidInputError(f"memory.k must be at most {self.args.max_k}")
@@ -167,6 +173,7 @@ class Gateway:
 
     # ---- memories ----
     def add_memories(self, tenant: Tenant, api_key: str, body: AddMemories) -> tuple[int, dict[str, Any]]:
+        tenant = self.in_scope(tenant, body.scope())
         if body.facts is not None:
             added = tenant.add_facts(body.facts)
             self._encode_later(api_key, tenant.id, added)
@@ -174,7 +181,7 @@ class Gateway:
         return 202, self._start_job(tenant, api_key, body)
 
     def search(self, tenant: Tenant, body: SearchMemories) -> dict[str, Any]:
-        hits = tenant.search(body.query, body.limit)
+        hits = self.in_scope(tenant, body.scope()).search(body.query, body.limit)
         return {"results": [{"id": f.id, "memory": f.text, "score": round(float(s), 6)} for f, s in hits]}
 
     def list_memories(self, tenant: Tenant, offset: int, limit: int) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.gateway import Gateway, PreparedChat
 from deployments.schemas import (UNSUPPORTED, AddMemories, ChatRequest, CompletionRequest, CreateTenant, ErrorBody,
-                                 GenerationRequest, SearchMemories, SubmitJob, UpdateMemory)
-from tenants.errors import TenantError
+                                 GenerationRequest, SearchMemories, SubmitJob, UpdateMemory, scope_of)
+from tenants.errors import InvalidInputError, TenantError
 from tenants.redis_meta import STORE_UNAVAILABLE
 from tenants.service import Tenant
 
@@ -234,21 +234,33 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def search(tenant: TenantDep, body: SearchMemories) -> dict[str, Any]:
         return await asyncio.to_thread(gateway.search, tenant, body)
 
+    def scoped(tenant: Tenant, user_id: str | None, agent_id: str | None, run_id: str | None) -> Tenant:
+        """The memory named by the query's entity ids: an end user's scope, or (none) the tenant's own."""
+        try:
+            scope = scope_of(user_id, agent_id, run_id)
+        except ValueError as exc:
+            raise InvalidInputError(str(exc)) from None
+        return gateway.in_scope(tenant, scope)
+
     @app.get("/v1/memories")
-    async def list_memories(tenant: TenantDep, offset: int = 0, limit: int = 100) -> dict[str, Any]:
-        return gateway.list_memories(tenant, offset, limit)
+    async def list_memories(tenant: TenantDep, offset: int = 0, limit: int = 100, user_id: str | None = None,
+                            agent_id: str | None = None, run_id: str | None = None) -> dict[str, Any]:
+        return gateway.list_memories(scoped(tenant, user_id, agent_id, run_id), offset, limit)
 
     @app.get("/v1/memories/{fact_id}")
-    async def get_memory(tenant: TenantDep, fact_id: str) -> dict[str, Any]:
-        return gateway.get_memory(tenant, fact_id)
+    async def get_memory(tenant: TenantDep, fact_id: str, user_id: str | None = None, agent_id: str | None = None,
+                         run_id: str | None = None) -> dict[str, Any]:
+        return gateway.get_memory(scoped(tenant, user_id, agent_id, run_id), fact_id)
 
     @app.put("/v1/memories/{fact_id}")
-    async def update_memory(request: Request, tenant: TenantDep, fact_id: str, body: UpdateMemory) -> dict[str, Any]:
-        return gateway.update_memory(tenant, _key(request) or "", fact_id, body)
+    async def update_memory(request: Request, tenant: TenantDep, fact_id: str, body: UpdateMemory,
+                            user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> dict[str, Any]:
+        return gateway.update_memory(scoped(tenant, user_id, agent_id, run_id), _key(request) or "", fact_id, body)
 
     @app.delete("/v1/memories/{fact_id}")
-    async def delete_memory(tenant: TenantDep, fact_id: str) -> dict[str, Any]:
-        return gateway.delete_memory(tenant, fact_id)
+    async def delete_memory(tenant: TenantDep, fact_id: str, user_id: str | None = None, agent_id: str | None = None,
+                            run_id: str | None = None) -> dict[str, Any]:
+        return gateway.delete_memory(scoped(tenant, user_id, agent_id, run_id), fact_id)
 
     @app.post("/v1/jobs", status_code=202)
     async def submit_job(request: Request, tenant: TenantDep, body: SubmitJob) -> dict[str, Any]:

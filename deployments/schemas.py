@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from deployments.memory_prompt import FactOrder, Mode
+from tenants.errors import InvalidInputError
+from tenants.scopes import Scope
 
 
 UNSUPPORTED = "unsupported_parameter"  # a pydantic error type the chat route answers as OpenAI's 400 naming the field
@@ -41,7 +43,35 @@ class Message(BaseModel):
         return "\n".join(str(part.get("text", "")) for part in content)
 
 
-class MemoryOptions(BaseModel):
+def scope_of(user_id: str | None, agent_id: str | None = None, run_id: str | None = None) -> Scope | None:
+    """The end user's scope the ids name (None: the tenant's own memory); `ValueError` naming the problem."""
+    if user_id is None:
+        if agent_id is not None or run_id is not None:
+            raise ValueError("agent_id and run_id narrow a user_id: send user_id too")
+        return None
+    try:
+        return Scope(user_id, agent_id, run_id)
+    except InvalidInputError as exc:
+        raise ValueError(str(exc)) from None
+
+
+class ScopeFields(BaseModel):
+    """Whose memory a request is about (Mem0's entity ids); none: the tenant's own."""
+
+    user_id: str | None = Field(None, description="The end user whose memory this is (a scope inside the tenant).")
+    agent_id: str | None = Field(None, description="Narrows user_id to one agent of theirs.")
+    run_id: str | None = Field(None, description="Narrows user_id to one run (session) of theirs.")
+
+    @model_validator(mode="after")
+    def _valid_scope(self) -> "ScopeFields":
+        self.scope()
+        return self
+
+    def scope(self) -> Scope | None:
+        return scope_of(self.user_id, self.agent_id, self.run_id)
+
+
+class MemoryOptions(ScopeFields):
     model_config = ConfigDict(extra="forbid")
 
     k: int | None = Field(None, ge=0, le=1000, description="Facts to retrieve (0: none).")
@@ -94,6 +124,17 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     memory: MemoryOptions = Field(default_factory=MemoryOptions)
+    user: str | None = Field(None, description="OpenAI's end-user field: the scope whose memory the request uses "
+                                               "(memory.user_id, when given, wins).")
+
+    @model_validator(mode="after")
+    def _valid_user(self) -> "GenerationRequest":
+        self.scope()
+        return self
+
+    def scope(self) -> Scope | None:
+        """The end user's memory this request uses (None: the tenant's own)."""
+        return self.memory.scope() or (scope_of(self.user) if self.user is not None else None)
 
     @field_validator("stop")
     @classmethod
@@ -183,8 +224,9 @@ class CompletionRequest(GenerationRequest):
         return self.logprobs
 
 
-class AddMemories(BaseModel):
-    """Either explicit facts, or a conversation to extract facts from (as an encoding job)."""
+class AddMemories(ScopeFields):
+    """Either explicit facts, or a conversation to extract facts from (as an encoding job); for an end user's
+    scope when `user_id` is given."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -211,7 +253,7 @@ class SubmitJob(BaseModel):
                                                                     "after its window turns (None: the tenant's).")
 
 
-class SearchMemories(BaseModel):
+class SearchMemories(ScopeFields):
     model_config = ConfigDict(extra="forbid")
 
     query: str = Field(..., min_length=1)

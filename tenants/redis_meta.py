@@ -13,6 +13,7 @@ Keys, all under one tenant's hash tag so a cluster keeps a tenant on one shard:
     is:t:{tid}:seq                retrieval-index ids
     is:t:{tid}:log                stream of committed changes, which every process's index replays
     is:t:{tid}:jobs               job id -> status JSON of the tenant's encoding jobs
+    is:t:{tid}:scopes             ids of the tenant's end-user scopes (each a tenant entry of its own, `scopes.py`)
     is:registry                   pub/sub channel: the id of a tenant whose registry entry changed
     is:facts                      pub/sub channel: the change-log key of a tenant whose facts changed
 
@@ -47,6 +48,13 @@ _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return redis.error_reply('EXISTS tenant') end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('PUBLISH', 'is:registry', ARGV[2])  -- REGISTRY_CHANNEL
+return 1
+"""
+
+_CREATE_SCOPE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.error_reply('EXISTS tenant') end
+redis.call('HSET', KEYS[1], unpack(ARGV))
 redis.call('PUBLISH', 'is:registry', ARGV[2])  -- REGISTRY_CHANNEL
 return 1
 """
@@ -179,7 +187,7 @@ class RedisMeta:
         self._feed = ChangeFeed(self._redis, (REGISTRY_CHANNEL, FACTS_CHANNEL)) if cache_registry else None
         self._registry = RegistryCache(self._feed) if self._feed is not None else None
         self._scripts = {name: self._redis.register_script(body) for name, body in (
-            ("create", _CREATE), ("reserve", _RESERVE), ("begin_update", _BEGIN_UPDATE), ("commit", _COMMIT),
+            ("create", _CREATE), ("create_scope", _CREATE_SCOPE), ("reserve", _RESERVE), ("begin_update", _BEGIN_UPDATE), ("commit", _COMMIT),
             ("delete", _DELETE), ("rollback", _ROLLBACK), ("place", _PLACE), ("unplace", _UNPLACE))}
 
     def ping(self) -> bool:
@@ -206,6 +214,15 @@ class RedisMeta:
     def create_tenant(self, tenant_id: str, fields: dict[str, Any]) -> None:
         flat = [str(x) for kv in {"id": tenant_id, **fields}.items() for x in kv]
         self._run("create", [_t(tenant_id), b"is:tenants"], flat)
+
+    def create_scope(self, tenant_id: str, scoped_id: str, fields: dict[str, Any]) -> None:
+        """A scope's registry entry, listed under its tenant (`is:t:{tid}:scopes`), not among the tenants."""
+        flat = [str(x) for kv in {"id": scoped_id, **fields}.items() for x in kv]
+        self._redis.sadd(_t(tenant_id, "scopes"), scoped_id)  # first: a scope is never made that deletion misses
+        self._run("create_scope", [_t(scoped_id)], flat)  # one key: its own slot in a Redis Cluster
+
+    def scope_ids(self, tenant_id: str) -> list[str]:
+        return sorted(x.decode() for x in self._redis.smembers(_t(tenant_id, "scopes")))
 
     def tenant(self, tenant_id: str) -> dict[str, str] | None:
         """The registry entry (None for an unknown tenant); from memory when this process caches the registry."""
@@ -245,7 +262,7 @@ class RedisMeta:
 
     def delete_tenant(self, tenant_id: str) -> bool:
         """Drop the tenant and every key under its hash tag in one transaction (True if it existed)."""
-        parts = ("facts", "emb", "pemb", "usage", "place", "version", "seq", "log", "jobs")
+        parts = ("facts", "emb", "pemb", "usage", "place", "version", "seq", "log", "jobs", "scopes")
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.srem("is:tenants", tenant_id)
             pipe.delete(_t(tenant_id), *(_t(tenant_id, part) for part in parts))

@@ -30,10 +30,11 @@ from tenants.auth import (TENANT_PREFIX, check_admin_key, hash_key, matches, new
                           tenant_of)
 from tenants.embedding import Embedder
 from tenants.errors import (AuthError, ConflictError, FactNotFoundError, InvalidInputError, JobNotFoundError,
-                            UnknownTenantError)
+                            TenantExistsError, UnknownTenantError)
 from tenants.facts import VISIBLE, Fact, check_id, check_text, new_fact_id, record_id_for
 from tenants.index_sync import Retrieved, TenantIndexes
 from tenants.redis_meta import RedisMeta
+from tenants.scopes import NO_KEY, SEPARATOR, Scope, is_scoped, scoped_id
 
 log = logging.getLogger(__name__)
 MAX_K = 1000
@@ -85,6 +86,8 @@ class TenantService:
         `window` turns and `neighbours` nearest facts: the context its facts are encoded behind."""
         self.check_admin(admin_key)
         tenant_id = check_id("tenant id", tenant_id)
+        if is_scoped(tenant_id):
+            raise InvalidInputError(f"tenant id {tenant_id!r} holds {SEPARATOR!r}, which is kept for end users' scopes")
         limits = {"max_facts": max_facts or self.defaults["max_facts"], "max_bytes": max_bytes or self.defaults["max_bytes"]}
         if any(not isinstance(v, int) or v < 1 for v in limits.values()) or not isinstance(window, int) or window < 0:
             raise InvalidInputError("quotas must be positive integers and the window a non-negative integer")
@@ -120,12 +123,17 @@ class TenantService:
         return key
 
     def delete_tenant(self, admin_key: str, tenant_id: str) -> None:
-        """Remove a tenant: its key stops working at once, then its records and index are removed."""
+        """Remove a tenant: its key stops working at once, then its records and index are removed, and so are
+        those of its end users' scopes."""
         self.check_admin(admin_key)
-        if not self.meta.delete_tenant(check_id("tenant id", tenant_id)):
+        scopes = self.meta.scope_ids(check_id("tenant id", tenant_id))
+        if not self.meta.delete_tenant(tenant_id):
             raise UnknownTenantError(f"unknown tenant {tenant_id!r}")
-        self.records.drop_tenant(tenant_id)
-        self.indexes.forget(tenant_id, remove_snapshot=True)
+        for gone in (tenant_id, *scopes):
+            if gone != tenant_id:
+                self.meta.delete_tenant(gone)
+            self.records.drop_tenant(gone)
+            self.indexes.forget(gone, remove_snapshot=True)
 
     def tenant_for_admin(self, admin_key: str, tenant_id: str) -> "Tenant":
         """A tenant's facts opened with the admin key (encoder jobs write on a tenant's behalf)."""
@@ -136,13 +144,40 @@ class TenantService:
         return Tenant(self, tenant_id, info)
 
     def open_tenant(self, key: str, tenant_id: str) -> "Tenant":
-        """A tenant's facts opened with the admin key or the tenant's own key (jobs act with either)."""
+        """A tenant's facts (or one of its scopes') opened with the admin key or the tenant's own key (jobs and
+        encodings act with either)."""
         if isinstance(key, str) and key.startswith(f"{TENANT_PREFIX}."):
             tenant = self.authenticate(key)
-            if tenant.id != tenant_id:
+            if tenant.id == tenant_id:
+                return tenant
+            info = self.meta.tenant(check_id("tenant id", tenant_id)) if is_scoped(tenant_id) else None
+            if info is None or info.get("parent") != tenant.id:
                 raise AuthError("missing or wrong API key")
-            return tenant
+            return Tenant(self, tenant_id, info)
         return self.tenant_for_admin(key, tenant_id)
+
+    def open_scope(self, tenant: "Tenant", scope: Scope) -> "Tenant":
+        """An end user's memory inside `tenant` (made on first use, with the tenant's settings and quotas)."""
+        if tenant.scope is not None:
+            raise InvalidInputError("a scope has no scopes of its own")
+        scoped = scoped_id(tenant.id, scope)
+        info = self.meta.tenant(scoped)
+        if info is None:
+            fields = {k: v for k, v in tenant._info.items() if k not in ("id", "key_hash", "created")}
+            fields |= {"key_hash": NO_KEY, "parent": tenant.id, "scope": json.dumps(scope.as_dict()), "created": time.time()}
+            try:
+                self.meta.create_scope(tenant.id, scoped, fields)
+            except TenantExistsError:
+                pass  # made meanwhile by another request
+            info = self.meta.tenant(scoped)
+            if info is None:
+                raise UnknownTenantError(f"unknown tenant {tenant.id!r}")
+        return Tenant(self, scoped, info)
+
+    def scopes(self, tenant: "Tenant") -> list[dict[str, str]]:
+        """The end users' scopes a tenant holds memories for."""
+        entries = [self.meta.tenant(s) for s in self.meta.scope_ids(tenant.id)]
+        return [json.loads(e["scope"]) for e in entries if e and e.get("parent") == tenant.id]
 
     # ---- tenants ----
     def authenticate(self, api_key: object) -> "Tenant":
@@ -162,6 +197,11 @@ class Tenant:
     @property
     def window(self) -> int:
         return int(self._info.get("window", 0))
+
+    @property
+    def scope(self) -> Scope | None:
+        """The end user this memory belongs to, when it is a scope of a tenant; None for the tenant's own."""
+        return Scope(**json.loads(self._info["scope"])) if "scope" in self._info else None
 
     @property
     def neighbours(self) -> int:

@@ -33,16 +33,19 @@ class Cluster:
         assert created.status_code == 201, created.text
         return {"Authorization": f"Bearer {created.json()['api_key']}"}
 
-    def add_and_wait(self, auth: dict[str, str], facts: list[str], timeout_s: float = 120) -> list[str]:
-        """Add facts and wait until the LLM server has encoded their K/V; return their ids."""
+    def add_and_wait(self, auth: dict[str, str], facts: list[str], timeout_s: float = 120, user_id: str | None = None) -> list[str]:
+        """Add facts (to an end user's scope with `user_id`) and wait until the LLM server has encoded their K/V;
+        return their ids."""
         import time
 
-        added = requests.post(f"{self.base}/v1/memories", json={"facts": facts}, headers=auth, timeout=60)
+        scope = {"user_id": user_id} if user_id else {}
+        added = requests.post(f"{self.base}/v1/memories", json={"facts": facts, **scope}, headers=auth, timeout=60)
         assert added.status_code == 200, added.text
         ids = [r["id"] for r in added.json()["results"]]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if all(requests.get(f"{self.base}/v1/memories/{i}", headers=auth, timeout=30).json()["kv_ready"] for i in ids):
+            if all(requests.get(f"{self.base}/v1/memories/{i}", params=scope, headers=auth, timeout=30).json()["kv_ready"]
+                   for i in ids):
                 return ids
             time.sleep(0.3)
         raise AssertionError("facts were not encoded in time")

@@ -56,6 +56,10 @@ def cases(cluster, auth, fact_id):
         ("job fact after the last turn", "post", "/v1/jobs",
          {"input": {"turns": [{"speaker": "A", "text": "hi"}], "facts": [{"text": "A says hi.", "turn": 5}]}}, auth, 422),
         ("job window negative", "post", "/v1/jobs", {"input": {"turns": []}, "window": -1}, auth, 422),
+        ("agent without a user", "post", "/v1/memories", {"facts": ["a"], "agent_id": "travel"}, auth, 422),
+        ("user id blank", "post", "/v1/memories/search", {"query": "tea", "user_id": "  "}, auth, 422),
+        ("run without a user, listed", "get", "/v1/memories?run_id=r1", None, auth, 422),
+        ("chat user too long", "post", "/v1/chat/completions", {**CHAT, "user": "u" * 300}, auth, 400),
         ("job neighbours negative", "post", "/v1/jobs", {"input": {"turns": []}, "neighbours": -1}, auth, 422),
         ("tenant neighbours beyond 64", "post", "/v1/tenants", {"id": "nbr", "neighbours": 65}, admin, 422),
         ("existing tenant", "post", "/v1/tenants", {"id": "grace"}, admin, 409),
@@ -114,12 +118,13 @@ def test_text_completions_refuse_what_they_do_not_serve(cluster, grace, extra, s
 
 
 def test_openai_shaped_requests_that_change_nothing_are_served(cluster, grace):
-    """Text content parts, the developer role and bookkeeping fields (user, metadata, a text response format)."""
+    """Text content parts, the developer role and bookkeeping fields (metadata, a text response format); `user`
+    is not one of them: it names the end user whose memory the chat uses (`test_http_api.py`)."""
     auth, _ = grace
     body = {**CHAT, "messages": [{"role": "developer", "content": "Answer briefly."},
                                  {"role": "user", "content": [{"type": "text", "text": "What does Grace"},
                                                               {"type": "text", "text": "like to drink?"}]}],
-            "user": "someone", "metadata": {"run": "1"}, "response_format": {"type": "text"}, "logprobs": False,
+            "metadata": {"run": "1"}, "response_format": {"type": "text"}, "logprobs": False,
             "frequency_penalty": 0, "max_tokens": 8, "memory": {"k": 1, "mode": "prompt", "order": "time"}}
     answer = requests.post(f"{cluster.base}/v1/chat/completions", json=body, headers=auth, timeout=120)
     assert answer.status_code == 200, answer.text

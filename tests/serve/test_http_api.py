@@ -39,6 +39,38 @@ def test_two_tenants_get_answers_grounded_in_their_own_facts_only(cluster):
     assert requests.get(f"{cluster.base}/v1/memories/{bob_ids[0]}", headers=bob).status_code == 200
 
 
+def test_end_users_of_one_tenant_get_answers_from_their_own_memories_only(cluster):
+    """One application (one tenant, one key), two end users: OpenAI's `user` (or `memory.user_id`) picks whose
+    memory a chat uses; each is injected as K/V, and neither user's facts reach the other or the tenant's own."""
+    hal = cluster.new_tenant("hal")
+    alice_ids = cluster.add_and_wait(hal, PIXEL, user_id="alice")
+    cluster.add_and_wait(hal, TOFU, user_id="bob")
+    client = OpenAI(base_url=f"{cluster.base}/v1", api_key=hal["Authorization"].split()[1])
+    for user, own, other in (("alice", "Pixel", "Tofu"), ("bob", "Tofu", "Pixel")):
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16,
+                                               user=user, extra_body={"memory": {"k": 4}})
+        assert own in reply.choices[0].message.content and other not in reply.choices[0].message.content, (user, reply)
+        assert reply.usage.model_extra["injected_tokens"] > 0
+    chosen = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16,
+                                            user="alice", extra_body={"memory": {"k": 4, "user_id": "bob"}})
+    assert "Tofu" in chosen.choices[0].message.content  # memory.user_id wins over `user`
+    own = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16,
+                                         extra_body={"memory": {"k": 4}})
+    assert own.usage.model_extra["memory_tokens"] == 0  # the tenant's own memory holds nothing
+    listed = requests.get(f"{cluster.base}/v1/memories", params={"user_id": "alice"}, headers=hal, timeout=30).json()
+    assert sorted(m["id"] for m in listed["results"]) == sorted(alice_ids)
+    assert requests.get(f"{cluster.base}/v1/memories", headers=hal, timeout=30).json()["results"] == []
+    assert requests.get(f"{cluster.base}/v1/memories/{alice_ids[0]}", params={"user_id": "bob"}, headers=hal,
+                        timeout=30).status_code == 404
+    found = requests.post(f"{cluster.base}/v1/memories/search", json={"query": "cat", "user_id": "bob"}, headers=hal,
+                          timeout=30).json()["results"]
+    assert found and all("Pixel" not in r["memory"] for r in found)
+    assert requests.delete(f"{cluster.base}/v1/memories/{alice_ids[0]}", params={"user_id": "bob"}, headers=hal,
+                           timeout=30).status_code == 404
+    assert requests.get(f"{cluster.base}/v1/memories/{alice_ids[0]}", params={"user_id": "alice"}, headers=hal,
+                        timeout=30).status_code == 200
+
+
 def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(cluster):
     carol = cluster.new_tenant("carol")
     cluster.add_and_wait(carol, PIXEL)

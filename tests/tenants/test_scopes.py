@@ -1,0 +1,82 @@
+"""End users' scopes inside one tenant: each sees only its own memories, reached only through its tenant's key."""
+
+import pytest
+
+from tenants.errors import AuthError, FactNotFoundError, InvalidInputError, QuotaExceededError
+from tenants.scopes import Scope, scoped_id
+from tests.core.factories import make_record
+
+
+@pytest.fixture()
+def acme(service, admin):
+    _, key = service.create_tenant(admin, "acme", max_facts=3)
+    return service.authenticate(key), key
+
+
+def test_two_end_users_of_one_tenant_never_see_each_others_memories(service, acme):
+    tenant, _ = acme
+    alice, bob = service.open_scope(tenant, Scope("alice")), service.open_scope(tenant, Scope("bob"))
+    assert len({alice.id, bob.id, tenant.id}) == 3 and alice.scope == Scope("alice") and tenant.scope is None
+    pin = alice.add_fact("alice's bank pin is 4321", fact_id="pin")
+    alice.attach_kv("pin", 1, make_record("x", 5, tenant_id=alice.id))
+    bob.add_fact("bob likes tennis", fact_id="tennis")
+    for other in (bob, tenant):
+        with pytest.raises(FactNotFoundError):
+            other.get_fact("pin")
+        assert all("pin" not in f.text for f, _ in other.search("alice bank pin 4321", k=50))
+        assert all(f.id != "pin" for f in other.list_facts(limit=10_000))
+    assert [f.text for f, _ in alice.search("bank pin", k=5)] == [pin.text] and alice.get_fact("pin").kv_ready
+    assert service.records.record_ids(bob.id) == [] and service.records.record_ids(alice.id)
+    # the same end user is the same scope every time; another agent or run of theirs is another scope
+    assert service.open_scope(tenant, Scope("alice")).id == alice.id
+    assert service.open_scope(tenant, Scope("alice", agent_id="travel")).id != alice.id
+    assert sorted(s["user_id"] for s in service.scopes(tenant)) == ["alice", "alice", "bob"]
+
+
+def test_a_scope_is_reached_only_through_its_own_tenants_key(service, admin, acme):
+    tenant, key = acme
+    alice = service.open_scope(tenant, Scope("alice"))
+    assert service.open_tenant(key, alice.id).id == alice.id  # the tenant's key (LLM replicas, jobs)
+    assert service.open_tenant(admin, alice.id).id == alice.id  # the admin key
+    _, other_key = service.create_tenant(admin, "other")
+    with pytest.raises(AuthError):
+        service.open_tenant(other_key, alice.id)
+    with pytest.raises(AuthError):  # no key names a scope itself
+        service.authenticate(f"ist.{alice.id}.whatever")
+    with pytest.raises(InvalidInputError):
+        service.open_scope(alice, Scope("nested"))
+
+
+def test_quotas_apply_per_scope(service, acme):
+    tenant, _ = acme
+    alice, bob = service.open_scope(tenant, Scope("alice")), service.open_scope(tenant, Scope("bob"))
+    alice.add_facts(["a", "b", "c"])
+    with pytest.raises(QuotaExceededError):
+        alice.add_fact("d")
+    bob.add_facts(["e", "f", "g"])  # bob's own three
+    assert alice.usage()["facts"] == bob.usage()["facts"] == 3
+
+
+def test_deleting_a_tenant_deletes_its_scopes(service, admin, acme):
+    tenant, _ = acme
+    alice = service.open_scope(tenant, Scope("alice"))
+    alice.add_fact("alice's bank pin is 4321")
+    alice.attach_kv(alice.list_facts()[0].id, 1, make_record("x", 5, tenant_id=alice.id))
+    service.delete_tenant(admin, "acme")
+    assert service.records.record_ids(alice.id) == [] and service.meta.tenant(alice.id) is None
+    _, key = service.create_tenant(admin, "acme")  # the same id again: a new tenant, nothing of the old scopes
+    again = service.open_scope(service.authenticate(key), Scope("alice"))
+    assert again.id == alice.id and again.list_facts() == [] and again.search("bank pin", k=5) == []
+
+
+@pytest.mark.parametrize("scope", [dict(user_id=""), dict(user_id="   "), dict(user_id="x" * 257),
+                                   dict(user_id="a\nb"), dict(user_id="a", agent_id=""), dict(user_id=7)])
+def test_bad_scope_ids_are_refused(scope):
+    with pytest.raises(InvalidInputError):
+        Scope(**scope)
+
+
+def test_tenant_ids_cannot_take_a_scopes_form(service, admin):
+    with pytest.raises(InvalidInputError, match="scopes"):
+        service.create_tenant(admin, "acme..x")
+    assert len(scoped_id("t" * 128, Scope("u"))) <= 128
