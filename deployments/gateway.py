@@ -116,8 +116,9 @@ class Gateway:
 
     # ---- chat ----
     async def prepare_chat(self, tenant: Tenant, body: GenerationRequest) -> PreparedChat:
-        """Validate, embed the question (batched with concurrent ones), retrieve from the tenant's in-process
-        index (one Redis round trip: its change log) and build the task the LLM replica serves."""
+        """Validate, pick the memory (the tenant's, or an end user's scope), embed the question (batched with
+        concurrent ones), retrieve from the in-process index (no Redis round trip while nothing changed) and
+        build the task the LLM replica serves."""
         if body.model != self.served_name:
             raise UnknownModelError(f"unknown model {body.model!r}; this server serves {self.served_name!r}")
         tenant = self.in_scope(tenant, body.scope())

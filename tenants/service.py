@@ -116,8 +116,8 @@ class TenantService:
     def rotate_key(self, admin_key: str, tenant_id: str) -> str:
         """A new API key for the tenant; the old one stops working at once."""
         self.check_admin(admin_key)
-        if self.meta.tenant(check_id("tenant id", tenant_id)) is None:
-            raise UnknownTenantError(f"unknown tenant {tenant_id!r}")
+        if is_scoped(check_id("tenant id", tenant_id)) or self.meta.tenant(tenant_id) is None:
+            raise UnknownTenantError(f"unknown tenant {tenant_id!r}")  # a scope has no key of its own
         key = new_tenant_key(tenant_id)
         self.meta.update_tenant(tenant_id, {"key_hash": hash_key(key)})
         return key
@@ -183,7 +183,7 @@ class TenantService:
     def authenticate(self, api_key: object) -> "Tenant":
         tenant_id = tenant_of(api_key)
         info = self.meta.tenant(tenant_id)
-        if info is None or not matches(api_key, info.get("key_hash")):  # type: ignore[arg-type]
+        if info is None or "parent" in info or not matches(api_key, info.get("key_hash")):  # type: ignore[arg-type]
             raise AuthError("missing or wrong API key")  # the same answer for an unknown tenant
         return Tenant(self, tenant_id, info)
 

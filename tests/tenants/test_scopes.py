@@ -2,7 +2,8 @@
 
 import pytest
 
-from tenants.errors import AuthError, FactNotFoundError, InvalidInputError, QuotaExceededError
+from tenants.errors import AuthError, FactNotFoundError, InvalidInputError, QuotaExceededError, UnknownTenantError
+from tenants.auth import hash_key, new_tenant_key
 from tenants.scopes import Scope, scoped_id
 from tests.core.factories import make_record
 
@@ -41,8 +42,12 @@ def test_a_scope_is_reached_only_through_its_own_tenants_key(service, admin, acm
     _, other_key = service.create_tenant(admin, "other")
     with pytest.raises(AuthError):
         service.open_tenant(other_key, alice.id)
-    with pytest.raises(AuthError):  # no key names a scope itself
-        service.authenticate(f"ist.{alice.id}.whatever")
+    forged = new_tenant_key(alice.id)
+    service.meta.update_tenant(alice.id, {"key_hash": hash_key(forged)})  # even a key hash on its entry
+    with pytest.raises(AuthError):  # opens no scope by itself
+        service.authenticate(forged)
+    with pytest.raises(UnknownTenantError):  # nor can the admin give it one
+        service.rotate_key(admin, alice.id)
     with pytest.raises(InvalidInputError):
         service.open_scope(alice, Scope("nested"))
 
