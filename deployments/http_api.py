@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Annotated, Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
@@ -25,6 +26,7 @@ from deployments.schemas import (UNSUPPORTED, AddMemories, ChatRequest, Completi
                                  GenerationRequest, SearchMemories, SubmitJob, UpdateMemory, scope_of)
 from tenants.errors import InvalidInputError, TenantError
 from tenants.redis_meta import STORE_UNAVAILABLE
+from tenants.scopes import Scope
 from tenants.service import Tenant
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,17 @@ async def _admin_auth(request: Request) -> str:
 
 
 TenantDep = Annotated[Tenant, Depends(_tenant_auth)]
+
+
+def _scope_query(user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> Scope | None:
+    """The end user's scope a memory route's query names (Mem0's entity ids); None: the tenant's own memory."""
+    try:
+        return scope_of(user_id, agent_id, run_id)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+
+
+ScopeQuery = Annotated[Scope | None, Depends(_scope_query)]
 AdminDep = Annotated[str, Depends(_admin_auth)]
 
 
@@ -234,33 +247,22 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def search(tenant: TenantDep, body: SearchMemories) -> dict[str, Any]:
         return await asyncio.to_thread(gateway.search, tenant, body)
 
-    def scoped(tenant: Tenant, user_id: str | None, agent_id: str | None, run_id: str | None) -> Tenant:
-        """The memory named by the query's entity ids: an end user's scope, or (none) the tenant's own."""
-        try:
-            scope = scope_of(user_id, agent_id, run_id)
-        except ValueError as exc:
-            raise InvalidInputError(str(exc)) from None
-        return gateway.in_scope(tenant, scope)
-
     @app.get("/v1/memories")
-    async def list_memories(tenant: TenantDep, offset: int = 0, limit: int = 100, user_id: str | None = None,
-                            agent_id: str | None = None, run_id: str | None = None) -> dict[str, Any]:
-        return gateway.list_memories(scoped(tenant, user_id, agent_id, run_id), offset, limit)
+    async def list_memories(tenant: TenantDep, scope: ScopeQuery, offset: int = 0, limit: int = 100) -> dict[str, Any]:
+        return gateway.list_memories(gateway.in_scope(tenant, scope), offset, limit)
 
     @app.get("/v1/memories/{fact_id}")
-    async def get_memory(tenant: TenantDep, fact_id: str, user_id: str | None = None, agent_id: str | None = None,
-                         run_id: str | None = None) -> dict[str, Any]:
-        return gateway.get_memory(scoped(tenant, user_id, agent_id, run_id), fact_id)
+    async def get_memory(tenant: TenantDep, scope: ScopeQuery, fact_id: str) -> dict[str, Any]:
+        return gateway.get_memory(gateway.in_scope(tenant, scope), fact_id)
 
     @app.put("/v1/memories/{fact_id}")
-    async def update_memory(request: Request, tenant: TenantDep, fact_id: str, body: UpdateMemory,
-                            user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> dict[str, Any]:
-        return gateway.update_memory(scoped(tenant, user_id, agent_id, run_id), _key(request) or "", fact_id, body)
+    async def update_memory(request: Request, tenant: TenantDep, scope: ScopeQuery, fact_id: str,
+                            body: UpdateMemory) -> dict[str, Any]:
+        return gateway.update_memory(gateway.in_scope(tenant, scope), _key(request) or "", fact_id, body)
 
     @app.delete("/v1/memories/{fact_id}")
-    async def delete_memory(tenant: TenantDep, fact_id: str, user_id: str | None = None, agent_id: str | None = None,
-                            run_id: str | None = None) -> dict[str, Any]:
-        return gateway.delete_memory(scoped(tenant, user_id, agent_id, run_id), fact_id)
+    async def delete_memory(tenant: TenantDep, scope: ScopeQuery, fact_id: str) -> dict[str, Any]:
+        return gateway.delete_memory(gateway.in_scope(tenant, scope), fact_id)
 
     @app.post("/v1/jobs", status_code=202)
     async def submit_job(request: Request, tenant: TenantDep, body: SubmitJob) -> dict[str, Any]:
@@ -331,7 +333,8 @@ def _hop(prepared: PreparedChat, timeline: dict[str, float] | None) -> dict[str,
 
 
 def _chat_logprobs(entries: list | None, offset: int = 0) -> dict[str, Any] | None:
-    """OpenAI chat's `logprobs` of the engine's [token, logprob, alternatives] entries."""
+    """OpenAI chat's `logprobs` of the engine's [token, logprob, alternatives] entries (`offset`: unused, the
+    completions shape has it)."""
     if entries is None:
         return None
     def one(token: str, logprob: float) -> dict[str, Any]:
@@ -344,7 +347,7 @@ def _text_logprobs(entries: list | None, offset: int = 0) -> dict[str, Any] | No
     """OpenAI completions' `logprobs`; `text_offset` counts from the completion's start (`offset`: text before)."""
     if entries is None:
         return None
-    starts = [offset + sum(len(token) for token, _, _ in entries[:i]) for i in range(len(entries))]
+    starts = list(accumulate((len(token) for token, _, _ in entries[:-1]), initial=offset))
     return {"tokens": [token for token, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
             "top_logprobs": [dict((t, a) for t, a in top) for _, _, top in entries], "text_offset": starts}
 

@@ -97,7 +97,8 @@ _REFUSED = {"tools": None, "tool_choice": None, "functions": None, "function_cal
 class GenerationRequest(BaseModel):
     """What chat and text completions share. OpenAI's fields that change the answer are honoured; those that
     would and are not served (tools, a JSON response format, penalties, n > 1) are refused by name;
-    bookkeeping fields (user, metadata, store, service_tier) are accepted and ignored."""
+    bookkeeping fields (metadata, store, service_tier) are accepted and ignored; `user` names the end user
+    whose memory is used."""
 
     model_config = ConfigDict(extra="ignore")
     refused: ClassVar[dict[str, Any]] = _REFUSED
