@@ -22,11 +22,12 @@ from deployments.memory_prompt import FactOrder
 from deployments.metrics import Metrics
 from deployments.query_batcher import QueryBatcher
 from deployments.rate_limit import RateLimiter
-from deployments.schemas import AddMemories, CreateTenant, GenerationRequest, SearchMemories, SubmitJob, UpdateMemory
+from deployments.schemas import (AddMemories, CreateTenant, GenerationRequest, Message, SearchMemories, SubmitJob,
+                                 UpdateMemory)
 from encoder_jobs.inputs import JobInputError, parse_input
-from tenants.errors import InvalidInputError, RateLimitedError, TenantError
+from tenants.errors import FactNotFoundError, InvalidInputError, RateLimitedError, TenantError
 from tenants.facts import Fact
-from tenants.scopes import Scope
+from tenants.scopes import Scope, scoped_id, split_located
 from tenants.service import Tenant, TenantService
 
 log = logging.getLogger(__name__)
@@ -173,13 +174,34 @@ class Gateway:
             self.metrics.fact_tiers.labels(tier=tier).inc(count)
 
     # ---- memories ----
+    def locate(self, tenant: Tenant, memory_id: str, scope: Scope | None) -> tuple[Tenant, str]:
+        """The memory (tenant's or scope's) holding a fact, and the fact's id: a located memory id names its scope
+        itself (what Mem0's clients send), a plain one is looked up in `scope` (None: the tenant's own)."""
+        fact_id, holder_id = split_located(memory_id, tenant.id)
+        if holder_id is None:
+            return self.in_scope(tenant, scope), fact_id
+        if scope is not None and scoped_id(tenant.id, scope) != holder_id:
+            raise FactNotFoundError(f"no fact {fact_id!r}")
+        return self.service.open_holder(tenant, holder_id, fact_id), fact_id
+
+    def add_facts(self, holder: Tenant, api_key: str, texts: list[str], metadata: dict | None = None) -> list[Fact]:
+        """Store facts now (served by their text) and encode their K/V in the background."""
+        added = holder.add_facts(texts, metadata=metadata)
+        self._encode_later(api_key, holder.id, added)
+        return added
+
+    def update_fact(self, holder: Tenant, api_key: str, fact_id: str, text: str | None, *, version: int | None = None,
+                    metadata: dict | None = None) -> Fact:
+        fact = holder.update_fact(fact_id, text, version=version, metadata=metadata)
+        self._encode_later(api_key, holder.id, [fact])
+        return fact
+
     def add_memories(self, tenant: Tenant, api_key: str, body: AddMemories) -> tuple[int, dict[str, Any]]:
-        tenant = self.in_scope(tenant, body.scope())
+        holder = self.in_scope(tenant, body.scope())
         if body.facts is not None:
-            added = tenant.add_facts(body.facts)
-            self._encode_later(api_key, tenant.id, added)
+            added = self.add_facts(holder, api_key, body.facts)
             return 200, {"results": [{"id": f.id, "memory": f.text, "event": "ADD"} for f in added]}
-        return 202, self._start_job(tenant, api_key, body)
+        return 202, self.extract(holder, api_key, body.messages or [])
 
     def search(self, tenant: Tenant, body: SearchMemories) -> dict[str, Any]:
         hits = self.in_scope(tenant, body.scope()).search(body.query, body.limit)
@@ -188,18 +210,21 @@ class Gateway:
     def list_memories(self, tenant: Tenant, offset: int, limit: int) -> dict[str, Any]:
         return {"results": [_memory(f) for f in tenant.list_facts(offset, limit)], "usage": tenant.usage()}
 
-    def get_memory(self, tenant: Tenant, fact_id: str) -> dict[str, Any]:
+    def get_memory(self, tenant: Tenant, scope: Scope | None, memory_id: str) -> dict[str, Any]:
         """The fact, and where serving replicas hold its K/V ({replica: {tier, version, at}})."""
-        return {**_memory(tenant.get_fact(fact_id)), "placement": tenant.placement(fact_id)}
+        holder, fact_id = self.locate(tenant, memory_id, scope)
+        return {**_memory(holder.get_fact(fact_id)), "placement": holder.placement(fact_id)}
 
-    def update_memory(self, tenant: Tenant, api_key: str, fact_id: str, body: UpdateMemory) -> dict[str, Any]:
-        fact = tenant.update_fact(fact_id, body.memory, version=body.version)
-        self._encode_later(api_key, tenant.id, [fact])
+    def update_memory(self, tenant: Tenant, scope: Scope | None, api_key: str, memory_id: str,
+                      body: UpdateMemory) -> dict[str, Any]:
+        holder, fact_id = self.locate(tenant, memory_id, scope)
+        fact = self.update_fact(holder, api_key, fact_id, body.memory, version=body.version)
         return {"id": fact.id, "memory": fact.text, "version": fact.version, "event": "UPDATE"}
 
-    def delete_memory(self, tenant: Tenant, fact_id: str) -> dict[str, Any]:
-        tenant.delete_fact(fact_id)
-        return {"id": fact_id, "event": "DELETE"}
+    def delete_memory(self, tenant: Tenant, scope: Scope | None, memory_id: str) -> dict[str, Any]:
+        holder, fact_id = self.locate(tenant, memory_id, scope)
+        holder.delete_fact(fact_id)
+        return {"id": memory_id, "event": "DELETE"}
 
     def job(self, tenant: Tenant, job_id: str) -> dict[str, Any]:
         return tenant.job(job_id)
@@ -257,14 +282,15 @@ class Gateway:
 
         self._keep(asyncio.ensure_future(encode()))
 
-    def _start_job(self, tenant: Tenant, api_key: str, body: AddMemories) -> dict[str, Any]:
+    def extract(self, holder: Tenant, api_key: str, messages: list[Message]) -> dict[str, Any]:
+        """Queue an encoding job that extracts facts from a conversation (its id and status)."""
         if self._run_job is None:
             raise InvalidInputError("this deployment runs no extraction jobs; send explicit 'facts'")
         turns = [{"speaker": "User" if m.role == "user" else "Assistant", "text": m.content}
-                 for m in body.messages or [] if m.role != "system"]
+                 for m in messages if m.role != "system"]
         if not turns:
             raise InvalidInputError("messages hold no user or assistant turns to extract facts from")
-        return self._queue_job(tenant, api_key, {"turns": turns}, self._extraction_window)
+        return self._queue_job(holder, api_key, {"turns": turns}, self._extraction_window)
 
     def _queue_job(self, tenant: Tenant, api_key: str, job_input: dict[str, Any], window: int | None,
                    neighbours: int | None = None) -> dict[str, Any]:
@@ -299,5 +325,5 @@ class Gateway:
 
 def _memory(fact: Fact) -> dict[str, Any]:
     return {"id": fact.id, "memory": fact.text, "version": fact.version, "kv_ready": fact.kv_ready,
-            "created": fact.created, "updated": fact.updated}
+            "created": fact.created, "updated": fact.updated, "metadata": fact.metadata}
 

@@ -1,8 +1,9 @@
 """The HTTP API (FastAPI) over a `Gateway`: OpenAI chat and text completions with memory, memories, tenants, health.
 
-Every error answers JSON `{"error": {"code", "message"}}` with a 4xx status that fits; a 500 only for a
-fault of the server, never for bad input. Keys come as `Authorization: Bearer <key>` (what the openai
-client sends) or `X-API-Key`.
+Every error answers JSON `{"error": {"code", "message", "type", "param"}, "detail"}` with a 4xx status that
+fits; a 500 only for a fault of the server, never for bad input. Keys come as `Authorization: Bearer <key>`
+(what the openai client sends), `Authorization: Token <key>` (Mem0's clients) or `X-API-Key`. Mem0's platform
+routes are in `mem0_api.py`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.gateway import Gateway, PreparedChat
+from deployments.mem0_api import mem0_router
 from deployments.schemas import (UNSUPPORTED, AddMemories, ChatRequest, CompletionRequest, CreateTenant, ErrorBody,
                                  GenerationRequest, SearchMemories, SubmitJob, UpdateMemory, scope_of)
 from tenants.errors import InvalidInputError, TenantError
@@ -47,10 +49,11 @@ _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_
 
 
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """`{"error": {"code", "message", "type", "param"}}`: the project's code and OpenAI's type and param."""
+    """`{"error": {"code", "message", "type", "param"}, "detail"}`: the project's code, OpenAI's type and param, and
+    the message again where Mem0's clients read it."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse({"error": {"code": _CODES.get(status, "error"), "message": message, "type": kind, "param": param}},
-                        status_code=status)
+    return JSONResponse({"error": {"code": _CODES.get(status, "error"), "message": message, "type": kind, "param": param},
+                         "detail": message}, status_code=status)
 
 
 OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})  # answered with OpenAI's statuses (400, not 422)
@@ -62,9 +65,10 @@ def _where(problem: dict) -> str:
 
 
 def _key(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
+    """The API key: `Bearer` (OpenAI's clients), `Token` (Mem0's) or `X-API-Key`."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() in ("bearer", "token"):
+        return key.strip()
     return request.headers.get("x-api-key")
 
 
@@ -237,6 +241,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         """The prompt continued as it is; the tenant's retrieved memory sits before it (injected or pasted)."""
         return await generate(tenant, body, TEXT)
 
+    app.include_router(mem0_router(gateway, _tenant_auth, _key))  # Mem0's clients; their paths end in "/"
+
     # ---- memories ----
     @app.post("/v1/memories", responses={202: {"description": "facts to extract from messages: an encoding job was queued"}})
     async def add_memories(request: Request, tenant: TenantDep, body: AddMemories) -> JSONResponse:
@@ -253,16 +259,16 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/memories/{fact_id}")
     async def get_memory(tenant: TenantDep, scope: ScopeQuery, fact_id: str) -> dict[str, Any]:
-        return gateway.get_memory(gateway.in_scope(tenant, scope), fact_id)
+        return gateway.get_memory(tenant, scope, fact_id)
 
     @app.put("/v1/memories/{fact_id}")
     async def update_memory(request: Request, tenant: TenantDep, scope: ScopeQuery, fact_id: str,
                             body: UpdateMemory) -> dict[str, Any]:
-        return gateway.update_memory(gateway.in_scope(tenant, scope), _key(request) or "", fact_id, body)
+        return gateway.update_memory(tenant, scope, _key(request) or "", fact_id, body)
 
     @app.delete("/v1/memories/{fact_id}")
     async def delete_memory(tenant: TenantDep, scope: ScopeQuery, fact_id: str) -> dict[str, Any]:
-        return gateway.delete_memory(gateway.in_scope(tenant, scope), fact_id)
+        return gateway.delete_memory(tenant, scope, fact_id)
 
     @app.post("/v1/jobs", status_code=202)
     async def submit_job(request: Request, tenant: TenantDep, body: SubmitJob) -> dict[str, Any]:

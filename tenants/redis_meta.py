@@ -221,6 +221,9 @@ class RedisMeta:
         self._redis.sadd(_t(tenant_id, "scopes"), scoped_id)  # first: a scope is never made that deletion misses
         self._run("create_scope", [_t(scoped_id)], flat)  # one key: its own slot in a Redis Cluster
 
+    def remove_scope(self, tenant_id: str, scoped_id: str) -> None:
+        self._redis.srem(_t(tenant_id, "scopes"), scoped_id)
+
     def scope_ids(self, tenant_id: str) -> list[str]:
         return sorted(x.decode() for x in self._redis.smembers(_t(tenant_id, "scopes")))
 
@@ -268,9 +271,9 @@ class RedisMeta:
             pipe.delete(_t(tenant_id), *(_t(tenant_id, part) for part in parts))
             pipe.publish(REGISTRY_CHANNEL, tenant_id)
             pipe.publish(FACTS_CHANNEL, _t(tenant_id, "log"))  # its facts (and its log) are gone too
-            removed, *_ = pipe.execute()
+            listed, keys, *_ = pipe.execute()
         self._forget_tenant(tenant_id)
-        return bool(removed)
+        return bool(listed or keys)  # a scope is not listed among the tenants; its keys show it existed
 
     # ---- encoding jobs ----
     def set_job(self, tenant_id: str, job_id: str, status: dict) -> None:

@@ -49,3 +49,18 @@ def scoped_id(tenant_id: str, scope: Scope) -> str:
 
 def is_scoped(tenant_id: str) -> bool:
     return SEPARATOR in tenant_id
+
+
+LOCATED = "~"  # joins a fact id and its scope's digest in a memory id that finds its own scope (not in ids)
+
+
+def located_id(fact_id: str, holder_id: str) -> str:
+    """A memory id that names the scope holding the fact (`holder_id`: the scope's stored id; a tenant's own
+    facts keep their plain ids): Mem0's clients get, update and delete a memory by its id alone."""
+    return f"{fact_id}{LOCATED}{holder_id.rsplit(SEPARATOR, 1)[1]}" if is_scoped(holder_id) else fact_id
+
+
+def split_located(memory_id: str, tenant_id: str) -> tuple[str, str | None]:
+    """(fact id, the stored id of the scope it names or None) of a memory id of `tenant_id`."""
+    fact_id, marked, digest = memory_id.partition(LOCATED)
+    return (fact_id, f"{tenant_id[:100]}{SEPARATOR}{digest}" if marked else None)

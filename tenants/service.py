@@ -31,7 +31,8 @@ from tenants.auth import (TENANT_PREFIX, check_admin_key, hash_key, matches, new
 from tenants.embedding import Embedder
 from tenants.errors import (AuthError, ConflictError, FactNotFoundError, InvalidInputError, JobNotFoundError,
                             TenantExistsError, UnknownTenantError)
-from tenants.facts import VISIBLE, Fact, check_id, check_text, new_fact_id, record_id_for
+from tenants.facts import (HISTORY_KEPT, VISIBLE, Fact, check_id, check_metadata, check_text, new_fact_id,
+                           record_id_for)
 from tenants.index_sync import Retrieved, TenantIndexes
 from tenants.redis_meta import RedisMeta
 from tenants.scopes import NO_KEY, SEPARATOR, Scope, is_scoped, scoped_id
@@ -174,6 +175,28 @@ class TenantService:
                 raise UnknownTenantError(f"unknown tenant {tenant.id!r}")
         return Tenant(self, scoped, info)
 
+    def open_holder(self, tenant: "Tenant", holder_id: str, fact_id: str) -> "Tenant":
+        """The scope of `tenant` stored under `holder_id` (which a located memory id names); a scope that does
+        not exist, or is not this tenant's, answers as the fact not found."""
+        try:
+            info = self.meta.tenant(check_id("scope id", holder_id)) if tenant.scope is None else None
+        except InvalidInputError:
+            info = None
+        if info is None or info.get("parent") != tenant.id:
+            raise FactNotFoundError(f"no fact {fact_id!r}")
+        return Tenant(self, holder_id, info)
+
+    def delete_scope(self, tenant: "Tenant", scope: Scope) -> bool:
+        """Remove an end user's scope of `tenant` and everything in it (True if it existed)."""
+        if tenant.scope is not None:
+            raise InvalidInputError("a scope has no scopes of its own")
+        scoped = scoped_id(tenant.id, scope)
+        existed = self.meta.delete_tenant(scoped)
+        self.meta.remove_scope(tenant.id, scoped)  # after: a crash between leaves an id `scopes` skips
+        self.records.drop_tenant(scoped)
+        self.indexes.forget(scoped, remove_snapshot=True)
+        return existed
+
     def scopes(self, tenant: "Tenant") -> list[dict[str, str]]:
         """The end users' scopes a tenant holds memories for."""
         entries = [self.meta.tenant(s) for s in self.meta.scope_ids(tenant.id)]
@@ -226,16 +249,19 @@ class Tenant:
 
     # ---- writes ----
     def add_fact(self, text: str, *, fact_id: str | None = None, source_turn: int | None = None,
-                 kv: FactKV | None = None) -> Fact:
-        return self.add_facts([text], fact_ids=[fact_id], source_turns=[source_turn], kvs=[kv])[0]
+                 kv: FactKV | None = None, metadata: dict | None = None) -> Fact:
+        return self.add_facts([text], fact_ids=[fact_id], source_turns=[source_turn], kvs=[kv], metadata=metadata)[0]
 
     def add_facts(self, texts: list[str], *, fact_ids: list[str | None] | None = None,
-                  source_turns: list[int | None] | None = None, kvs: list[FactKV | None] | None = None) -> list[Fact]:
-        """Insert facts (embedded in one batch); each is acknowledged only once committed."""
+                  source_turns: list[int | None] | None = None, kvs: list[FactKV | None] | None = None,
+                  metadata: dict | None = None) -> list[Fact]:
+        """Insert facts (embedded in one batch), each with the same `metadata`; each is acknowledged only once
+        committed."""
         count = len(texts)
         fact_ids, source_turns, kvs = fact_ids or [None] * count, source_turns or [None] * count, kvs or [None] * count
         if not (len(fact_ids) == len(source_turns) == len(kvs) == count):
             raise InvalidInputError("texts, ids, turns and K/V records must line up")
+        metadata = check_metadata(metadata)
         texts = [check_text(t, self._s.max_fact_chars) for t in texts]
         ids = [check_id("fact id", f) if f is not None else new_fact_id() for f in fact_ids]
         for turn in source_turns:
@@ -246,12 +272,15 @@ class Tenant:
         if not texts:
             return []
         vectors = self._s.embedder.embed(texts)
-        return self._insert(list(zip(ids, texts, source_turns, kvs, vectors)))
+        return self._insert(list(zip(ids, texts, source_turns, kvs, vectors)), metadata)
 
-    def update_fact(self, fact_id: str, text: str, *, kv: FactKV | None = None, version: int | None = None) -> Fact:
-        """A new version of the fact's text (and K/V, if given); `version` guards against lost updates."""
-        fact_id, text = check_id("fact id", fact_id), check_text(text, self._s.max_fact_chars)
+    def update_fact(self, fact_id: str, text: str | None, *, kv: FactKV | None = None, version: int | None = None,
+                    metadata: dict | None = None) -> Fact:
+        """A new version of the fact's text (None: the same text) and K/V, if given, and metadata, if given;
+        `version` guards against lost updates. The version it replaces joins the fact's history."""
+        fact_id, metadata = check_id("fact id", fact_id), check_metadata(metadata)
         current = self._visible_meta(fact_id)
+        text = check_text(current["text"] if text is None else text, self._s.max_fact_chars)
         if version is not None and version != current["version"]:
             raise ConflictError(f"fact {fact_id!r} is at version {current['version']}, not {version}")
         vector = self._s.embedder.embed([text])[0]
@@ -268,8 +297,11 @@ class Tenant:
             if kv is not None:
                 self._write_record(record_id, kv, new_version)
             self._s.fault("update:record-written")
+            earlier = [*(current.get("previous") or ()), {"version": current["version"], "text": current["text"],
+                                                            "at": current["updated"]}][-HISTORY_KEPT:]
             committed = {**current, "text": text, "version": new_version, "record_id": record_id, "bytes": nbytes,
-                         "encoding": _encoding(kv), "state": "active", "pending": None, "updated": now}
+                         "encoding": _encoding(kv), "state": "active", "pending": None, "updated": now,
+                         "previous": earlier} | ({} if metadata is None else {"metadata": metadata})
             meta.commit(self.id, fact_id, "updating", current["version"], committed, "update",
                         bytes_delta=-current["bytes"], move_pending_embedding=True)
         except Exception:
@@ -355,7 +387,8 @@ class Tenant:
         return status
 
     # ---- internals ----
-    def _insert(self, items: list[tuple[str, str, int | None, FactKV | None, np.ndarray]]) -> list[Fact]:
+    def _insert(self, items: list[tuple[str, str, int | None, FactKV | None, np.ndarray]],
+                metadata: dict | None = None) -> list[Fact]:
         """Reserve every fact (pending) in Redis, write their K/V records as one group, then commit them: the
         order of a single insert, with one round trip per phase. Nothing is acknowledged unless all commit;
         whatever did not commit is rolled back (a crash in between is the reconciler's to undo)."""
@@ -366,7 +399,8 @@ class Tenant:
             pendings.append({"id": fact_id, "text": text, "version": 1, "state": "pending", "index_id": index_id,
                              "record_id": record_id_for(fact_id, 1) if kv is not None else None,
                              "encoding": _encoding(kv), "bytes": _size(text, kv), "source_turn": source_turn,
-                             "created": now, "updated": now, "started": now, "pending": None})
+                             "created": now, "updated": now, "started": now, "pending": None}
+                            | ({} if metadata is None else {"metadata": metadata}))
         errors = meta.reserve_many(self.id, [(p["id"], p, vector.astype(np.float32).tobytes(), p["bytes"])
                                              for p, (*_, vector) in zip(pendings, items)])
         reserved = [p for p, error in zip(pendings, errors) if error is None]

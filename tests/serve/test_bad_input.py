@@ -8,6 +8,7 @@ import requests
 from tests.serve.conftest import MODEL
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+ADD = {"messages": [{"role": "user", "content": "Grace likes coffee."}], "infer": False}  # Mem0's add, as sent
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,23 @@ def cases(cluster, auth, fact_id):
         ("bad tenant id", "post", "/v1/tenants", {"id": "../x"}, admin, 422),
         ("unknown tenant", "delete", "/v1/tenants/nobody", None, admin, 404),
         ("unknown route", "get", "/v1/nothing", None, auth, 404),
+        ("mem0: wrong token", "get", "/v1/ping/", None, {"Authorization": "Token isk.grace.nope"}, 401),
+        ("mem0: unknown add field", "post", "/v3/memories/add/", {**ADD, "custom_instructions": "be brief"}, auth, 422),
+        ("mem0: metadata not an object", "post", "/v3/memories/add/", {**ADD, "metadata": [1]}, auth, 422),
+        ("mem0: metadata too large", "post", "/v3/memories/add/", {**ADD, "metadata": {"x": "y" * 5000}}, auth, 422),
+        ("mem0: metadata with inference", "post", "/v3/memories/add/", {**ADD, "infer": True, "metadata": {"a": 1}}, auth, 422),
+        ("mem0: app id", "post", "/v3/memories/add/", {**ADD, "app_id": "shop"}, auth, 422),
+        ("mem0: metadata filter", "post", "/v3/memories/search/", {"query": "tea", "filters": {"metadata": {"a": 1}}}, auth, 422),
+        ("mem0: filter operator", "post", "/v3/memories/search/", {"query": "tea", "filters": {"user_id": {"in": ["a"]}}}, auth, 422),
+        ("mem0: OR filter", "post", "/v3/memories/", {"filters": {"OR": [{"user_id": "a"}]}}, auth, 422),
+        ("mem0: page 0", "post", "/v3/memories/?page=0", {}, auth, 422),
+        ("mem0: unknown memory", "get", "/v1/memories/f-nope/", None, auth, 404),
+        ("mem0: another tenant's scope", "get", "/v1/memories/f-nope~0123456789abcdef01234567/", None, auth, 404),
+        ("mem0: empty update", "put", f"/v1/memories/{fact_id}/", {}, auth, 422),
+        ("mem0: delete all of nobody", "delete", "/v1/memories/", None, auth, 422),
+        ("mem0: app entity", "delete", "/v2/entities/app/shop/", None, auth, 422),
+        ("mem0: exports", "post", "/v1/exports/", {"schema": "{}"}, auth, 422),
+        ("mem0: webhooks", "get", "/api/v1/webhooks/projects/p1/", None, auth, 422),
     ]
 
 

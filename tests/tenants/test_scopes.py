@@ -4,7 +4,7 @@ import pytest
 
 from tenants.errors import AuthError, FactNotFoundError, InvalidInputError, QuotaExceededError, UnknownTenantError
 from tenants.auth import hash_key, new_tenant_key
-from tenants.scopes import Scope, scoped_id
+from tenants.scopes import Scope, located_id, scoped_id, split_located
 from tests.core.factories import make_record
 
 
@@ -72,6 +72,54 @@ def test_deleting_a_tenant_deletes_its_scopes(service, admin, acme):
     _, key = service.create_tenant(admin, "acme")  # the same id again: a new tenant, nothing of the old scopes
     again = service.open_scope(service.authenticate(key), Scope("alice"))
     assert again.id == alice.id and again.list_facts() == [] and again.search("bank pin", k=5) == []
+
+
+def test_deleting_one_scope_leaves_the_others_and_the_tenant(service, acme):
+    tenant, _ = acme
+    alice, bob = service.open_scope(tenant, Scope("alice")), service.open_scope(tenant, Scope("bob"))
+    alice.add_fact("alice's bank pin is 4321")
+    alice.attach_kv(alice.list_facts()[0].id, 1, make_record("x", 5, tenant_id=alice.id))
+    bob.add_fact("bob likes tennis")
+    tenant.add_fact("the shop opens at nine")
+    assert service.delete_scope(tenant, Scope("alice")) is True
+    assert service.meta.tenant(alice.id) is None and service.records.record_ids(alice.id) == []
+    assert [s["user_id"] for s in service.scopes(tenant)] == ["bob"]
+    assert [f.text for f in bob.list_facts()] == ["bob likes tennis"]
+    assert [f.text for f in tenant.list_facts()] == ["the shop opens at nine"]
+    assert service.open_scope(tenant, Scope("alice")).search("bank pin", k=5) == []  # made again: empty
+    assert service.delete_scope(tenant, Scope("nobody")) is False
+
+
+def test_a_located_memory_id_opens_its_scope_only_through_its_own_tenant(service, admin, acme):
+    tenant, _ = acme
+    alice = service.open_scope(tenant, Scope("alice"))
+    fact = alice.add_fact("alice's bank pin is 4321")
+    memory_id = located_id(fact.id, alice.id)
+    assert memory_id != fact.id and located_id(fact.id, tenant.id) == fact.id  # a tenant's own facts: plain ids
+    fact_id, holder_id = split_located(memory_id, tenant.id)
+    assert (fact_id, holder_id) == (fact.id, alice.id)
+    assert service.open_holder(tenant, holder_id, fact_id).get_fact(fact_id).text == fact.text
+    _, other_key = service.create_tenant(admin, "other")
+    other = service.authenticate(other_key)
+    for who, holder in ((other, split_located(memory_id, other.id)[1]), (other, alice.id), (tenant, tenant.id + "..0"),
+                        (tenant, "bad/id")):
+        with pytest.raises(FactNotFoundError):
+            service.open_holder(who, holder, fact_id)
+
+
+def test_metadata_is_kept_and_updates_keep_the_earlier_versions(service, acme):
+    tenant, _ = acme
+    fact = tenant.add_fact("Maya has a cat", metadata={"source": "chat", "n": 1})
+    assert tenant.get_fact(fact.id).metadata == {"source": "chat", "n": 1}
+    tenant.update_fact(fact.id, "Maya has two cats")
+    relabelled = tenant.update_fact(fact.id, None, metadata={"source": "form"})  # the same text, new metadata
+    assert (relabelled.text, relabelled.version, relabelled.metadata) == ("Maya has two cats", 3, {"source": "form"})
+    stored = tenant.get_fact(fact.id)
+    assert [(v["version"], v["text"]) for v in stored.previous] == [(1, "Maya has a cat"), (2, "Maya has two cats")]
+    for bad in ("text", {"x": float("nan")}, {"x": "y" * 5000}, {"x": object()}):
+        with pytest.raises(InvalidInputError):
+            tenant.add_fact("refused", metadata=bad)
+    assert [f.text for f in tenant.list_facts()] == ["Maya has two cats"]  # nothing stored by a refusal
 
 
 @pytest.mark.parametrize("scope", [dict(user_id=""), dict(user_id="   "), dict(user_id="x" * 257),
