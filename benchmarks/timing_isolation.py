@@ -6,7 +6,9 @@ class, an unrelated one), then the attacker sends the secret chat and times it. 
 the secret as a fact with K/V (or does not), the attacker stores the same text in its own memory and asks
 with `mode: inject`. The score is the ROC AUC of the best threshold on the attacker's TTFT between the two
 classes (0.5: indistinguishable). A positive control runs the prefix probe with the attacker as its own
-victim (a cache it may share), so the probe is shown to detect a cache hit when there is one.
+victim (a cache it may share), so the probe is shown to detect a cache hit when there is one. Both attacks
+run twice: across two tenants, and across two end users (scopes) of one tenant, whose K/V, prefix-cache salts
+and records are kept apart the same way.
 
     python benchmarks/timing_isolation.py --out out/timing.json [--quick] [--base-url URL --admin-key KEY]
 """
@@ -17,6 +19,7 @@ import random
 import string
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -40,6 +43,17 @@ def secret(rng: random.Random, words: int = 60) -> str:
     return " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) for _ in range(words))
 
 
+@dataclass(frozen=True)
+class Who:
+    """A principal of the probes: a tenant's key, and an end user of that tenant (None: the tenant's own memory)."""
+
+    key: str
+    user: str | None = None
+
+    def scope(self) -> dict[str, str]:
+        return {"user_id": self.user} if self.user else {}
+
+
 class Api:
     def __init__(self, base: str, admin_key: str) -> None:
         self.base, self.admin_key, self.http = base, admin_key, requests.Session()
@@ -50,35 +64,39 @@ class Api:
         made.raise_for_status()
         return made.json()["api_key"]
 
-    def chat(self, key: str, text: str, mode: str, k: int = 0) -> float:
+    def chat(self, who: Who, text: str, mode: str, k: int = 0) -> float:
         """Engine TTFT (ms) of a one-token answer."""
         body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0,
-                "memory": {"k": k, "mode": mode}}
-        answer = self.http.post(f"{self.base}/v1/chat/completions", json=body, headers=self._auth(key), timeout=300)
+                "memory": {"k": k, "mode": mode}} | ({"user": who.user} if who.user else {})
+        answer = self.http.post(f"{self.base}/v1/chat/completions", json=body, headers=self._auth(who.key), timeout=300)
         answer.raise_for_status()
         return answer.json()["usage"]["engine_ttft_ms"]
 
-    def remember(self, key: str, facts: list[str], timeout_s: float = 120) -> None:
-        added = self.http.post(f"{self.base}/v1/memories", json={"facts": facts}, headers=self._auth(key), timeout=120)
+    def remember(self, who: Who, facts: list[str], timeout_s: float = 120) -> None:
+        added = self.http.post(f"{self.base}/v1/memories", json={"facts": facts, **who.scope()}, headers=self._auth(who.key),
+                               timeout=120)
         added.raise_for_status()
         ids = [r["id"] for r in added.json()["results"]]
         deadline = time.monotonic() + timeout_s
-        while not all(self.http.get(f"{self.base}/v1/memories/{i}", headers=self._auth(key), timeout=60).json()["kv_ready"] for i in ids):
+        while not all(self.http.get(f"{self.base}/v1/memories/{i}", params=who.scope(), headers=self._auth(who.key),
+                                    timeout=60).json()["kv_ready"] for i in ids):
             if time.monotonic() > deadline:
                 raise RuntimeError("facts were not encoded in time")
             time.sleep(0.2)
 
-    def forget_all(self, key: str) -> None:
-        listed = self.http.get(f"{self.base}/v1/memories?limit=1000", headers=self._auth(key), timeout=60).json()["results"]
+    def forget_all(self, who: Who) -> None:
+        listed = self.http.get(f"{self.base}/v1/memories", params={"limit": 1000, **who.scope()}, headers=self._auth(who.key),
+                               timeout=60).json()["results"]
         for fact in listed:
-            self.http.delete(f"{self.base}/v1/memories/{fact['id']}", headers=self._auth(key), timeout=60)
+            self.http.delete(f"{self.base}/v1/memories/{fact['id']}", params=who.scope(), headers=self._auth(who.key),
+                             timeout=60)
 
     @staticmethod
     def _auth(key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
 
 
-def prefix_probes(api: Api, victim: str, attacker: str, probes: int, rng: random.Random) -> tuple[list[float], list[float]]:
+def prefix_probes(api: Api, victim: Who, attacker: Who, probes: int, rng: random.Random) -> tuple[list[float], list[float]]:
     """Attacker TTFTs after the victim sent the same secret chat (has) or another one (not), interleaved."""
     has, not_ = [], []
     for i in range(2 * probes):
@@ -88,7 +106,7 @@ def prefix_probes(api: Api, victim: str, attacker: str, probes: int, rng: random
     return has, not_
 
 
-def injection_probes(api: Api, victim: str, attacker: str, probes: int, rng: random.Random) -> tuple[list[float], list[float]]:
+def injection_probes(api: Api, victim: Who, attacker: Who, probes: int, rng: random.Random) -> tuple[list[float], list[float]]:
     """Attacker TTFTs with the secret as its own injected fact, when the victim holds (and just used) it or not."""
     has, not_ = [], []
     for i in range(2 * probes):
@@ -103,14 +121,22 @@ def injection_probes(api: Api, victim: str, attacker: str, probes: int, rng: ran
     return has, not_
 
 
-def run(api: Api, probes: int, injection_probes_count: int, seed: int = 0) -> dict:
+def principals(api: Api, across: str) -> tuple[Who, Who]:
+    """(victim, attacker): two tenants, or two end users (scopes) of one tenant."""
+    if across == "tenants":
+        return Who(api.tenant("timing-victim")), Who(api.tenant("timing-attacker"))
+    key = api.tenant("timing-app")
+    return Who(key, "victim"), Who(key, "attacker")
+
+
+def run(api: Api, probes: int, injection_probes_count: int, seed: int = 0, across: str = "tenants") -> dict:
     rng = random.Random(seed)
-    victim, attacker = api.tenant("timing-victim"), api.tenant("timing-attacker")
+    victim, attacker = principals(api, across)
     api.chat(attacker, "warm up", mode="off")
     prefix = prefix_probes(api, victim, attacker, probes, rng)
     control = prefix_probes(api, attacker, attacker, max(10, probes // 4), rng)  # a cache it does share: detectable
     injection = injection_probes(api, victim, attacker, injection_probes_count, rng)
-    return {"probes": {"prefix": probes, "injection": injection_probes_count},
+    return {"across": across, "probes": {"prefix": probes, "injection": injection_probes_count},
             "auc": {"prefix_cache": auc(*prefix), "fact_injection": auc(*injection), "control_own_cache": auc(*control)},
             "ttft_ms": {"prefix": prefix, "injection": injection, "control": control}}
 
@@ -124,10 +150,12 @@ def main() -> None:
     from benchmarks._cluster import cluster_for
 
     with cluster_for(args.base_url, args.admin_key, "timing") as (base, admin):
-        report = run(Api(base, admin), probes, injected)
-    report["targets"] = [target("AUC, prefix-cache probe across tenants", report["auc"]["prefix_cache"], "<= 0.6"),
-                         target("AUC, fact-injection probe across tenants", report["auc"]["fact_injection"], "<= 0.6"),
-                         target("AUC, control: the attacker's own cache", report["auc"]["control_own_cache"], ">= 0.9")]
+        runs = {across: run(Api(base, admin), probes, injected, across=across) for across in ("tenants", "scopes")}
+    report = {"runs": runs, "targets": [
+        t for across, r in runs.items() for t in (
+            target(f"AUC, prefix-cache probe across {across}", r["auc"]["prefix_cache"], "<= 0.6"),
+            target(f"AUC, fact-injection probe across {across}", r["auc"]["fact_injection"], "<= 0.6"),
+            target(f"AUC, control: the attacker's own cache ({across})", r["auc"]["control_own_cache"], ">= 0.9"))]}
     write_report(args.out, report)
 
 
