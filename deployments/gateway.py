@@ -111,9 +111,10 @@ class Gateway:
             raise RateLimitedError(f"too many requests; at most {self.args.rate_per_s:g}/s with bursts of {self.args.burst}")
         return tenant
 
-    def in_scope(self, tenant: Tenant, scope: Scope | None) -> Tenant:
-        """The memory a request is about: an end user's scope of the tenant, or (None) the tenant's own."""
-        return tenant if scope is None else self.service.open_scope(tenant, scope)
+    def in_scope(self, tenant: Tenant, scope: Scope | None, write: bool = False) -> Tenant:
+        """The memory a request is about: an end user's scope of the tenant, or (None) the tenant's own. Only a
+        write makes a scope; reading one that was never written stores nothing."""
+        return tenant if scope is None else self.service.open_scope(tenant, scope, create=write)
 
     # ---- chat ----
     async def prepare_chat(self, tenant: Tenant, body: GenerationRequest) -> PreparedChat:
@@ -197,7 +198,7 @@ class Gateway:
         return fact
 
     def add_memories(self, tenant: Tenant, api_key: str, body: AddMemories) -> tuple[int, dict[str, Any]]:
-        holder = self.in_scope(tenant, body.scope())
+        holder = self.in_scope(tenant, body.scope(), write=True)
         if body.facts is not None:
             added = self.add_facts(holder, api_key, body.facts)
             return 200, {"results": [{"id": f.id, "memory": f.text, "event": "ADD"} for f in added]}

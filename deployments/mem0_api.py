@@ -164,7 +164,7 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
 
     @router.post("/v3/memories/add/")
     async def add(request: Request, tenant: TenantDep, body: Add) -> dict[str, Any]:
-        holder = gateway.in_scope(tenant, _entity_query(body.user_id, body.agent_id, body.run_id))
+        holder = gateway.in_scope(tenant, _entity_query(body.user_id, body.agent_id, body.run_id), write=True)
         key = key_of(request) or ""
         if body.infer:
             job = gateway.extract(holder, key, body.messages)
@@ -254,8 +254,8 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
 
     @router.get("/v1/entities/")
     async def entities(tenant: TenantDep) -> dict[str, Any]:
-        """Each user, agent and run id of the tenant's scopes that hold memories, with their count (a scope is
-        made on first use, reads included)."""
+        """Each user, agent and run id of the tenant's scopes that hold memories, with their count (a scope made by
+        a write stays, empty, once its memories are deleted one by one)."""
         counts: dict[tuple[str, str], int] = {}
         for scope in gateway.service.scopes(tenant):
             facts = gateway.in_scope(tenant, Scope(**scope)).usage()["facts"]

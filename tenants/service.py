@@ -157,8 +157,9 @@ class TenantService:
             return Tenant(self, tenant_id, info)
         return self.tenant_for_admin(key, tenant_id)
 
-    def open_scope(self, tenant: "Tenant", scope: Scope) -> "Tenant":
-        """An end user's memory inside `tenant` (made on first use, with the tenant's settings and quotas)."""
+    def open_scope(self, tenant: "Tenant", scope: Scope, create: bool = True) -> "Tenant":
+        """An end user's memory inside `tenant`, made on first use with the tenant's settings and quotas; with
+        `create` False (reads) one not made yet is opened empty and nothing is stored."""
         if tenant.scope is not None:
             raise InvalidInputError("a scope has no scopes of its own")
         scoped = scoped_id(tenant.id, scope)
@@ -166,6 +167,8 @@ class TenantService:
         if info is None:
             fields = {k: v for k, v in tenant._info.items() if k not in ("id", "key_hash", "created")}
             fields |= {"key_hash": NO_KEY, "parent": tenant.id, "scope": json.dumps(scope.as_dict()), "created": time.time()}
+            if not create:
+                return Tenant(self, scoped, {k: str(v) for k, v in fields.items()} | {"id": scoped})
             try:
                 self.meta.create_scope(tenant.id, scoped, fields)
             except TenantExistsError:

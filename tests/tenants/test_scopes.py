@@ -90,6 +90,18 @@ def test_deleting_one_scope_leaves_the_others_and_the_tenant(service, acme):
     assert service.delete_scope(tenant, Scope("nobody")) is False
 
 
+def test_reading_an_end_users_memory_that_was_never_written_stores_nothing(service, acme):
+    tenant, _ = acme
+    ghost = service.open_scope(tenant, Scope("ghost"), create=False)
+    assert ghost.list_facts() == [] and ghost.search("anything", k=5) == [] and ghost.usage()["facts"] == 0
+    assert ghost.version() == 0 and ghost.scope == Scope("ghost")
+    assert service.meta.tenant(ghost.id) is None and service.scopes(tenant) == []
+    written = service.open_scope(tenant, Scope("ghost"))  # a write makes it
+    written.add_fact("ghost likes tea")
+    assert written.id == ghost.id and service.scopes(tenant) == [{"user_id": "ghost"}]
+    assert [f.text for f in service.open_scope(tenant, Scope("ghost"), create=False).list_facts()] == ["ghost likes tea"]
+
+
 def test_a_located_memory_id_opens_its_scope_only_through_its_own_tenant(service, admin, acme):
     tenant, _ = acme
     alice = service.open_scope(tenant, Scope("alice"))
