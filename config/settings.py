@@ -59,7 +59,7 @@ class ServeSettings(BaseModel):
                                "between replicas); python: Ray Serve's default Python proxy.")
     recompute: int = Field(1, ge=0, description="Of the facts a chat injects, the best-scored this many are prefilled "
                                                 "after the others instead (selective recomputation) when neither the "
-                                                "chat nor its tenant says; chosen on the quality dev set (README).")
+                                                "chat nor its tenant says; chosen on the quality dev set (docs/quality.md).")
 
 
 class Settings(BaseSettings):

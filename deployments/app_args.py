@@ -69,7 +69,7 @@ class IngressArgs(Strict):
     default_recompute: int = Field(0, ge=0, description="Retrieved facts prefilled after the injected ones instead "
                                                         "of injected, when a chat does not say (`memory.recompute`).")
     # best last (the best-scored fact next to the question): on the dev set pure injection kept 0.51 of prompt-mode
-    # F1 at k=10 against 0.08 best first, and one recomputed fact 1.47 against 1.42 (README: answer quality)
+    # F1 at k=10 against 0.08 best first, and one recomputed fact 1.47 against 1.42 (docs/quality.md)
     default_order: FactOrder = Field("best_last", description="The facts' order in a chat's prompt when it does not "
                                                               "say (`memory.order`).")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens one completion may ask for; None: as many as "
