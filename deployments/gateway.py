@@ -243,7 +243,8 @@ class Gateway:
     def create_tenant(self, admin_key: str | None, body: CreateTenant) -> dict[str, Any]:
         info, key = self.service.create_tenant(admin_key or "", body.id, max_facts=body.max_facts,
                                                max_bytes=body.max_bytes, window=body.window,
-                                               recompute=body.recompute, neighbours=body.neighbours)
+                                               recompute=body.recompute, neighbours=body.neighbours,
+                                               scope_max_facts=body.scope_max_facts, scope_max_bytes=body.scope_max_bytes)
         return {"tenant": info, "api_key": key}
 
     def list_tenants(self, admin_key: str | None) -> dict[str, Any]:

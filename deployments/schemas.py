@@ -272,8 +272,10 @@ class CreateTenant(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(..., min_length=1, max_length=128)
-    max_facts: int | None = Field(None, ge=1)
-    max_bytes: int | None = Field(None, ge=1)
+    max_facts: int | None = Field(None, ge=1, description="Facts of the tenant and all its end users together.")
+    max_bytes: int | None = Field(None, ge=1, description="Bytes of the tenant and all its end users together.")
+    scope_max_facts: int | None = Field(None, ge=1, description="Facts of each end user (None: max_facts).")
+    scope_max_bytes: int | None = Field(None, ge=1, description="Bytes of each end user (None: max_bytes).")
     window: int = Field(5, ge=0, le=1000)
     recompute: int | None = Field(None, ge=0, le=1000, description="Facts its chats prefill after the injected ones "
                                                                     "when a chat does not say (None: the cluster's).")

@@ -14,6 +14,7 @@ Keys, all under one tenant's hash tag so a cluster keeps a tenant on one shard:
     is:t:{tid}:log                stream of committed changes, which every process's index replays
     is:t:{tid}:jobs               job id -> status JSON of the tenant's encoding jobs
     is:t:{tid}:scopes             ids of the tenant's end-user scopes (each a tenant entry of its own, `scopes.py`)
+    is:t:{tid}:total              facts, bytes of the tenant's own memory and all its scopes' (its total quota)
     is:registry                   pub/sub channel: the id of a tenant whose registry entry changed
     is:facts                      pub/sub channel: the change-log key of a tenant whose facts changed
 
@@ -70,6 +71,24 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
 redis.call('HINCRBY', KEYS[4], 'facts', 1)
 redis.call('HINCRBY', KEYS[4], 'bytes', ARGV[4])
+return 1
+"""
+
+_CHARGE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  if tonumber(ARGV[1]) > 0 or tonumber(ARGV[2]) > 0 then return redis.error_reply('UNKNOWN tenant') end
+  return 0
+end
+local facts = tonumber(redis.call('HGET', KEYS[2], 'facts') or '0') + tonumber(ARGV[1])
+local bytes = tonumber(redis.call('HGET', KEYS[2], 'bytes') or '0') + tonumber(ARGV[2])
+if tonumber(ARGV[1]) > 0 and facts > tonumber(redis.call('HGET', KEYS[1], 'max_facts')) then
+  return redis.error_reply('QUOTA facts (the tenant and its end users together)')
+end
+if tonumber(ARGV[2]) > 0 and bytes > tonumber(redis.call('HGET', KEYS[1], 'max_bytes')) then
+  return redis.error_reply('QUOTA bytes (the tenant and its end users together)')
+end
+redis.call('HINCRBY', KEYS[2], 'facts', ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'bytes', ARGV[2])
 return 1
 """
 
@@ -187,7 +206,7 @@ class RedisMeta:
         self._feed = ChangeFeed(self._redis, (REGISTRY_CHANNEL, FACTS_CHANNEL)) if cache_registry else None
         self._registry = RegistryCache(self._feed) if self._feed is not None else None
         self._scripts = {name: self._redis.register_script(body) for name, body in (
-            ("create", _CREATE), ("create_scope", _CREATE_SCOPE), ("reserve", _RESERVE), ("begin_update", _BEGIN_UPDATE), ("commit", _COMMIT),
+            ("create", _CREATE), ("create_scope", _CREATE_SCOPE), ("reserve", _RESERVE), ("charge", _CHARGE), ("begin_update", _BEGIN_UPDATE), ("commit", _COMMIT),
             ("delete", _DELETE), ("rollback", _ROLLBACK), ("place", _PLACE), ("unplace", _UNPLACE))}
 
     def ping(self) -> bool:
@@ -265,7 +284,7 @@ class RedisMeta:
 
     def delete_tenant(self, tenant_id: str) -> bool:
         """Drop the tenant and every key under its hash tag in one transaction (True if it existed)."""
-        parts = ("facts", "emb", "pemb", "usage", "place", "version", "seq", "log", "jobs", "scopes")
+        parts = ("facts", "emb", "pemb", "usage", "place", "version", "seq", "log", "jobs", "scopes", "total")
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.srem("is:tenants", tenant_id)
             pipe.delete(_t(tenant_id), *(_t(tenant_id, part) for part in parts))
@@ -305,6 +324,15 @@ class RedisMeta:
             self._scripts["commit"](keys=keys, args=[fact_id, "pending", 1, _json(meta), op, 0, meta["index_id"], "0",
                                                      LOG_MAXLEN], client=pipe)
         return [_error_of(result) for result in pipe.execute(raise_on_error=False)]
+
+    def charge_total(self, tenant_id: str, facts: int, nbytes: int) -> None:
+        """Add to the tenant's total across its own memory and its scopes, within its quotas (a negative amount,
+        a refund, always passes; a refund to a deleted tenant does nothing)."""
+        self._run("charge", [_t(tenant_id), _t(tenant_id, "total")], [facts, nbytes])
+
+    def total(self, tenant_id: str) -> dict[str, int]:
+        raw = self._redis.hgetall(_t(tenant_id, "total"))
+        return {"facts": int(raw.get(b"facts", 0)), "bytes": int(raw.get(b"bytes", 0))}
 
     def reserve(self, tenant_id: str, fact_id: str, meta: dict, embedding: bytes, nbytes: int) -> None:
         keys = [_t(tenant_id), _t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "usage")]
@@ -573,7 +601,7 @@ def _translate(message: str) -> Exception:
     if message.startswith("UNKNOWN"):
         return UnknownTenantError("unknown tenant")
     if message.startswith("QUOTA"):
-        return QuotaExceededError(f"quota of {message.split()[1]} exceeded")
+        return QuotaExceededError(f"quota of {message[len('QUOTA '):]} exceeded")
     if message.startswith("GONE"):
         return FactNotFoundError("no such fact")
     if message.startswith("CONFLICT"):

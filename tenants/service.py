@@ -81,8 +81,11 @@ class TenantService:
 
     def create_tenant(self, admin_key: str, tenant_id: str, *, max_facts: int | None = None,
                       max_bytes: int | None = None, window: int = 5, model_fingerprint: str = "",
-                      recompute: int | None = None, neighbours: int = 0) -> tuple[dict, str]:
-        """Register a tenant; returns its registry entry and its API key (shown only this once). `recompute`:
+                      recompute: int | None = None, neighbours: int = 0, scope_max_facts: int | None = None,
+                      scope_max_bytes: int | None = None) -> tuple[dict, str]:
+        """Register a tenant; returns its registry entry and its API key (shown only this once). `max_facts` and
+        `max_bytes` bound its own memory and all its end users' together; `scope_max_*` bound each end user's
+        (None: the same as the tenant's). `recompute`:
         the facts its chats prefill after the injected ones when a chat does not say (None: the cluster's);
         `window` turns and `neighbours` nearest facts: the context its facts are encoded behind."""
         self.check_admin(admin_key)
@@ -90,6 +93,8 @@ class TenantService:
         if is_scoped(tenant_id):
             raise InvalidInputError(f"tenant id {tenant_id!r} holds {SEPARATOR!r}, which is kept for end users' scopes")
         limits = {"max_facts": max_facts or self.defaults["max_facts"], "max_bytes": max_bytes or self.defaults["max_bytes"]}
+        limits |= {"scope_max_facts": scope_max_facts or limits["max_facts"],
+                   "scope_max_bytes": scope_max_bytes or limits["max_bytes"]}
         if any(not isinstance(v, int) or v < 1 for v in limits.values()) or not isinstance(window, int) or window < 0:
             raise InvalidInputError("quotas must be positive integers and the window a non-negative integer")
         if recompute is not None and (not isinstance(recompute, int) or recompute < 0):
@@ -108,7 +113,7 @@ class TenantService:
         info = self.meta.tenant(check_id("tenant id", tenant_id))
         if info is None:
             raise UnknownTenantError(f"unknown tenant {tenant_id!r}")
-        return _public(info) | {"usage": self.meta.usage(tenant_id)}
+        return _public(info) | {"usage": self.meta.usage(tenant_id), "total": self.meta.total(tenant_id)}
 
     def list_tenants(self, admin_key: str) -> list[str]:
         self.check_admin(admin_key)
@@ -166,6 +171,8 @@ class TenantService:
         info = self.meta.tenant(scoped)
         if info is None:
             fields = {k: v for k, v in tenant._info.items() if k not in ("id", "key_hash", "created")}
+            fields |= {"max_facts": fields.get("scope_max_facts", fields["max_facts"]),
+                       "max_bytes": fields.get("scope_max_bytes", fields["max_bytes"])}
             fields |= {"key_hash": NO_KEY, "parent": tenant.id, "scope": json.dumps(scope.as_dict()), "created": time.time()}
             if not create:
                 return Tenant(self, scoped, {k: str(v) for k, v in fields.items()} | {"id": scoped})
@@ -194,7 +201,10 @@ class TenantService:
         if tenant.scope is not None:
             raise InvalidInputError("a scope has no scopes of its own")
         scoped = scoped_id(tenant.id, scope)
+        held = self.meta.usage(scoped)
         existed = self.meta.delete_tenant(scoped)
+        if existed:
+            tenant._refund(held["facts"], held["bytes"])
         self.meta.remove_scope(tenant.id, scoped)  # after: a crash between leaves an id `scopes` skips
         self.records.drop_tenant(scoped)
         self.indexes.forget(scoped, remove_snapshot=True)
@@ -228,6 +238,11 @@ class Tenant:
     def scope(self) -> Scope | None:
         """The end user this memory belongs to, when it is a scope of a tenant; None for the tenant's own."""
         return Scope(**json.loads(self._info["scope"])) if "scope" in self._info else None
+
+    @property
+    def root_id(self) -> str:
+        """The tenant whose quotas bound this memory's total: its own id, or a scope's tenant."""
+        return self._info.get("parent", self.id)
 
     @property
     def neighbours(self) -> int:
@@ -293,8 +308,13 @@ class Tenant:
         now = time.time()
         pending = {"text": text, "version": new_version, "record_id": record_id, "bytes": nbytes, "started": now}
         meta = self._s.meta
-        meta.begin_update(self.id, fact_id, current["version"], {**current, "state": "updating", "pending": pending},
-                          vector.astype(np.float32).tobytes(), nbytes)
+        self._charge(0, nbytes)  # both versions count until the commit
+        try:
+            meta.begin_update(self.id, fact_id, current["version"], {**current, "state": "updating", "pending": pending},
+                              vector.astype(np.float32).tobytes(), nbytes)
+        except Exception:
+            self._refund(0, nbytes)
+            raise
         self._s.fault("update:begun")
         try:
             if kv is not None:
@@ -309,9 +329,11 @@ class Tenant:
                         bytes_delta=-current["bytes"], move_pending_embedding=True)
         except Exception:
             meta.rollback(self.id, fact_id, "updating", current["version"], current, 0, nbytes)
+            self._refund(0, nbytes)
             if record_id:
                 self._s.records.delete(self.id, record_id)
             raise
+        self._refund(0, current["bytes"])  # the replaced version's
         self._s.fault("update:committed")
         if current.get("record_id"):
             self._s.records.delete(self.id, current["record_id"])
@@ -328,8 +350,14 @@ class Tenant:
         self._write_record(record_id, kv, version)  # an orphan until committed; the reconciler removes it then
         updated = {**current, "record_id": record_id, "encoding": _encoding(kv), "bytes": current["bytes"] + kv.nbytes}
         try:
+            self._charge(0, kv.nbytes)
+        except Exception:
+            self._s.records.delete(self.id, record_id)
+            raise
+        try:
             self._s.meta.commit(self.id, fact_id, "active", version, updated, "kv", bytes_delta=kv.nbytes)
         except Exception:
+            self._refund(0, kv.nbytes)
             self._s.records.delete(self.id, record_id)
             raise
         return Fact.from_meta(updated)
@@ -337,6 +365,7 @@ class Tenant:
     def delete_fact(self, fact_id: str) -> None:
         """Gone from retrieval, listing and quota in one step; its records are removed after."""
         old = self._s.meta.delete(self.id, check_id("fact id", fact_id))
+        self._refund(1, old["bytes"] + ((old.get("pending") or {}).get("bytes") or 0))
         self._s.fault("delete:committed")
         for record_id in (old.get("record_id"), (old.get("pending") or {}).get("record_id")):
             if record_id:
@@ -404,11 +433,18 @@ class Tenant:
                              "encoding": _encoding(kv), "bytes": _size(text, kv), "source_turn": source_turn,
                              "created": now, "updated": now, "started": now, "pending": None}
                             | ({} if metadata is None else {"metadata": metadata}))
-        errors = meta.reserve_many(self.id, [(p["id"], p, vector.astype(np.float32).tobytes(), p["bytes"])
-                                             for p, (*_, vector) in zip(pendings, items)])
+        self._charge(len(pendings), sum(p["bytes"] for p in pendings))  # the tenant's total first: all or none
+        try:
+            errors = meta.reserve_many(self.id, [(p["id"], p, vector.astype(np.float32).tobytes(), p["bytes"])
+                                                 for p, (*_, vector) in zip(pendings, items)])
+        except Exception:
+            self._refund(len(pendings), sum(p["bytes"] for p in pendings))
+            raise
         reserved = [p for p, error in zip(pendings, errors) if error is None]
         if len(reserved) != len(pendings):
             self._roll_back(reserved)
+            refused = [p for p, error in zip(pendings, errors) if error is not None]
+            self._refund(len(refused), sum(p["bytes"] for p in refused))
             raise next(error for error in errors if error is not None)
         self._s.fault("insert:reserved")
         committed: set[str] = set()
@@ -426,10 +462,22 @@ class Tenant:
         return [Fact.from_meta(a) for a in actives]
 
     def _roll_back(self, pendings: list[dict]) -> None:
+        """Undo inserts that did not commit; `pendings`: the reserved ones (every one was charged to the total)."""
         for p in pendings:
             self._s.meta.rollback(self.id, p["id"], "pending", 1, None, 1, p["bytes"])
             if p["record_id"]:
                 self._s.records.delete(self.id, p["record_id"])
+        self._refund(len(pendings), sum(p["bytes"] for p in pendings))
+
+    def _charge(self, facts: int, nbytes: int) -> None:
+        """Count facts and bytes against the tenant's total across its own memory and its end users' (a scope
+        charges its tenant); refused past its quotas. A crash after a charge and before its write leaves the
+        total above what is stored: it then refuses early, never lets a tenant past its quota."""
+        self._s.meta.charge_total(self.root_id, facts, nbytes)
+
+    def _refund(self, facts: int, nbytes: int) -> None:
+        if facts or nbytes:
+            self._s.meta.charge_total(self.root_id, -facts, -nbytes)
 
     def _write_record(self, record_id: str, kv: FactKV, version: int) -> None:
         self._write_records([(record_id, kv, version)])
