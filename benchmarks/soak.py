@@ -23,7 +23,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
-from benchmarks.timing_isolation import Api  # noqa: E402
+from benchmarks.timing_isolation import Api, Who  # noqa: E402
 
 MODEL = "inferscale-smollm2"
 
@@ -49,7 +49,7 @@ def soak(base: str, admin_key: str, redis_url: str, *, minutes: float, tenants: 
     keys = []
     for t in range(tenants):
         key = api.tenant(f"{prefix}-{t}")
-        api.remember(key, [f"Soak tenant {t} keeps item {i} in box {i * 3 + t}." for i in range(6)])
+        api.remember(Who(key), [f"Soak tenant {t} keeps item {i} in box {i * 3 + t}." for i in range(6)])
         keys.append(key)
     lock, events, stop = threading.Lock(), [], time.monotonic() + minutes * 60
 
