@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.gateway import Gateway, PreparedChat
 from deployments.mem0_api import mem0_router
 from deployments.schemas import (UNSUPPORTED, AddMemories, ChatRequest, CompletionRequest, CreateTenant, ErrorBody,
-                                 GenerationRequest, SearchMemories, SubmitJob, UpdateMemory, scope_of)
-from tenants.errors import InvalidInputError, TenantError
+                                 GenerationRequest, SearchMemories, SubmitJob, UpdateMemory, scope_input)
+from tenants.errors import TenantError
 from tenants.redis_meta import STORE_UNAVAILABLE
 from tenants.scopes import Scope
 from tenants.service import Tenant
@@ -87,15 +87,7 @@ async def _admin_auth(request: Request) -> str:
 TenantDep = Annotated[Tenant, Depends(_tenant_auth)]
 
 
-def _scope_query(user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> Scope | None:
-    """The end user's scope a memory route's query names (Mem0's entity ids); None: the tenant's own memory."""
-    try:
-        return scope_of(user_id, agent_id, run_id)
-    except ValueError as exc:
-        raise InvalidInputError(str(exc)) from None
-
-
-ScopeQuery = Annotated[Scope | None, Depends(_scope_query)]
+ScopeQuery = Annotated[Scope | None, Depends(scope_input)]  # the end user a memory route's query names
 AdminDep = Annotated[str, Depends(_admin_auth)]
 
 

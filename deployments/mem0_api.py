@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.gateway import Gateway
-from deployments.schemas import Message, scope_of
+from deployments.schemas import Message, scope_input, scope_of
 from tenants.errors import FactNotFoundError, InvalidInputError, JobNotFoundError
 from tenants.facts import Fact
 from tenants.scopes import Scope, located_id
@@ -119,10 +119,7 @@ def _entity_query(user_id: str | None = None, agent_id: str | None = None, run_i
                   app_id: str | None = None) -> Scope | None:
     if app_id is not None:
         raise InvalidInputError("'app_id' is not supported by inferscale")
-    try:
-        return scope_of(user_id, agent_id, run_id)
-    except ValueError as exc:
-        raise InvalidInputError(str(exc)) from None
+    return scope_input(user_id, agent_id, run_id)
 
 
 def _iso(seconds: float) -> str:
@@ -226,8 +223,7 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
 
     @router.delete("/v1/memories/{memory_id}/")
     async def delete(tenant: TenantDep, scope: EntityQuery, memory_id: str) -> dict[str, Any]:
-        holder, fact_id = gateway.locate(tenant, memory_id, scope)
-        holder.delete_fact(fact_id)
+        gateway.delete_memory(tenant, scope, memory_id)
         return {"message": "Memory deleted successfully!", "id": memory_id}
 
     @router.delete("/v1/memories/")
@@ -248,8 +244,7 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
     @router.delete("/v1/batch/")
     async def batch_delete(tenant: TenantDep, body: Batch) -> dict[str, Any]:
         for item in body.memories:
-            holder, fact_id = gateway.locate(tenant, item.memory_id, None)
-            holder.delete_fact(fact_id)
+            gateway.delete_memory(tenant, None, item.memory_id)
         return {"message": f"Successfully deleted {len(body.memories)} memories"}
 
     @router.get("/v1/entities/")

@@ -55,6 +55,14 @@ def scope_of(user_id: str | None, agent_id: str | None = None, run_id: str | Non
         raise ValueError(str(exc)) from None
 
 
+def scope_input(user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> Scope | None:
+    """`scope_of` for ids a request sent apart from a body (a query, Mem0's fields): bad ids are bad input."""
+    try:
+        return scope_of(user_id, agent_id, run_id)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+
+
 class ScopeFields(BaseModel):
     """Whose memory a request is about (Mem0's entity ids); none: the tenant's own."""
 

@@ -135,11 +135,15 @@ class TenantService:
         scopes = self.meta.scope_ids(check_id("tenant id", tenant_id))
         if not self.meta.delete_tenant(tenant_id):
             raise UnknownTenantError(f"unknown tenant {tenant_id!r}")
-        for gone in (tenant_id, *scopes):
-            if gone != tenant_id:
-                self.meta.delete_tenant(gone)
-            self.records.drop_tenant(gone)
-            self.indexes.forget(gone, remove_snapshot=True)
+        self._drop_stored(tenant_id)
+        for scoped in scopes:
+            self.meta.delete_tenant(scoped)
+            self._drop_stored(scoped)
+
+    def _drop_stored(self, tenant_id: str) -> None:
+        """What a deleted tenant or scope left beside Redis: its records and its retrieval index."""
+        self.records.drop_tenant(tenant_id)
+        self.indexes.forget(tenant_id, remove_snapshot=True)
 
     def tenant_for_admin(self, admin_key: str, tenant_id: str) -> "Tenant":
         """A tenant's facts opened with the admin key (encoder jobs write on a tenant's behalf)."""
@@ -203,11 +207,10 @@ class TenantService:
         scoped = scoped_id(tenant.id, scope)
         held = self.meta.usage(scoped)
         existed = self.meta.delete_tenant(scoped)
-        if existed:
-            tenant._refund(held["facts"], held["bytes"])
+        if existed:  # its facts leave the tenant's total
+            self.meta.charge_total(tenant.id, -held["facts"], -held["bytes"])
         self.meta.remove_scope(tenant.id, scoped)  # after: a crash between leaves an id `scopes` skips
-        self.records.drop_tenant(scoped)
-        self.indexes.forget(scoped, remove_snapshot=True)
+        self._drop_stored(scoped)
         return existed
 
     def scopes(self, tenant: "Tenant") -> list[dict[str, str]]:
@@ -347,14 +350,10 @@ class Tenant:
         if current.get("record_id"):
             return Fact.from_meta(current)  # already encoded
         record_id = record_id_for(fact_id, version)
-        self._write_record(record_id, kv, version)  # an orphan until committed; the reconciler removes it then
         updated = {**current, "record_id": record_id, "encoding": _encoding(kv), "bytes": current["bytes"] + kv.nbytes}
+        self._charge(0, kv.nbytes)
         try:
-            self._charge(0, kv.nbytes)
-        except Exception:
-            self._s.records.delete(self.id, record_id)
-            raise
-        try:
+            self._write_record(record_id, kv, version)  # an orphan until committed; the reconciler removes it then
             self._s.meta.commit(self.id, fact_id, "active", version, updated, "kv", bytes_delta=kv.nbytes)
         except Exception:
             self._refund(0, kv.nbytes)
