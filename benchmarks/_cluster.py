@@ -52,8 +52,9 @@ def start_local_serve(proxy: str, num_cpus: int) -> int:
     return port
 
 
-def start_cluster(state: Path, cuda: bool, shape: Path | None, proxy: str = "haproxy"):
-    """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode."""
+def start_cluster(state: Path, cuda: bool, shape: Path | None, proxy: str = "haproxy", embed_device: str = "cuda"):
+    """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
+    on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica)."""
     import os
 
     from ray import serve
@@ -77,7 +78,8 @@ def start_cluster(state: Path, cuda: bool, shape: Path | None, proxy: str = "hap
         # 100 tenants x 51 records of two 16-token pages at the 8B shape's 256 KiB a token come to ~40 GiB
         llm["device_cache_bytes"] = 48 << 30
         llm["max_encodes_in_flight"] = 32  # 5,000 facts to encode before anything is measured
-        ingress |= {"num_replicas": 4, "embed_device": "cuda", "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.02}}
+        ingress |= {"num_replicas": 4, "embed_device": embed_device,
+                    "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.02} if embed_device == "cuda" else {"num_cpus": 2}}
     if shape is not None:
         path, fingerprint = shaped_model(shape, state / "model")
         llm |= {"model": path, "fingerprint": fingerprint}

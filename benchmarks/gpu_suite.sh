@@ -44,7 +44,8 @@ for step in "$@"; do
     retrieval) run retrieval 120 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
-    serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json"
+    serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json" \
+            --embed-device "${EMBED_DEVICE:-cuda}"
         grep -h -B2 -A25 -e Traceback -e "device arena" /tmp/ray-*/session_latest/logs/*.err \
             /tmp/ray-*/session_latest/logs/serve/*.log 2>/dev/null | tail -300 >"$out/serve-errors.log" ;;
     quality)  # the answer-quality dev set (SmolLM2 in bf16): windows, recomputation, prompt and off at k = 10, 50

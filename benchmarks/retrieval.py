@@ -5,13 +5,21 @@ changed), and the whole step over a real redis-server with `--facts` facts a ten
 (embed on the device, search on the CPU, change feed) and as it ran before (search on the device, a round
 trip each time). Targets: the ingress's whole step p50 <= 1.5 ms on the GPU; on the CPU the figures are
 reported with the same names.
+
+Where the serving run's embedding time goes (`embed_ms.under_load`, GPU only): one query embedded while the
+GPU is kept busy by another process (a CUDA context of its own, as vLLM's engine core is to an ingress
+replica) and by another stream of this process (one context), against the idle GPU; and the embedding on
+the host's CPU by thread count (`embed_ms.cpu_threads`), the alternative that no GPU load can slow.
 """
 
 from __future__ import annotations
 
 import statistics
+import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -22,19 +30,97 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import parser, scratch_dir, sync, target, write_report  # noqa: E402
 
 
-def timed(fn, repeats: int) -> dict[str, float]:
-    """p50 and p99 in ms of `repeats` calls after a few warm-up calls (device work waited for)."""
+def timed(fn, repeats: int, device_sync: bool = True) -> dict[str, float]:
+    """p50 and p99 in ms of `repeats` calls after a few warm-up calls (all device work waited for, or with
+    `device_sync` off only what `fn` waits for itself)."""
+    wait = sync if device_sync else (lambda: None)
     for _ in range(5):
         fn()
     times = []
     for _ in range(repeats):
-        sync()
+        wait()
         started = time.perf_counter()
         fn()
-        sync()
+        wait()
         times.append((time.perf_counter() - started) * 1000)
     times.sort()
     return {"p50": statistics.median(times), "p99": times[int(0.99 * (len(times) - 1))]}
+
+
+# Another process keeping the GPU busy with back-to-back products of ~1 ms, as an engine's steps do.
+BUSY_PROCESS = """
+import sys, torch
+a = torch.randn(6144, 6144, device="cuda", dtype=torch.bfloat16)
+c = a @ a
+torch.cuda.synchronize()
+print("busy", flush=True)
+while True:
+    for _ in range(8):
+        c = a @ a
+    torch.cuda.synchronize()
+"""
+
+
+@contextmanager
+def gpu_busy_elsewhere():
+    """The GPU kept busy by a separate process (its own CUDA context) for the duration."""
+    child = subprocess.Popen([sys.executable, "-c", BUSY_PROCESS], stdout=subprocess.PIPE, text=True)
+    try:
+        if child.stdout.readline().strip() != "busy":
+            raise RuntimeError("the GPU load process did not start")
+        yield
+    finally:
+        child.kill()
+        child.wait()
+
+
+@contextmanager
+def gpu_busy_here():
+    """The GPU kept busy by a thread of this process on a stream of its own (one CUDA context)."""
+    stop, stream = threading.Event(), torch.cuda.Stream()
+    a = torch.randn(6144, 6144, device="cuda", dtype=torch.bfloat16)
+
+    def loop() -> None:
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                for _ in range(8):
+                    a @ a
+                stream.synchronize()
+
+    worker = threading.Thread(target=loop, daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()
+
+
+def under_load(embedder, query: str, repeats: int) -> dict[str, dict[str, float]]:
+    """One query's embedding on an idle GPU, beside another process's load and beside this process's own."""
+    def one() -> None:  # waits for its own result only (a device-wide sync would wait for the load too)
+        embedder.embed_tensor([query]).cpu()
+
+    report = {"idle": timed(one, repeats, device_sync=False)}
+    with gpu_busy_elsewhere():
+        report["other_process_busy"] = timed(one, repeats, device_sync=False)
+    with gpu_busy_here():
+        report["same_process_busy"] = timed(one, repeats, device_sync=False)
+    return report
+
+
+def cpu_threads(query: str, repeats: int) -> dict[str, dict[str, float]]:
+    """One query's embedding on the CPU with 1, 2 and 4 threads."""
+    from models.minilm import MiniLMEmbedder
+
+    before, embedder, report = torch.get_num_threads(), MiniLMEmbedder(device="cpu"), {}
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            report[str(threads)] = timed(lambda: embedder.embed_tensor([query]), repeats)
+    finally:
+        torch.set_num_threads(before)
+    return report
 
 
 def main() -> None:
@@ -59,6 +145,8 @@ def main() -> None:
     if device == "cuda":
         eager = MiniLMEmbedder(device=device, cuda_graphs=False)
         report["embed_ms"]["one_eager"] = timed(lambda: eager.embed_tensor([query]), repeats)
+        report["embed_ms"]["under_load"] = under_load(embedder, query, min(repeats, 200))
+    report["embed_ms"]["cpu_threads"] = cpu_threads(query, min(repeats, 200))
 
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((args.facts, 384)).astype(np.float32)

@@ -231,6 +231,8 @@ def main() -> None:
     p.add_argument("--tenants", type=int, help="tenants (= concurrent users); default 8 quick, 100 full")
     p.add_argument("--facts", type=int, help="facts per tenant; default 100 quick, 1000 full")
     p.add_argument("--proxy", choices=["haproxy", "python"], default="haproxy")
+    p.add_argument("--embed-device", choices=["cuda", "cpu"], default="cuda",
+                   help="on a GPU, where the ingress embeds queries (cpu: two threads a replica, no GPU time-slicing)")
     p.add_argument("--locust-s", type=int, default=0, help="seconds of Locust load (one user per tenant, over "
                                                            "tenants made and encoded first); with it, only that is measured")
     args = p.parse_args()
@@ -240,7 +242,7 @@ def main() -> None:
     tenants_n, facts_n = args.tenants or tenants_n, args.facts or (100 if args.quick else 1000)
     clock = Phases()
     state = Path(scratch_dir(prefix="serve-bench-"))
-    base, admin, redis, app_args = start_cluster(state, cuda, args.config, args.proxy)
+    base, admin, redis, app_args = start_cluster(state, cuda, args.config, args.proxy, args.embed_device)
     probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
     clock.done("deploy")
     from models.minilm import MiniLMEmbedder
@@ -248,6 +250,7 @@ def main() -> None:
 
     service = connect_service(redis.url, state, MiniLMEmbedder(device="cuda" if cuda else "cpu"), device="cuda" if cuda else "cpu")
     report: dict = {"k": k, "tenants": tenants_n, "facts_per_tenant": facts_n, "proxy": args.proxy, "cuda": cuda,
+                    "embed_device": app_args["ingress"].get("embed_device", "cpu"),
                     "model": str(args.config) if args.config else "SmolLM2-135M", "phase_s": clock.seconds}
     if args.locust_s:
         try:
