@@ -7,7 +7,7 @@ Fuzzing runs schemathesis from the published OpenAPI schema with a tenant key an
 answer matches the schema); the timing probes are `benchmarks/timing_isolation.py`'s; the fault kills
 redis-server with SIGKILL while memories are written, restarts it on its AOF, and counts acknowledged writes
 against stored facts. Not covered here (tests exist): an LLM replica killed under load
-(tests/serve/test_zz_replica_failure.py), an encoder worker killed mid-job (tests/encoder_jobs).
+(tests/serve/test_replica_failure.py), an encoder worker killed mid-job (tests/encoder_jobs).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 #   bash scripts/dev.sh up     -> the main job: `inferscale up` (redis-server, local Ray, the serving app on the
 #                                 bundled SmolLM2, a demo tenant); `bash scripts/dev.sh down` stops it
 #   bash scripts/dev.sh demo   -> the offline demo (`inferscale demo`): both memory routes side by side
-#   bash scripts/dev.sh test   -> the test suite
+#   bash scripts/dev.sh test   -> the whole test suite and the lint (CI); `test fast`: the pure tier only (<1 min)
 #   bash scripts/dev.sh setup  -> install only
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +55,13 @@ shift || true
 case "$cmd" in
     setup) setup ;;
     up|down|demo) setup; PATH="$PWD/$VENV/bin:$PATH" exec "$VENV/bin/inferscale" "$cmd" "$@" ;;
-    test) setup; exec "$VENV/bin/python" -m pytest "$@" ;;
+    test) setup
+        if [ "${1:-}" = fast ]; then  # no model, engine, Redis, Ray, cluster, GPU or long run (tests/conftest.py)
+            shift
+            exec "$VENV/bin/python" -m pytest -m "not heavy" "$@"
+        fi
+        "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check . \
+            || { echo "[dev.sh] ruff: run '$VENV/bin/ruff format . && $VENV/bin/ruff check --fix .'" >&2; exit 1; }
+        exec "$VENV/bin/python" -m pytest "$@" ;;
     *) echo "usage: bash scripts/dev.sh {up|down|demo|test|setup} [args...]" >&2; exit 2 ;;
 esac

@@ -14,7 +14,27 @@ from cluster.ray_head import LOOPBACK_ENV
 os.environ.update(LOOPBACK_ENV)
 
 
+# The session fixtures that start something heavy, and the marker of every test that uses one (directly or
+# through another fixture), so `-m` selects tests by what they need; a module that needs one without a
+# fixture (a library, a subprocess) says so with its own `pytestmark`.
+NEEDS = {"redis_server": "redis", "loaded": "model", "ray_local": "ray", "cluster": "serve", "llm": "vllm"}
+# A test with any of these is also marked `heavy`; `bash scripts/dev.sh test fast` runs the rest (the pure tier).
+HEAVY = ("model", "vllm", "redis", "ray", "serve", "gpu", "slow")
+
+
+def late_rank(item: pytest.Item) -> int:
+    marker = item.get_closest_marker("late")
+    return int(marker.args[0]) if marker is not None else 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, marker in NEEDS.items():
+            if fixture in item.fixturenames:
+                item.add_marker(marker)
+        if any(item.get_closest_marker(marker) for marker in HEAVY):
+            item.add_marker("heavy")
+    items.sort(key=late_rank)  # stable: tests marked `late` run last, in rank order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -32,6 +32,7 @@ def test_bad_arguments_give_an_error_line():
 
 @pytest.mark.model
 @pytest.mark.redis
+@pytest.mark.ray
 def test_tenant_then_encode_on_the_embedded_default(tmp_path):
     """`inferscale tenant` and `inferscale encode` start their own redis-server and Ray, like a user's first run."""
     import json
@@ -62,6 +63,7 @@ def test_tenant_then_encode_on_the_embedded_default(tmp_path):
 
 @pytest.mark.model
 @pytest.mark.redis
+@pytest.mark.ray
 def test_encode_submits_through_the_ray_jobs_api(tmp_path):
     """`--submit` sends the job to a running Ray cluster (`ray start --head`) and follows it to the end."""
     import json
@@ -96,6 +98,7 @@ def test_encode_submits_through_the_ray_jobs_api(tmp_path):
 
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("proxy", ["haproxy", "python"])
 def test_serve_deploys_a_config_onto_a_cluster_in_the_chosen_proxy_mode(tmp_path, proxy):
     """`inferscale serve` onto a Ray head started without Serve's switches: the settings' proxy mode reaches Serve's
@@ -211,6 +214,7 @@ sys.exit(up.run_up(load_settings(), port=int(sys.argv[1]), out=sys.stdout, deplo
 
 
 @pytest.mark.redis
+@pytest.mark.ray
 def test_up_prints_a_deploy_failure_before_cleaning_up(tmp_path):
     """A failure after redis-server and the Ray head started is printed first; the driver then leaves Ray,
     everything is stopped, and the process exits 1 (it used to be aborted by Ray's client, silently)."""

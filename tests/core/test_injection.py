@@ -5,11 +5,11 @@ import torch
 
 from kvcore.compose import compose
 from kvcore.injection import InjectionScheduler, InjectionWorker
-from kvcore.streaming import tier_key
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import MemoryPlan
 from kvcore.record import FactKV, save_record
 from kvcore.store import LocalFactStore
+from kvcore.streaming import tier_key
 from tests.core.factories import ROPE, make_record
 
 BS = 4

@@ -6,7 +6,12 @@ import struct
 import pytest
 import torch
 
-from kvcore.errors import FingerprintMismatchError, IncompatibleRecordsError, InvalidFactError, RecordCorruptError
+from kvcore.errors import (
+    FingerprintMismatchError,
+    IncompatibleRecordsError,
+    InvalidFactError,
+    RecordCorruptError,
+)
 from kvcore.record import FORMAT, load_layer, load_record, save_record
 from tests.core.factories import make_record
 

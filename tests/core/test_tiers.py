@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvcore.errors import RecordCorruptError
-from kvcore.quantize import Quantized, dequantize, quantize, quantize_many
 from kvcore.packed import insert_packed, pack
+from kvcore.quantize import Quantized, dequantize, quantize, quantize_many
 from kvcore.tiers import BatchedReads, TieredStore
 
 L, H, T, D = 3, 2, 6, 8

@@ -4,7 +4,13 @@ import json
 
 import pytest
 
-from encoder_jobs.extract import Decision, decide, extract_facts, parse_decision, parse_facts
+from encoder_jobs.extract import (
+    Decision,
+    decide,
+    extract_facts,
+    parse_decision,
+    parse_facts,
+)
 from encoder_jobs.inputs import ExplicitFact, JobInputError, load_input, parse_input
 from encoder_jobs.tasks import fact_id_for, task_rows
 from kvcore.conversation import Turn

@@ -45,7 +45,10 @@ def _entries() -> tuple[list[RawEntry], list[tuple[Quantized, Quantized]]]:
 
 
 def main(device: str, dtype_name: str) -> None:
-    from deployments.triton_adapter.packed_insert import _unsupported, insert_packed_kernel
+    from deployments.triton_adapter.packed_insert import (
+        _unsupported,
+        insert_packed_kernel,
+    )
 
     dtype = getattr(torch, dtype_name)
     packed = pack(_entries()[0], dtype, torch.device(device))

@@ -13,9 +13,9 @@ import torch
 
 from kvcore.compose import compose
 from kvcore.conversation import Fact
-from tests.conversations import MAYA as TURNS
 from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs
 from models.chat import TokenizerEncoder
+from tests.conversations import MAYA as TURNS
 
 pytestmark = pytest.mark.model
 

@@ -12,12 +12,6 @@ import requests
 MODEL = "inferscale-smollm2"
 
 
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if "tests/serve/" in str(item.fspath) and "test_router" not in str(item.fspath) and "test_config" not in str(item.fspath):
-            item.add_marker(pytest.mark.serve)
-
-
 @dataclass
 class Cluster:
     base: str

@@ -8,6 +8,8 @@ import pytest
 
 from benchmarks.reliability import fuzz
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("who", ["tenant", "admin"])
 def test_fuzzed_api_answers_no_5xx_and_matches_its_schema(cluster, who, tmp_path):

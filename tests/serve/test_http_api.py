@@ -11,7 +11,6 @@ from transformers import AutoTokenizer
 from cluster.demo import FACTS
 from config import load_settings
 from models.loader import model_path
-
 from tests.serve.conftest import MODEL
 
 PIXEL = [f.text for f in FACTS]  # the demo's facts: a grey cat called Pixel, among others

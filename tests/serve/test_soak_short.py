@@ -4,7 +4,11 @@ run is `python benchmarks/soak.py --out ...`."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.soak import soak
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_short_soak_has_no_errors_and_flat_memory(cluster):

@@ -13,12 +13,6 @@ from config.settings import TenantSettings
 from tenants.connect import connect_service
 
 
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if "tests/tenants/" in str(item.fspath) or "tests/encoder_jobs/" in str(item.fspath):
-            item.add_marker(pytest.mark.redis)
-
-
 class WordEmbedder:
     """A fast stand-in for MiniLM in logic tests: hashed bag of words, normalised (shared words -> close)."""
 

@@ -5,8 +5,16 @@ import time
 import pytest
 import torch
 
-from tenants.errors import (AuthError, ConflictError, FactExistsError, FactNotFoundError, InvalidInputError,
-                            QuotaExceededError, TenantExistsError, UnknownTenantError)
+from tenants.errors import (
+    AuthError,
+    ConflictError,
+    FactExistsError,
+    FactNotFoundError,
+    InvalidInputError,
+    QuotaExceededError,
+    TenantExistsError,
+    UnknownTenantError,
+)
 from tests.core.factories import make_record
 
 

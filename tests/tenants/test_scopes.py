@@ -2,8 +2,14 @@
 
 import pytest
 
-from tenants.errors import AuthError, FactNotFoundError, InvalidInputError, QuotaExceededError, UnknownTenantError
 from tenants.auth import hash_key, new_tenant_key
+from tenants.errors import (
+    AuthError,
+    FactNotFoundError,
+    InvalidInputError,
+    QuotaExceededError,
+    UnknownTenantError,
+)
 from tenants.scopes import Scope, located_id, scoped_id, split_located
 from tests.core.factories import make_record
 

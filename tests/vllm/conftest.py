@@ -17,12 +17,6 @@ ARENA_BYTES = 16 * 16 * 30 * 3 * 64 * 4 * 2  # 16 pages of 16 tokens of SmolLM2 
 
 
 
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if "tests/vllm/" in str(item.fspath):
-            item.add_marker(pytest.mark.vllm)
-
-
 @pytest.fixture(scope="session")
 def store(tmp_path_factory) -> LocalFactStore:
     return LocalFactStore(tmp_path_factory.mktemp("facts"))

@@ -10,6 +10,8 @@ import pytest
 
 from deployments.vllm_adapter.async_engine import EncodeSlots, MemoryEngine
 
+pytestmark = pytest.mark.vllm  # imports vLLM
+
 
 class _Engine:
     """Holds each request for a moment and records how many encodings it held at once and the order of entry."""

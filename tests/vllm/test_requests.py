@@ -3,10 +3,13 @@ plans) again: that copy cost ~0.2 ms a request on the serving replica's event lo
 
 from __future__ import annotations
 
+import pytest
 from vllm import SamplingParams
 
 from deployments.vllm_adapter.engine import capture_request, memory_request
 from kvcore.plan import CapturePlan, CaptureSpan, MemoryPlan
+
+pytestmark = pytest.mark.vllm  # imports vLLM
 
 
 def test_a_memory_request_is_a_copy_of_its_own_that_vllm_copies_shallowly():

@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import requests
 
-from tests.serve.locust_faults import assert_every_acknowledged_write_stored_once, run_with_fault
+from tests.serve.locust_faults import (
+    assert_every_acknowledged_write_stored_once,
+    run_with_fault,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.late(2)]  # disturbs the shared cluster's Redis
 
 
 def test_redis_killed_under_locust_load_loses_no_acknowledged_write(cluster, tmp_path):

@@ -1,16 +1,22 @@
 """An LLM replica killed (kill -9 of its actor) under Locust load is replaced by Serve; requests it was serving
 fail with a retryable status or succeed, memory writes go on (they do not need the replica) and every acknowledged
 one is stored once, and afterwards answers are again served by KV injection (records live on disk). Runs last:
-it restarts the engine."""
+it restarts the engine (`late`)."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import ray
 
-from tests.serve.locust_faults import assert_every_acknowledged_write_stored_once, run_with_fault
+from tests.serve.locust_faults import (
+    assert_every_acknowledged_write_stored_once,
+    run_with_fault,
+)
 from tests.serve.test_http_api import PIXEL
+
+pytestmark = [pytest.mark.slow, pytest.mark.late(3)]  # restarts the shared cluster's engine
 
 
 def _llm_replicas() -> list[tuple[str, str]]:

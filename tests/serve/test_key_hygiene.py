@@ -1,12 +1,15 @@
 """API keys never appear in logs, metrics or error bodies; tenant content never appears in logs or metrics.
-Runs after the other serve tests (name order), so the logs hold a whole session of traffic to scan."""
+Runs after the other serve tests (`late`), so the logs hold a whole session of traffic to scan."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import pytest
 import requests
+
+pytestmark = pytest.mark.late(1)  # after the other serve tests: the logs then hold a whole session of traffic
 
 SECRET_FACT = "Zebulon keeps the vault code 7Q4-XK9 under the blue lamp."
 QUESTION = "Where does Zebulon keep the vault code?"
