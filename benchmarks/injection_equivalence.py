@@ -64,6 +64,7 @@ def main() -> None:
     from vllm import SamplingParams
 
     from config import load_settings
+    from config.connector import ConnectorConfig
     from deployments.vllm_adapter.engine import build_llm, capture_request, memory_request
     from kvcore.plan import CapturePlan, CaptureSpan
     from models.chat import TokenizerEncoder, build_frame
@@ -99,7 +100,7 @@ def main() -> None:
     torch.cuda.empty_cache() if gpu else None
 
     engine_kwargs = {"gpu_memory_utilization": 0.5} if gpu else {"kv_cache_memory_bytes": 512 << 20}
-    llm = build_llm(served, store.root, fingerprint, dtype=dtype, enforce_eager=True,
+    llm = build_llm(served, ConnectorConfig(store_root=store.root, fingerprint=fingerprint), dtype=dtype, enforce_eager=True,
                     max_model_len=2048, seed=0, **engine_kwargs)
     if args.encoder == "engine":  # one prefill per conversation stores every segment as a record
         captures = []

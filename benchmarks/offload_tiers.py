@@ -126,12 +126,13 @@ class Bench:
         self.fallbacks = 0
 
     def engine(self, arena_bytes: int, host_bytes: int, disk_root: Path):
+        from config.connector import ConnectorConfig, TierConfig
         from deployments.vllm_adapter.engine import build_llm
 
-        return build_llm(self.path, self.facts.store.root, self.fingerprint, dtype=self.args.dtype, seed=0,
-                         max_model_len=4096, enable_prefix_caching=False, device_cache_bytes=arena_bytes,
-                         tiers={"disk_cache_dir": disk_root, "host_cache_bytes": host_bytes, "compress_lower": True},
-                         **self.engine_kwargs)
+        connector = ConnectorConfig(store_root=self.facts.store.root, fingerprint=self.fingerprint, device_cache_bytes=arena_bytes,
+                                    tiers=TierConfig(disk_cache_dir=disk_root, host_cache_bytes=host_bytes, compress_lower=True))
+        return build_llm(self.path, connector, dtype=self.args.dtype, seed=0, max_model_len=4096,
+                         enable_prefix_caching=False, **self.engine_kwargs)
 
     def ask(self, llm, tenant: str, chosen: list[str]) -> float:
         """TTFT (seconds) of one request injecting `chosen` (the frame first)."""

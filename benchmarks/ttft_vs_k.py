@@ -82,6 +82,7 @@ def main() -> None:
 
     from vllm import SamplingParams
 
+    from config.connector import ConnectorConfig
     from deployments.vllm_adapter.engine import build_llm, memory_request
 
     path, config, fingerprint, engine_kwargs = model_source(args)
@@ -93,8 +94,9 @@ def main() -> None:
         engine_kwargs.update(gpu_memory_utilization=0.6)
     else:
         engine_kwargs.update(enforce_eager=True, kv_cache_memory_bytes=1 << 30)
-    llm = build_llm(path, store.root, fingerprint, dtype=args.dtype, max_model_len=4096, seed=0,
-                    device_cache_bytes=4 << 30, fused_kernel=not args.torch_path, **engine_kwargs)
+    connector = ConnectorConfig(store_root=store.root, fingerprint=fingerprint, device_cache_bytes=4 << 30,
+                                fused_kernel=not args.torch_path)
+    llm = build_llm(path, connector, dtype=args.dtype, max_model_len=4096, seed=0, **engine_kwargs)
     rng = random.Random(1)
     fact_ids = [f for f in tokens if f != "prefix"]
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from config.connector import DEFAULT_DEVICE_CACHE_BYTES, TierConfig
 from deployments.memory_prompt import FactOrder
 
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
@@ -32,12 +33,11 @@ class LLMArgs(Strict):
     fingerprint: str | None = Field(None, description="Model fingerprint; None reads it from the checkpoint.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments, as given.")
     on_load_failure: Literal["recompute", "fail"] = "recompute"
-    device_cache_bytes: int = Field(1 << 30, ge=0,  # kvcore.arena.DEFAULT_DEVICE_CACHE_BYTES (a test holds them equal)
-                                    description="The connector's device arena of records.")
+    device_cache_bytes: int = Field(DEFAULT_DEVICE_CACHE_BYTES, ge=0, description="The connector's device arena of records.")
     device_tenant_bytes: int | None = Field(None, gt=0, description="One tenant's share of the arena at most "
                                                                     "(None: no cap); a tenant at its share "
                                                                     "evicts its own records first.")
-    tiers: dict[str, Any] | None = Field(None, description="disk_cache_dir / host_cache_bytes / compress_lower.")
+    tiers: TierConfig | None = Field(None, description="Lower tiers under the device arena (pinned host, then disk).")
     num_replicas: int | Literal["auto"] = 1
     autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve autoscaling, as given.")
     max_ongoing_requests: int = Field(64, ge=1)

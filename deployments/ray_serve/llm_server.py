@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+from urllib.parse import urlsplit
 from typing import Any, AsyncIterator
 
 import torch
 
+from config.connector import ConnectorConfig
 from config.settings import load_settings
 from deployments.app_args import AppArgs
 from deployments.ray_serve.loopback import bind_replica_grpc_to_node
@@ -28,18 +30,18 @@ log = logging.getLogger(__name__)
 
 def build_engine(args: AppArgs) -> MemoryEngine:
     """The replica's engine from the application's arguments (benchmarks build the same one without Serve)."""
-    os.environ.update(args.llm.env)
+    os.environ.update(args.llm.env)  # VLLM_* knobs, read by vLLM itself
     settings = load_settings(**args.settings)
     model_settings = settings.model.model_copy(update={"path": args.llm.model, "dtype": args.llm.dtype})
     path = model_path(model_settings)
-    tiers = args.llm.tiers
-    if tiers:  # the connector's worker records placements in this Redis, read through the settings tree
-        os.environ["INFERSCALE_REDIS__URL"] = args.redis(settings)
-        tiers = {"report_placement": True, **tiers}
-    return MemoryEngine(path, args.llm.fingerprint or checkpoint_fingerprint(path), args.state_dir / "records",
-                        args.system_prompt, engine_kwargs=args.engine_kwargs(torch.cuda.is_available()),
-                        on_load_failure=args.llm.on_load_failure, device_cache_bytes=args.llm.device_cache_bytes,
-                        tiers=tiers, device_tenant_bytes=args.llm.device_tenant_bytes,
+    # with lower tiers, the connector's worker records placements in the app's Redis; a URL with a password
+    # stays out of the engine's config (vLLM may log it): the worker then reads the settings tree's
+    placement_url = args.redis_url if args.redis_url and not urlsplit(args.redis_url).password else None
+    connector = ConnectorConfig(store_root=args.state_dir / "records", fingerprint=args.llm.fingerprint or checkpoint_fingerprint(path),
+                                on_load_failure=args.llm.on_load_failure, device_cache_bytes=args.llm.device_cache_bytes,
+                                device_tenant_bytes=args.llm.device_tenant_bytes, tiers=args.llm.tiers,
+                                report_placement=args.llm.tiers is not None, placement_redis_url=placement_url)
+    return MemoryEngine(path, connector, args.system_prompt, engine_kwargs=args.engine_kwargs(torch.cuda.is_available()),
                         max_encodes_in_flight=args.llm.max_encodes_in_flight)
 
 

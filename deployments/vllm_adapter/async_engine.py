@@ -23,8 +23,8 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from deployments.chat_task import ChatTask, RetrievedFact
 from deployments.memory_prompt import MemoryItem, lay_out
+from config.connector import ConnectorConfig
 from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
-from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES
 from kvcore.conversation import Fact
 from kvcore.errors import KVCoreError
 from kvcore.plan import CapturePlan, CaptureSpan
@@ -60,18 +60,15 @@ class EncodeSlots:
 class MemoryEngine:
     """The async engine plus what it needs to lay out memory: tokenizer, frame, record headers."""
 
-    def __init__(self, model: Path, fingerprint: str, store_root: Path, system_prompt: str, *,
-                 engine_kwargs: dict[str, Any] | None = None, on_load_failure: str = "recompute",
-                 device_cache_bytes: int = DEFAULT_DEVICE_CACHE_BYTES, tiers: dict[str, Any] | None = None,
-                 device_tenant_bytes: int | None = None, max_encodes_in_flight: int = 8) -> None:
-        self.fingerprint = fingerprint
+    def __init__(self, model: Path, connector: ConnectorConfig, system_prompt: str, *,
+                 engine_kwargs: dict[str, Any] | None = None, max_encodes_in_flight: int = 8) -> None:
+        self.fingerprint = connector.fingerprint
         self.model_name = str(model)
-        self._store = LocalFactStore(store_root)
-        self._tier_root = Path(tiers["disk_cache_dir"]) if tiers and tiers.get("disk_cache_dir") else None
+        self._store = LocalFactStore(connector.store_root)
+        self._tier_root = connector.tiers.disk_cache_dir if connector.tiers is not None else None
         kwargs = {"enable_prefix_caching": True, **(engine_kwargs or {})}
-        config = kv_transfer_config(store_root, fingerprint, on_load_failure, device_cache_bytes, tiers,  # type: ignore[arg-type]
-                                    device_tenant_bytes=device_tenant_bytes)
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model), kv_transfer_config=config, **kwargs))
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model), kv_transfer_config=kv_transfer_config(connector),
+                                                                 **kwargs))
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)

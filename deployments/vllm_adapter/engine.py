@@ -8,44 +8,34 @@ reused only by requests of the same tenant and store version. Engine knobs pass 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
-from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES
+from config.connector import ConnectorConfig
 from kvcore.plan import CapturePlan, MemoryPlan
 
 CONNECTOR_CLASS = "InferscaleConnector"
 CONNECTOR_MODULE = "deployments.vllm_adapter.connector"
 
 
-def kv_transfer_config(store_root: Path, fingerprint: str, on_load_failure: Literal["recompute", "fail"] = "recompute",
-                       device_cache_bytes: int = DEFAULT_DEVICE_CACHE_BYTES, tiers: dict[str, Any] | None = None,
-                       fused_kernel: bool = True, device_tenant_bytes: int | None = None) -> KVTransferConfig:
-    """The `KVTransferConfig` that loads `InferscaleConnector` out of tree (`tiers`: `disk_cache_dir`,
-    `host_cache_bytes`, `compress_lower`; `fused_kernel`: the Triton step writer on CUDA)."""
+def kv_transfer_config(connector: ConnectorConfig) -> KVTransferConfig:
+    """The `KVTransferConfig` that loads `InferscaleConnector` out of tree with `connector` as its extra config."""
     return KVTransferConfig(
         kv_connector=CONNECTOR_CLASS,
         kv_connector_module_path=CONNECTOR_MODULE,
         kv_role="kv_both",
-        kv_load_failure_policy=on_load_failure,
-        kv_connector_extra_config={"store_root": str(store_root), "fingerprint": fingerprint,
-                                   "on_load_failure": on_load_failure, "device_cache_bytes": device_cache_bytes,
-                                   "fused_kernel": fused_kernel,
-                                   **({"device_tenant_bytes": device_tenant_bytes} if device_tenant_bytes else {}),
-                                   **{k: str(v) if isinstance(v, Path) else v for k, v in (tiers or {}).items()}},
+        kv_load_failure_policy=connector.on_load_failure,
+        kv_connector_extra_config=connector.to_extra(),
     )
 
 
-def build_llm(model: str | Path, store_root: Path, fingerprint: str, *,
-              on_load_failure: Literal["recompute", "fail"] = "recompute", device_cache_bytes: int = DEFAULT_DEVICE_CACHE_BYTES,
-              tiers: dict[str, Any] | None = None, fused_kernel: bool = True, **engine_kwargs: Any) -> LLM:
+def build_llm(model: str | Path, connector: ConnectorConfig, **engine_kwargs: Any) -> LLM:
     """An offline `LLM` with prefix caching on and KV injection wired in."""
     engine_kwargs.setdefault("enable_prefix_caching", True)
-    config = kv_transfer_config(store_root, fingerprint, on_load_failure, device_cache_bytes, tiers, fused_kernel)
-    return LLM(model=str(model), kv_transfer_config=config, **engine_kwargs)
+    return LLM(model=str(model), kv_transfer_config=kv_transfer_config(connector), **engine_kwargs)
 
 
 def memory_request(prompt_ids: Sequence[int], plan: MemoryPlan | None, params: SamplingParams) -> tuple[TokensPrompt, SamplingParams]:

@@ -60,8 +60,8 @@ def test_serve_config_names_the_builder_and_validates(helm):
     assert args.redis_url is None and args.admin_key is None  # both come from Secrets through the environment
     assert str(args.state_dir) == "/var/lib/inferscale" and args.llm.ray_actor_options["num_gpus"] == 1
     assert args.llm.autoscaling_config == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}
-    assert args.llm.tiers == {"disk_cache_dir": "/var/cache/inferscale/tiers", "host_cache_bytes": 32 << 30,
-                              "disk_cache_bytes": 180 << 30, "compress_lower": True}
+    assert args.llm.tiers.model_dump(mode="json") == {"disk_cache_dir": "/var/cache/inferscale/tiers", "host_cache_bytes": 32 << 30,
+                                                      "disk_cache_bytes": 180 << 30, "compress_lower": True}
 
 
 def test_the_offload_tier_gets_a_node_local_disk_on_gpu_workers_or_is_off(helm):

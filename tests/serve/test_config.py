@@ -24,13 +24,39 @@ def test_example_config_validates_and_typos_are_refused():
 
 
 def test_the_arena_has_one_default_size():
-    """The served app and every engine builder size the connector's device arena alike when nobody chooses."""
+    """The served app, the connector's config and the pure core size the device arena alike when nobody chooses."""
     import inspect
 
-    from deployments.vllm_adapter.engine import build_llm, kv_transfer_config
-    from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES
+    from config.connector import DEFAULT_DEVICE_CACHE_BYTES, ConnectorConfig
+    from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES as CORE_DEFAULT
     from kvcore.injection import InjectionWorker
 
+    assert DEFAULT_DEVICE_CACHE_BYTES == CORE_DEFAULT  # the core cannot import the settings package
     assert AppArgs(state_dir="/srv").llm.device_cache_bytes == DEFAULT_DEVICE_CACHE_BYTES
-    for builder in (build_llm, kv_transfer_config, InjectionWorker):
-        assert inspect.signature(builder).parameters["device_cache_bytes"].default == DEFAULT_DEVICE_CACHE_BYTES
+    assert ConnectorConfig(store_root="/srv", fingerprint="f").device_cache_bytes == DEFAULT_DEVICE_CACHE_BYTES
+    assert inspect.signature(InjectionWorker).parameters["device_cache_bytes"].default == DEFAULT_DEVICE_CACHE_BYTES
+
+
+def test_the_connector_config_round_trips_and_refuses_what_it_does_not_know():
+    """What the engine builders write into vLLM's extra config is what every connector process parses back; an
+    unknown knob, a wrong type or a Redis password fails at engine start, naming the field."""
+    from pydantic import ValidationError
+
+    from config.connector import ConnectorConfig, TierConfig
+
+    config = ConnectorConfig(store_root="/srv/records", fingerprint="f", device_tenant_bytes=1 << 20,
+                             tiers=TierConfig(disk_cache_dir="/srv/tiers", host_cache_bytes=64 << 20, compress_lower=False),
+                             report_placement=True, placement_redis_url="redis://127.0.0.1:6379/0")
+    extra = config.to_extra()
+    assert extra["tiers"] == {"disk_cache_dir": "/srv/tiers", "host_cache_bytes": 64 << 20, "disk_cache_bytes": None,
+                              "compress_lower": False}
+    assert ConnectorConfig.from_extra(extra) == config
+    for bad, field in [({**extra, "host_cache_bytes": 1}, "host_cache_bytes"),  # a tier knob at the wrong level
+                       ({**extra, "device_cache_bytes": "lots"}, "device_cache_bytes"),
+                       ({**extra, "tiers": {"host_cache_bytes": 1}}, "disk_cache_dir"),
+                       ({**extra, "placement_redis_url": "redis://:hunter2@redis:6379/0"}, "placement_redis_url"),
+                       ({k: v for k, v in extra.items() if k != "fingerprint"}, "fingerprint")]:
+        with pytest.raises(ValidationError, match=field):
+            ConnectorConfig.from_extra(bad)
+    with pytest.raises(ValidationError, match="tiers"):
+        AppArgs(state_dir="/srv", llm={"tiers": {"disk_cache_dir": "/t", "host_cache": 1}})

@@ -33,15 +33,15 @@ def llm(loaded, store, tier_dir, tmp_path_factory):
     del vllm
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # bit-stable thread count with a connector
     os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+    from config.connector import ConnectorConfig, TierConfig
     from deployments.vllm_adapter.engine import build_llm
 
     # a small device arena with full-precision lower tiers under it: records the tests stop using spill to
     # host memory and disk and stream back from there, so every exactness test also covers the tiers
-    engine = build_llm(loaded.path, store.root, loaded.spec.fingerprint, dtype="float32", enforce_eager=True,
-                       max_model_len=2048, block_size=BLOCK, seed=0, kv_cache_memory_bytes=512 << 20,
-                       max_num_seqs=16, device_cache_bytes=ARENA_BYTES,
-                       tiers={"disk_cache_dir": tier_dir, "host_cache_bytes": 2 << 20,
-                              "compress_lower": False})
+    connector = ConnectorConfig(store_root=store.root, fingerprint=loaded.spec.fingerprint, device_cache_bytes=ARENA_BYTES,
+                                tiers=TierConfig(disk_cache_dir=tier_dir, host_cache_bytes=2 << 20, compress_lower=False))
+    engine = build_llm(loaded.path, connector, dtype="float32", enforce_eager=True, max_model_len=2048,
+                       block_size=BLOCK, seed=0, kv_cache_memory_bytes=512 << 20, max_num_seqs=16)
     yield engine
     del engine
 

@@ -1,0 +1,66 @@
+"""`ConnectorConfig`: what the KV connector is told, typed once, with one default per knob.
+
+The engine builders (`deployments.vllm_adapter.engine`) write it into vLLM's `kv_connector_extra_config`;
+the connector parses it back in the scheduler and in every worker process (`from_extra`), so an unknown or
+malformed key fails when the engine starts, naming the field. The serving app's `LLMArgs` takes its
+defaults from here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_DEVICE_CACHE_BYTES = 1 << 30  # the device arena of records (kvcore.arena's default; a test holds them equal)
+DEFAULT_HOST_CACHE_BYTES = 1 << 30
+DEFAULT_WHOLE_LOAD_BYTES = 1 << 30
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class TierConfig(Frozen):
+    """The lower tiers under the device arena: pinned host memory, then a disk folder of this node."""
+
+    disk_cache_dir: Path = Field(..., description="Folder of the disk tier; each engine claims a replica slot in it.")
+    host_cache_bytes: int = Field(DEFAULT_HOST_CACHE_BYTES, ge=0, description="Pinned host memory for spilled records.")
+    disk_cache_bytes: int | None = Field(None, gt=0, description="The slot's disk use at most (None: no cap).")
+    compress_lower: bool = Field(True, description="Store int8 on the host and disk tiers (else full precision).")
+
+
+class ConnectorConfig(Frozen):
+    """Everything `InferscaleConnector` reads, in the scheduler and in the workers."""
+
+    store_root: Path = Field(..., description="The LocalFactStore folder of records.")
+    fingerprint: str = Field(..., min_length=1, description="Fingerprint of the served model; records must match.")
+    on_load_failure: Literal["recompute", "fail"] = "recompute"
+    device_cache_bytes: int = Field(DEFAULT_DEVICE_CACHE_BYTES, ge=0, description="The worker's device arena of records.")
+    device_tenant_bytes: int | None = Field(None, gt=0, description="One tenant's share of the arena (None: no cap).")
+    whole_load_bytes: int = Field(DEFAULT_WHOLE_LOAD_BYTES, ge=0,
+                                  description="Lower-tier loads up to this size come back whole before the forward; "
+                                              "larger ones layer by layer during it.")
+    fused_kernel: bool = Field(True, description="Triton writers on CUDA where the cache layout allows them.")
+    tiers: TierConfig | None = None
+    report_placement: bool = Field(False, description="Record where each fact's K/V is held in Redis.")
+    placement_redis_url: str | None = Field(None, description="That Redis; None: the settings tree's.")
+
+    @field_validator("placement_redis_url")
+    @classmethod
+    def _no_password(cls, url: str | None) -> str | None:
+        """vLLM may log its config: a password belongs in the settings tree (INFERSCALE_REDIS__URL), not here."""
+        if url is not None and urlsplit(url).password:
+            raise ValueError("a Redis URL with a password cannot travel in the engine's config; "
+                             "set INFERSCALE_REDIS__URL instead")
+        return url
+
+    def to_extra(self) -> dict[str, Any]:
+        """The JSON-plain dict vLLM carries to the connector's processes."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+        return cls.model_validate(extra or {})

@@ -1,0 +1,81 @@
+"""`ConnectorWorker`: the worker side of the KV connector, built from its typed config, engine-agnostic.
+
+It owns what a worker process needs beside the engine: the injector (`kvcore.injection.InjectionWorker`)
+with its device arena, the lower tiers in this engine's replica slot, the writer of placements to Redis,
+the Triton kernels where they load, and the capture of encoded facts. The vLLM connector only forwards.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from config.connector import ConnectorConfig
+from kvcore.capture import CaptureWorker
+from kvcore.injection import InjectionWorker
+from kvcore.replica_slot import claim_slot
+from kvcore.rope import RopeConfig
+from kvcore.store import LocalFactStore
+from kvcore.tiers import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ConnectorWorker:
+    """One worker process's injection, capture and what they hold open (tiers, placement writer)."""
+
+    injection: InjectionWorker
+    capture: CaptureWorker
+    tiers: TieredStore | None = None
+    placement: Any = None  # tenants.placement.PlacementWriter
+
+    @classmethod
+    def build(cls, config: ConnectorConfig, store: LocalFactStore, rope: RopeConfig, device: Any) -> "ConnectorWorker":
+        tiers, replica = None, f"{socket.gethostname()}-pid{os.getpid()}"
+        if config.tiers is not None:  # lower tiers below the device arena (pinned host, then disk)
+            slot = claim_slot(config.tiers.disk_cache_dir)
+            tiers = TieredStore(device, 0, config.tiers.host_cache_bytes, slot.path, compress_lower=config.tiers.compress_lower,
+                                write_behind=True, disk_bytes=config.tiers.disk_cache_bytes)
+            replica = slot.name
+        placement = _placement_writer(replica, config.placement_redis_url) if config.report_placement else None
+        kernels = config.fused_kernel
+        injection = InjectionWorker(store, config.fingerprint, rope, config.device_cache_bytes, tiers=tiers,
+                                    step_writer=_triton_kernel("fused_inject", "fused_row_writer") if kernels else None,
+                                    placement=placement, whole_load_bytes=config.whole_load_bytes,
+                                    device_tenant_bytes=config.device_tenant_bytes,
+                                    packed_inserter=_triton_kernel("packed_insert", "insert_packed_kernel") if kernels else None)
+        return cls(injection, CaptureWorker(store, config.fingerprint, rope), tiers, placement)
+
+    def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()  # disk files still being written are finished
+        if self.placement is not None:
+            self.placement.close()
+
+
+def _placement_writer(replica: str, url: str | None):
+    """A writer of this worker's placements to Redis (`url`, else the settings tree's), or None without one."""
+    from config.settings import load_settings
+    from tenants.placement import PlacementWriter
+    from tenants.redis_meta import RedisMeta
+
+    url = url or load_settings().redis.url
+    if not url:
+        log.warning("report_placement is set but no Redis URL is known (INFERSCALE_REDIS__URL): placements are not recorded")
+        return None
+    return PlacementWriter(RedisMeta(url), replica).start()
+
+
+def _triton_kernel(module: str, name: str):
+    """`name` from `deployments.triton_adapter.<module>` (a kernel or its factory), or None where Triton is not
+    installed (the torch paths then)."""
+    try:
+        return getattr(importlib.import_module(f"deployments.triton_adapter.{module}"), name)
+    except ImportError as exc:
+        log.info("Triton kernel %s unavailable: %s", name, exc)
+        return None
