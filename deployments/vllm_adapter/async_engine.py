@@ -75,7 +75,7 @@ class MemoryEngine:
         self._system_prompt = system_prompt
         self._chat_frame = build_frame(self.tokenizer, system_prompt)
         self.prefix_ids = self._chat_frame.prefix_ids
-        self.frame_id = f"chat-frame-{fingerprint[:16]}"
+        self.frame_id = f"chat-frame-{connector.fingerprint[:16]}"
         self._frames: dict[str, bool] = {}
         self._frame_locks: dict[str, asyncio.Lock] = {}
         self._encode_slots = EncodeSlots(max_encodes_in_flight)
