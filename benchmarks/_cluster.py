@@ -24,8 +24,13 @@ def shaped_model(config_path: Path, into: Path) -> tuple[str, str]:
     config.update({key: own[key] for key in ("vocab_size", "bos_token_id", "eos_token_id") if key in own})
     into.mkdir(parents=True)
     (into / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                 "chat_template.jinja"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    ):
         if (bundled / name).exists():
             shutil.copy(bundled / name, into / name)
     return str(into), "dummy-" + hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
@@ -45,8 +50,14 @@ def start_local_serve(proxy: str, num_cpus: int) -> int:
     import ray  # only now: Ray Serve reads the mode's switches when it is first imported
     from ray import serve
 
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
-             _node_ip_address="127.0.0.1")
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=temp_dir,
+        _node_ip_address="127.0.0.1",
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return port
@@ -68,30 +79,42 @@ def start_cluster(state: Path, cuda: bool, shape: Path | None, proxy: str = "hap
     # a compile cache named in the environment outlives the run (a GPU machine's later calls start faster)
     env = {"VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(state / "vllm-cache")}
     env |= {} if cuda else {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-    llm = {"dtype": "bfloat16" if cuda else "float32", "env": env, "max_ongoing_requests": 256,
-           "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.9} if cuda else {"num_cpus": 1}}
-    ingress = {"rate_per_s": 10_000, "burst": 10_000, "max_ongoing_requests": 512,
-               "first_event_timeout_s": 900}  # a cold start of 100 tenants reads ~40 GB of records: not a lost replica
+    llm = {
+        "dtype": "bfloat16" if cuda else "float32",
+        "env": env,
+        "max_ongoing_requests": 256,
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.9} if cuda else {"num_cpus": 1},
+    }
+    ingress = {
+        "rate_per_s": 10_000,
+        "burst": 10_000,
+        "max_ongoing_requests": 512,
+        "first_event_timeout_s": 900,
+    }  # a cold start of 100 tenants reads ~40 GB of records: not a lost replica
     if cuda:  # the GPU also embeds queries (a sliver of it per ingress replica), as a GPU deployment would
         llm["engine_kwargs"] = {"gpu_memory_utilization": 0.45, "max_model_len": 4096}
         # every tenant's facts stay hot in HBM, as for active tenants: records are float32 (exact re-rotation),
         # 100 tenants x 51 records of two 16-token pages at the 8B shape's 256 KiB a token come to ~40 GiB
         llm["device_cache_bytes"] = 48 << 30
         llm["max_encodes_in_flight"] = 32  # 5,000 facts to encode before anything is measured
-        ingress |= {"num_replicas": 4, "embed_device": embed_device,
-                    "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.02} if embed_device == "cuda" else {"num_cpus": 2}}
+        ingress |= {
+            "num_replicas": 4,
+            "embed_device": embed_device,
+            "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.02} if embed_device == "cuda" else {"num_cpus": 2},
+        }
     if shape is not None:
         path, fingerprint = shaped_model(shape, state / "model")
         llm |= {"model": path, "fingerprint": fingerprint}
         llm["engine_kwargs"] = {**llm.get("engine_kwargs", {}), "load_format": "dummy", "dtype": llm["dtype"]}
-    args = {"redis_url": redis.url, "state_dir": str(state), "admin_key": admin, "llm": llm,
-            "ingress": ingress}
+    args = {"redis_url": redis.url, "state_dir": str(state), "admin_key": admin, "llm": llm, "ingress": ingress}
     serve.run(build_app(args), name="inferscale", route_prefix="/")
     return f"http://127.0.0.1:{port}", admin, redis, args
 
 
 @contextmanager
-def cluster_for(base_url: str | None, admin_key: str | None, name: str, cuda: bool = False) -> Iterator[tuple[str, str]]:
+def cluster_for(
+    base_url: str | None, admin_key: str | None, name: str, cuda: bool = False
+) -> Iterator[tuple[str, str]]:
     """(base URL, admin key) of the given cluster, or of one started here for the duration (then stopped)."""
     if base_url:
         if not admin_key:

@@ -11,8 +11,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -105,9 +105,15 @@ def target(name: str, value: float, goal: str) -> dict[str, Any]:
 
 
 def write_report(path: Path, payload: dict[str, Any]) -> None:
-    payload.setdefault("machine", {"python": platform.python_version(), "torch": torch.__version__,
-                                   "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                                   "threads": torch.get_num_threads()})
+    payload.setdefault(
+        "machine",
+        {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "threads": torch.get_num_threads(),
+        },
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     print(json.dumps(payload["targets"], indent=2))

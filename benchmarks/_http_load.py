@@ -33,18 +33,30 @@ class LoadResult:
         return self.requests / self.seconds
 
 
-def closed_loop(base: str, path: str, calls: list[tuple[str, dict | None]], users: int,
-                processes: int | None = None, timeout_s: float = 900.0) -> LoadResult:
+def closed_loop(
+    base: str,
+    path: str,
+    calls: list[tuple[str, dict | None]],
+    users: int,
+    processes: int | None = None,
+    timeout_s: float = 900.0,
+) -> LoadResult:
     """Run `calls` ((API key, JSON body or None for a GET) each) against `base + path` from `users` concurrent
     users spread over `processes` workers; raises with the first error any call got (any status but 200)."""
     processes = max(1, min(processes or max(1, (os.cpu_count() or 2) // 4), users, len(calls)))
     start_at = time.time() + START_DELAY_S
     workers = []
     for p in range(processes):
-        job = {"url": base.rstrip("/") + path, "calls": calls[p::processes], "start_at": start_at, "timeout_s": timeout_s,
-               "users": users // processes + (1 if p < users % processes else 0)}
-        worker = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+        job = {
+            "url": base.rstrip("/") + path,
+            "calls": calls[p::processes],
+            "start_at": start_at,
+            "timeout_s": timeout_s,
+            "users": users // processes + (1 if p < users % processes else 0),
+        }
+        worker = subprocess.Popen(
+            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         worker.stdin.write(json.dumps(job))
         worker.stdin.close()
         workers.append(worker)
@@ -57,8 +69,11 @@ def closed_loop(base: str, path: str, calls: list[tuple[str, dict | None]], user
     errors = [r["error"] for r in results if r["error"]]
     if errors:
         raise RuntimeError(errors[0])
-    return LoadResult(sum(r["done"] for r in results), max(r["finished"] for r in results) - start_at,
-                      [ms for r in results for ms in r["latencies_ms"]])
+    return LoadResult(
+        sum(r["done"] for r in results),
+        max(r["finished"] for r in results) - start_at,
+        [ms for r in results for ms in r["latencies_ms"]],
+    )
 
 
 async def _work(job: dict) -> dict:
@@ -66,14 +81,20 @@ async def _work(job: dict) -> dict:
 
     calls, latencies, errors = list(reversed(job["calls"])), [], []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=job["timeout_s"])) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=job["timeout_s"])
+    ) as session:
+
         async def user() -> None:
             while calls and not errors:
                 key, body = calls.pop()
                 headers = {"Authorization": f"Bearer {key}"}
                 began = time.perf_counter()
-                request = (session.post(job["url"], json=body, headers=headers) if body is not None
-                           else session.get(job["url"], headers=headers))
+                request = (
+                    session.post(job["url"], json=body, headers=headers)
+                    if body is not None
+                    else session.get(job["url"], headers=headers)
+                )
                 async with request as answer:
                     text = await answer.read()
                     if answer.status != 200:
@@ -82,8 +103,12 @@ async def _work(job: dict) -> dict:
 
         await asyncio.sleep(max(0.0, job["start_at"] - time.time()))
         await asyncio.gather(*(user() for _ in range(job["users"])))
-    return {"done": len(latencies), "finished": time.time(), "latencies_ms": latencies,
-            "error": errors[0] if errors else None}
+    return {
+        "done": len(latencies),
+        "finished": time.time(),
+        "latencies_ms": latencies,
+        "error": errors[0] if errors else None,
+    }
 
 
 if __name__ == "__main__":

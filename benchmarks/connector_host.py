@@ -40,9 +40,15 @@ TENANT = "bench"
 def record(fact_id: str, tokens: int, seed: int) -> FactKV:
     gen = torch.Generator().manual_seed(seed)
     shape = (LAYERS, HEADS, tokens, DIM)
-    return FactKV(TENANT, fact_id, tuple(range(100 + seed * 64, 100 + seed * 64 + tokens)), torch.randn(shape, generator=gen),
-                  torch.randn(shape, generator=gen), EncodingParams(window=0, model_fingerprint=FINGERPRINT, rope=ROPE,
-                                                                    dtype="float32"), version=1)
+    return FactKV(
+        TENANT,
+        fact_id,
+        tuple(range(100 + seed * 64, 100 + seed * 64 + tokens)),
+        torch.randn(shape, generator=gen),
+        torch.randn(shape, generator=gen),
+        EncodingParams(window=0, model_fingerprint=FINGERPRINT, rope=ROPE, dtype="float32"),
+        version=1,
+    )
 
 
 def idle_writer(rows, rope):
@@ -54,8 +60,12 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--k", type=int, default=50)
-    p.add_argument("--device", default="cpu", help="where the caches and the arena live (cuda: the host's work "
-                                                 "beside asynchronous device work, as in the engine)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the caches and the arena live (cuda: the host's work "
+        "beside asynchronous device work, as in the engine)",
+    )
     args = p.parse_args()
     steps = 5 if args.quick else 30
     store = LocalFactStore(Path(scratch_dir(prefix="connector-host-")))
@@ -66,8 +76,12 @@ def main() -> None:
     scheduler = InjectionScheduler(store, FINGERPRINT)
     worker = InjectionWorker(store, FINGERPRINT, ROPE, device_cache_bytes=64 << 20, step_writer=idle_writer)
     blocks_per_request = -(-(PREFIX_TOKENS + args.k * FACT_TOKENS + QUERY_TOKENS) // BLOCK)
-    caches = {f"layer.{i}": torch.zeros(args.requests * blocks_per_request, BLOCK, HEADS, 2 * DIM, device=args.device).permute(0, 2, 1, 3)
-              for i in range(LAYERS)}
+    caches = {
+        f"layer.{i}": torch.zeros(
+            args.requests * blocks_per_request, BLOCK, HEADS, 2 * DIM, device=args.device
+        ).permute(0, 2, 1, 3)
+        for i in range(LAYERS)
+    }
     worker.register(caches, PagedLayout("channels", BLOCK, HEADS, DIM))
     rng = random.Random(0)
 
@@ -102,11 +116,24 @@ def main() -> None:
     sched_ms = statistics.median(t[0] for t in timed)
     worker_ms = statistics.median(t[1] for t in timed)
     print(f"per request: scheduler half {sched_ms:.3f} ms, worker half {worker_ms:.3f} ms", flush=True)
-    write_report(args.out, {
-        "requests_per_step": args.requests, "k": args.k, "steps": steps,
-        "scheduler_ms_per_request": round(sched_ms, 4), "worker_ms_per_request": round(worker_ms, 4),
-        "targets": [target("connector host work per injected request, ms (scheduler + worker halves, "
-                           f"{args.requests} requests a step, k={args.k})", sched_ms + worker_ms, "<= 0.15")]})
+    write_report(
+        args.out,
+        {
+            "requests_per_step": args.requests,
+            "k": args.k,
+            "steps": steps,
+            "scheduler_ms_per_request": round(sched_ms, 4),
+            "worker_ms_per_request": round(worker_ms, 4),
+            "targets": [
+                target(
+                    "connector host work per injected request, ms (scheduler + worker halves, "
+                    f"{args.requests} requests a step, k={args.k})",
+                    sched_ms + worker_ms,
+                    "<= 0.15",
+                )
+            ],
+        },
+    )
 
 
 if __name__ == "__main__":

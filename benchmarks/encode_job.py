@@ -86,50 +86,95 @@ def main() -> None:
             turns = [Turn("User" if i % 2 else "Assistant", sentence(rng, 18)) for i in range(facts_per_run + 20)]
             facts = [(sentence(rng, 22), 20 + i) for i in range(facts_per_run)]
             path = folder / f"{tenant}.json"
-            path.write_text(json.dumps({"turns": [{"speaker": t.speaker, "text": t.text} for t in turns],
-                                        "facts": [{"text": text, "turn": turn} for text, turn in facts]}))
+            path.write_text(
+                json.dumps(
+                    {
+                        "turns": [{"speaker": t.speaker, "text": t.text} for t in turns],
+                        "facts": [{"text": text, "turn": turn} for text, turn in facts],
+                    }
+                )
+            )
             marks: list[tuple[float, int]] = []  # (time, facts encoded) at each batch the job reports
             start = time.perf_counter()
-            report = run_job(settings, redis_url=server.url, key=admin, tenant_id=tenant, input_path=path,
-                             window=window, workers=workers, batch_size=4 if args.quick else 64,
-                             progress=lambda r: marks.append((time.perf_counter(), r.encoded)))
+            report = run_job(
+                settings,
+                redis_url=server.url,
+                key=admin,
+                tenant_id=tenant,
+                input_path=path,
+                window=window,
+                workers=workers,
+                batch_size=4 if args.quick else 64,
+                progress=lambda r: marks.append((time.perf_counter(), r.encoded)),
+            )
             job_s = time.perf_counter() - start
             steady = steady_rate(marks)
             assert report.encoded == facts_per_run, report.errors
-            jobs = plan_fact_jobs(turns, [Fact(f"f{i}", t, n) for i, (t, n) in enumerate(facts)], window=window,
-                                  prefix_ids=frame.prefix_ids, tokenizer=encoder)
+            jobs = plan_fact_jobs(
+                turns,
+                [Fact(f"f{i}", t, n) for i, (t, n) in enumerate(facts)],
+                window=window,
+                prefix_ids=frame.prefix_ids,
+                tokenizer=encoder,
+            )
             tokens = sum(job.length for job in jobs)
             prefill_s = _plain_prefill(loaded, jobs, settings.encoding.max_batch_tokens)
             steady_ratio = steady * (tokens / facts_per_run) / (tokens / prefill_s) if steady else 0.0
             record_bytes = sum(f.stat().st_size for f in settings.state_dir.rglob(f"{tenant}/*.safetensors"))
-            rows.append({"window": window, "facts": facts_per_run, "tokens": tokens, "job_s": job_s,
-                         "job_facts_per_s": facts_per_run / job_s, "job_tokens_per_s": tokens / job_s,
-                         "job_steady_facts_per_s": steady, "prefill_tokens_per_s": tokens / prefill_s,
-                         "ratio": prefill_s / job_s, "steady_ratio": steady_ratio,
-                         "record_bytes_per_fact": record_bytes / facts_per_run,
-                         "records_bytes_per_s_at_prefill_rate": record_bytes / prefill_s})
+            rows.append(
+                {
+                    "window": window,
+                    "facts": facts_per_run,
+                    "tokens": tokens,
+                    "job_s": job_s,
+                    "job_facts_per_s": facts_per_run / job_s,
+                    "job_tokens_per_s": tokens / job_s,
+                    "job_steady_facts_per_s": steady,
+                    "prefill_tokens_per_s": tokens / prefill_s,
+                    "ratio": prefill_s / job_s,
+                    "steady_ratio": steady_ratio,
+                    "record_bytes_per_fact": record_bytes / facts_per_run,
+                    "records_bytes_per_s_at_prefill_rate": record_bytes / prefill_s,
+                }
+            )
             service.delete_tenant(admin, tenant)  # its records leave the disk before the next window writes its own
-            print(f"w={window:>2}: job {facts_per_run / job_s:7.1f} facts/s ({tokens / job_s:8.0f} tok/s; "
-                  f"{steady:7.1f} facts/s once running), plain prefill {tokens / prefill_s:8.0f} tok/s, "
-                  f"ratio {prefill_s / job_s:.2f} (running {steady_ratio:.2f})", flush=True)
+            print(
+                f"w={window:>2}: job {facts_per_run / job_s:7.1f} facts/s ({tokens / job_s:8.0f} tok/s; "
+                f"{steady:7.1f} facts/s once running), plain prefill {tokens / prefill_s:8.0f} tok/s, "
+                f"ratio {prefill_s / job_s:.2f} (running {steady_ratio:.2f})",
+                flush=True,
+            )
         largest = max(rows, key=lambda r: r["record_bytes_per_fact"])
         floor = write_floor(folder / "floor", int(largest["record_bytes_per_fact"]), min(facts_per_run, 512))
         for row in rows:  # the share of plain prefill's rate that the disk can store, if the job did nothing else
             row["write_floor_over_prefill"] = floor / row["records_bytes_per_s_at_prefill_rate"]
-        sequential = sequential_write_rate(folder / "sequential", int(largest["record_bytes_per_fact"]) * min(facts_per_run, 512))
-        print(f"disk write floor {floor / 1e9:.2f} GB/s (files of a record's size); one file {sequential / 1e9:.2f} GB/s",
-              flush=True)
+        sequential = sequential_write_rate(
+            folder / "sequential", int(largest["record_bytes_per_fact"]) * min(facts_per_run, 512)
+        )
+        print(
+            f"disk write floor {floor / 1e9:.2f} GB/s (files of a record's size); one file {sequential / 1e9:.2f} GB/s",
+            flush=True,
+        )
     finally:
         ray.shutdown()
         server.stop()
     goal = ">= 0.5" if gpu else ">= 0.1"
     targets = [target(f"job_over_prefill_w{r['window']}", r["ratio"], goal) for r in rows]
     targets += [target(f"job_once_running_over_prefill_w{r['window']}", r["steady_ratio"], goal) for r in rows]
-    write_report(args.out, {"benchmark": "encode_job", "quick": args.quick, "gpu": gpu, "workers": workers,
-                            "model": str(args.config) if args.config else "SmolLM2-135M",
-                            "disk_write_floor_bytes_per_s": floor, "disk_sequential_write_bytes_per_s": sequential,
-                            "rows": rows,
-                            "targets": targets})
+    write_report(
+        args.out,
+        {
+            "benchmark": "encode_job",
+            "quick": args.quick,
+            "gpu": gpu,
+            "workers": workers,
+            "model": str(args.config) if args.config else "SmolLM2-135M",
+            "disk_write_floor_bytes_per_s": floor,
+            "disk_sequential_write_bytes_per_s": sequential,
+            "rows": rows,
+            "targets": targets,
+        },
+    )
 
 
 def steady_rate(marks: list[tuple[float, int]]) -> float:

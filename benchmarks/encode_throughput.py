@@ -78,25 +78,57 @@ def main() -> None:
     for window in WINDOWS:
         jobs = make_jobs(num_facts, window, vocab)
         tokens = sum(job.length for job in jobs)
-        encode = best_of(lambda: encode_jobs(jobs, forward, loaded.spec, tenant_id="bench", window=window,
-                                             dtype=loaded.dtype, max_batch_tokens=budget), repeats)
+        encode = best_of(
+            lambda: encode_jobs(
+                jobs,
+                forward,
+                loaded.spec,
+                tenant_id="bench",
+                window=window,
+                dtype=loaded.dtype,
+                max_batch_tokens=budget,
+            ),
+            repeats,
+        )
         plain = best_of(lambda: plain_prefill(loaded, jobs, budget), repeats)
-        rows.append({
-            "window": window, "facts": num_facts, "tokens_processed": tokens,
-            "facts_per_s": num_facts / encode, "fact_tokens_per_s": num_facts * FACT / encode,
-            "processed_tokens_per_s": tokens / encode, "plain_prefill_tokens_per_s": tokens / plain,
-            "encode_over_plain": plain / encode, "encode_s": encode, "plain_s": plain,
-        })
-        print(f"w={window:>2}: {rows[-1]['facts_per_s']:.1f} facts/s, {rows[-1]['processed_tokens_per_s']:.0f} tok/s "
-              f"(plain prefill {rows[-1]['plain_prefill_tokens_per_s']:.0f} tok/s)", flush=True)
+        rows.append(
+            {
+                "window": window,
+                "facts": num_facts,
+                "tokens_processed": tokens,
+                "facts_per_s": num_facts / encode,
+                "fact_tokens_per_s": num_facts * FACT / encode,
+                "processed_tokens_per_s": tokens / encode,
+                "plain_prefill_tokens_per_s": tokens / plain,
+                "encode_over_plain": plain / encode,
+                "encode_s": encode,
+                "plain_s": plain,
+            }
+        )
+        print(
+            f"w={window:>2}: {rows[-1]['facts_per_s']:.1f} facts/s, {rows[-1]['processed_tokens_per_s']:.0f} tok/s "
+            f"(plain prefill {rows[-1]['plain_prefill_tokens_per_s']:.0f} tok/s)",
+            flush=True,
+        )
     for row in rows:
-        targets.append(target(f"encode_vs_plain_prefill_throughput_w{row['window']}", row["encode_over_plain"], ">= 0.8"))
+        targets.append(
+            target(f"encode_vs_plain_prefill_throughput_w{row['window']}", row["encode_over_plain"], ">= 0.8")
+        )
     targets.append(target("facts_per_s_w0_over_w20", rows[0]["facts_per_s"] / rows[-1]["facts_per_s"], ">= 2.0"))
-    write_report(args.out, {
-        "benchmark": "encode_throughput", "quick": args.quick, "device": args.device, "dtype": dtype,
-        "model": str(loaded.path), "layers": loaded.spec.num_layers, "rows": rows, "targets": targets,
-        "timestamp": time.time(),
-    })
+    write_report(
+        args.out,
+        {
+            "benchmark": "encode_throughput",
+            "quick": args.quick,
+            "device": args.device,
+            "dtype": dtype,
+            "model": str(loaded.path),
+            "layers": loaded.spec.num_layers,
+            "rows": rows,
+            "targets": targets,
+            "timestamp": time.time(),
+        },
+    )
 
 
 if __name__ == "__main__":

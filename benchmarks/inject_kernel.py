@@ -54,7 +54,9 @@ def copy_rate(elements: int, dtype: torch.dtype, device: torch.device, repeats: 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--config", type=Path, help="HF config.json of the model shape (default: the 8B shape; --quick: small)")
+    p.add_argument(
+        "--config", type=Path, help="HF config.json of the model shape (default: the 8B shape; --quick: small)"
+    )
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.config or not args.quick:
@@ -89,9 +91,14 @@ def main() -> None:
             cache.index_copy_(0, slots, torch.cat((rotated, values.to(dtype)), dim=-1))
 
     copy_gbs = copy_rate(min(layers * tokens * heads * dim * 2, 1 << 30), dtype, device, repeats)
-    report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                    "shape": {"layers": layers, "kv_heads": heads, "head_dim": dim}, "requests": requests,
-                    "tokens": tokens, "gb_moved": round(moved / 1e9, 2), "copy_gb_s": round(copy_gbs, 1)}
+    report: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "shape": {"layers": layers, "kv_heads": heads, "head_dim": dim},
+        "requests": requests,
+        "tokens": tokens,
+        "gb_moved": round(moved / 1e9, 2),
+        "copy_gb_s": round(copy_gbs, 1),
+    }
     ms = {"torch_path": timed(torch_path, device, max(2, repeats // 3))}
     if device.type == "cuda":
         from deployments.triton_adapter.fused_inject import DEFAULT_TILE, DEFAULT_WARPS, fused_row_writer
@@ -99,13 +106,20 @@ def main() -> None:
         for tile, warps in CONFIGS:
             writer = fused_row_writer(caches, rope, tile, warps)
             default = " (default)" if (tile, warps) == (DEFAULT_TILE, DEFAULT_WARPS) else ""
-            ms[f"fused tile {tile} warps {warps}{default}"] = timed(lambda: writer(arena_k, arena_v, index, cos, sin), device, repeats)
+            ms[f"fused tile {tile} warps {warps}{default}"] = timed(
+                lambda: writer(arena_k, arena_v, index, cos, sin), device, repeats
+            )
     report["step_ms"] = {name: round(v, 3) for name, v in ms.items()}
     report["gb_s"] = {name: round(moved / v / 1e6, 1) for name, v in ms.items()}
     for name, v in ms.items():
-        print(f"{name:28s} {v:9.3f} ms  {moved / v / 1e6:8.1f} GB/s  ({moved / v / 1e6 / copy_gbs:.2f} of copy)", flush=True)
+        print(
+            f"{name:28s} {v:9.3f} ms  {moved / v / 1e6:8.1f} GB/s  ({moved / v / 1e6 / copy_gbs:.2f} of copy)",
+            flush=True,
+        )
     best = next((name for name in ms if name.endswith("(default)")), "torch_path")
-    report["targets"] = [target(f"injection step writer ({best}) / device copy, bandwidth", moved / ms[best] / 1e6 / copy_gbs, ">= 0.7")]
+    report["targets"] = [
+        target(f"injection step writer ({best}) / device copy, bandwidth", moved / ms[best] / 1e6 / copy_gbs, ">= 0.7")
+    ]
     write_report(args.out, report)
 
 

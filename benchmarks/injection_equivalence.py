@@ -26,27 +26,36 @@ from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs  # noqa: E4
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.store import LocalFactStore  # noqa: E402
 
-PEOPLE = [("Maya", "Porto", "marine biologist", "cat", "Pixel", "octopus stew", "tennis"),
-          ("Tom", "Leeds", "train driver", "dog", "Biscuit", "ramen", "rugby"),
-          ("Ines", "Seville", "architect", "parrot", "Kiwi", "paella", "padel"),
-          ("Ravi", "Pune", "data engineer", "tortoise", "Shelly", "dosa", "cricket"),
-          ("Lena", "Graz", "violin teacher", "rabbit", "Clover", "apple strudel", "skiing"),
-          ("Omar", "Tunis", "pharmacist", "cat", "Saffron", "couscous", "football"),
-          ("Sofia", "Turin", "chef", "dog", "Nebbia", "risotto", "cycling"),
-          ("Ken", "Sapporo", "pilot", "goldfish", "Bubbles", "miso ramen", "judo"),
-          ("Ada", "Lagos", "nurse", "dog", "Tiger", "jollof rice", "basketball"),
-          ("Luis", "Quito", "geologist", "llama", "Pancho", "ceviche", "climbing")]
+PEOPLE = [
+    ("Maya", "Porto", "marine biologist", "cat", "Pixel", "octopus stew", "tennis"),
+    ("Tom", "Leeds", "train driver", "dog", "Biscuit", "ramen", "rugby"),
+    ("Ines", "Seville", "architect", "parrot", "Kiwi", "paella", "padel"),
+    ("Ravi", "Pune", "data engineer", "tortoise", "Shelly", "dosa", "cricket"),
+    ("Lena", "Graz", "violin teacher", "rabbit", "Clover", "apple strudel", "skiing"),
+    ("Omar", "Tunis", "pharmacist", "cat", "Saffron", "couscous", "football"),
+    ("Sofia", "Turin", "chef", "dog", "Nebbia", "risotto", "cycling"),
+    ("Ken", "Sapporo", "pilot", "goldfish", "Bubbles", "miso ramen", "judo"),
+    ("Ada", "Lagos", "nurse", "dog", "Tiger", "jollof rice", "basketball"),
+    ("Luis", "Quito", "geologist", "llama", "Pancho", "ceviche", "climbing"),
+]
 
 
 def conversation(person) -> tuple[list[Turn], list[str]]:
     name, city, job, kind, pet, food, sport = person
-    turns = [Turn(name, f"I moved to {city} last year to work as a {job}."),
-             Turn("Assistant", "That sounds exciting! How are you settling in?"),
-             Turn(name, f"Well, thanks. I also have a {kind} called {pet}."),
-             Turn("Assistant", f"{pet} is a lovely name."),
-             Turn(name, f"My favourite food is {food}, and I play {sport} at weekends.")]
-    questions = [f"Which city does {name} live in?", f"What is {name}'s job?", f"What is the name of {name}'s {kind}?",
-                 f"What is {name}'s favourite food?", f"Which sport does {name} play?"]
+    turns = [
+        Turn(name, f"I moved to {city} last year to work as a {job}."),
+        Turn("Assistant", "That sounds exciting! How are you settling in?"),
+        Turn(name, f"Well, thanks. I also have a {kind} called {pet}."),
+        Turn("Assistant", f"{pet} is a lovely name."),
+        Turn(name, f"My favourite food is {food}, and I play {sport} at weekends."),
+    ]
+    questions = [
+        f"Which city does {name} live in?",
+        f"What is {name}'s job?",
+        f"What is the name of {name}'s {kind}?",
+        f"What is {name}'s favourite food?",
+        f"Which sport does {name} play?",
+    ]
     return turns, questions
 
 
@@ -86,22 +95,36 @@ def main() -> None:
         tenant = f"person{index}"
         facts = [Fact(f"turn{i}", t.render().rstrip("\n"), i) for i, t in enumerate(turns)]
         if args.encoder == "transformers":
-            jobs = plan_fact_jobs(turns, facts, window=len(turns), prefix_ids=frame.prefix_ids,
-                                  tokenizer=TokenizerEncoder(reference.tokenizer))
+            jobs = plan_fact_jobs(
+                turns,
+                facts,
+                window=len(turns),
+                prefix_ids=frame.prefix_ids,
+                tokenizer=TokenizerEncoder(reference.tokenizer),
+            )
             jobs.append(EncodingJob("prefix", (), frame.prefix_ids))
-            for record in encode_jobs(jobs, forward, reference.spec, tenant_id=tenant, window=len(turns),
-                                      dtype=getattr(torch, dtype)):
+            for record in encode_jobs(
+                jobs, forward, reference.spec, tenant_id=tenant, window=len(turns), dtype=getattr(torch, dtype)
+            ):
                 store.put(record)
-        segments = [("prefix", list(frame.prefix_ids))] + [(f.fact_id, reference.tokenizer.encode(
-            f.render(), add_special_tokens=False)) for f in facts]
+        segments = [("prefix", list(frame.prefix_ids))] + [
+            (f.fact_id, reference.tokenizer.encode(f.render(), add_special_tokens=False)) for f in facts
+        ]
         conversations.append((tenant, segments, questions))
     questions_ids = [[frame.query_ids(reference.tokenizer, q) for q in qs] for _, _, qs in conversations]
     del reference, forward
     torch.cuda.empty_cache() if gpu else None
 
     engine_kwargs = {"gpu_memory_utilization": 0.5} if gpu else {"kv_cache_memory_bytes": 512 << 20}
-    llm = build_llm(served, ConnectorConfig(store_root=store.root, fingerprint=fingerprint), dtype=dtype, enforce_eager=True,
-                    max_model_len=2048, seed=0, **engine_kwargs)
+    llm = build_llm(
+        served,
+        ConnectorConfig(store_root=store.root, fingerprint=fingerprint),
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=2048,
+        seed=0,
+        **engine_kwargs,
+    )
     if args.encoder == "engine":  # one prefill per conversation stores every segment as a record
         captures = []
         for tenant, segments, _ in conversations:
@@ -109,8 +132,11 @@ def main() -> None:
             for fact_id, ids in segments:
                 spans.append(CaptureSpan(fact_id, cursor, cursor + len(ids)))
                 cursor += len(ids)
-            captures.append(capture_request([t for _, ids in segments for t in ids],
-                                            CapturePlan(tenant, tuple(spans), window=len(segments))))
+            captures.append(
+                capture_request(
+                    [t for _, ids in segments for t in ids], CapturePlan(tenant, tuple(spans), window=len(segments))
+                )
+            )
         llm.generate([c[0] for c in captures], [c[1] for c in captures], use_tqdm=False)
     prompts = []
     for (tenant, segments, _), queries in zip(conversations, questions_ids):
@@ -134,13 +160,25 @@ def main() -> None:
                 break
     share = equal / len(prompts)
     print(f"{equal}/{len(prompts)} identical greedy continuations; max logprob gap {max(gaps):.3g}", flush=True)
-    write_report(args.out, {
-        "benchmark": "injection_equivalence", "quick": args.quick, "gpu": gpu, "dtype": dtype, "encoder": args.encoder,
-        "prompts": len(prompts),
-        "identical": equal, "max_logprob_gap": max(gaps), "mean_logprob_gap": statistics.fmean(gaps),
-        "requests_served_from_injected_kv": injected_tokens,
-        "targets": [target("greedy_identical_share", share, ">= 0.95"),
-                    target("requests_served_from_injected_kv_share", injected_tokens / len(prompts), ">= 1.0")]})
+    write_report(
+        args.out,
+        {
+            "benchmark": "injection_equivalence",
+            "quick": args.quick,
+            "gpu": gpu,
+            "dtype": dtype,
+            "encoder": args.encoder,
+            "prompts": len(prompts),
+            "identical": equal,
+            "max_logprob_gap": max(gaps),
+            "mean_logprob_gap": statistics.fmean(gaps),
+            "requests_served_from_injected_kv": injected_tokens,
+            "targets": [
+                target("greedy_identical_share", share, ">= 0.95"),
+                target("requests_served_from_injected_kv_share", injected_tokens / len(prompts), ">= 1.0"),
+            ],
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,16 @@ from benchmarks._common import parser, target, write_report  # noqa: E402
 from kvcore.compose import compose  # noqa: E402
 from kvcore.quantize import dequantize, quantize  # noqa: E402
 
-QUESTIONS = ["What is the name of Maya's cat?", "Where does Maya work?", "What is Maya allergic to?",
-             "What colour is Maya's cat?", "Where does Maya's sister live?", "What does Maya do on weekends?",
-             "Which city does Maya live in?", "What is Maya's job?"]
+QUESTIONS = [
+    "What is the name of Maya's cat?",
+    "Where does Maya work?",
+    "What is Maya allergic to?",
+    "What colour is Maya's cat?",
+    "Where does Maya's sister live?",
+    "What does Maya do on weekends?",
+    "Which city does Maya live in?",
+    "What is Maya's job?",
+]
 Codec = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -92,12 +99,26 @@ def main() -> None:
             agree += engine.generate_injected(served, query, 12) == answer
         rows[name] = {"greedy_agreement": agree / len(queries), "max_logit_delta": max(deltas)}
         print(f"{name:24s} greedy {agree}/{len(queries)}   max logit delta {max(deltas):.3f}", flush=True)
-    best_int4 = max((r for n, r in rows.items() if n.startswith("int4")), key=lambda r: (r["greedy_agreement"], -r["max_logit_delta"]))
-    targets = [target("int8 greedy agreement", rows["int8"]["greedy_agreement"], ">= 1"),
-               target("int8 max logit delta", rows["int8"]["max_logit_delta"], "<= 1"),
-               target("best int4 greedy agreement", best_int4["greedy_agreement"], ">= 1")]
-    write_report(args.out, {"benchmark": "kv_compression_quality", "quick": args.quick, "model": "SmolLM2-135M-Instruct",
-                            "questions": questions, "codecs": rows, "targets": targets})
+    best_int4 = max(
+        (r for n, r in rows.items() if n.startswith("int4")),
+        key=lambda r: (r["greedy_agreement"], -r["max_logit_delta"]),
+    )
+    targets = [
+        target("int8 greedy agreement", rows["int8"]["greedy_agreement"], ">= 1"),
+        target("int8 max logit delta", rows["int8"]["max_logit_delta"], "<= 1"),
+        target("best int4 greedy agreement", best_int4["greedy_agreement"], ">= 1"),
+    ]
+    write_report(
+        args.out,
+        {
+            "benchmark": "kv_compression_quality",
+            "quick": args.quick,
+            "model": "SmolLM2-135M-Instruct",
+            "questions": questions,
+            "codecs": rows,
+            "targets": targets,
+        },
+    )
 
 
 if __name__ == "__main__":

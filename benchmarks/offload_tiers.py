@@ -56,8 +56,16 @@ class Facts:
             fact_id, n = ("prefix", PREFIX_TOKENS) if i == 0 else (f"f{i}", FACT_TOKENS)
             token_ids = tuple(self.rng.randrange(100, self.config["vocab_size"] - 1) for _ in range(n))
             shape = (self.layers, self.heads, n, self.head_dim)
-            self.store.put(FactKV(tenant, fact_id, token_ids, torch.randn(shape).to(self.dtype),
-                                  torch.randn(shape).to(self.dtype), self.params))
+            self.store.put(
+                FactKV(
+                    tenant,
+                    fact_id,
+                    token_ids,
+                    torch.randn(shape).to(self.dtype),
+                    torch.randn(shape).to(self.dtype),
+                    self.params,
+                )
+            )
             self.tokens[tenant, fact_id] = list(token_ids)
             ids += [fact_id] if i else []
         return ids
@@ -121,7 +129,13 @@ def copy_floor(nbytes: int, repeats: int) -> float:
 
 class Bench:
     def __init__(self, args, path: str, facts: Facts, fingerprint: str, engine_kwargs: dict) -> None:
-        self.args, self.path, self.facts, self.fingerprint, self.engine_kwargs = args, path, facts, fingerprint, engine_kwargs
+        self.args, self.path, self.facts, self.fingerprint, self.engine_kwargs = (
+            args,
+            path,
+            facts,
+            fingerprint,
+            engine_kwargs,
+        )
         self.rng = random.Random(1)
         self.fallbacks = 0
 
@@ -129,10 +143,21 @@ class Bench:
         from config.connector import ConnectorConfig, TierConfig
         from deployments.vllm_adapter.engine import build_llm
 
-        connector = ConnectorConfig(store_root=self.facts.store.root, fingerprint=self.fingerprint, device_cache_bytes=arena_bytes,
-                                    tiers=TierConfig(disk_cache_dir=disk_root, host_cache_bytes=host_bytes, compress_lower=True))
-        return build_llm(self.path, connector, dtype=self.args.dtype, seed=0, max_model_len=4096,
-                         enable_prefix_caching=False, **self.engine_kwargs)
+        connector = ConnectorConfig(
+            store_root=self.facts.store.root,
+            fingerprint=self.fingerprint,
+            device_cache_bytes=arena_bytes,
+            tiers=TierConfig(disk_cache_dir=disk_root, host_cache_bytes=host_bytes, compress_lower=True),
+        )
+        return build_llm(
+            self.path,
+            connector,
+            dtype=self.args.dtype,
+            seed=0,
+            max_model_len=4096,
+            enable_prefix_caching=False,
+            **self.engine_kwargs,
+        )
 
     def ask(self, llm, tenant: str, chosen: list[str]) -> float:
         """TTFT (seconds) of one request injecting `chosen` (the frame first)."""
@@ -153,7 +178,9 @@ class Bench:
             self.fallbacks += 1
         return elapsed
 
-    def alternate(self, llm, tenant: str, sets: list[list[str]], repeats: int, before_lower=None) -> tuple[list[float], list[float]]:
+    def alternate(
+        self, llm, tenant: str, sets: list[list[str]], repeats: int, before_lower=None
+    ) -> tuple[list[float], list[float]]:
         """Ask each set twice in turn: the first ask streams from the lower tier, the second hits the arena."""
         for _ in range(2):  # warm-up: the sets reach their places
             for chosen in sets:
@@ -172,7 +199,10 @@ class Bench:
         for name in names:  # every tenant's facts have been served once (and spilled since)
             for first in range(0, len(tenants[name]), k):
                 self.ask(llm, name, tenants[name][first : first + k])
-        return [self.ask(llm, name, self.rng.sample(tenants[name], k)) for name in (self.rng.choice(names) for _ in range(requests))]
+        return [
+            self.ask(llm, name, self.rng.sample(tenants[name], k))
+            for name in (self.rng.choice(names) for _ in range(requests))
+        ]
 
 
 def release(llm) -> None:
@@ -195,17 +225,25 @@ def prepare(args, k: int, work: Path) -> tuple[Bench, list[list[str]], int]:
     pages = -(-PREFIX_TOKENS // PAGE) + k * -(-FACT_TOKENS // PAGE) + 1  # the frame and one set, one spare page
     arena_bytes = pages * PAGE * facts.token_bytes
     engine_kwargs = {"load_format": "dummy", "skip_tokenizer_init": True}
-    engine_kwargs.update({"gpu_memory_utilization": 0.35} if torch.cuda.is_available() else
-                         {"enforce_eager": True, "kv_cache_memory_bytes": max(256 << 20, 4 * arena_bytes)})
+    engine_kwargs.update(
+        {"gpu_memory_utilization": 0.35}
+        if torch.cuda.is_available()
+        else {"enforce_eager": True, "kv_cache_memory_bytes": max(256 << 20, 4 * arena_bytes)}
+    )
     return Bench(args, path, facts, fingerprint, engine_kwargs), [fact_ids[:k], fact_ids[k:]], arena_bytes
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--config", type=Path, help="HF config.json of the model shape (default: Llama-3.1-8B on a GPU, "
-                                               "a tiny Llama on CPU)")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="HF config.json of the model shape (default: Llama-3.1-8B on a GPU, a tiny Llama on CPU)",
+    )
     p.add_argument("--k", type=int, help="facts per request (default 50; 20 with --quick)")
-    p.add_argument("--hbm-budget-gib", type=float, default=40.0, help="device memory given to the arena (capacity model)")
+    p.add_argument(
+        "--hbm-budget-gib", type=float, default=40.0, help="device memory given to the arena (capacity model)"
+    )
     p.add_argument("--host-budget-gib", type=float, default=64.0, help="pinned host memory for the host tier")
     p.add_argument("--disk-budget-gib", type=float, default=48.0, help="disk for the disk tier")
     p.add_argument("--repeats", type=int, help="asks of each set per tier (default 15; 4 with --quick)")
@@ -213,7 +251,9 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     gpu = torch.cuda.is_available()
-    args.config = args.config or CONFIGS / ("llama31-8b-shape.json" if gpu and not args.quick else "tiny-llama-shape.json")
+    args.config = args.config or CONFIGS / (
+        "llama31-8b-shape.json" if gpu and not args.quick else "tiny-llama-shape.json"
+    )
     args.dtype = "bfloat16" if gpu else "float32"
     k = args.k or (20 if args.quick else 50)
     repeats, traffic, overflow = (4, 24, 10) if args.quick else (15, 200, 10)
@@ -243,12 +283,17 @@ def main() -> None:
     ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
     hbm_ms, host_ms, disk_ms = ms(arena + arena_2), ms(host), ms(disk)
     hbm_p95 = p95(arena + arena_2) * 1e3
-    tiers = {"hbm": {"ttft_ms": hbm_ms, "p95_ms": hbm_p95},
-             "host": {"ttft_ms": host_ms, "p95_ms": p95(host) * 1e3, "floor_ms": pcie_floor * 1e3, "bytes": set_lower_bytes},
-             "disk": {"ttft_ms": disk_ms, "p95_ms": p95(disk) * 1e3, "floor_ms": disk_floor * 1e3, "bytes": disk_bytes}}
+    tiers = {
+        "hbm": {"ttft_ms": hbm_ms, "p95_ms": hbm_p95},
+        "host": {"ttft_ms": host_ms, "p95_ms": p95(host) * 1e3, "floor_ms": pcie_floor * 1e3, "bytes": set_lower_bytes},
+        "disk": {"ttft_ms": disk_ms, "p95_ms": p95(disk) * 1e3, "floor_ms": disk_floor * 1e3, "bytes": disk_bytes},
+    }
     for name, row in tiers.items():
-        print(f"{name:>4}: TTFT {row['ttft_ms']:8.2f} ms (p95 {row['p95_ms']:8.2f})"
-              + (f"   floor {row['floor_ms']:7.2f} ms for {row['bytes'] / 2**20:.1f} MiB" if "floor_ms" in row else ""), flush=True)
+        print(
+            f"{name:>4}: TTFT {row['ttft_ms']:8.2f} ms (p95 {row['p95_ms']:8.2f})"
+            + (f"   floor {row['floor_ms']:7.2f} ms for {row['bytes'] / 2**20:.1f} MiB" if "floor_ms" in row else ""),
+            flush=True,
+        )
 
     # capacity: tenants of 1,000 facts per device; a lower tier counts where its measured p95 is within 2x the arena's
     tenant_full = 1000 * FACT_TOKENS * facts.token_bytes
@@ -256,11 +301,17 @@ def main() -> None:
     gib = 2**30
     without = int(args.hbm_budget_gib * gib // tenant_full)
     counted = {name: tiers[name]["p95_ms"] <= 2 * hbm_p95 for name in ("host", "disk")}
-    with_tier = without + sum(int(budget * gib // tenant_lower) for name, budget in
-                              (("host", args.host_budget_gib), ("disk", args.disk_budget_gib)) if counted[name])
+    with_tier = without + sum(
+        int(budget * gib // tenant_lower)
+        for name, budget in (("host", args.host_budget_gib), ("disk", args.disk_budget_gib))
+        if counted[name]
+    )
     mixed_p95 = p95(mixed) * 1e3
-    print(f"random traffic over {overflow}x the arena: p95 {mixed_p95:.2f} ms (arena p95 {hbm_p95:.2f} ms); "
-          f"tenants per device: {without} without the tier, {with_tier} with it", flush=True)
+    print(
+        f"random traffic over {overflow}x the arena: p95 {mixed_p95:.2f} ms (arena p95 {hbm_p95:.2f} ms); "
+        f"tenants per device: {without} without the tier, {with_tier} with it",
+        flush=True,
+    )
 
     targets = [
         target("host_extra_ttft_over_pcie_floor", (host_ms - hbm_ms) / max(pcie_floor * 1e3, 1e-6), "<= 1.3"),
@@ -269,17 +320,35 @@ def main() -> None:
         target("tenants_per_device_with_over_without_tier", with_tier / max(without, 1), ">= 10"),
         target("injection_fallbacks", float(bench.fallbacks), "<= 0"),
     ]
-    write_report(args.out, {
-        "benchmark": "offload_tiers", "quick": args.quick, "gpu": gpu, "dtype": args.dtype, "model": str(args.config),
-        "k": k, "fact_tokens": FACT_TOKENS, "arena_bytes": arena_bytes, "repeats": repeats, "tiers": tiers,
-        "host_tier_files_on_disk": host_files,
-        "random_traffic": {"tenants": overflow, "requests": traffic, "p50_ms": ms(mixed), "p95_ms": mixed_p95},
-        "capacity": {"model": "derived: per-device budgets / tenant bytes, a lower tier counted where its measured p95 "
-                              "TTFT is within 2x the arena's",
-                     "facts_per_tenant": 1000, "tenant_bytes_full": tenant_full, "tenant_bytes_lower": tenant_lower,
-                     "budgets_gib": {"hbm": args.hbm_budget_gib, "host": args.host_budget_gib, "disk": args.disk_budget_gib},
-                     "tiers_counted": counted, "tenants_without_tier": without, "tenants_with_tier": with_tier},
-        "targets": targets})
+    write_report(
+        args.out,
+        {
+            "benchmark": "offload_tiers",
+            "quick": args.quick,
+            "gpu": gpu,
+            "dtype": args.dtype,
+            "model": str(args.config),
+            "k": k,
+            "fact_tokens": FACT_TOKENS,
+            "arena_bytes": arena_bytes,
+            "repeats": repeats,
+            "tiers": tiers,
+            "host_tier_files_on_disk": host_files,
+            "random_traffic": {"tenants": overflow, "requests": traffic, "p50_ms": ms(mixed), "p95_ms": mixed_p95},
+            "capacity": {
+                "model": "derived: per-device budgets / tenant bytes, a lower tier counted where its measured p95 "
+                "TTFT is within 2x the arena's",
+                "facts_per_tenant": 1000,
+                "tenant_bytes_full": tenant_full,
+                "tenant_bytes_lower": tenant_lower,
+                "budgets_gib": {"hbm": args.hbm_budget_gib, "host": args.host_budget_gib, "disk": args.disk_budget_gib},
+                "tiers_counted": counted,
+                "tenants_without_tier": without,
+                "tenants_with_tier": with_tier,
+            },
+            "targets": targets,
+        },
+    )
 
 
 if __name__ == "__main__":

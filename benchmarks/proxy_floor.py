@@ -72,13 +72,25 @@ def main() -> None:
         async def chat(self, task):
             raise RuntimeError("not part of this measurement")
 
-    app_args = {"redis_url": args.redis_url, "state_dir": str(args.state_dir), "admin_key": args.admin_key,
-                "ingress": {"rate_per_s": 100_000, "burst": 100_000}}  # the floor, not the tenant's rate limit
+    app_args = {
+        "redis_url": args.redis_url,
+        "state_dir": str(args.state_dir),
+        "admin_key": args.admin_key,
+        "ingress": {"rate_per_s": 100_000, "burst": 100_000},
+    }  # the floor, not the tenant's rate limit
     serve.run(serve.deployment(Ingress, name="Ingress").bind(NoModel.bind(), app_args), name="floor", route_prefix="/")
     try:
         times = sorted(measure(f"http://127.0.0.1:{port}", args.tenant_key, args.calls))
-        print(json.dumps({"proxy": args.proxy, "p50_ms": statistics.median(times),
-                          "p99_ms": times[int(0.99 * (len(times) - 1))], "calls": len(times)}))
+        print(
+            json.dumps(
+                {
+                    "proxy": args.proxy,
+                    "p50_ms": statistics.median(times),
+                    "p99_ms": times[int(0.99 * (len(times) - 1))],
+                    "calls": len(times),
+                }
+            )
+        )
     finally:
         serve.shutdown()
         ray.shutdown()

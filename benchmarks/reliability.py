@@ -37,16 +37,43 @@ def fuzz(base: str, key: str, examples: int, report_dir: Path) -> dict:
         raise RuntimeError("schemathesis is not installed (pip install schemathesis==4.32.5)")
     report_dir.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
-        [binary, "run", f"{base}/openapi.json", "--header", f"Authorization: Bearer {key}", "--checks", CHECKS,
-         "--max-examples", str(examples), "--generation-deterministic", "--workers", "1", "--request-timeout", "120",
-         "--report", "junit", "--report-dir", str(report_dir), "--no-color"],
-        capture_output=True, text=True, timeout=3600, cwd=report_dir)  # its own cache folder lands there
+        [
+            binary,
+            "run",
+            f"{base}/openapi.json",
+            "--header",
+            f"Authorization: Bearer {key}",
+            "--checks",
+            CHECKS,
+            "--max-examples",
+            str(examples),
+            "--generation-deterministic",
+            "--workers",
+            "1",
+            "--request-timeout",
+            "120",
+            "--report",
+            "junit",
+            "--report-dir",
+            str(report_dir),
+            "--no-color",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        cwd=report_dir,
+    )  # its own cache folder lands there
     output = done.stdout + done.stderr
     generated = re.search(r"(\d+) generated", output)
     junit = "".join(path.read_text() for path in report_dir.glob("*.xml"))
-    return {"exit_code": done.returncode, "cases": int(generated.group(1)) if generated else 0,
-            "operations": junit.count("<testcase"), "failures": sum(int(n) for n in re.findall(r'failures="(\d+)"', junit[:2000])),
-            "server_errors": output.count("Server error"), "tail": output[-3000:] if done.returncode else ""}
+    return {
+        "exit_code": done.returncode,
+        "cases": int(generated.group(1)) if generated else 0,
+        "operations": junit.count("<testcase"),
+        "failures": sum(int(n) for n in re.findall(r'failures="(\d+)"', junit[:2000])),
+        "server_errors": output.count("Server error"),
+        "tail": output[-3000:] if done.returncode else "",
+    }
 
 
 def redis_crash(base: str, admin_key: str, redis, writes: int = 40, kill_at: int = 15, restart_at: int = 25) -> dict:
@@ -68,9 +95,14 @@ def redis_crash(base: str, admin_key: str, redis, writes: int = 40, kill_at: int
         time.sleep(0.05)
     listed = requests.get(f"{base}/v1/memories?limit=1000", headers=auth, timeout=60).json()["results"]
     stored = [m["memory"] for m in listed]
-    return {"writes": writes, "acknowledged": len(acked), "stored": len(stored),
-            "lost_acknowledged": len(set(acked) - set(stored)), "duplicates": len(stored) - len(set(stored)),
-            "refused": {str(code): statuses.count(code) for code in sorted(set(statuses)) if code != 200}}
+    return {
+        "writes": writes,
+        "acknowledged": len(acked),
+        "stored": len(stored),
+        "lost_acknowledged": len(set(acked) - set(stored)),
+        "duplicates": len(stored) - len(set(stored)),
+        "refused": {str(code): statuses.count(code) for code in sorted(set(statuses)) if code != 200},
+    }
 
 
 def main() -> None:
@@ -82,7 +114,10 @@ def main() -> None:
     base, admin, redis, _ = start_cluster(state, cuda=False, shape=None)
     try:
         tenant_key = Api(base, admin).tenant("fuzz-tenant")
-        fuzzing = {who: fuzz(base, key, examples, state / f"fuzz-{who}") for who, key in (("tenant", tenant_key), ("admin", admin))}
+        fuzzing = {
+            who: fuzz(base, key, examples, state / f"fuzz-{who}")
+            for who, key in (("tenant", tenant_key), ("admin", admin))
+        }
         timing = timing_run(Api(base, admin), probes, injected)
         crash = redis_crash(base, admin, redis)
     finally:
@@ -91,15 +126,25 @@ def main() -> None:
         serve.shutdown()
         redis.stop()
     cases = sum(f["cases"] for f in fuzzing.values())
-    report = {"fuzz": fuzzing, "timing_auc": timing["auc"], "timing_probes": timing["probes"], "redis_crash": crash,
-              "targets": [
-                  target("fuzz cases run", cases, ">= 100"),
-                  target("fuzz failures (5xx or schema mismatches)", sum(f["failures"] + f["server_errors"] for f in fuzzing.values()), "<= 0"),
-                  target("AUC, prefix-cache probe across tenants", timing["auc"]["prefix_cache"], "<= 0.6"),
-                  target("AUC, fact-injection probe across tenants", timing["auc"]["fact_injection"], "<= 0.6"),
-                  target("AUC, control: the attacker's own cache", timing["auc"]["control_own_cache"], ">= 0.9"),
-                  target("acknowledged facts lost to a redis-server SIGKILL", crash["lost_acknowledged"], "<= 0"),
-                  target("duplicate facts after the restart", crash["duplicates"], "<= 0")]}
+    report = {
+        "fuzz": fuzzing,
+        "timing_auc": timing["auc"],
+        "timing_probes": timing["probes"],
+        "redis_crash": crash,
+        "targets": [
+            target("fuzz cases run", cases, ">= 100"),
+            target(
+                "fuzz failures (5xx or schema mismatches)",
+                sum(f["failures"] + f["server_errors"] for f in fuzzing.values()),
+                "<= 0",
+            ),
+            target("AUC, prefix-cache probe across tenants", timing["auc"]["prefix_cache"], "<= 0.6"),
+            target("AUC, fact-injection probe across tenants", timing["auc"]["fact_injection"], "<= 0.6"),
+            target("AUC, control: the attacker's own cache", timing["auc"]["control_own_cache"], ">= 0.9"),
+            target("acknowledged facts lost to a redis-server SIGKILL", crash["lost_acknowledged"], "<= 0"),
+            target("duplicate facts after the restart", crash["duplicates"], "<= 0"),
+        ],
+    }
     write_report(args.out, report)
 
 

@@ -98,6 +98,7 @@ def gpu_busy_here():
 
 def under_load(embedder, query: str, repeats: int) -> dict[str, dict[str, float]]:
     """One query's embedding on an idle GPU, beside another process's load and beside this process's own."""
+
     def one() -> None:  # waits for its own result only (a device-wide sync would wait for the load too)
         embedder.embed_tensor([query]).cpu()
 
@@ -140,8 +141,10 @@ def main() -> None:
     embedder = MiniLMEmbedder(device=device)
     query = "What does box 17 hold, and where is it?"
     report: dict = {"device": device, "facts": args.facts}
-    report["embed_ms"] = {"one": timed(lambda: embedder.embed_tensor([query]), repeats),
-                          "batch_of_8": timed(lambda: embedder.embed_tensor([query] * 8), repeats)}
+    report["embed_ms"] = {
+        "one": timed(lambda: embedder.embed_tensor([query]), repeats),
+        "batch_of_8": timed(lambda: embedder.embed_tensor([query] * 8), repeats),
+    }
     if device == "cuda":
         eager = MiniLMEmbedder(device=device, cuda_graphs=False)
         report["embed_ms"]["one_eager"] = timed(lambda: eager.embed_tensor([query]), repeats)
@@ -189,16 +192,26 @@ def main() -> None:
 
         report["retrieval_ms"] = timed(as_ingress, repeats)
         report["retrieval_ms_before"] = timed(as_before, repeats)
-        report["sync_ms"] = {"round_trip": timed(lambda: service.indexes.sync("bench"), repeats),
-                             "change_feed": timed(lambda: ingress.indexes.sync("bench"), repeats)}
+        report["sync_ms"] = {
+            "round_trip": timed(lambda: service.indexes.sync("bench"), repeats),
+            "change_feed": timed(lambda: ingress.indexes.sync("bench"), repeats),
+        }
         found = served.retrieve(embedder.embed_tensor(["What does the red box hold?"])[0].cpu(), 5).hits
         report["sample_hits"] = [fact.text for fact, _ in found]
     finally:
         redis.stop()
-    report["targets"] = [target(f"retrieval p50, ms (embed on {device} + change feed + search on the CPU, {args.facts} facts)",
-                                report["retrieval_ms"]["p50"], "<= 1.5"),
-                         target("retrieval as the ingress runs it / as it ran before (search on the device, a round trip)",
-                                report["retrieval_ms"]["p50"] / report["retrieval_ms_before"]["p50"], "<= 1")]
+    report["targets"] = [
+        target(
+            f"retrieval p50, ms (embed on {device} + change feed + search on the CPU, {args.facts} facts)",
+            report["retrieval_ms"]["p50"],
+            "<= 1.5",
+        ),
+        target(
+            "retrieval as the ingress runs it / as it ran before (search on the device, a round trip)",
+            report["retrieval_ms"]["p50"] / report["retrieval_ms_before"]["p50"],
+            "<= 1",
+        ),
+    ]
     write_report(args.out, report)
 
 

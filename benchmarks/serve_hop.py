@@ -44,8 +44,10 @@ def build(facts_text: str):
     @serve.ingress()
     class Front:
         def __init__(self, down) -> None:
-            self._via = {"mode": in_this_mode(down).options(stream=True),
-                         "actor": down.options(stream=True, _by_reference=True)}
+            self._via = {
+                "mode": in_this_mode(down).options(stream=True),
+                "actor": down.options(stream=True, _by_reference=True),
+            }
 
         def __serve_build_asgi_app__(self):
             app = FastAPI()
@@ -56,20 +58,30 @@ def build(facts_text: str):
 
             @app.get("/hop")
             async def hop(facts: int = 0, via: str = "mode") -> dict:
-                task = ChatTask("tenant-1", 1, (("user", "What does box 3 hold?"),),
-                                tuple(RetrievedFact(f"f{i}", facts_text.format(i=i), f"r{i}", 0.5) for i in range(facts)))
+                task = ChatTask(
+                    "tenant-1",
+                    1,
+                    (("user", "What does box 3 hold?"),),
+                    tuple(RetrievedFact(f"f{i}", facts_text.format(i=i), f"r{i}", 0.5) for i in range(facts)),
+                )
                 sent = time.time()
                 events = self._via[via].chat.remote(task)
                 first = await events.__anext__()
                 back = time.time()
                 async for _ in events:
                     pass
-                return {"to_replica_ms": (first["arrived"] - sent) * 1000, "first_back_ms": (back - first["arrived"]) * 1000}
+                return {
+                    "to_replica_ms": (first["arrived"] - sent) * 1000,
+                    "first_back_ms": (back - first["arrived"]) * 1000,
+                }
 
             return app
 
-    down = serve.deployment(Downstream, name="Downstream").options(
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER)).bind()
+    down = (
+        serve.deployment(Downstream, name="Downstream")
+        .options(request_router_config=RequestRouterConfig(request_router_class=ROUTER))
+        .bind()
+    )
     return serve.deployment(Front, name="Front").bind(down)
 
 
@@ -85,8 +97,11 @@ def measure(base: str, calls: int, facts: int, via: str = "mode") -> dict:
     direct = timed_ms(lambda: session.get(f"{base}/direct", timeout=60).raise_for_status(), calls, warm=30)
     rows = rows[30:]  # the first ones open the connection and warm the router's caches
     p50 = {key: round(statistics.median(r[key] for r in rows), 3) for key in rows[0]}
-    return {**p50, "direct_http_ms": round(statistics.median(direct), 3),
-            "hop_http_extra_ms": round(p50["http_ms"] - statistics.median(direct), 3)}
+    return {
+        **p50,
+        "direct_http_ms": round(statistics.median(direct), 3),
+        "hop_http_extra_ms": round(p50["http_ms"] - statistics.median(direct), 3),
+    }
 
 
 def main() -> None:
@@ -102,17 +117,23 @@ def main() -> None:
     try:
         serve.run(build("Person 1 remembers detail {i}: the red box holds item {i}."), name="hop", route_prefix="/")
         base = f"http://127.0.0.1:{port}"
-        report = {"proxy": args.proxy, "calls": calls, "no_facts": measure(base, calls, 0),
-                  f"facts_{args.facts}": measure(base, calls, args.facts),
-                  f"facts_{args.facts}_via_actor": measure(base, calls, args.facts, via="actor")}
+        report = {
+            "proxy": args.proxy,
+            "calls": calls,
+            "no_facts": measure(base, calls, 0),
+            f"facts_{args.facts}": measure(base, calls, args.facts),
+            f"facts_{args.facts}_via_actor": measure(base, calls, args.facts, via="actor"),
+        }
     finally:
         serve.shutdown()
         ray.shutdown()
     with_facts = report[f"facts_{args.facts}"]
     # the serving targets leave HTTP - engine <= 3 ms for floor, retrieval and the hop together: the hop's share
     # is what is left after the H200's floor (2.5 ms) and retrieval (1.3 ms): nothing, so any hop counts
-    report["targets"] = [target(f"task to the replica p50, ms ({args.facts} facts)", with_facts["to_replica_ms"], "<= 1"),
-                         target("HTTP with the hop - HTTP without, p50 ms", with_facts["hop_http_extra_ms"], "<= 1")]
+    report["targets"] = [
+        target(f"task to the replica p50, ms ({args.facts} facts)", with_facts["to_replica_ms"], "<= 1"),
+        target("HTTP with the hop - HTTP without, p50 ms", with_facts["hop_http_extra_ms"], "<= 1"),
+    ]
     write_report(args.out, report)
 
 

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._cluster import start_cluster  # noqa: E402
 from benchmarks._common import parser, sampled, scratch_dir, target, write_report  # noqa: E402
 from benchmarks._http_load import closed_loop  # noqa: E402
-from benchmarks.proxy_floor import deploy_probe, measure as floor_ms  # noqa: E402
+from benchmarks.proxy_floor import deploy_probe  # noqa: E402
+from benchmarks.proxy_floor import measure as floor_ms
 
 MODEL = "inferscale-smollm2"
 SESSION = requests.Session()  # keep-alive, as the clients users run (openai's) keep their connections
@@ -50,12 +51,18 @@ def question(i: int) -> str:
 
 def make_tenants(base: str, admin: str, count: int, hot: int) -> list[tuple[str, str]]:
     """`count` tenants with `hot` box facts each (over HTTP); returns (tenant id, key) once all have K/V."""
+
     def one(t: int) -> tuple[str, str]:
-        created = requests.post(f"{base}/v1/tenants", json={"id": f"bench-{t}", "window": 0},
-                                headers={"Authorization": f"Bearer {admin}"}, timeout=60).json()
+        created = requests.post(
+            f"{base}/v1/tenants",
+            json={"id": f"bench-{t}", "window": 0},
+            headers={"Authorization": f"Bearer {admin}"},
+            timeout=60,
+        ).json()
         auth = {"Authorization": f"Bearer {created['api_key']}"}
-        requests.post(f"{base}/v1/memories", json={"facts": [box_fact(t, i) for i in range(hot)]}, headers=auth,
-                      timeout=300).raise_for_status()
+        requests.post(
+            f"{base}/v1/memories", json={"facts": [box_fact(t, i) for i in range(hot)]}, headers=auth, timeout=300
+        ).raise_for_status()
         return f"bench-{t}", created["api_key"]
 
     with ThreadPoolExecutor(16) as pool:
@@ -63,7 +70,10 @@ def make_tenants(base: str, admin: str, count: int, hot: int) -> list[tuple[str,
     deadline = time.monotonic() + 900
     for _, key in tenants:
         auth = {"Authorization": f"Bearer {key}"}
-        while not all(m["kv_ready"] for m in requests.get(f"{base}/v1/memories?limit=1000", headers=auth, timeout=60).json()["results"]):
+        while not all(
+            m["kv_ready"]
+            for m in requests.get(f"{base}/v1/memories?limit=1000", headers=auth, timeout=60).json()["results"]
+        ):
             assert time.monotonic() < deadline, "encoding did not finish"
             time.sleep(0.5)
     return tenants
@@ -74,17 +84,28 @@ def add_cold_facts(service, tenants: list[tuple[str, str]], count: int) -> None:
     for t, (_, key) in enumerate(tenants):
         tenant = service.authenticate(key)
         for first in range(0, count, 500):
-            tenant.add_facts([f"Weather note {i} of person {t}: a {['calm', 'windy', 'rainy'][i % 3]} morning by the sea."
-                              for i in range(first, min(count, first + 500))])
+            tenant.add_facts(
+                [
+                    f"Weather note {i} of person {t}: a {['calm', 'windy', 'rainy'][i % 3]} morning by the sea."
+                    for i in range(first, min(count, first + 500))
+                ]
+            )
 
 
 def streamed(base: str, key: str, k: int, mode: str, text: str) -> tuple[float, dict]:
     """(client-side TTFT in ms, the request's usage) of one streamed chat."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "stream": True,
-            "stream_options": {"include_usage": True}, "memory": {"k": k, "mode": mode}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "memory": {"k": k, "mode": mode},
+    }
     started, first, usage = time.perf_counter(), None, {}
-    with SESSION.post(f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
-                      stream=True, timeout=120) as answer:
+    with SESSION.post(
+        f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, stream=True, timeout=120
+    ) as answer:
         if answer.status_code != 200:
             raise RuntimeError(f"{mode} chat answered {answer.status_code}: {answer.text[:2000]}")
         for line in answer.iter_lines():
@@ -101,20 +122,47 @@ def streamed(base: str, key: str, k: int, mode: str, text: str) -> tuple[float, 
     return (first or time.perf_counter() - started) * 1000, usage
 
 
-def sample_rounds(base: str, tenants: list[tuple[str, str]], k: int, rounds: int, samples: dict[str, list[dict]]) -> None:
+def sample_rounds(
+    base: str, tenants: list[tuple[str, str]], k: int, rounds: int, samples: dict[str, list[dict]]
+) -> None:
     """`rounds` streamed chats of each mode, interleaved, a new question each round, into `samples`."""
     for r in range(rounds):
         for mode in samples:
             ms, usage = streamed(base, tenants[r % len(tenants)][1], k, mode, f"What does box {r} hold? ({mode} {r})")
-            samples[mode].append({"ttft_ms": ms, "hop_ms": usage.get("hop_ms", {}), **{key: usage[key] for key in (
-                "engine_ttft_ms", "retrieval_ms", "retrieval_embed_ms", "prefilled_tokens", "injected_tokens", "prompt_tokens")}})
+            samples[mode].append(
+                {
+                    "ttft_ms": ms,
+                    "hop_ms": usage.get("hop_ms", {}),
+                    **{
+                        key: usage[key]
+                        for key in (
+                            "engine_ttft_ms",
+                            "retrieval_ms",
+                            "retrieval_embed_ms",
+                            "prefilled_tokens",
+                            "injected_tokens",
+                            "prompt_tokens",
+                        )
+                    },
+                }
+            )
 
 
 def http_qps(base: str, tenants: list[tuple[str, str]], k: int, mode: str, total: int, first: int = 0) -> float:
     """Requests per second of `total` chats from one concurrent user per tenant, each question new (worker
     processes with keep-alive connections: one process of threads would measure its own ceiling)."""
-    calls = [(tenants[i % len(tenants)][1], {"model": MODEL, "messages": [{"role": "user", "content": question(first + i)}],
-                                             "max_tokens": 1, "memory": {"k": k, "mode": mode}}) for i in range(total)]
+    calls = [
+        (
+            tenants[i % len(tenants)][1],
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": question(first + i)}],
+                "max_tokens": 1,
+                "memory": {"k": k, "mode": mode},
+            },
+        )
+        for i in range(total)
+    ]
     return closed_loop(base, "/v1/chat/completions", calls, users=len(tenants)).rate
 
 
@@ -133,13 +181,43 @@ def locust_run(base: str, admin: str, users: int, seconds: int, k: int, out: Pat
     made = make_tenants(base, admin, users, k)
     burst_s = time.perf_counter() - started
     tenants_file = out.with_name("locust-tenants.json")
-    tenants_file.write_text(json.dumps([{"id": t, "key": key, "person": f"Person {i}"} for i, (t, key) in enumerate(made)]))
+    tenants_file.write_text(
+        json.dumps([{"id": t, "key": key, "person": f"Person {i}"} for i, (t, key) in enumerate(made)])
+    )
     prefix = out.with_suffix("")
-    cmd = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", str(users), "-r", str(users),
-           "-t", f"{seconds}s", "--host", base, "--tenants-file", str(tenants_file), "--k", str(k),
-           "--max-tokens", "16", "--csv", str(prefix), "--only-summary"]
-    done = subprocess.run(cmd, env={**os.environ, "INFERSCALE_ADMIN_KEY": admin}, capture_output=True, text=True,
-                          timeout=seconds + 600, cwd=Path(__file__).resolve().parents[1])
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        "loadtest/locustfile.py",
+        "--headless",
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "-t",
+        f"{seconds}s",
+        "--host",
+        base,
+        "--tenants-file",
+        str(tenants_file),
+        "--k",
+        str(k),
+        "--max-tokens",
+        "16",
+        "--csv",
+        str(prefix),
+        "--only-summary",
+    ]
+    done = subprocess.run(
+        cmd,
+        env={**os.environ, "INFERSCALE_ADMIN_KEY": admin},
+        capture_output=True,
+        text=True,
+        timeout=seconds + 600,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     tenants_file.unlink()  # it holds API keys
     rows = {}
     stats = Path(f"{prefix}_stats.csv")
@@ -147,11 +225,19 @@ def locust_run(base: str, admin: str, users: int, seconds: int, k: int, out: Pat
         import csv
 
         for row in csv.DictReader(stats.open()):
-            rows[row["Name"]] = {"requests": int(row["Request Count"]), "failures": int(row["Failure Count"]),
-                                 "p50_ms": float(row["50%"] or 0), "p99_ms": float(row["99%"] or 0),
-                                 "rps": float(row["Requests/s"] or 0)}
-    return {"exit": done.returncode, "encode_burst_s": round(burst_s, 1), "rows": rows,
-            "tail": done.stderr[-1500:] if done.returncode else ""}
+            rows[row["Name"]] = {
+                "requests": int(row["Request Count"]),
+                "failures": int(row["Failure Count"]),
+                "p50_ms": float(row["50%"] or 0),
+                "p99_ms": float(row["99%"] or 0),
+                "rps": float(row["Requests/s"] or 0),
+            }
+    return {
+        "exit": done.returncode,
+        "encode_burst_s": round(burst_s, 1),
+        "rows": rows,
+        "tail": done.stderr[-1500:] if done.returncode else "",
+    }
 
 
 def engine_alone(app_args: dict, tasks: list, rounds: list, concurrency: int) -> dict:
@@ -202,7 +288,9 @@ def chat_tasks(service, tenants: list[tuple[str, str]], k: int, mode: str, quest
         out = []
         for i, text in enumerate(questions):
             tenant = service.authenticate(tenants[i % len(tenants)][1])
-            body = ChatRequest(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=1, memory={"k": k, "mode": mode})
+            body = ChatRequest(
+                model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=1, memory={"k": k, "mode": mode}
+            )
             out.append((await gateway.prepare_chat(tenant, body)).task)
         return out
 
@@ -212,9 +300,25 @@ def chat_tasks(service, tenants: list[tuple[str, str]], k: int, mode: str, quest
 def proxy_floors(redis_url: str, state: Path, admin: str, key: str) -> dict:
     floors = {}
     for proxy in ("python", "haproxy"):
-        done = subprocess.run([sys.executable, str(Path(__file__).with_name("proxy_floor.py")), "--proxy", proxy,
-                               "--redis-url", redis_url, "--state-dir", str(state), "--admin-key", admin,
-                               "--tenant-key", key], capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("proxy_floor.py")),
+                "--proxy",
+                proxy,
+                "--redis-url",
+                redis_url,
+                "--state-dir",
+                str(state),
+                "--admin-key",
+                admin,
+                "--tenant-key",
+                key,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         floors[proxy] = json.loads(lines[-1]) if lines else {"error": done.stderr[-1500:]}
     return floors
@@ -231,10 +335,19 @@ def main() -> None:
     p.add_argument("--tenants", type=int, help="tenants (= concurrent users); default 8 quick, 100 full")
     p.add_argument("--facts", type=int, help="facts per tenant; default 100 quick, 1000 full")
     p.add_argument("--proxy", choices=["haproxy", "python"], default="haproxy")
-    p.add_argument("--embed-device", choices=["cuda", "cpu"], default="cuda",
-                   help="on a GPU, where the ingress embeds queries (cpu: two threads a replica, no GPU time-slicing)")
-    p.add_argument("--locust-s", type=int, default=0, help="seconds of Locust load (one user per tenant, over "
-                                                           "tenants made and encoded first); with it, only that is measured")
+    p.add_argument(
+        "--embed-device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="on a GPU, where the ingress embeds queries (cpu: two threads a replica, no GPU time-slicing)",
+    )
+    p.add_argument(
+        "--locust-s",
+        type=int,
+        default=0,
+        help="seconds of Locust load (one user per tenant, over "
+        "tenants made and encoded first); with it, only that is measured",
+    )
     args = p.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the reference engine starts after CUDA is up
     cuda = torch.cuda.is_available()
@@ -248,16 +361,27 @@ def main() -> None:
     from models.minilm import MiniLMEmbedder
     from tenants.connect import connect_service
 
-    service = connect_service(redis.url, state, MiniLMEmbedder(device="cuda" if cuda else "cpu"), device="cuda" if cuda else "cpu")
-    report: dict = {"k": k, "tenants": tenants_n, "facts_per_tenant": facts_n, "proxy": args.proxy, "cuda": cuda,
-                    "embed_device": app_args["ingress"].get("embed_device", "cpu"),
-                    "model": str(args.config) if args.config else "SmolLM2-135M", "phase_s": clock.seconds}
+    service = connect_service(
+        redis.url, state, MiniLMEmbedder(device="cuda" if cuda else "cpu"), device="cuda" if cuda else "cpu"
+    )
+    report: dict = {
+        "k": k,
+        "tenants": tenants_n,
+        "facts_per_tenant": facts_n,
+        "proxy": args.proxy,
+        "cuda": cuda,
+        "embed_device": app_args["ingress"].get("embed_device", "cpu"),
+        "model": str(args.config) if args.config else "SmolLM2-135M",
+        "phase_s": clock.seconds,
+    }
     if args.locust_s:
         try:
             report["locust"] = locust_run(base, admin, tenants_n, args.locust_s, k, args.out.with_name("locust.csv"))
             clock.done("locust")
             chats = [row for name, row in report["locust"]["rows"].items() if name.startswith("/v1/chat")]
-            report["targets"] = [target("Locust chat errors", sum(r["failures"] for r in chats) if chats else 1, "<= 0")]
+            report["targets"] = [
+                target("Locust chat errors", sum(r["failures"] for r in chats) if chats else 1, "<= 0")
+            ]
             write_report(args.out, report)  # before the slow shutdown
         finally:
             stop_cluster()
@@ -268,8 +392,10 @@ def main() -> None:
         clock.done("tenants")
         add_cold_facts(service, tenants, facts_n - k)
         clock.done("cold_facts")
-        report["ttft_ms_cold_tenant"] = {mode: streamed(base, tenants[-1][1], k, mode, f"What does box 1 hold? (cold {mode})")[0]
-                                         for mode in ("inject", "prompt")}
+        report["ttft_ms_cold_tenant"] = {
+            mode: streamed(base, tenants[-1][1], k, mode, f"What does box 1 hold? (cold {mode})")[0]
+            for mode in ("inject", "prompt")
+        }
         # untimed: every record resident and every ingress replica's indexes loaded (several inject requests per
         # tenant, as the replicas take turns), then one prompt request per tenant
         http_qps(base, tenants, k, "inject", tenants_n * (2 if args.quick else 8), first=10_000)
@@ -297,7 +423,9 @@ def main() -> None:
     try:
         qps_questions = [question(i) for i in range(total)]
         inject_tasks = chat_tasks(service, tenants, k, "inject", qps_questions)
-        round_tasks = chat_tasks(service, tenants, k, "inject", [f"What does box {r} hold? (inject {r})" for r in range(rounds_n)])
+        round_tasks = chat_tasks(
+            service, tenants, k, "inject", [f"What does box {r} hold? (inject {r})" for r in range(rounds_n)]
+        )
         report["engine_alone"] = engine_alone(app_args, inject_tasks, round_tasks, tenants_n)
         clock.done("engine_alone")
         if args.quick:  # the default proxy's floor beside the new mode's (the GPU run reports the new mode's only)
@@ -331,8 +459,9 @@ def stop_cluster() -> None:
     ray.shutdown()
 
 
-def http_figures(samples: dict[str, list[dict]], floor: list[float], mode_floor: list[float], qps: dict[str, float],
-                 rounds: int) -> dict:
+def http_figures(
+    samples: dict[str, list[dict]], floor: list[float], mode_floor: list[float], qps: dict[str, float], rounds: int
+) -> dict:
     inject = samples["inject"]
     over = [s["ttft_ms"] - s["engine_ttft_ms"] for s in inject]
     retrieval = [s["retrieval_ms"] for s in inject]
@@ -341,28 +470,61 @@ def http_figures(samples: dict[str, list[dict]], floor: list[float], mode_floor:
         "ttft_ms_p50": {mode: statistics.median(s["ttft_ms"] for s in v) for mode, v in samples.items()},
         "engine_ttft_ms_p50": {mode: statistics.median(s["engine_ttft_ms"] for s in v) for mode, v in samples.items()},
         "http_minus_engine_ttft_ms": {"p50": statistics.median(over), "p99": pct(over, 0.99)},
-        "retrieval_ms": {"p50": statistics.median(retrieval), "p99": pct(retrieval, 0.99),
-                         "embed_p50": statistics.median(embed), "embed_p99": pct(embed, 0.99)},
-        "hop_ms_p50": {leg: statistics.median(s["hop_ms"][leg] for s in inject if leg in s["hop_ms"])
-                       for leg in ("to_replica", "layout", "first_token_back") if any(leg in s["hop_ms"] for s in inject)},
+        "retrieval_ms": {
+            "p50": statistics.median(retrieval),
+            "p99": pct(retrieval, 0.99),
+            "embed_p50": statistics.median(embed),
+            "embed_p99": pct(embed, 0.99),
+        },
+        "hop_ms_p50": {
+            leg: statistics.median(s["hop_ms"][leg] for s in inject if leg in s["hop_ms"])
+            for leg in ("to_replica", "layout", "first_token_back")
+            if any(leg in s["hop_ms"] for s in inject)
+        },
         "ingress_floor_ms": {"p50": statistics.median(floor), "p99": pct(floor, 0.99)},
-        "mode_floor_ms": {"p50": statistics.median(mode_floor), "p99": pct(mode_floor, 0.99)},  # a trivial ingress, same cluster
-        "prefilled_tokens_p50": {mode: statistics.median(s["prefilled_tokens"] for s in v) for mode, v in samples.items()},
-        "qps_http": qps, "rounds": rounds}
+        "mode_floor_ms": {
+            "p50": statistics.median(mode_floor),
+            "p99": pct(mode_floor, 0.99),
+        },  # a trivial ingress, same cluster
+        "prefilled_tokens_p50": {
+            mode: statistics.median(s["prefilled_tokens"] for s in v) for mode, v in samples.items()
+        },
+        "qps_http": qps,
+        "rounds": rounds,
+    }
 
 
 def finish(report: dict, out: Path, k: int, tenants_n: int, facts_n: int) -> None:
     """The report with the targets its figures allow so far."""
     qps, alone, floors = report["qps_http"], report.get("engine_alone"), report.get("proxy_floors", {})
-    targets = [target("ingress floor p50, ms (authenticated GET /v1/models)", report["ingress_floor_ms"]["p50"], "<= 2"),
-               target(f"HTTP TTFT - engine TTFT, p50 ms (inject, k={k}, retrieval included)", report["http_minus_engine_ttft_ms"]["p50"], "<= 3")]
+    targets = [
+        target("ingress floor p50, ms (authenticated GET /v1/models)", report["ingress_floor_ms"]["p50"], "<= 2"),
+        target(
+            f"HTTP TTFT - engine TTFT, p50 ms (inject, k={k}, retrieval included)",
+            report["http_minus_engine_ttft_ms"]["p50"],
+            "<= 3",
+        ),
+    ]
     if alone is not None:
-        targets.append(target("HTTP QPS inject / engine-alone QPS of the same requests", qps["inject"] / alone["qps"], ">= 0.9"))
-    targets += [target(f"HTTP QPS inject / prompt, {tenants_n} users over {tenants_n} tenants", qps["inject"] / qps["prompt"], ">= 8"),
-                target(f"retrieval p50, ms ({facts_n} facts a tenant)", report["retrieval_ms"]["p50"], "<= 1.5")]
+        targets.append(
+            target("HTTP QPS inject / engine-alone QPS of the same requests", qps["inject"] / alone["qps"], ">= 0.9")
+        )
+    targets += [
+        target(
+            f"HTTP QPS inject / prompt, {tenants_n} users over {tenants_n} tenants",
+            qps["inject"] / qps["prompt"],
+            ">= 8",
+        ),
+        target(f"retrieval p50, ms ({facts_n} facts a tenant)", report["retrieval_ms"]["p50"], "<= 1.5"),
+    ]
     if "p50_ms" in floors.get("haproxy", {}) and "p50_ms" in floors.get("python", {}):
-        targets.append(target("ingress floor: high-throughput mode / default proxy (same app, same run)",
-                              floors["haproxy"]["p50_ms"] / floors["python"]["p50_ms"], "<= 0.4"))
+        targets.append(
+            target(
+                "ingress floor: high-throughput mode / default proxy (same app, same run)",
+                floors["haproxy"]["p50_ms"] / floors["python"]["p50_ms"],
+                "<= 0.4",
+            )
+        )
     report["targets"] = targets
     write_report(out, report)
 
@@ -375,7 +537,9 @@ def arena_warnings() -> list[str]:
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())  # no public API names the session's logs
     found = []
     for path in logs.rglob("*.err"):
-        found += [line.strip()[-300:] for line in path.read_text(errors="replace").splitlines() if "device arena" in line]
+        found += [
+            line.strip()[-300:] for line in path.read_text(errors="replace").splitlines() if "device arena" in line
+        ]
     return found[-5:]
 
 

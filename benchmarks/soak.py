@@ -38,8 +38,17 @@ def ray_rss_bytes() -> int:
     return total
 
 
-def soak(base: str, admin_key: str, redis_url: str, *, minutes: float, tenants: int, users: int, window_s: float,
-         prefix: str = "soak") -> list[dict]:
+def soak(
+    base: str,
+    admin_key: str,
+    redis_url: str,
+    *,
+    minutes: float,
+    tenants: int,
+    users: int,
+    window_s: float,
+    prefix: str = "soak",
+) -> list[dict]:
     """Drive chats (90 %) and memory writes (10 %) from `users` threads over `tenants` tenants of a running
     cluster for `minutes`; return one sample per window."""
     from tenants.redis_meta import RedisMeta
@@ -60,11 +69,20 @@ def soak(base: str, admin_key: str, redis_url: str, *, minutes: float, tenants: 
             auth = {"Authorization": f"Bearer {key}"}
             started = time.monotonic()
             if rng.random() < 0.1:
-                answer = session.post(f"{base}/v1/memories", json={"facts": [f"Note {rng.randrange(10**9)} was taken."]}, headers=auth, timeout=300)
+                answer = session.post(
+                    f"{base}/v1/memories",
+                    json={"facts": [f"Note {rng.randrange(10**9)} was taken."]},
+                    headers=auth,
+                    timeout=300,
+                )
                 ttft = None
             else:
-                body = {"model": MODEL, "messages": [{"role": "user", "content": f"What is in box {rng.randrange(30)}?"}],
-                        "max_tokens": 8, "memory": {"k": 4, "mode": "inject"}}
+                body = {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": f"What is in box {rng.randrange(30)}?"}],
+                    "max_tokens": 8,
+                    "memory": {"k": 4, "mode": "inject"},
+                }
                 answer = session.post(f"{base}/v1/chat/completions", json=body, headers=auth, timeout=300)
                 ttft = answer.json()["usage"]["ttft_ms"] if answer.status_code == 200 else None
             with lock:
@@ -79,10 +97,16 @@ def soak(base: str, admin_key: str, redis_url: str, *, minutes: float, tenants: 
             with lock:
                 recent = [e for e in events if e[0] >= now - window_s]
             ttfts = sorted(e[2] for e in recent if e[2] is not None)
-            windows.append({"t_s": round(now - began, 1), "requests": len(recent), "errors": sum(e[1] != 200 for e in recent),
-                            "p99_ttft_ms": ttfts[int(0.99 * (len(ttfts) - 1))] if ttfts else None,
-                            "ray_rss_mb": ray_rss_bytes() / 2**20,
-                            "redis_used_mb": int(meta.info_memory()["used_memory"]) / 2**20})
+            windows.append(
+                {
+                    "t_s": round(now - began, 1),
+                    "requests": len(recent),
+                    "errors": sum(e[1] != 200 for e in recent),
+                    "p99_ttft_ms": ttfts[int(0.99 * (len(ttfts) - 1))] if ttfts else None,
+                    "ray_rss_mb": ray_rss_bytes() / 2**20,
+                    "redis_used_mb": int(meta.info_memory()["used_memory"]) / 2**20,
+                }
+            )
         for future in futures:
             future.result()
     meta.close()
@@ -105,12 +129,21 @@ def main() -> None:
     redis.stop()
     first, last = windows[min(1, len(windows) - 1)], windows[-1]  # the first window warms up
     errors = sum(w["errors"] for w in windows)
-    report = {"minutes": minutes, "tenants": tenants, "users": users, "windows": windows,
-              "requests": sum(w["requests"] for w in windows),
-              "targets": [target("errors", errors, "<= 0"),
-                          target("Ray RSS, last / first window", last["ray_rss_mb"] / first["ray_rss_mb"], "<= 1.1"),
-                          target("p99 TTFT, last / first window", (last["p99_ttft_ms"] or 0) / (first["p99_ttft_ms"] or 1), "<= 1.5")]}
-    print(f"median p99 TTFT {statistics.median(w['p99_ttft_ms'] for w in windows if w['p99_ttft_ms']):.0f} ms", flush=True)
+    report = {
+        "minutes": minutes,
+        "tenants": tenants,
+        "users": users,
+        "windows": windows,
+        "requests": sum(w["requests"] for w in windows),
+        "targets": [
+            target("errors", errors, "<= 0"),
+            target("Ray RSS, last / first window", last["ray_rss_mb"] / first["ray_rss_mb"], "<= 1.1"),
+            target("p99 TTFT, last / first window", (last["p99_ttft_ms"] or 0) / (first["p99_ttft_ms"] or 1), "<= 1.5"),
+        ],
+    }
+    print(
+        f"median p99 TTFT {statistics.median(w['p99_ttft_ms'] for w in windows if w['p99_ttft_ms']):.0f} ms", flush=True
+    )
     write_report(args.out, report)
 
 

@@ -66,8 +66,9 @@ def main() -> None:
     try:
         meta = RedisMeta(server.url)
         embedder = MiniLMEmbedder(batch_size=128)
-        service = TenantService(meta, LocalFactStore(folder / "records"), embedder,
-                                TenantIndexes(meta, embedder.dim, folder / "indexes"))
+        service = TenantService(
+            meta, LocalFactStore(folder / "records"), embedder, TenantIndexes(meta, embedder.dim, folder / "indexes")
+        )
         admin = service.ensure_admin_key()
         start = time.perf_counter()
         big_key = service.create_tenant(admin, "big")[1]
@@ -84,16 +85,33 @@ def main() -> None:
     finally:
         server.stop()
     for label, result in (("1 tenant", one), (f"{many} tenants", spread)):
-        print(label, {k: round(v["p50"], 2) for k, v in result.items()}, "p99", {k: round(v["p99"], 2) for k, v in result.items()})
+        print(
+            label,
+            {k: round(v["p50"], 2) for k, v in result.items()},
+            "p99",
+            {k: round(v["p99"], 2) for k, v in result.items()},
+        )
     targets = [
         target("search_k50_p99_ms_one_tenant", one["search_k50"]["p99"], "<= 50"),
         target("insert_p99_ms_one_tenant", one["insert"]["p99"], "<= 50"),
         target("delete_p99_ms_one_tenant", one["delete"]["p99"], "<= 10"),
         target("search_p50_many_over_one_tenant", spread["search_k50"]["p50"] / one["search_k50"]["p50"], "<= 1.5"),
     ]
-    write_report(args.out, {"benchmark": "store_ops", "quick": args.quick, "facts_one_tenant": big,
-                            "tenants": many, "facts_each": each, "samples": samples, "load_s": load_s,
-                            "one_tenant": one, "many_tenants": spread, "targets": targets})
+    write_report(
+        args.out,
+        {
+            "benchmark": "store_ops",
+            "quick": args.quick,
+            "facts_one_tenant": big,
+            "tenants": many,
+            "facts_each": each,
+            "samples": samples,
+            "load_s": load_s,
+            "one_tenant": one,
+            "many_tenants": spread,
+            "targets": targets,
+        },
+    )
 
 
 if __name__ == "__main__":

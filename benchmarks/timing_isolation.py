@@ -60,43 +60,62 @@ class Api:
 
     def tenant(self, tenant_id: str) -> str:
         self.http.delete(f"{self.base}/v1/tenants/{tenant_id}", headers=self._auth(self.admin_key), timeout=60)
-        made = self.http.post(f"{self.base}/v1/tenants", json={"id": tenant_id, "window": 0}, headers=self._auth(self.admin_key), timeout=60)
+        made = self.http.post(
+            f"{self.base}/v1/tenants",
+            json={"id": tenant_id, "window": 0},
+            headers=self._auth(self.admin_key),
+            timeout=60,
+        )
         made.raise_for_status()
         return made.json()["api_key"]
 
     def chat(self, who: Who, text: str, mode: str, k: int = 0) -> float:
         """Engine TTFT (ms) of a one-token answer."""
-        body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0,
-                "memory": {"k": k, "mode": mode}} | ({"user": who.user} if who.user else {})
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 1,
+            "temperature": 0,
+            "memory": {"k": k, "mode": mode},
+        } | ({"user": who.user} if who.user else {})
         answer = self.http.post(f"{self.base}/v1/chat/completions", json=body, headers=self._auth(who.key), timeout=300)
         answer.raise_for_status()
         return answer.json()["usage"]["engine_ttft_ms"]
 
     def remember(self, who: Who, facts: list[str], timeout_s: float = 120) -> None:
-        added = self.http.post(f"{self.base}/v1/memories", json={"facts": facts, **who.scope()}, headers=self._auth(who.key),
-                               timeout=120)
+        added = self.http.post(
+            f"{self.base}/v1/memories", json={"facts": facts, **who.scope()}, headers=self._auth(who.key), timeout=120
+        )
         added.raise_for_status()
         ids = [r["id"] for r in added.json()["results"]]
         deadline = time.monotonic() + timeout_s
-        while not all(self.http.get(f"{self.base}/v1/memories/{i}", params=who.scope(), headers=self._auth(who.key),
-                                    timeout=60).json()["kv_ready"] for i in ids):
+        while not all(
+            self.http.get(
+                f"{self.base}/v1/memories/{i}", params=who.scope(), headers=self._auth(who.key), timeout=60
+            ).json()["kv_ready"]
+            for i in ids
+        ):
             if time.monotonic() > deadline:
                 raise RuntimeError("facts were not encoded in time")
             time.sleep(0.2)
 
     def forget_all(self, who: Who) -> None:
-        listed = self.http.get(f"{self.base}/v1/memories", params={"limit": 1000, **who.scope()}, headers=self._auth(who.key),
-                               timeout=60).json()["results"]
+        listed = self.http.get(
+            f"{self.base}/v1/memories", params={"limit": 1000, **who.scope()}, headers=self._auth(who.key), timeout=60
+        ).json()["results"]
         for fact in listed:
-            self.http.delete(f"{self.base}/v1/memories/{fact['id']}", params=who.scope(), headers=self._auth(who.key),
-                             timeout=60)
+            self.http.delete(
+                f"{self.base}/v1/memories/{fact['id']}", params=who.scope(), headers=self._auth(who.key), timeout=60
+            )
 
     @staticmethod
     def _auth(key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
 
 
-def prefix_probes(api: Api, victim: Who, attacker: Who, probes: int, rng: random.Random) -> tuple[list[float], list[float]]:
+def prefix_probes(
+    api: Api, victim: Who, attacker: Who, probes: int, rng: random.Random
+) -> tuple[list[float], list[float]]:
     """Attacker TTFTs after the victim sent the same secret chat (has) or another one (not), interleaved."""
     has, not_ = [], []
     for i in range(2 * probes):
@@ -106,7 +125,9 @@ def prefix_probes(api: Api, victim: Who, attacker: Who, probes: int, rng: random
     return has, not_
 
 
-def injection_probes(api: Api, victim: Who, attacker: Who, probes: int, rng: random.Random) -> tuple[list[float], list[float]]:
+def injection_probes(
+    api: Api, victim: Who, attacker: Who, probes: int, rng: random.Random
+) -> tuple[list[float], list[float]]:
     """Attacker TTFTs with the secret as its own injected fact, when the victim holds (and just used) it or not."""
     has, not_ = [], []
     for i in range(2 * probes):
@@ -136,9 +157,12 @@ def run(api: Api, probes: int, injection_probes_count: int, seed: int = 0, acros
     prefix = prefix_probes(api, victim, attacker, probes, rng)
     control = prefix_probes(api, attacker, attacker, max(10, probes // 4), rng)  # a cache it does share: detectable
     injection = injection_probes(api, victim, attacker, injection_probes_count, rng)
-    return {"across": across, "probes": {"prefix": probes, "injection": injection_probes_count},
-            "auc": {"prefix_cache": auc(*prefix), "fact_injection": auc(*injection), "control_own_cache": auc(*control)},
-            "ttft_ms": {"prefix": prefix, "injection": injection, "control": control}}
+    return {
+        "across": across,
+        "probes": {"prefix": probes, "injection": injection_probes_count},
+        "auc": {"prefix_cache": auc(*prefix), "fact_injection": auc(*injection), "control_own_cache": auc(*control)},
+        "ttft_ms": {"prefix": prefix, "injection": injection, "control": control},
+    }
 
 
 def main() -> None:
@@ -151,11 +175,18 @@ def main() -> None:
 
     with cluster_for(args.base_url, args.admin_key, "timing") as (base, admin):
         runs = {across: run(Api(base, admin), probes, injected, across=across) for across in ("tenants", "scopes")}
-    report = {"runs": runs, "targets": [
-        t for across, r in runs.items() for t in (
-            target(f"AUC, prefix-cache probe across {across}", r["auc"]["prefix_cache"], "<= 0.6"),
-            target(f"AUC, fact-injection probe across {across}", r["auc"]["fact_injection"], "<= 0.6"),
-            target(f"AUC, control: the attacker's own cache ({across})", r["auc"]["control_own_cache"], ">= 0.9"))]}
+    report = {
+        "runs": runs,
+        "targets": [
+            t
+            for across, r in runs.items()
+            for t in (
+                target(f"AUC, prefix-cache probe across {across}", r["auc"]["prefix_cache"], "<= 0.6"),
+                target(f"AUC, fact-injection probe across {across}", r["auc"]["fact_injection"], "<= 0.6"),
+                target(f"AUC, control: the attacker's own cache ({across})", r["auc"]["control_own_cache"], ">= 0.9"),
+            )
+        ],
+    }
     write_report(args.out, report)
 
 

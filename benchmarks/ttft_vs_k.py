@@ -48,7 +48,9 @@ def model_source(args) -> tuple[str, dict, str, dict]:
     return str(loaded.path), loaded.model.config.to_dict(), loaded.spec.fingerprint, {}
 
 
-def fill_store(store: LocalFactStore, config: dict, fingerprint: str, dtype: torch.dtype, pool: int) -> dict[str, list[int]]:
+def fill_store(
+    store: LocalFactStore, config: dict, fingerprint: str, dtype: torch.dtype, pool: int
+) -> dict[str, list[int]]:
     """A prefix record and `pool` fact records of random tokens and random K/V."""
     rope = RopeConfig.from_hf_config(config)
     layers, heads = config["num_hidden_layers"], config.get("num_key_value_heads") or config["num_attention_heads"]
@@ -94,8 +96,9 @@ def main() -> None:
         engine_kwargs.update(gpu_memory_utilization=0.6)
     else:
         engine_kwargs.update(enforce_eager=True, kv_cache_memory_bytes=1 << 30)
-    connector = ConnectorConfig(store_root=store.root, fingerprint=fingerprint, device_cache_bytes=4 << 30,
-                                fused_kernel=not args.torch_path)
+    connector = ConnectorConfig(
+        store_root=store.root, fingerprint=fingerprint, device_cache_bytes=4 << 30, fused_kernel=not args.torch_path
+    )
     llm = build_llm(path, connector, dtype=args.dtype, max_model_len=4096, seed=0, **engine_kwargs)
     rng = random.Random(1)
     fact_ids = [f for f in tokens if f != "prefix"]
@@ -113,8 +116,12 @@ def main() -> None:
     def once(k: int, variant: str, fixed: list[str]) -> tuple[float, bool]:
         """One request's TTFT, and whether an injection fell back."""
         inject = variant.startswith("inject")
-        prompt, params = request(k, inject, chosen=fixed if variant == "paste_prefix_cached" else None,
-                                 recompute=args.recompute if variant == "inject_recompute" else 0)
+        prompt, params = request(
+            k,
+            inject,
+            chosen=fixed if variant == "paste_prefix_cached" else None,
+            recompute=args.recompute if variant == "inject_recompute" else 0,
+        )
         start = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         elapsed = time.perf_counter() - start
@@ -125,8 +132,9 @@ def main() -> None:
     for first in range(0, len(fact_ids), 50):
         chunk = fact_ids[first : first + 50]
         prompt_ids = tokens["prefix"] + [t for f in chunk for t in tokens[f]] + [101] * QUERY_TOKENS
-        prompt, params = memory_request(prompt_ids, MemoryPlan(TENANT, ("prefix", *chunk), version),
-                                        SamplingParams(max_tokens=1, detokenize=False))
+        prompt, params = memory_request(
+            prompt_ids, MemoryPlan(TENANT, ("prefix", *chunk), version), SamplingParams(max_tokens=1, detokenize=False)
+        )
         llm.generate([prompt], params, use_tqdm=False)
 
     # round robin over every (k, variant), so drifts of the machine hit all of them alike
@@ -144,10 +152,21 @@ def main() -> None:
     rows = []
     for k in ks:
         inj, recomputed, paste, cached = (statistics.median(times[k, v]) * 1e3 for v in variants)
-        rows.append({"k": k, "ttft_inject_ms": inj, "ttft_inject_recompute_ms": recomputed, "ttft_paste_ms": paste,
-                     "ttft_paste_prefix_cached_ms": cached, "inject_fallbacks": fallbacks[k]})
-        print(f"k={k:>2}: inject {inj:7.1f} ms   recompute {args.recompute} {recomputed:7.1f} ms   paste {paste:7.1f} ms   "
-              f"paste, prefix-cached {cached:7.1f} ms   fallbacks {fallbacks[k]}", flush=True)
+        rows.append(
+            {
+                "k": k,
+                "ttft_inject_ms": inj,
+                "ttft_inject_recompute_ms": recomputed,
+                "ttft_paste_ms": paste,
+                "ttft_paste_prefix_cached_ms": cached,
+                "inject_fallbacks": fallbacks[k],
+            }
+        )
+        print(
+            f"k={k:>2}: inject {inj:7.1f} ms   recompute {args.recompute} {recomputed:7.1f} ms   paste {paste:7.1f} ms   "
+            f"paste, prefix-cached {cached:7.1f} ms   fallbacks {fallbacks[k]}",
+            flush=True,
+        )
 
     labels = ("inject", "inject_recompute", "paste", "paste_prefix_cached", "paste_shared_prefix")
     rates: dict[str, list[float]] = {label: [] for label in labels}
@@ -155,12 +174,23 @@ def main() -> None:
     llm.generate(*request(k_concurrent, False, chosen=shared), use_tqdm=False)  # the shared facts in the prefix cache
     for _ in range(batches):  # interleaved batches, the median rate of each
         for label in labels:
-            sets = [shared if label == "paste_shared_prefix" else rng.sample(fact_ids, k_concurrent) for _ in range(concurrent)]
+            sets = [
+                shared if label == "paste_shared_prefix" else rng.sample(fact_ids, k_concurrent)
+                for _ in range(concurrent)
+            ]
             if label == "paste_prefix_cached":  # untimed: each request's own facts enter the prefix cache
                 warm = [request(k_concurrent, False, chosen=chosen) for chosen in sets]
                 llm.generate([w[0] for w in warm], [w[1] for w in warm], use_tqdm=False)
-            batch = [request(k_concurrent, label.startswith("inject"), out_tokens=16, chosen=chosen,
-                             recompute=args.recompute if label == "inject_recompute" else 0) for chosen in sets]
+            batch = [
+                request(
+                    k_concurrent,
+                    label.startswith("inject"),
+                    out_tokens=16,
+                    chosen=chosen,
+                    recompute=args.recompute if label == "inject_recompute" else 0,
+                )
+                for chosen in sets
+            ]
             with sampled(f"concurrent-{label}"):
                 start = time.perf_counter()
                 llm.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False)
@@ -171,18 +201,50 @@ def main() -> None:
 
     base, top = rows[0], rows[-1]
     targets = [
-        target(f"ttft_inject_k{top['k']}_over_k0", top["ttft_inject_ms"] / base["ttft_inject_ms"], "<= 1.05" if gpu else "<= 1.2"),
-        target(f"throughput_inject_over_paste_k{k_concurrent}", throughput["inject"] / throughput["paste"], ">= 10" if gpu else ">= 3"),
-        target(f"throughput_inject_over_prefix_cached_k{k_concurrent}", throughput["inject"] / throughput["paste_prefix_cached"], ">= 0.9"),
+        target(
+            f"ttft_inject_k{top['k']}_over_k0",
+            top["ttft_inject_ms"] / base["ttft_inject_ms"],
+            "<= 1.05" if gpu else "<= 1.2",
+        ),
+        target(
+            f"throughput_inject_over_paste_k{k_concurrent}",
+            throughput["inject"] / throughput["paste"],
+            ">= 10" if gpu else ">= 3",
+        ),
+        target(
+            f"throughput_inject_over_prefix_cached_k{k_concurrent}",
+            throughput["inject"] / throughput["paste_prefix_cached"],
+            ">= 0.9",
+        ),
         # the answer-quality issue's cost bound: recomputing m facts may cost at most a quarter of injection's TTFT
-        target(f"ttft_recompute{args.recompute}_over_inject_k{top['k']}", top["ttft_inject_recompute_ms"] / top["ttft_inject_ms"], "<= 1.25"),
+        target(
+            f"ttft_recompute{args.recompute}_over_inject_k{top['k']}",
+            top["ttft_inject_recompute_ms"] / top["ttft_inject_ms"],
+            "<= 1.25",
+        ),
         target("inject_fallbacks", float(sum(r["inject_fallbacks"] for r in rows)), "<= 0"),
     ]
-    write_report(args.out, {"benchmark": "ttft_vs_k", "quick": args.quick, "gpu": gpu, "dtype": args.dtype,
-                            "model": args.config and str(args.config) or path, "fused_kernel_allowed": not args.torch_path, "recompute": args.recompute, "rows": rows,
-                            "concurrent": {"requests": concurrent, "k": k_concurrent, "batches": batches,
-                                           "req_per_s": throughput, "req_per_s_each": rates},
-                            "targets": targets})
+    write_report(
+        args.out,
+        {
+            "benchmark": "ttft_vs_k",
+            "quick": args.quick,
+            "gpu": gpu,
+            "dtype": args.dtype,
+            "model": args.config and str(args.config) or path,
+            "fused_kernel_allowed": not args.torch_path,
+            "recompute": args.recompute,
+            "rows": rows,
+            "concurrent": {
+                "requests": concurrent,
+                "k": k_concurrent,
+                "batches": batches,
+                "req_per_s": throughput,
+                "req_per_s_each": rates,
+            },
+            "targets": targets,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-
 from pathlib import Path
 
 from config import load_settings
@@ -17,7 +16,9 @@ log = logging.getLogger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inferscale", description="Multi-tenant LLM serving with memory injected as KV.")
+    parser = argparse.ArgumentParser(
+        prog="inferscale", description="Multi-tenant LLM serving with memory injected as KV."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="encode a built-in conversation's facts and answer questions both ways")
     demo.add_argument("--window", type=int, default=None, help="context window in turns (default: settings)")
@@ -28,16 +29,28 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("down", help="stop what `inferscale up` started")
     serve = sub.add_parser("serve", help="deploy a Serve config YAML onto the Ray cluster at RAY_ADDRESS")
     serve.add_argument("--config", required=True, type=Path)
-    encode = sub.add_parser("encode", help="encode a tenant's facts (explicit, or extracted from a conversation) on Ray")
+    encode = sub.add_parser(
+        "encode", help="encode a tenant's facts (explicit, or extracted from a conversation) on Ray"
+    )
     encode.add_argument("--tenant", required=True)
     encode.add_argument("--input", required=True, type=Path, help="JSON: turns + facts, or a LoCoMo conversation")
     encode.add_argument("--window", type=int, default=None, help="context window in turns (default: the tenant's)")
-    encode.add_argument("--neighbours", type=int, default=None,
-                        help="nearest facts each fact is encoded behind, after its window (default: the tenant's)")
-    encode.add_argument("--workers", type=int, default=1, help="encoding actors (on a GPU, encoding.actors_per_gpu of them share one)")
+    encode.add_argument(
+        "--neighbours",
+        type=int,
+        default=None,
+        help="nearest facts each fact is encoded behind, after its window (default: the tenant's)",
+    )
+    encode.add_argument(
+        "--workers", type=int, default=1, help="encoding actors (on a GPU, encoding.actors_per_gpu of them share one)"
+    )
     encode.add_argument("--batch-size", type=int, default=16, help="facts per actor call")
-    encode.add_argument("--submit", metavar="DASHBOARD_URL", default=None,
-                        help="submit through the Ray Jobs API of an existing cluster instead of running here")
+    encode.add_argument(
+        "--submit",
+        metavar="DASHBOARD_URL",
+        default=None,
+        help="submit through the Ray Jobs API of an existing cluster instead of running here",
+    )
     jobs = sub.add_parser("job", help="status or stop of a submitted encoding job")
     jobs.add_argument("action", choices=["status", "stop"])
     jobs.add_argument("job_id")

@@ -40,6 +40,7 @@ FACTS = (
 )
 QUESTIONS = ("What is the name of Maya's cat?", "Where does Maya work?", "Which race is Maya training for?")
 
+
 def run_demo(settings: Settings, *, max_new_tokens: int, out: TextIO) -> None:
     """Load the model, encode the facts once, then answer each question by both routes."""
     loaded = load_model(settings.model)
@@ -50,12 +51,22 @@ def run_demo(settings: Settings, *, max_new_tokens: int, out: TextIO) -> None:
     limits = FactLimits(settings.encoding.max_fact_chars, settings.encoding.max_fact_tokens)
 
     started = time.perf_counter()
-    jobs = plan_fact_jobs(CONVERSATION, FACTS, window=window, prefix_ids=frame.prefix_ids, tokenizer=TokenizerEncoder(tokenizer), limits=limits)
+    jobs = plan_fact_jobs(
+        CONVERSATION,
+        FACTS,
+        window=window,
+        prefix_ids=frame.prefix_ids,
+        tokenizer=TokenizerEncoder(tokenizer),
+        limits=limits,
+    )
     jobs.append(EncodingJob("system-prefix", (), frame.prefix_ids))
     records = encode_jobs(jobs, forward, loaded.spec, tenant_id=TENANT, window=window, dtype=loaded.dtype)
     prefix, facts = records[-1], records[:-1]
-    print(f"model {loaded.path.name} ({loaded.spec.fingerprint}), {len(facts)} facts encoded with window w={window} "
-          f"in {time.perf_counter() - started:.2f}s", file=out)
+    print(
+        f"model {loaded.path.name} ({loaded.spec.fingerprint}), {len(facts)} facts encoded with window w={window} "
+        f"in {time.perf_counter() - started:.2f}s",
+        file=out,
+    )
     memory = compose(facts, prefix)
 
     saved_total = 0

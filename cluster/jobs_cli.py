@@ -50,7 +50,9 @@ def _store(settings: Settings) -> Iterator[tuple[str, TenantService, str]]:
 def run_tenant_create(settings: Settings, args: argparse.Namespace) -> int:
     with _store(settings) as (_, service, admin):
         info, key = service.create_tenant(admin, args.name, window=args.window, neighbours=args.neighbours)
-    print(json.dumps({"tenant": info["id"], "api_key": key, "window": info["window"], "neighbours": info["neighbours"]}))
+    print(
+        json.dumps({"tenant": info["id"], "api_key": key, "window": info["window"], "neighbours": info["neighbours"]})
+    )
     return 0
 
 
@@ -59,8 +61,18 @@ def run_encode(settings: Settings, args: argparse.Namespace) -> int:
     if args.submit:
         return _submit(args)
     with _store(settings) as (url, _, admin):
-        report = run_job(settings, redis_url=url, key=admin, tenant_id=args.tenant, input_path=args.input,
-                         window=args.window, neighbours=args.neighbours, workers=args.workers, batch_size=args.batch_size, progress=_progress)
+        report = run_job(
+            settings,
+            redis_url=url,
+            key=admin,
+            tenant_id=args.tenant,
+            input_path=args.input,
+            window=args.window,
+            neighbours=args.neighbours,
+            workers=args.workers,
+            batch_size=args.batch_size,
+            progress=_progress,
+        )
     print(file=sys.stderr)
     print(json.dumps(report.to_dict()))
     return 0 if report.failed == 0 else 1
@@ -70,8 +82,13 @@ def _progress(report: JobReport) -> None:
     done = report.encoded + report.skipped + report.failed
     width = 30
     filled = int(width * done / report.total) if report.total else width
-    print(f"\rencoding [{'#' * filled}{'.' * (width - filled)}] {done}/{report.total} "
-          f"(encoded {report.encoded}, skipped {report.skipped}, failed {report.failed})", end="", file=sys.stderr, flush=True)
+    print(
+        f"\rencoding [{'#' * filled}{'.' * (width - filled)}] {done}/{report.total} "
+        f"(encoded {report.encoded}, skipped {report.skipped}, failed {report.failed})",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -80,8 +97,18 @@ def _submit(args: argparse.Namespace) -> int:
 
     folder = Path(tempfile.mkdtemp(prefix="inferscale-job-"))
     shutil.copy(args.input, folder / "input.json")
-    command = ["inferscale", "encode", "--tenant", args.tenant, "--input", "input.json",
-               "--workers", str(args.workers), "--batch-size", str(args.batch_size)]
+    command = [
+        "inferscale",
+        "encode",
+        "--tenant",
+        args.tenant,
+        "--input",
+        "input.json",
+        "--workers",
+        str(args.workers),
+        "--batch-size",
+        str(args.batch_size),
+    ]
     for flag, value in (("--window", args.window), ("--neighbours", args.neighbours)):
         if value is not None:
             command += [flag, str(value)]
@@ -91,7 +118,9 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         while True:  # a head that just started has no job agent for a few seconds
             try:
-                job_id = client.submit_job(entrypoint=" ".join(command), runtime_env={"working_dir": str(folder), "env_vars": env})
+                job_id = client.submit_job(
+                    entrypoint=" ".join(command), runtime_env={"working_dir": str(folder), "env_vars": env}
+                )
                 break
             except RuntimeError as exc:
                 if "No available agent" not in str(exc) or time.monotonic() > deadline:

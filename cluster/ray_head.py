@@ -22,7 +22,6 @@ log = logging.getLogger(__name__)
 LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-
 @dataclass
 class RayHead:
     temp_dir: str
@@ -38,23 +37,44 @@ class RayHead:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     @classmethod
-    def start(cls, num_cpus: int, num_gpus: int | None = None, timeout_s: float = 180,
-              env: dict[str, str] | None = None, temp_dir: str | None = None) -> "RayHead":
+    def start(
+        cls,
+        num_cpus: int,
+        num_gpus: int | None = None,
+        timeout_s: float = 180,
+        env: dict[str, str] | None = None,
+        temp_dir: str | None = None,
+    ) -> "RayHead":
         """`env`: the environment of the head (and so of job drivers); this process's by default. `temp_dir`: the
         head's folder (short: unix sockets live there), made here when not given; `stop` removes it."""
         ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
         if ray is None:
             raise FileNotFoundError("the `ray` command is missing: pip install 'ray[serve]'")
         head = cls(temp_dir or tempfile.mkdtemp(prefix="ray-", dir="/tmp"), free_port(), free_port())
-        args = [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={head.port}",
-                "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={head.dashboard_port}",
-                f"--num-cpus={num_cpus}", f"--temp-dir={head.temp_dir}",
-                f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-                f"--ray-client-server-port={free_port()}"]
+        args = [
+            ray,
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={head.port}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={head.dashboard_port}",
+            f"--num-cpus={num_cpus}",
+            f"--temp-dir={head.temp_dir}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+        ]
         if num_gpus is not None:
             args.append(f"--num-gpus={num_gpus}")
-        env = {**(env if env is not None else os.environ), **LOOPBACK_ENV, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
+        env = {
+            **(env if env is not None else os.environ),
+            **LOOPBACK_ENV,
+            "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}",
+        }
         done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
             head.stop()
@@ -69,8 +89,9 @@ class RayHead:
         for proc in psutil.process_iter(["cmdline"]):
             try:
                 cmdline = proc.info["cmdline"] or []
-                if proc.pid != os.getpid() and (any(self.temp_dir in part for part in cmdline)
-                                                or f"--address={self.address}" in cmdline):
+                if proc.pid != os.getpid() and (
+                    any(self.temp_dir in part for part in cmdline) or f"--address={self.address}" in cmdline
+                ):
                     ours += [proc, *proc.children(recursive=True)]
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue

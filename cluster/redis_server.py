@@ -38,13 +38,35 @@ class LocalRedis:
     def start(self, timeout_s: float = 10.0) -> "LocalRedis":
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RedisServerError("redis-server is not installed (apt-get install -y redis-server), "
-                                   "or set INFERSCALE_REDIS__URL to an existing server")
+            raise RedisServerError(
+                "redis-server is not installed (apt-get install -y redis-server), "
+                "or set INFERSCALE_REDIS__URL to an existing server"
+            )
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
-                "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "",
-                "--protected-mode", "yes", "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log")]
-        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        args = [
+            binary,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
+        ]
+        self._process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -74,7 +96,6 @@ class LocalRedis:
                 self._process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill()
-
 
 
 def _answers(port: int) -> bool:

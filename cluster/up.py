@@ -43,7 +43,9 @@ def run_up(settings: Settings, *, port: int, out: TextIO, deploy: Deploy | None 
     """
     state_file = settings.state_dir / "up.json"
     if state_file.exists():
-        print(f"inferscale: error: a cluster is already up ({state_file}); run `inferscale down` first", file=sys.stderr)
+        print(
+            f"inferscale: error: a cluster is already up ({state_file}); run `inferscale down` first", file=sys.stderr
+        )
         return 2
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     admin_key, source = _admin_key(settings)
@@ -61,13 +63,14 @@ def run_up(settings: Settings, *, port: int, out: TextIO, deploy: Deploy | None 
         redis_url = settings.redis.url or redis.url
         head_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: HAProxy's sockets live below it too
         apply_serve_env(settings.serve.proxy, Path(head_dir) / "serve")  # the head and its workers read it at start
-        head = RayHead.start(num_cpus=max(8, os.cpu_count() or 2), num_gpus=torch.cuda.device_count() or None,
-                             temp_dir=head_dir)
-        state = {"ray": head.to_dict(), "redis_pid": redis.pid if redis else None, "redis_url": redis_url,
-                 "port": port}
+        head = RayHead.start(
+            num_cpus=max(8, os.cpu_count() or 2), num_gpus=torch.cuda.device_count() or None, temp_dir=head_dir
+        )
+        state = {"ray": head.to_dict(), "redis_pid": redis.pid if redis else None, "redis_url": redis_url, "port": port}
         state_file.write_text(json.dumps(state))
-        (deploy or _deploy)(settings, head.address, port,
-                            _app_args(settings, redis_url, admin_key, torch.cuda.is_available()))
+        (deploy or _deploy)(
+            settings, head.address, port, _app_args(settings, redis_url, admin_key, torch.cuda.is_available())
+        )
         _demo(f"http://127.0.0.1:{port}", admin_key, out)
     except BaseException as exc:
         _report_failure(exc)
@@ -123,8 +126,12 @@ def _clean_up(state_file: Path, redis: LocalRedis | None, head: RayHead | None) 
     if redis is not None:
         redis.stop()
     state_file.unlink(missing_ok=True)
-    print(f"stopped what `inferscale up` started (the Ray head: {killed} processes"
-          f"{'; the local redis-server' if redis is not None else ''})", file=sys.stderr, flush=True)
+    print(
+        f"stopped what `inferscale up` started (the Ray head: {killed} processes"
+        f"{'; the local redis-server' if redis is not None else ''})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run_serve(settings: Settings, config_path: Path) -> int:
@@ -145,8 +152,10 @@ def run_serve(settings: Settings, config_path: Path) -> int:
 
     ray.init(address=address, logging_level=logging.WARNING, runtime_env={"env_vars": env})
     http = config.http_options
-    serve.start(http_options={"host": http.host or "127.0.0.1", "port": http.port or 8000},
-                controller_options={"runtime_env": {"env_vars": env}})
+    serve.start(
+        http_options={"host": http.host or "127.0.0.1", "port": http.port or 8000},
+        controller_options={"runtime_env": {"env_vars": env}},
+    )
     for app in config.applications:
         builder = import_attr(app.import_path)
         serve.run(builder(app.args or {}), name=app.name, route_prefix=app.route_prefix or "/")
@@ -158,14 +167,26 @@ def _app_args(settings: Settings, redis_url: str, admin_key: str, cuda: bool) ->
     env = {"VLLM_CACHE_ROOT": str(settings.state_dir / "vllm-cache")}
     if not cuda:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-    return {"redis_url": redis_url, "state_dir": str(settings.state_dir), "admin_key": admin_key,
-            "system_prompt": settings.system_prompt, "encoding_window": settings.encoding.window,
-            "settings": settings.model_dump(mode="json"), "ingress": {"default_recompute": settings.serve.recompute},
-            "llm": {"dtype": "bfloat16" if cuda else settings.model.dtype, "env": env,
-                    "tiers": {"disk_cache_dir": str(settings.state_dir / "tiers"), "host_cache_bytes": 1 << 30,
-                              "disk_cache_bytes": 8 << 30},
-                    # a tenth of the GPU stays free for encoding jobs' actors (Ray counts shares, not memory)
-                    "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.9} if cuda else {"num_cpus": 1}}}
+    return {
+        "redis_url": redis_url,
+        "state_dir": str(settings.state_dir),
+        "admin_key": admin_key,
+        "system_prompt": settings.system_prompt,
+        "encoding_window": settings.encoding.window,
+        "settings": settings.model_dump(mode="json"),
+        "ingress": {"default_recompute": settings.serve.recompute},
+        "llm": {
+            "dtype": "bfloat16" if cuda else settings.model.dtype,
+            "env": env,
+            "tiers": {
+                "disk_cache_dir": str(settings.state_dir / "tiers"),
+                "host_cache_bytes": 1 << 30,
+                "disk_cache_bytes": 8 << 30,
+            },
+            # a tenth of the GPU stays free for encoding jobs' actors (Ray counts shares, not memory)
+            "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.9} if cuda else {"num_cpus": 1},
+        },
+    }
 
 
 def _deploy(settings: Settings, address: str, port: int, args: dict[str, Any]) -> None:
@@ -203,7 +224,9 @@ def _demo(base: str, admin_key: str, out: TextIO) -> None:
     created.raise_for_status()
     key = created.json()["api_key"]
     auth = {"Authorization": f"Bearer {key}"}
-    requests.post(f"{base}/v1/memories", json={"facts": [f.text for f in FACTS]}, headers=auth, timeout=60).raise_for_status()
+    requests.post(
+        f"{base}/v1/memories", json={"facts": [f.text for f in FACTS]}, headers=auth, timeout=60
+    ).raise_for_status()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         memories = requests.get(f"{base}/v1/memories", headers=auth, timeout=30).json()["results"]
@@ -211,16 +234,26 @@ def _demo(base: str, admin_key: str, out: TextIO) -> None:
             break
         time.sleep(0.5)
     model = requests.get(f"{base}/v1/models", headers=auth, timeout=30).json()["data"][0]["id"]
-    print(f"inferscale is up at {base} (model {model}); demo tenant {DEMO_TENANT!r} holds {len(FACTS)} facts\n", file=out)
+    print(
+        f"inferscale is up at {base} (model {model}); demo tenant {DEMO_TENANT!r} holds {len(FACTS)} facts\n", file=out
+    )
     for mode in ("inject", "prompt"):
-        body = {"model": model, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 24,
-                "memory": {"k": len(FACTS), "mode": mode}}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": QUESTIONS[0]}],
+            "max_tokens": 24,
+            "memory": {"k": len(FACTS), "mode": mode},
+        }
         answer = requests.post(f"{base}/v1/chat/completions", json=body, headers=auth, timeout=120).json()
         usage = answer["usage"]
-        print(f"[{mode:6}] {QUESTIONS[0]} -> {' '.join(answer['choices'][0]['message']['content'].split())}\n"
-              f"         prompt {usage['prompt_tokens']} tokens: injected {usage['injected_tokens']}, "
-              f"prefilled {usage['prefilled_tokens']}; ttft {usage['ttft_ms']:.0f} ms", file=out)
-    print(f"""
+        print(
+            f"[{mode:6}] {QUESTIONS[0]} -> {' '.join(answer['choices'][0]['message']['content'].split())}\n"
+            f"         prompt {usage['prompt_tokens']} tokens: injected {usage['injected_tokens']}, "
+            f"prefilled {usage['prefilled_tokens']}; ttft {usage['ttft_ms']:.0f} ms",
+            file=out,
+        )
+    print(
+        f"""
 demo API key: {key}
 admin key:    kept in the state folder (admin.key), or INFERSCALE_ADMIN_KEY
 
@@ -231,7 +264,9 @@ python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='
 print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Where does Maya work?'}}], \\
 extra_body={{'memory': {{'k': 4}}}}).choices[0].message.content)"
 
-stop it with: inferscale down""", file=out)
+stop it with: inferscale down""",
+        file=out,
+    )
 
 
 def default_port() -> int:

@@ -38,11 +38,16 @@ class ConnectorConfig(Frozen):
     store_root: Path = Field(..., description="The LocalFactStore folder of records.")
     fingerprint: str = Field(..., min_length=1, description="Fingerprint of the served model; records must match.")
     on_load_failure: Literal["recompute", "fail"] = "recompute"
-    device_cache_bytes: int = Field(DEFAULT_DEVICE_CACHE_BYTES, ge=0, description="The worker's device arena of records.")
+    device_cache_bytes: int = Field(
+        DEFAULT_DEVICE_CACHE_BYTES, ge=0, description="The worker's device arena of records."
+    )
     device_tenant_bytes: int | None = Field(None, gt=0, description="One tenant's share of the arena (None: no cap).")
-    whole_load_bytes: int = Field(DEFAULT_WHOLE_LOAD_BYTES, ge=0,
-                                  description="Lower-tier loads up to this size come back whole before the forward; "
-                                              "larger ones layer by layer during it.")
+    whole_load_bytes: int = Field(
+        DEFAULT_WHOLE_LOAD_BYTES,
+        ge=0,
+        description="Lower-tier loads up to this size come back whole before the forward; "
+        "larger ones layer by layer during it.",
+    )
     fused_kernel: bool = Field(True, description="Triton writers on CUDA where the cache layout allows them.")
     tiers: TierConfig | None = None
     report_placement: bool = Field(False, description="Record where each fact's K/V is held in Redis.")
@@ -53,8 +58,9 @@ class ConnectorConfig(Frozen):
     def _no_password(cls, url: str | None) -> str | None:
         """vLLM may log its config: a password belongs in the settings tree (INFERSCALE_REDIS__URL), not here."""
         if url is not None and urlsplit(url).password:
-            raise ValueError("a Redis URL with a password cannot travel in the engine's config; "
-                             "set INFERSCALE_REDIS__URL instead")
+            raise ValueError(
+                "a Redis URL with a password cannot travel in the engine's config; set INFERSCALE_REDIS__URL instead"
+            )
         return url
 
     def to_extra(self) -> dict[str, Any]:

@@ -16,9 +16,13 @@ def _default_cache() -> Path:
 class ModelSettings(BaseModel):
     """Which model to load and where converted copies are kept."""
 
-    path: Path | None = Field(None, description="A local HF model directory; None means the bundled SmolLM2-135M-Instruct.")
+    path: Path | None = Field(
+        None, description="A local HF model directory; None means the bundled SmolLM2-135M-Instruct."
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights and K/V dtype on CPU.")
-    cache_dir: Path = Field(default_factory=lambda: _default_cache() / "models", description="Converted models live here.")
+    cache_dir: Path = Field(
+        default_factory=lambda: _default_cache() / "models", description="Converted models live here."
+    )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads; None leaves torch's default.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where transformers runs the model (encoding, demo).")
 
@@ -26,12 +30,19 @@ class ModelSettings(BaseModel):
 class EncodingSettings(BaseModel):
     """Context-window encoding of facts."""
 
-    window: int = Field(5, ge=0, description="Preceding conversation turns each fact is encoded behind (0: independent).")
+    window: int = Field(
+        5, ge=0, description="Preceding conversation turns each fact is encoded behind (0: independent)."
+    )
     max_fact_chars: int = Field(2000, ge=1, description="Longest fact text accepted.")
     max_fact_tokens: int = Field(256, ge=1, description="Longest fact in tokens.")
     max_batch_tokens: int = Field(16384, ge=256, description="Padded tokens per encoding batch.")
-    actors_per_gpu: int = Field(2, ge=1, le=8, description="Encoding actors sharing one GPU, so that one's store "
-                                "writes and embedding overlap another's forward passes.")
+    actors_per_gpu: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="Encoding actors sharing one GPU, so that one's store "
+        "writes and embedding overlap another's forward passes.",
+    )
 
 
 class RedisSettings(BaseModel):
@@ -39,7 +50,9 @@ class RedisSettings(BaseModel):
 
     url: str | None = Field(None, description="redis://host:port/db of an existing server; None starts a local one.")
     port: int = Field(0, ge=0, le=65535, description="Port of the local server; 0 picks a free private port.")
-    appendfsync: Literal["always", "everysec", "no"] = Field("everysec", description="AOF fsync policy of the local server.")
+    appendfsync: Literal["always", "everysec", "no"] = Field(
+        "everysec", description="AOF fsync policy of the local server."
+    )
 
 
 class TenantSettings(BaseModel):
@@ -55,11 +68,17 @@ class ServeSettings(BaseModel):
     """How Ray Serve carries requests (read by whatever starts Ray: `inferscale up`, tests, benchmarks)."""
 
     proxy: Literal["haproxy", "python"] = Field(
-        "haproxy", description="haproxy: Ray Serve's high-throughput mode (HAProxy ingress, direct ingress, gRPC "
-                               "between replicas); python: Ray Serve's default Python proxy.")
-    recompute: int = Field(1, ge=0, description="Of the facts a chat injects, the best-scored this many are prefilled "
-                                                "after the others instead (selective recomputation) when neither the "
-                                                "chat nor its tenant says; chosen on the quality dev set (docs/quality.md).")
+        "haproxy",
+        description="haproxy: Ray Serve's high-throughput mode (HAProxy ingress, direct ingress, gRPC "
+        "between replicas); python: Ray Serve's default Python proxy.",
+    )
+    recompute: int = Field(
+        1,
+        ge=0,
+        description="Of the facts a chat injects, the best-scored this many are prefilled "
+        "after the others instead (selective recomputation) when neither the "
+        "chat nor its tenant says; chosen on the quality dev set (docs/quality.md).",
+    )
 
 
 class Settings(BaseSettings):
@@ -72,14 +91,18 @@ class Settings(BaseSettings):
     redis: RedisSettings = Field(default_factory=RedisSettings)
     tenants: TenantSettings = Field(default_factory=TenantSettings)
     serve: ServeSettings = Field(default_factory=ServeSettings)
-    state_dir: Path = Field(default_factory=lambda: Path.home() / ".local" / "share" / "inferscale",
-                            description="Records, indexes and the local redis-server's data live here.")
+    state_dir: Path = Field(
+        default_factory=lambda: Path.home() / ".local" / "share" / "inferscale",
+        description="Records, indexes and the local redis-server's data live here.",
+    )
     system_prompt: str = Field(
         "Remembered facts about the user:",
         description="System prompt placed before the memory region.",
     )
     log_level: str = Field("INFO", description="Root log level.")
-    admin_key: str | None = Field(None, description="The admin key to install (INFERSCALE_ADMIN_KEY; a Secret on Kubernetes).")
+    admin_key: str | None = Field(
+        None, description="The admin key to install (INFERSCALE_ADMIN_KEY; a Secret on Kubernetes)."
+    )
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -15,8 +15,12 @@ from config.connector import DEFAULT_DEVICE_CACHE_BYTES, TierConfig
 from deployments.memory_prompt import FactOrder
 
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
-    "dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "block_size": 32,
-    "kv_cache_memory_bytes": 1 << 30, "max_num_seqs": 32,
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 2048,
+    "block_size": 32,
+    "kv_cache_memory_bytes": 1 << 30,
+    "max_num_seqs": 32,
 }
 
 
@@ -33,21 +37,35 @@ class LLMArgs(Strict):
     fingerprint: str | None = Field(None, description="Model fingerprint; None reads it from the checkpoint.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments, as given.")
     on_load_failure: Literal["recompute", "fail"] = "recompute"
-    device_cache_bytes: int = Field(DEFAULT_DEVICE_CACHE_BYTES, ge=0, description="The connector's device arena of records.")
-    device_tenant_bytes: int | None = Field(None, gt=0, description="One tenant's share of the arena at most "
-                                                                    "(None: no cap); a tenant at its share "
-                                                                    "evicts its own records first.")
+    device_cache_bytes: int = Field(
+        DEFAULT_DEVICE_CACHE_BYTES, ge=0, description="The connector's device arena of records."
+    )
+    device_tenant_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="One tenant's share of the arena at most "
+        "(None: no cap); a tenant at its share "
+        "evicts its own records first.",
+    )
     tiers: TierConfig | None = Field(None, description="Lower tiers under the device arena (pinned host, then disk).")
     num_replicas: int | Literal["auto"] = 1
     autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve autoscaling, as given.")
     max_ongoing_requests: int = Field(64, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     env: dict[str, str] = Field(default_factory=dict, description="Environment of the replica (VLLM_* knobs).")
-    max_encodes_in_flight: int = Field(8, ge=1, description="Fact encodings (capture requests) one engine runs "
-                                                             "at once; more wait outside its queue, so chats do "
-                                                             "not queue behind a burst of writes.")
-    spill_queue_gap: int = Field(8, ge=0, description="Queued requests by which a tenant's home replica may "
-                                                       "exceed the least loaded one before its requests spill.")
+    max_encodes_in_flight: int = Field(
+        8,
+        ge=1,
+        description="Fact encodings (capture requests) one engine runs "
+        "at once; more wait outside its queue, so chats do "
+        "not queue behind a burst of writes.",
+    )
+    spill_queue_gap: int = Field(
+        8,
+        ge=0,
+        description="Queued requests by which a tenant's home replica may "
+        "exceed the least loaded one before its requests spill.",
+    )
 
 
 class IngressArgs(Strict):
@@ -56,37 +74,59 @@ class IngressArgs(Strict):
     num_replicas: int = 1
     max_ongoing_requests: int = Field(256, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.5})
-    embed_device: Literal["cpu", "cuda"] = Field("cpu", description="Where retrieval embeds queries (cuda needs "
-                                                                      "num_gpus in ray_actor_options).")
-    index_device: Literal["cpu", "cuda"] = Field("cpu", description="Where each tenant's retrieval vectors are "
-                                                                      "searched (a 1,000-fact search is ~50 µs on one core "
-                                                                      "and leaves no CUDA call on the event loop).")
+    embed_device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Where retrieval embeds queries (cuda needs num_gpus in ray_actor_options)."
+    )
+    index_device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="Where each tenant's retrieval vectors are "
+        "searched (a 1,000-fact search is ~50 µs on one core "
+        "and leaves no CUDA call on the event loop).",
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted (413 above).")
     rate_per_s: float = Field(50.0, gt=0, description="Sustained requests per second per tenant (429 above).")
     burst: int = Field(100, ge=1, description="Requests a tenant may send at once before the rate applies.")
     max_k: int = Field(100, ge=1, le=1000, description="Most facts one chat request may retrieve.")
     default_k: int = Field(10, ge=0)
-    default_recompute: int = Field(0, ge=0, description="Retrieved facts prefilled after the injected ones instead "
-                                                        "of injected, when a chat does not say (`memory.recompute`).")
+    default_recompute: int = Field(
+        0,
+        ge=0,
+        description="Retrieved facts prefilled after the injected ones instead "
+        "of injected, when a chat does not say (`memory.recompute`).",
+    )
     # best last (the best-scored fact next to the question): on the dev set pure injection kept 0.51 of prompt-mode
     # F1 at k=10 against 0.08 best first, and one recomputed fact 1.47 against 1.42 (docs/quality.md)
-    default_order: FactOrder = Field("best_last", description="The facts' order in a chat's prompt when it does not "
-                                                              "say (`memory.order`).")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens one completion may ask for; None: as many as "
-                                   "the model's context leaves after the prompt (checked by the LLM replica).")
-    first_event_timeout_s: float = Field(30.0, gt=0, description="A chat no LLM replica has started after this "
-                                                                 "long (none is running) is answered 503, retryable.")
+    default_order: FactOrder = Field(
+        "best_last", description="The facts' order in a chat's prompt when it does not say (`memory.order`)."
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Most tokens one completion may ask for; None: as many as "
+        "the model's context leaves after the prompt (checked by the LLM replica).",
+    )
+    first_event_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A chat no LLM replica has started after this long (none is running) is answered 503, retryable.",
+    )
 
 
 class AppArgs(Strict):
     """Everything `build_app` needs."""
 
-    redis_url: str | None = Field(None, description="redis://host:port/db holding tenants and fact metadata; None: "
-                                                    "the settings tree's (INFERSCALE_REDIS__URL, from a Secret).")
+    redis_url: str | None = Field(
+        None,
+        description="redis://host:port/db holding tenants and fact metadata; None: "
+        "the settings tree's (INFERSCALE_REDIS__URL, from a Secret).",
+    )
     state_dir: Path = Field(..., description="Shared folder of records and index snapshots.")
     system_prompt: str = "Remembered facts about the user:"
-    admin_key: str | None = Field(None, description="Admin key to install; None: the settings tree's "
-                                                    "(INFERSCALE_ADMIN_KEY), else one is generated when none is stored.")
+    admin_key: str | None = Field(
+        None,
+        description="Admin key to install; None: the settings tree's "
+        "(INFERSCALE_ADMIN_KEY), else one is generated when none is stored.",
+    )
     encoding_window: int = Field(5, ge=0, description="Turns each extracted fact is encoded behind.")
     settings: dict[str, Any] = Field(default_factory=dict, description="The settings tree for encoding jobs.")
     llm: LLMArgs = Field(default_factory=LLMArgs)

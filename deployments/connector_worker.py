@@ -39,16 +39,30 @@ class ConnectorWorker:
         tiers, replica = None, f"{socket.gethostname()}-pid{os.getpid()}"
         if config.tiers is not None:  # lower tiers below the device arena (pinned host, then disk)
             slot = claim_slot(config.tiers.disk_cache_dir)
-            tiers = TieredStore(device, 0, config.tiers.host_cache_bytes, slot.path, compress_lower=config.tiers.compress_lower,
-                                write_behind=True, disk_bytes=config.tiers.disk_cache_bytes)
+            tiers = TieredStore(
+                device,
+                0,
+                config.tiers.host_cache_bytes,
+                slot.path,
+                compress_lower=config.tiers.compress_lower,
+                write_behind=True,
+                disk_bytes=config.tiers.disk_cache_bytes,
+            )
             replica = slot.name
         placement = _placement_writer(replica, config.placement_redis_url) if config.report_placement else None
         kernels = config.fused_kernel
-        injection = InjectionWorker(store, config.fingerprint, rope, config.device_cache_bytes, tiers=tiers,
-                                    step_writer=_triton_kernel("fused_inject", "fused_row_writer") if kernels else None,
-                                    placement=placement, whole_load_bytes=config.whole_load_bytes,
-                                    device_tenant_bytes=config.device_tenant_bytes,
-                                    packed_inserter=_triton_kernel("packed_insert", "insert_packed_kernel") if kernels else None)
+        injection = InjectionWorker(
+            store,
+            config.fingerprint,
+            rope,
+            config.device_cache_bytes,
+            tiers=tiers,
+            step_writer=_triton_kernel("fused_inject", "fused_row_writer") if kernels else None,
+            placement=placement,
+            whole_load_bytes=config.whole_load_bytes,
+            device_tenant_bytes=config.device_tenant_bytes,
+            packed_inserter=_triton_kernel("packed_insert", "insert_packed_kernel") if kernels else None,
+        )
         return cls(injection, CaptureWorker(store, config.fingerprint, rope), tiers, placement)
 
     def close(self) -> None:
@@ -66,7 +80,9 @@ def _placement_writer(replica: str, url: str | None):
 
     url = url or load_settings().redis.url
     if not url:
-        log.warning("report_placement is set but no Redis URL is known (INFERSCALE_REDIS__URL): placements are not recorded")
+        log.warning(
+            "report_placement is set but no Redis URL is known (INFERSCALE_REDIS__URL): placements are not recorded"
+        )
         return None
     return PlacementWriter(RedisMeta(url), replica).start()
 

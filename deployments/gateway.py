@@ -22,8 +22,15 @@ from deployments.memory_prompt import FactOrder
 from deployments.metrics import Metrics
 from deployments.query_batcher import QueryBatcher
 from deployments.rate_limit import RateLimiter
-from deployments.schemas import (AddMemories, CreateTenant, GenerationRequest, Message, SearchMemories, SubmitJob,
-                                 UpdateMemory)
+from deployments.schemas import (
+    AddMemories,
+    CreateTenant,
+    GenerationRequest,
+    Message,
+    SearchMemories,
+    SubmitJob,
+    UpdateMemory,
+)
 from encoder_jobs.inputs import JobInputError, parse_input
 from tenants.errors import FactNotFoundError, InvalidInputError, RateLimitedError, TenantError
 from tenants.facts import Fact
@@ -94,9 +101,18 @@ def order_facts(hits: list[tuple[Fact, float]], order: FactOrder) -> list[tuple[
 
 
 class Gateway:
-    def __init__(self, service: TenantService, llm: LLMBackend, args: IngressArgs, served_name: str,
-                 metrics: Metrics, jobs_dir: Path, run_job: JobRunner | None = None,
-                 extraction_window: int | None = None, queries: QueryBatcher | None = None) -> None:
+    def __init__(
+        self,
+        service: TenantService,
+        llm: LLMBackend,
+        args: IngressArgs,
+        served_name: str,
+        metrics: Metrics,
+        jobs_dir: Path,
+        run_job: JobRunner | None = None,
+        extraction_window: int | None = None,
+        queries: QueryBatcher | None = None,
+    ) -> None:
         self.service, self.llm, self.args, self.served_name, self.metrics = service, llm, args, served_name, metrics
         self.queries = queries or QueryBatcher(service.embedder)  # type: ignore[arg-type]
         self._limiter = RateLimiter(args.rate_per_s, args.burst)
@@ -108,7 +124,9 @@ class Gateway:
         tenant = self.service.authenticate(api_key)
         if not self._limiter.allow(tenant.id):
             self.metrics.errors.labels(code="429").inc()
-            raise RateLimitedError(f"too many requests; at most {self.args.rate_per_s:g}/s with bursts of {self.args.burst}")
+            raise RateLimitedError(
+                f"too many requests; at most {self.args.rate_per_s:g}/s with bursts of {self.args.burst}"
+            )
         return tenant
 
     def in_scope(self, tenant: Tenant, scope: Scope | None, write: bool = False) -> Tenant:
@@ -136,7 +154,7 @@ class Gateway:
         embedded = started
         facts: tuple[RetrievedFact, ...] = ()
         if body.memory.mode != "off" and k > 0:
-            query = body.query_text()[-self.service.max_fact_chars:]  # the question's end is what retrieval needs
+            query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
             vector = await self.queries.embed(query)
             embedded = time.perf_counter()
             retrieved = tenant.retrieve(vector, k)
@@ -147,10 +165,24 @@ class Gateway:
             version = tenant.version()
         retrieval_ms = (time.perf_counter() - started) * 1000
         self.metrics.retrieval.observe(retrieval_ms / 1000)
-        recompute = next(m for m in (body.memory.recompute, tenant.recompute, self.args.default_recompute) if m is not None)
-        task = ChatTask(tenant.id, version, body.conversation(), facts, body.memory.mode,
-                        max_tokens, body.temperature, body.top_p, body.seed, tuple(body.stop) if body.stop else None,
-                        min(recompute, len(facts)), body.raw_prompt(), body.logprob_count())
+        recompute = next(
+            m for m in (body.memory.recompute, tenant.recompute, self.args.default_recompute) if m is not None
+        )
+        task = ChatTask(
+            tenant.id,
+            version,
+            body.conversation(),
+            facts,
+            body.memory.mode,
+            max_tokens,
+            body.temperature,
+            body.top_p,
+            body.seed,
+            tuple(body.stop) if body.stop else None,
+            min(recompute, len(facts)),
+            body.raw_prompt(),
+            body.logprob_count(),
+        )
         tiers = None
         if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
             tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, [f.fact_id for f in facts]))
@@ -191,8 +223,16 @@ class Gateway:
         self._encode_later(api_key, holder.id, added)
         return added
 
-    def update_fact(self, holder: Tenant, api_key: str, fact_id: str, text: str | None, *, version: int | None = None,
-                    metadata: dict | None = None) -> Fact:
+    def update_fact(
+        self,
+        holder: Tenant,
+        api_key: str,
+        fact_id: str,
+        text: str | None,
+        *,
+        version: int | None = None,
+        metadata: dict | None = None,
+    ) -> Fact:
         fact = holder.update_fact(fact_id, text, version=version, metadata=metadata)
         self._encode_later(api_key, holder.id, [fact])
         return fact
@@ -216,8 +256,9 @@ class Gateway:
         holder, fact_id = self.locate(tenant, memory_id, scope)
         return {**_memory(holder.get_fact(fact_id)), "placement": holder.placement(fact_id)}
 
-    def update_memory(self, tenant: Tenant, scope: Scope | None, api_key: str, memory_id: str,
-                      body: UpdateMemory) -> dict[str, Any]:
+    def update_memory(
+        self, tenant: Tenant, scope: Scope | None, api_key: str, memory_id: str, body: UpdateMemory
+    ) -> dict[str, Any]:
         holder, fact_id = self.locate(tenant, memory_id, scope)
         fact = self.update_fact(holder, api_key, fact_id, body.memory, version=body.version)
         return {"id": fact.id, "memory": fact.text, "version": fact.version, "event": "UPDATE"}
@@ -241,10 +282,17 @@ class Gateway:
 
     # ---- admin ----
     def create_tenant(self, admin_key: str | None, body: CreateTenant) -> dict[str, Any]:
-        info, key = self.service.create_tenant(admin_key or "", body.id, max_facts=body.max_facts,
-                                               max_bytes=body.max_bytes, window=body.window,
-                                               recompute=body.recompute, neighbours=body.neighbours,
-                                               scope_max_facts=body.scope_max_facts, scope_max_bytes=body.scope_max_bytes)
+        info, key = self.service.create_tenant(
+            admin_key or "",
+            body.id,
+            max_facts=body.max_facts,
+            max_bytes=body.max_bytes,
+            window=body.window,
+            recompute=body.recompute,
+            neighbours=body.neighbours,
+            scope_max_facts=body.scope_max_facts,
+            scope_max_bytes=body.scope_max_bytes,
+        )
         return {"tenant": info, "api_key": key}
 
     def list_tenants(self, admin_key: str | None) -> dict[str, Any]:
@@ -288,14 +336,18 @@ class Gateway:
         """Queue an encoding job that extracts facts from a conversation (its id and status)."""
         if self._run_job is None:
             raise InvalidInputError("this deployment runs no extraction jobs; send explicit 'facts'")
-        turns = [{"speaker": "User" if m.role == "user" else "Assistant", "text": m.content}
-                 for m in messages if m.role != "system"]
+        turns = [
+            {"speaker": "User" if m.role == "user" else "Assistant", "text": m.content}
+            for m in messages
+            if m.role != "system"
+        ]
         if not turns:
             raise InvalidInputError("messages hold no user or assistant turns to extract facts from")
         return self._queue_job(holder, api_key, {"turns": turns}, self._extraction_window)
 
-    def _queue_job(self, tenant: Tenant, api_key: str, job_input: dict[str, Any], window: int | None,
-                   neighbours: int | None = None) -> dict[str, Any]:
+    def _queue_job(
+        self, tenant: Tenant, api_key: str, job_input: dict[str, Any], window: int | None, neighbours: int | None = None
+    ) -> dict[str, Any]:
         if self._run_job is None:
             raise InvalidInputError("this deployment runs no encoding jobs")
         job_id = f"job-{uuid.uuid4().hex[:16]}"
@@ -310,7 +362,9 @@ class Gateway:
         def run() -> None:
             try:
                 report = self._run_job(job_id, api_key, tenant.id, path, window, neighbours, progress)
-                tenant.record_job(job_id, {"id": job_id, "status": "succeeded", "report": report, "finished": time.time()})
+                tenant.record_job(
+                    job_id, {"id": job_id, "status": "succeeded", "report": report, "finished": time.time()}
+                )
             except Exception as exc:  # noqa: BLE001 - the job's status carries the reason
                 log.exception("extraction job failed")
                 tenant.record_job(job_id, {"id": job_id, "status": "failed", "error": str(exc)[:500]})
@@ -326,6 +380,12 @@ class Gateway:
 
 
 def _memory(fact: Fact) -> dict[str, Any]:
-    return {"id": fact.id, "memory": fact.text, "version": fact.version, "kv_ready": fact.kv_ready,
-            "created": fact.created, "updated": fact.updated, "metadata": fact.metadata}
-
+    return {
+        "id": fact.id,
+        "memory": fact.text,
+        "version": fact.version,
+        "kv_ready": fact.kv_ready,
+        "created": fact.created,
+        "updated": fact.updated,
+        "metadata": fact.metadata,
+    }

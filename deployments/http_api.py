@@ -24,17 +24,38 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.gateway import Gateway, PreparedChat
 from deployments.mem0_api import mem0_router
-from deployments.schemas import (UNSUPPORTED, AddMemories, ChatRequest, CompletionRequest, CreateTenant, ErrorBody,
-                                 GenerationRequest, SearchMemories, SubmitJob, UpdateMemory, scope_input)
+from deployments.schemas import (
+    UNSUPPORTED,
+    AddMemories,
+    ChatRequest,
+    CompletionRequest,
+    CreateTenant,
+    ErrorBody,
+    GenerationRequest,
+    SearchMemories,
+    SubmitJob,
+    UpdateMemory,
+    scope_input,
+)
 from tenants.errors import TenantError
 from tenants.redis_meta import STORE_UNAVAILABLE
 from tenants.scopes import Scope
 from tenants.service import Tenant
 
 log = logging.getLogger(__name__)
-_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-          409: "conflict", 413: "too_large", 422: "invalid_input", 429: "rate_limited", 500: "internal_error",
-          503: "unavailable"}
+_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "too_large",
+    422: "invalid_input",
+    429: "rate_limited",
+    500: "internal_error",
+    503: "unavailable",
+}
 
 
 class EngineRefusal(Exception):
@@ -52,8 +73,13 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
     """`{"error": {"code", "message", "type", "param"}, "detail"}`: the project's code, OpenAI's type and param, and
     the message again where Mem0's clients read it."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse({"error": {"code": _CODES.get(status, "error"), "message": message, "type": kind, "param": param},
-                         "detail": message}, status_code=status)
+    return JSONResponse(
+        {
+            "error": {"code": _CODES.get(status, "error"), "message": message, "type": kind, "param": param},
+            "detail": message,
+        },
+        status_code=status,
+    )
 
 
 OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})  # answered with OpenAI's statuses (400, not 422)
@@ -134,8 +160,11 @@ class LimitsAndMetrics:
 
 
 def create_app(gateway: Gateway) -> FastAPI:
-    errors = {status: {"model": ErrorBody, "description": code.replace("_", " ")}
-              for status, code in _CODES.items() if status != 500}
+    errors = {
+        status: {"model": ErrorBody, "description": code.replace("_", " ")}
+        for status, code in _CODES.items()
+        if status != 500
+    }
     app = FastAPI(title="inferscale", version="0.1.0", responses=errors)  # error answers are part of the schema
     app.state.gateway = gateway
     metrics = gateway.metrics
@@ -189,8 +218,10 @@ def create_app(gateway: Gateway) -> FastAPI:
     # ---- OpenAI ----
     @app.get("/v1/models")
     async def models(tenant: TenantDep) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": gateway.served_name, "object": "model", "created": 0,
-                                            "owned_by": "inferscale"}]}
+        return {
+            "object": "list",
+            "data": [{"id": gateway.served_name, "object": "model", "created": 0, "owned_by": "inferscale"}],
+        }
 
     async def generate(tenant: Tenant, body: GenerationRequest, shape: "_Shape"):
         received = time.perf_counter()
@@ -199,11 +230,17 @@ def create_app(gateway: Gateway) -> FastAPI:
         events = gateway.llm.chat(prepared.task)
         first = await _first_event(events)  # engine errors surface before any byte is sent
         prepared.first_event = time.time()
-        base = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": gateway.served_name}
+        base = {
+            "id": f"{shape.id_prefix}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": gateway.served_name,
+        }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(gateway, first, events, base, received, prepared, include_usage,
-                                          body.memory.mode, shape), media_type="text/event-stream")
+            return StreamingResponse(
+                _sse(gateway, first, events, base, received, prepared, include_usage, body.memory.mode, shape),
+                media_type="text/event-stream",
+            )
         text, ttft_ms, final = [], None, None
         entries: list | None = [] if body.logprob_count() is not None else None
         async for event in _chain(first, events):
@@ -216,19 +253,41 @@ def create_app(gateway: Gateway) -> FastAPI:
                 final = event
             elif "error" in event:  # the engine or its replica failed after the first event
                 raise EngineRefusal(int(event["error"]["status"]), event["error"]["message"])
-        usage = _usage(final, prepared, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
-                       await prepared.memory_tiers())
+        usage = _usage(
+            final,
+            prepared,
+            ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
+            await prepared.memory_tiers(),
+        )
         gateway.observe_usage(usage, body.memory.mode)
-        return {**base, "object": shape.whole_object,
-                "choices": [shape.whole("".join(text), final["finish_reason"], shape.logprobs(entries, 0))], "usage": usage}
+        return {
+            **base,
+            "object": shape.whole_object,
+            "choices": [shape.whole("".join(text), final["finish_reason"], shape.logprobs(entries, 0))],
+            "usage": usage,
+        }
 
-    @app.post("/v1/chat/completions", responses={200: {"description": "a chat completion, or its chunks as server-sent events",
-                                                       "content": {"application/json": {}, "text/event-stream": {}}}})
+    @app.post(
+        "/v1/chat/completions",
+        responses={
+            200: {
+                "description": "a chat completion, or its chunks as server-sent events",
+                "content": {"application/json": {}, "text/event-stream": {}},
+            }
+        },
+    )
     async def chat(tenant: TenantDep, body: ChatRequest):
         return await generate(tenant, body, CHAT)
 
-    @app.post("/v1/completions", responses={200: {"description": "a text completion, or its chunks as server-sent events",
-                                                  "content": {"application/json": {}, "text/event-stream": {}}}})
+    @app.post(
+        "/v1/completions",
+        responses={
+            200: {
+                "description": "a text completion, or its chunks as server-sent events",
+                "content": {"application/json": {}, "text/event-stream": {}},
+            }
+        },
+    )
     async def complete(tenant: TenantDep, body: CompletionRequest):
         """The prompt continued as it is; the tenant's retrieved memory sits before it (injected or pasted)."""
         return await generate(tenant, body, TEXT)
@@ -236,7 +295,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.include_router(mem0_router(gateway, _tenant_auth, _key))  # Mem0's clients; their paths end in "/"
 
     # ---- memories ----
-    @app.post("/v1/memories", responses={202: {"description": "facts to extract from messages: an encoding job was queued"}})
+    @app.post(
+        "/v1/memories", responses={202: {"description": "facts to extract from messages: an encoding job was queued"}}
+    )
     async def add_memories(request: Request, tenant: TenantDep, body: AddMemories) -> JSONResponse:
         status, result = gateway.add_memories(tenant, _key(request) or "", body)
         return JSONResponse(result, status_code=status)
@@ -254,8 +315,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         return gateway.get_memory(tenant, scope, fact_id)
 
     @app.put("/v1/memories/{fact_id}")
-    async def update_memory(request: Request, tenant: TenantDep, scope: ScopeQuery, fact_id: str,
-                            body: UpdateMemory) -> dict[str, Any]:
+    async def update_memory(
+        request: Request, tenant: TenantDep, scope: ScopeQuery, fact_id: str, body: UpdateMemory
+    ) -> dict[str, Any]:
         return gateway.update_memory(tenant, scope, _key(request) or "", fact_id, body)
 
     @app.delete("/v1/memories/{fact_id}")
@@ -306,18 +368,29 @@ async def _chain(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> 
         yield event
 
 
-def _usage(final: dict[str, Any] | None, prepared: PreparedChat, ttft_ms: float, tiers: dict[str, int]) -> dict[str, Any]:
+def _usage(
+    final: dict[str, Any] | None, prepared: PreparedChat, ttft_ms: float, tiers: dict[str, int]
+) -> dict[str, Any]:
     engine = (final or {}).get("usage", {})
-    return {"prompt_tokens": engine.get("prompt_tokens", 0), "completion_tokens": engine.get("completion_tokens", 0),
-            "total_tokens": engine.get("total_tokens", 0), "injected_tokens": engine.get("injected_tokens", 0),
-            "prefilled_tokens": engine.get("prefilled_tokens", 0), "prefix_cached_tokens": engine.get("prefix_cached_tokens", 0),
-            "memory_tokens": engine.get("memory_tokens", 0), "recomputed_tokens": engine.get("recomputed_tokens", 0),
-            "retrieval_ms": round(prepared.retrieval_ms, 3), "retrieval_embed_ms": round(prepared.embed_ms, 3),
-            "ttft_ms": round(ttft_ms, 3), "engine_ttft_ms": engine.get("engine_ttft_ms", 0.0),
-            "memory_fallback": engine.get("memory_fallback"), "memory_tiers": tiers,
-            "hop_ms": _hop(prepared, engine.get("timeline")),
-            # OpenAI's meaning: prompt tokens not computed for this request (injected, or from the prefix cache)
-            "prompt_tokens_details": {"cached_tokens": engine.get("prompt_tokens", 0) - engine.get("prefilled_tokens", 0)}}
+    return {
+        "prompt_tokens": engine.get("prompt_tokens", 0),
+        "completion_tokens": engine.get("completion_tokens", 0),
+        "total_tokens": engine.get("total_tokens", 0),
+        "injected_tokens": engine.get("injected_tokens", 0),
+        "prefilled_tokens": engine.get("prefilled_tokens", 0),
+        "prefix_cached_tokens": engine.get("prefix_cached_tokens", 0),
+        "memory_tokens": engine.get("memory_tokens", 0),
+        "recomputed_tokens": engine.get("recomputed_tokens", 0),
+        "retrieval_ms": round(prepared.retrieval_ms, 3),
+        "retrieval_embed_ms": round(prepared.embed_ms, 3),
+        "ttft_ms": round(ttft_ms, 3),
+        "engine_ttft_ms": engine.get("engine_ttft_ms", 0.0),
+        "memory_fallback": engine.get("memory_fallback"),
+        "memory_tiers": tiers,
+        "hop_ms": _hop(prepared, engine.get("timeline")),
+        # OpenAI's meaning: prompt tokens not computed for this request (injected, or from the prefix cache)
+        "prompt_tokens_details": {"cached_tokens": engine.get("prompt_tokens", 0) - engine.get("prefilled_tokens", 0)},
+    }
 
 
 def _hop(prepared: PreparedChat, timeline: dict[str, float] | None) -> dict[str, float]:
@@ -325,9 +398,11 @@ def _hop(prepared: PreparedChat, timeline: dict[str, float] | None) -> dict[str,
     the replica, the replica's layout before the engine starts, the first token's way back to the ingress."""
     if not timeline or prepared.dispatched is None or prepared.first_event is None:
         return {}
-    return {"to_replica": round((timeline["arrived"] - prepared.dispatched) * 1000, 3),
-            "layout": round((timeline["engine_start"] - timeline["arrived"]) * 1000, 3),
-            "first_token_back": round((prepared.first_event - timeline["first_token"]) * 1000, 3)}
+    return {
+        "to_replica": round((timeline["arrived"] - prepared.dispatched) * 1000, 3),
+        "layout": round((timeline["engine_start"] - timeline["arrived"]) * 1000, 3),
+        "first_token_back": round((prepared.first_event - timeline["first_token"]) * 1000, 3),
+    }
 
 
 def _chat_logprobs(entries: list | None, offset: int = 0) -> dict[str, Any] | None:
@@ -335,10 +410,14 @@ def _chat_logprobs(entries: list | None, offset: int = 0) -> dict[str, Any] | No
     completions shape has it)."""
     if entries is None:
         return None
+
     def one(token: str, logprob: float) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-    return {"content": [{**one(token, lp), "top_logprobs": [one(t, a) for t, a in top]} for token, lp, top in entries],
-            "refusal": None}
+
+    return {
+        "content": [{**one(token, lp), "top_logprobs": [one(t, a) for t, a in top]} for token, lp, top in entries],
+        "refusal": None,
+    }
 
 
 def _text_logprobs(entries: list | None, offset: int = 0) -> dict[str, Any] | None:
@@ -346,8 +425,12 @@ def _text_logprobs(entries: list | None, offset: int = 0) -> dict[str, Any] | No
     if entries is None:
         return None
     starts = list(accumulate((len(token) for token, _, _ in entries[:-1]), initial=offset))
-    return {"tokens": [token for token, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [dict((t, a) for t, a in top) for _, _, top in entries], "text_offset": starts}
+    return {
+        "tokens": [token for token, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [dict((t, a) for t, a in top) for _, _, top in entries],
+        "text_offset": starts,
+    }
 
 
 @dataclass(frozen=True)
@@ -363,25 +446,51 @@ class _Shape:
     logprobs: Callable[[list | None, int], dict[str, Any] | None]  # (entries, text before them) -> the API's form
 
 
-CHAT = _Shape("chatcmpl", "chat.completion", "chat.completion.chunk",
-              whole=lambda text, finish, lp: {"index": 0, "message": {"role": "assistant", "content": text},
-                                              "logprobs": lp, "finish_reason": finish},
-              piece=lambda text, first, lp: {"delta": {"role": "assistant", "content": text} if first else {"content": text},
-                                             "logprobs": lp},
-              last=lambda sent: {"delta": {} if sent else {"role": "assistant", "content": ""}},
-              logprobs=_chat_logprobs)
-TEXT = _Shape("cmpl", "text_completion", "text_completion",
-              whole=lambda text, finish, lp: {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish},
-              piece=lambda text, first, lp: {"text": text, "logprobs": lp},
-              last=lambda sent: {"text": "", "logprobs": None},
-              logprobs=_text_logprobs)
+CHAT = _Shape(
+    "chatcmpl",
+    "chat.completion",
+    "chat.completion.chunk",
+    whole=lambda text, finish, lp: {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": lp,
+        "finish_reason": finish,
+    },
+    piece=lambda text, first, lp: {
+        "delta": {"role": "assistant", "content": text} if first else {"content": text},
+        "logprobs": lp,
+    },
+    last=lambda sent: {"delta": {} if sent else {"role": "assistant", "content": ""}},
+    logprobs=_chat_logprobs,
+)
+TEXT = _Shape(
+    "cmpl",
+    "text_completion",
+    "text_completion",
+    whole=lambda text, finish, lp: {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish},
+    piece=lambda text, first, lp: {"text": text, "logprobs": lp},
+    last=lambda sent: {"text": "", "logprobs": None},
+    logprobs=_text_logprobs,
+)
 
 
-async def _sse(gateway: Gateway, first: dict[str, Any], events: AsyncIterator[dict[str, Any]], base: dict[str, Any],
-               received: float, prepared: PreparedChat, include_usage: bool, mode: str, shape: _Shape) -> AsyncIterator[bytes]:
+async def _sse(
+    gateway: Gateway,
+    first: dict[str, Any],
+    events: AsyncIterator[dict[str, Any]],
+    base: dict[str, Any],
+    received: float,
+    prepared: PreparedChat,
+    include_usage: bool,
+    mode: str,
+    shape: _Shape,
+) -> AsyncIterator[bytes]:
     def chunk(choice: dict[str, Any] | None, finish: str | None = None, usage: dict | None = None) -> bytes:
-        body = {**base, "object": shape.chunk_object,
-                "choices": [] if choice is None else [{"index": 0, **choice, "finish_reason": finish}]}
+        body = {
+            **base,
+            "object": shape.chunk_object,
+            "choices": [] if choice is None else [{"index": 0, **choice, "finish_reason": finish}],
+        }
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
@@ -398,8 +507,12 @@ async def _sse(gateway: Gateway, first: dict[str, Any], events: AsyncIterator[di
         elif "error" in event:
             yield f"data: {json.dumps({'error': {'code': 'engine_error', 'message': event['error']['message']}})}\n\n".encode()
             return
-    usage = _usage(final, prepared, ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
-                   await prepared.memory_tiers())
+    usage = _usage(
+        final,
+        prepared,
+        ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
+        await prepared.memory_tiers(),
+    )
     gateway.observe_usage(usage, mode)
     yield chunk(shape.last(sent), (final or {}).get("finish_reason", "stop"))
     if include_usage:

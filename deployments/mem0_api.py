@@ -27,8 +27,11 @@ from tenants.service import Tenant
 
 PAGE_SIZE_MAX = 1000
 _FEATURES = {  # Mem0 routes with no counterpart here, by path prefix: what each is
-    "/v1/exports/": "memory exports", "/v1/summary/": "memory summaries", "/v2/profiles/": "user profiles",
-    "/v1/feedback/": "memory feedback", "/api/v1/": "organizations, projects and webhooks",
+    "/v1/exports/": "memory exports",
+    "/v1/summary/": "memory summaries",
+    "/v2/profiles/": "user profiles",
+    "/v1/feedback/": "memory feedback",
+    "/api/v1/": "organizations, projects and webhooks",
 }
 
 
@@ -46,21 +49,31 @@ class _Mem0Body(BaseModel):
         return self
 
 
-_NO_OPS: dict[str, Any] = {"rerank": False, "latest_only": True, "show_expired": False, "keyword_search": False,
-                           "async_mode": True, "version": "v2", "output_format": "v1.1", "expiration_date": None}
+_NO_OPS: dict[str, Any] = {
+    "rerank": False,
+    "latest_only": True,
+    "show_expired": False,
+    "keyword_search": False,
+    "async_mode": True,
+    "version": "v2",
+    "output_format": "v1.1",
+    "expiration_date": None,
+}
 
 
 def scope_of_filters(raw: dict[str, Any] | None) -> Scope | None:
     """The scope Mem0's `filters` name: entity ids, alone or under one `AND` (None: the tenant's own memory)."""
     raw = raw or {}
     conditions: dict[str, Any] = {}
-    for part in (raw["AND"] if set(raw) == {"AND"} and isinstance(raw["AND"], list) else [raw]):
+    for part in raw["AND"] if set(raw) == {"AND"} and isinstance(raw["AND"], list) else [raw]:
         if not isinstance(part, dict):
             raise InvalidInputError("filters: each condition must be an object")
         for name, value in part.items():
             if name not in ("user_id", "agent_id", "run_id"):
-                raise InvalidInputError(f"filters: '{name}' is not supported by inferscale (only user_id, "
-                                        "agent_id and run_id, alone or under one AND)")
+                raise InvalidInputError(
+                    f"filters: '{name}' is not supported by inferscale (only user_id, "
+                    "agent_id and run_id, alone or under one AND)"
+                )
             if not isinstance(value, str):
                 raise InvalidInputError(f"filters: {name} must be a string (operators are not supported)")
             conditions[name] = value
@@ -115,8 +128,9 @@ class Batch(BaseModel):
     memories: list[BatchItem] = Field(..., min_length=1, max_length=1000)
 
 
-def _entity_query(user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
-                  app_id: str | None = None) -> Scope | None:
+def _entity_query(
+    user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None, app_id: str | None = None
+) -> Scope | None:
     if app_id is not None:
         raise InvalidInputError("'app_id' is not supported by inferscale")
     return scope_input(user_id, agent_id, run_id)
@@ -129,10 +143,21 @@ def _iso(seconds: float) -> str:
 def memory_of(fact: Fact, holder: Tenant) -> dict[str, Any]:
     """A fact in Mem0's shape, with its located id and its K/V state beside."""
     scope = holder.scope.as_dict() if holder.scope else {}
-    return {"id": located_id(fact.id, holder.id), "memory": fact.text, "user_id": scope.get("user_id"),
-            "agent_id": scope.get("agent_id"), "run_id": scope.get("run_id"), "app_id": None,
-            "metadata": fact.metadata, "categories": [], "created_at": _iso(fact.created),
-            "updated_at": _iso(fact.updated), "expiration_date": None, "version": fact.version, "kv_ready": fact.kv_ready}
+    return {
+        "id": located_id(fact.id, holder.id),
+        "memory": fact.text,
+        "user_id": scope.get("user_id"),
+        "agent_id": scope.get("agent_id"),
+        "run_id": scope.get("run_id"),
+        "app_id": None,
+        "metadata": fact.metadata,
+        "categories": [],
+        "created_at": _iso(fact.created),
+        "updated_at": _iso(fact.updated),
+        "expiration_date": None,
+        "version": fact.version,
+        "kv_ready": fact.kv_ready,
+    }
 
 
 def history_of(fact: Fact, holder: Tenant) -> list[dict[str, Any]]:
@@ -142,9 +167,19 @@ def history_of(fact: Fact, holder: Tenant) -> list[dict[str, Any]]:
     first = fact.version - len(fact.previous)
     memory_id = located_id(fact.id, holder.id)
     scope = holder.scope.as_dict() if holder.scope else {}
-    return [{"id": f"{memory_id}.v{first + i}", "memory_id": memory_id, "event": "ADD" if first + i == 1 else "UPDATE",
-             "old_memory": texts[i - 1] if i else None, "new_memory": text, "user_id": scope.get("user_id"),
-             "created_at": _iso(at), "updated_at": _iso(at)} for i, (text, at) in enumerate(zip(texts, times))]
+    return [
+        {
+            "id": f"{memory_id}.v{first + i}",
+            "memory_id": memory_id,
+            "event": "ADD" if first + i == 1 else "UPDATE",
+            "old_memory": texts[i - 1] if i else None,
+            "new_memory": text,
+            "user_id": scope.get("user_id"),
+            "created_at": _iso(at),
+            "updated_at": _iso(at),
+        }
+        for i, (text, at) in enumerate(zip(texts, times))
+    ]
 
 
 def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], str | None]) -> APIRouter:
@@ -156,8 +191,13 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
     @router.get("/v1/ping/")
     async def ping(tenant: TenantDep) -> dict[str, Any]:
         """The key's check; Mem0's clients need an organization and a project: the cluster and the tenant."""
-        return {"status": "ok", "message": "API key is valid", "org_id": "inferscale", "project_id": tenant.id,
-                "user_email": None}
+        return {
+            "status": "ok",
+            "message": "API key is valid",
+            "org_id": "inferscale",
+            "project_id": tenant.id,
+            "user_email": None,
+        }
 
     @router.post("/v3/memories/add/")
     async def add(request: Request, tenant: TenantDep, body: Add) -> dict[str, Any]:
@@ -165,8 +205,12 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
         key = key_of(request) or ""
         if body.infer:
             job = gateway.extract(holder, key, body.messages)
-            return {"results": [], "event_id": located_id(job["job_id"], holder.id), "status": "PENDING",
-                    "message": "memory extraction queued; GET /v1/event/{event_id}/ for its status"}
+            return {
+                "results": [],
+                "event_id": located_id(job["job_id"], holder.id),
+                "status": "PENDING",
+                "message": "memory extraction queued; GET /v1/event/{event_id}/ for its status",
+            }
         texts = [m.content for m in body.messages if m.role != "system"]
         if not texts:
             raise InvalidInputError("messages hold no user or assistant content to store")
@@ -187,20 +231,30 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
     async def search(tenant: TenantDep, body: Search) -> dict[str, Any]:
         holder = gateway.in_scope(tenant, scope_of_filters(body.filters))
         hits = await asyncio.to_thread(holder.search, body.query, body.top_k)
-        return {"results": [{**memory_of(f, holder), "score": round(float(s), 6)} for f, s in hits
-                            if body.threshold is None or s >= body.threshold]}
+        return {
+            "results": [
+                {**memory_of(f, holder), "score": round(float(s), 6)}
+                for f, s in hits
+                if body.threshold is None or s >= body.threshold
+            ]
+        }
 
     @router.post("/v3/memories/")
-    async def get_all(request: Request, tenant: TenantDep, body: GetAll, page: int = 1,
-                      page_size: int = 100) -> dict[str, Any]:
+    async def get_all(
+        request: Request, tenant: TenantDep, body: GetAll, page: int = 1, page_size: int = 100
+    ) -> dict[str, Any]:
         if page < 1 or not 1 <= page_size <= PAGE_SIZE_MAX:
             raise InvalidInputError(f"page must be >= 1 and page_size within 1..{PAGE_SIZE_MAX}")
         holder = gateway.in_scope(tenant, scope_of_filters(body.filters))
         count = holder.usage()["facts"]
         facts = holder.list_facts((page - 1) * page_size, page_size)
         link = lambda p: str(request.url.include_query_params(page=p, page_size=page_size))  # noqa: E731
-        return {"count": count, "next": link(page + 1) if page * page_size < count else None,
-                "previous": link(page - 1) if page > 1 else None, "results": [memory_of(f, holder) for f in facts]}
+        return {
+            "count": count,
+            "next": link(page + 1) if page * page_size < count else None,
+            "previous": link(page - 1) if page > 1 else None,
+            "results": [memory_of(f, holder) for f in facts],
+        }
 
     @router.get("/v1/memories/{memory_id}/")
     async def get(tenant: TenantDep, scope: EntityQuery, memory_id: str) -> dict[str, Any]:
@@ -213,8 +267,9 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
         return history_of(holder.get_fact(fact_id), holder)
 
     @router.put("/v1/memories/{memory_id}/")
-    async def update(request: Request, tenant: TenantDep, scope: EntityQuery, memory_id: str,
-                     body: Update) -> dict[str, Any]:
+    async def update(
+        request: Request, tenant: TenantDep, scope: EntityQuery, memory_id: str, body: Update
+    ) -> dict[str, Any]:
         if body.text is None and body.metadata is None:
             raise InvalidInputError("send text or metadata to update")
         holder, fact_id = gateway.locate(tenant, memory_id, scope)
@@ -257,8 +312,10 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
             for kind in ("user", "agent", "run") if facts else ():
                 if f"{kind}_id" in scope:
                     counts[kind, scope[f"{kind}_id"]] = counts.get((kind, scope[f"{kind}_id"]), 0) + facts
-        results = [{"id": name, "name": name, "type": kind, "total_memories": n, "owner": tenant.id, "metadata": None}
-                   for (kind, name), n in sorted(counts.items())]
+        results = [
+            {"id": name, "name": name, "type": kind, "total_memories": n, "owner": tenant.id, "metadata": None}
+            for (kind, name), n in sorted(counts.items())
+        ]
         return {"count": len(results), "results": results}
 
     @router.delete("/v2/entities/{kind}/{name}/")
@@ -278,9 +335,14 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
     def refusal(feature: str) -> Callable[..., Any]:
         async def refuse(tenant: TenantDep, rest: str = "") -> None:
             raise InvalidInputError(f"Mem0's {feature} are not supported by inferscale")
+
         return refuse
 
     for prefix, feature in _FEATURES.items():
-        router.add_api_route(prefix + "{rest:path}", refusal(feature), methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-                             include_in_schema=False)
+        router.add_api_route(
+            prefix + "{rest:path}",
+            refusal(feature),
+            methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+            include_in_schema=False,
+        )
     return router

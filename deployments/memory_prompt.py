@@ -47,8 +47,16 @@ class LaidOutPrompt:
     recomputed_tokens: int = 0  # tokens of facts that had K/V but were pasted to be recomputed
 
 
-def lay_out(mode: Mode, tenant_id: str, version: int, prefix_ids: Sequence[int], items: Sequence[MemoryItem],
-            query_ids: Sequence[int], frame: tuple[str, Sequence[int]] | None = None, recompute: int = 0) -> LaidOutPrompt:
+def lay_out(
+    mode: Mode,
+    tenant_id: str,
+    version: int,
+    prefix_ids: Sequence[int],
+    items: Sequence[MemoryItem],
+    query_ids: Sequence[int],
+    frame: tuple[str, Sequence[int]] | None = None,
+    recompute: int = 0,
+) -> LaidOutPrompt:
     """The prompt of one request; `frame` is the tenant's chat-frame record (id, tokens), when it exists;
     `recompute` facts with K/V are pasted instead (the highest scored, in retrieval order)."""
     if mode not in MODES:
@@ -68,6 +76,10 @@ def lay_out(mode: Mode, tenant_id: str, version: int, prefix_ids: Sequence[int],
     pasted = [t for item in items if item.record_id is None or id(item) in chosen for t in item.token_ids]
     recomputed = sum(len(item.token_ids) for item in injectable if id(item) in chosen)
     region = [*prefix_ids, *(t for item in injected for t in item.token_ids)]
-    plan = MemoryPlan(tenant_id, (frame[0], *(item.record_id for item in injected)), version,
-                      importance=(FRAME_IMPORTANCE, *(item.score for item in injected)))
+    plan = MemoryPlan(
+        tenant_id,
+        (frame[0], *(item.record_id for item in injected)),
+        version,
+        importance=(FRAME_IMPORTANCE, *(item.score for item in injected)),
+    )
     return LaidOutPrompt([*region, *pasted, *query_ids], plan, plan.cache_salt, memory_tokens, recomputed)

@@ -10,24 +10,44 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("inferscale_requests", "HTTP requests by route and status", ["route", "status"],
-                                registry=self.registry)
+        self.requests = Counter(
+            "inferscale_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
         self.errors = Counter("inferscale_errors", "Error answers by status code", ["code"], registry=self.registry)
-        self.ttft = Histogram("inferscale_ttft_seconds", "Time to first token at the ingress", ["mode"],
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.retrieval = Histogram("inferscale_retrieval_seconds", "Query embedding, change-log catch-up and search",
-                                   buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tokens = Counter("inferscale_prompt_tokens", "Prompt tokens by how they were served", ["kind"],
-                              registry=self.registry)
-        self.fallbacks = Counter("inferscale_memory_fallbacks", "Requests whose memory plan fell back to prefill",
-                                    registry=self.registry)
-        self.fact_tiers = Counter("inferscale_memory_fact_tiers", "Injected facts by the tier their K/V was in when "
-                                  "retrieved (gpu, cpu, disk, store)", ["tier"], registry=self.registry)
-        self.encodings = Counter("inferscale_fact_encodings", "Background fact encodings", ["outcome"],
-                                 registry=self.registry)
-        self.llm_transport = Gauge("inferscale_llm_transport", "1 for how this ingress calls the LLM servers "
-                                   "(grpc in Serve's high-throughput mode, actor otherwise)", ["transport"],
-                                   registry=self.registry)
+        self.ttft = Histogram(
+            "inferscale_ttft_seconds",
+            "Time to first token at the ingress",
+            ["mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.retrieval = Histogram(
+            "inferscale_retrieval_seconds",
+            "Query embedding, change-log catch-up and search",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "inferscale_prompt_tokens", "Prompt tokens by how they were served", ["kind"], registry=self.registry
+        )
+        self.fallbacks = Counter(
+            "inferscale_memory_fallbacks", "Requests whose memory plan fell back to prefill", registry=self.registry
+        )
+        self.fact_tiers = Counter(
+            "inferscale_memory_fact_tiers",
+            "Injected facts by the tier their K/V was in when retrieved (gpu, cpu, disk, store)",
+            ["tier"],
+            registry=self.registry,
+        )
+        self.encodings = Counter(
+            "inferscale_fact_encodings", "Background fact encodings", ["outcome"], registry=self.registry
+        )
+        self.llm_transport = Gauge(
+            "inferscale_llm_transport",
+            "1 for how this ingress calls the LLM servers (grpc in Serve's high-throughput mode, actor otherwise)",
+            ["transport"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,7 +11,6 @@ from deployments.memory_prompt import FactOrder, Mode
 from tenants.errors import InvalidInputError
 from tenants.scopes import Scope
 
-
 UNSUPPORTED = "unsupported_parameter"  # a pydantic error type the chat route answers as OpenAI's 400 naming the field
 
 
@@ -84,11 +83,19 @@ class MemoryOptions(ScopeFields):
 
     k: int | None = Field(None, ge=0, le=1000, description="Facts to retrieve (0: none).")
     mode: Mode = "inject"
-    recompute: int | None = Field(None, ge=0, le=1000, description="inject: of the retrieved facts, this many of "
-                                  "the best-scored are prefilled after the injected ones instead of injected, so "
-                                  "they attend to all of them (default: the server's).")
-    order: FactOrder | None = Field(None, description="The facts' order in the prompt: best_first (retrieval's), "
-                                    "best_last (the best nearest the question) or time (as said); default: the server's.")
+    recompute: int | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="inject: of the retrieved facts, this many of "
+        "the best-scored are prefilled after the injected ones instead of injected, so "
+        "they attend to all of them (default: the server's).",
+    )
+    order: FactOrder | None = Field(
+        None,
+        description="The facts' order in the prompt: best_first (retrieval's), "
+        "best_last (the best nearest the question) or time (as said); default: the server's.",
+    )
 
 
 class StreamOptions(BaseModel):
@@ -96,10 +103,21 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI chat parameters that would change the answer and are not served: refused by name, never ignored
-_REFUSED = {"tools": None, "tool_choice": None, "functions": None, "function_call": None, "parallel_tool_calls": None,
-            "logit_bias": None, "audio": None, "modalities": None, "prediction": None, "web_search_options": None,
-            "response_format": {"type": "text"}, "frequency_penalty": 0,
-            "presence_penalty": 0}  # name -> the value that changes nothing (accepted)
+_REFUSED = {
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "parallel_tool_calls": None,
+    "logit_bias": None,
+    "audio": None,
+    "modalities": None,
+    "prediction": None,
+    "web_search_options": None,
+    "response_format": {"type": "text"},
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+}  # name -> the value that changes nothing (accepted)
 
 
 class GenerationRequest(BaseModel):
@@ -133,8 +151,11 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     memory: MemoryOptions = Field(default_factory=MemoryOptions)
-    user: str | None = Field(None, description="OpenAI's end-user field: the scope whose memory the request uses "
-                                               "(memory.user_id, when given, wins).")
+    user: str | None = Field(
+        None,
+        description="OpenAI's end-user field: the scope whose memory the request uses "
+        "(memory.user_id, when given, wins).",
+    )
 
     @model_validator(mode="after")
     def _valid_user(self) -> "GenerationRequest":
@@ -212,7 +233,9 @@ class CompletionRequest(GenerationRequest):
     default_max_tokens: ClassVar[int] = 16  # OpenAI's default for completions
 
     prompt: str = Field(..., min_length=1, max_length=32_000)
-    logprobs: int | None = Field(None, ge=0, le=5, description="Alternatives reported with each token's log probability.")
+    logprobs: int | None = Field(
+        None, ge=0, le=5, description="Alternatives reported with each token's log probability."
+    )
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -258,8 +281,12 @@ class SubmitJob(BaseModel):
 
     input: dict[str, Any]
     window: int | None = Field(None, ge=0, le=256)
-    neighbours: int | None = Field(None, ge=0, le=64, description="Nearest facts each fact is encoded behind, "
-                                                                    "after its window turns (None: the tenant's).")
+    neighbours: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="Nearest facts each fact is encoded behind, after its window turns (None: the tenant's).",
+    )
 
 
 class SearchMemories(ScopeFields):
@@ -285,10 +312,19 @@ class CreateTenant(BaseModel):
     scope_max_facts: int | None = Field(None, ge=1, description="Facts of each end user (None: max_facts).")
     scope_max_bytes: int | None = Field(None, ge=1, description="Bytes of each end user (None: max_bytes).")
     window: int = Field(5, ge=0, le=1000)
-    recompute: int | None = Field(None, ge=0, le=1000, description="Facts its chats prefill after the injected ones "
-                                                                    "when a chat does not say (None: the cluster's).")
-    neighbours: int = Field(0, ge=0, le=64, description="Nearest facts (by embedding) each of its facts is encoded "
-                                                         "behind in encoding jobs, after its window turns.")
+    recompute: int | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="Facts its chats prefill after the injected ones when a chat does not say (None: the cluster's).",
+    )
+    neighbours: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Nearest facts (by embedding) each of its facts is encoded "
+        "behind in encoding jobs, after its window turns.",
+    )
 
 
 class ErrorDetail(BaseModel):

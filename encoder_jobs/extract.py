@@ -56,8 +56,9 @@ class Decision:
     target_id: str | None = None  # the stored fact an UPDATE or DELETE applies to
 
 
-def extract_facts(turns: Sequence[Turn], sessions: Sequence[int], generate: Generator, search: Search,
-                  max_new_tokens: int = 96) -> list[Decision]:
+def extract_facts(
+    turns: Sequence[Turn], sessions: Sequence[int], generate: Generator, search: Search, max_new_tokens: int = 96
+) -> list[Decision]:
     decisions: list[Decision] = []
     summary = "(nothing yet)"
     bounds = list(sessions) + [len(turns)]

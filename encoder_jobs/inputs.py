@@ -62,7 +62,9 @@ def parse_input(raw: object, max_fact_chars: int = 2000) -> JobInput:
     turns = tuple(_turn(t, f"turns[{i}]") for i, t in enumerate(_list(raw["turns"], "turns")))
     facts = None
     if "facts" in raw:
-        facts = tuple(_fact(f, f"facts[{i}]", len(turns), max_fact_chars) for i, f in enumerate(_list(raw["facts"], "facts")))
+        facts = tuple(
+            _fact(f, f"facts[{i}]", len(turns), max_fact_chars) for i, f in enumerate(_list(raw["facts"], "facts"))
+        )
     return JobInput(turns, facts, (0,))
 
 
@@ -81,8 +83,16 @@ def _locomo(conversation: object) -> tuple[tuple[Turn, ...], tuple[int, ...]]:
             where = f"session_{number}[{i}]"
             if not isinstance(item, dict):
                 raise JobInputError(f"{where} must be an object")
-            turns.append(_turn({"speaker": item.get("speaker"), "text": item.get("text"),
-                                "time": when if isinstance(when, str) else None}, where))
+            turns.append(
+                _turn(
+                    {
+                        "speaker": item.get("speaker"),
+                        "text": item.get("text"),
+                        "time": when if isinstance(when, str) else None,
+                    },
+                    where,
+                )
+            )
     return tuple(turns), tuple(starts)
 
 

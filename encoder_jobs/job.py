@@ -47,9 +47,19 @@ class JobReport:
         return self.__dict__.copy()
 
 
-def run_job(settings: Settings, *, redis_url: str, key: str, tenant_id: str, input_path: Path,
-            window: int | None = None, neighbours: int | None = None, workers: int = 1, batch_size: int = 16,
-            progress: Callable[[JobReport], None] = lambda report: None) -> JobReport:
+def run_job(
+    settings: Settings,
+    *,
+    redis_url: str,
+    key: str,
+    tenant_id: str,
+    input_path: Path,
+    window: int | None = None,
+    neighbours: int | None = None,
+    workers: int = 1,
+    batch_size: int = 16,
+    progress: Callable[[JobReport], None] = lambda report: None,
+) -> JobReport:
     """`window` turns and `neighbours` nearest facts before each fact (None: the tenant's settings)."""
     job_input = load_input(input_path, settings.tenants.max_fact_chars)  # before anything is written
     embedder = MiniLMEmbedder()
@@ -99,25 +109,61 @@ def _neighbours(tenant: Tenant, embedder: MiniLMEmbedder, texts: list[str], coun
     if count == 0:
         return [[] for _ in texts]
     vectors = embedder.embed_tensor(texts)
-    stored = [[(f.text, score) for f, score in tenant.retrieve(v, count + 1).hits] for v in vectors] \
-        if tenant.usage()["facts"] else None
+    stored = (
+        [[(f.text, score) for f, score in tenant.retrieve(v, count + 1).hits] for v in vectors]
+        if tenant.usage()["facts"]
+        else None
+    )
     return nearest_texts(texts, vectors, stored or [], count)
 
 
-def _run_on_ray(settings: Settings, redis_url: str, key: str, tenant_id: str, window: int, rows: list[dict],
-                workers: int, batch_size: int, report: JobReport, progress: Callable[[JobReport], None]) -> None:
+def _run_on_ray(
+    settings: Settings,
+    redis_url: str,
+    key: str,
+    tenant_id: str,
+    window: int,
+    rows: list[dict],
+    workers: int,
+    batch_size: int,
+    report: JobReport,
+    progress: Callable[[JobReport], None],
+) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
-    gpu_share = encoder_gpu_share(ray.cluster_resources().get("GPU", 0.0), ray.available_resources().get("GPU", 0.0),
-                                  settings.encoding.actors_per_gpu, workers)
-    log.info("encoding %d facts of %s on %s actors", len(rows), tenant_id, f"GPU ({gpu_share:.3g} each)" if gpu_share else "CPU")
+        ray.init(
+            address=os.environ.get("RAY_ADDRESS") or "local",
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    gpu_share = encoder_gpu_share(
+        ray.cluster_resources().get("GPU", 0.0),
+        ray.available_resources().get("GPU", 0.0),
+        settings.encoding.actors_per_gpu,
+        workers,
+    )
+    log.info(
+        "encoding %d facts of %s on %s actors",
+        len(rows),
+        tenant_id,
+        f"GPU ({gpu_share:.3g} each)" if gpu_share else "CPU",
+    )
     dataset = ray.data.from_items(rows).map_batches(
-        EncodeWorker, batch_size=batch_size, concurrency=workers, num_gpus=gpu_share, num_cpus=0 if gpu_share else 1,
-        fn_constructor_kwargs={"settings": settings.model_dump(mode="json"), "redis_url": redis_url,
-                               "key": key, "tenant_id": tenant_id, "window": window})
+        EncodeWorker,
+        batch_size=batch_size,
+        concurrency=workers,
+        num_gpus=gpu_share,
+        num_cpus=0 if gpu_share else 1,
+        fn_constructor_kwargs={
+            "settings": settings.model_dump(mode="json"),
+            "redis_url": redis_url,
+            "key": key,
+            "tenant_id": tenant_id,
+            "window": window,
+        },
+    )
     for batch in dataset.iter_batches(batch_size=None, batch_format="default"):
         for fact_id, status, error in zip(batch["fact_id"], batch["status"], batch["error"]):
             if status == "encoded":

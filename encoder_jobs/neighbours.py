@@ -12,8 +12,9 @@ from typing import Sequence
 import torch
 
 
-def nearest_texts(texts: Sequence[str], vectors: torch.Tensor, stored: Sequence[Sequence[tuple[str, float]]],
-                  count: int) -> list[list[str]]:
+def nearest_texts(
+    texts: Sequence[str], vectors: torch.Tensor, stored: Sequence[Sequence[tuple[str, float]]], count: int
+) -> list[list[str]]:
     """For each of `texts` (rows of `vectors`, normalised), the `count` most similar other texts among
     `texts` and its own `stored` candidates (text, similarity: the tenant's facts near it), least similar
     first so the nearest sits next to the fact. A text never neighbours itself or appears twice."""
@@ -25,7 +26,9 @@ def nearest_texts(texts: Sequence[str], vectors: torch.Tensor, stored: Sequence[
     out = []
     for i, text in enumerate(texts):
         best: dict[str, float] = {}
-        candidates = [(other, similar[i][j]) for j, other in enumerate(texts) if j != i] + list(stored[i] if stored else ())
+        candidates = [(other, similar[i][j]) for j, other in enumerate(texts) if j != i] + list(
+            stored[i] if stored else ()
+        )
         for other, score in candidates:
             if other != text and score > best.get(other, float("-inf")):
                 best[other] = score

@@ -27,6 +27,12 @@ def task_rows(tenant_id: str, turns: Sequence[Turn], facts: Sequence[ExplicitFac
             continue  # the same fact twice in one input
         seen.add(fact_id)
         context = context_window(turns, fact.anchor, window)
-        rows.append({"fact_id": fact_id, "text": fact.text, "anchor": fact.anchor,
-                     "context": [{"speaker": t.speaker, "text": t.text, "time": t.time} for t in context]})
+        rows.append(
+            {
+                "fact_id": fact_id,
+                "text": fact.text,
+                "anchor": fact.anchor,
+                "context": [{"speaker": t.speaker, "text": t.text, "time": t.time} for t in context],
+            }
+        )
     return rows

@@ -39,8 +39,9 @@ class EncodeWorker:
         self._forward = HFKVForward(self._loaded)
         self._frame = build_frame(self._loaded.tokenizer, self._settings.system_prompt)
         self._encoder = TokenizerEncoder(self._loaded.tokenizer)
-        service = connect_service(redis_url, Path(self._settings.state_dir), MiniLMEmbedder(device=device),
-                                  self._settings.tenants)
+        service = connect_service(
+            redis_url, Path(self._settings.state_dir), MiniLMEmbedder(device=device), self._settings.tenants
+        )
         self._tenant = service.open_tenant(key, tenant_id)
         self._window = window
         self._limits = FactLimits(self._settings.encoding.max_fact_chars, self._settings.encoding.max_fact_tokens)
@@ -70,8 +71,11 @@ class EncodeWorker:
         for row, record in encoded:
             if row["fact_id"] in stored_without_kv:
                 statuses[row["fact_id"]] = self._store(row, record)
-        return {"fact_id": [r["fact_id"] for r in rows], "status": [statuses[r["fact_id"]][0] for r in rows],
-                "error": [statuses[r["fact_id"]][1] for r in rows]}
+        return {
+            "fact_id": [r["fact_id"] for r in rows],
+            "status": [statuses[r["fact_id"]][0] for r in rows],
+            "error": [statuses[r["fact_id"]][1] for r in rows],
+        }
 
     def _encode(self, rows: list[dict], statuses: dict[str, tuple[str, str]]):
         """(row, record) per fact that encodes; the others are marked failed with their reason."""
@@ -79,17 +83,29 @@ class EncodeWorker:
         for row in rows:
             turns = [Turn(t["speaker"], t["text"], t["time"]) for t in row["context"]]
             try:
-                job = plan_fact_jobs(turns, [Fact(row["fact_id"], row["text"], len(turns))], window=self._window,
-                                     prefix_ids=self._frame.prefix_ids, tokenizer=self._encoder, limits=self._limits,
-                                     neighbours={row["fact_id"]: row["neighbours"]})[0]
+                job = plan_fact_jobs(
+                    turns,
+                    [Fact(row["fact_id"], row["text"], len(turns))],
+                    window=self._window,
+                    prefix_ids=self._frame.prefix_ids,
+                    tokenizer=self._encoder,
+                    limits=self._limits,
+                    neighbours={row["fact_id"]: row["neighbours"]},
+                )[0]
                 planned.append((row, job))
             except KVCoreError as exc:
                 statuses[row["fact_id"]] = ("failed", str(exc))
         if not planned:
             return []
-        records = encode_jobs([job for _, job in planned], self._forward, self._loaded.spec, tenant_id=self._tenant.id,
-                              window=self._window, dtype=self._loaded.dtype,
-                              max_batch_tokens=self._settings.encoding.max_batch_tokens)
+        records = encode_jobs(
+            [job for _, job in planned],
+            self._forward,
+            self._loaded.spec,
+            tenant_id=self._tenant.id,
+            window=self._window,
+            dtype=self._loaded.dtype,
+            max_batch_tokens=self._settings.encoding.max_batch_tokens,
+        )
         return [(row, record) for (row, _), record in zip(planned, records)]
 
     def _insert_new(self, rows: list[tuple[dict, Any]]) -> dict[str, tuple[str, str]]:
@@ -98,8 +114,12 @@ class EncodeWorker:
         if not rows:
             return {}
         try:
-            self._tenant.add_facts([row["text"] for row, _ in rows], fact_ids=[row["fact_id"] for row, _ in rows],
-                                   source_turns=[row["anchor"] for row, _ in rows], kvs=[record for _, record in rows])
+            self._tenant.add_facts(
+                [row["text"] for row, _ in rows],
+                fact_ids=[row["fact_id"] for row, _ in rows],
+                source_turns=[row["anchor"] for row, _ in rows],
+                kvs=[record for _, record in rows],
+            )
         except TenantError as exc:
             log.info("batch insert refused (%s); storing one fact at a time", exc)
             return {row["fact_id"]: self._store_unless_done(row, record) for row, record in rows}
@@ -136,7 +156,17 @@ class EncodeWorker:
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:
     """Ray Data hands columns over as numpy arrays: back to Python values."""
-    return {"fact_id": str(row["fact_id"]), "text": str(row["text"]), "anchor": int(row["anchor"]),
-            "context": [{"speaker": str(t["speaker"]), "text": str(t["text"]), "time": None if t["time"] is None else str(t["time"])}
-                        for t in row["context"]],
-            "neighbours": [str(text) for text in (() if row.get("neighbours") is None else row["neighbours"])]}
+    return {
+        "fact_id": str(row["fact_id"]),
+        "text": str(row["text"]),
+        "anchor": int(row["anchor"]),
+        "context": [
+            {
+                "speaker": str(t["speaker"]),
+                "text": str(t["text"]),
+                "time": None if t["time"] is None else str(t["time"]),
+            }
+            for t in row["context"]
+        ],
+        "neighbours": [str(text) for text in (() if row.get("neighbours") is None else row["neighbours"])],
+    }

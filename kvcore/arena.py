@@ -42,10 +42,18 @@ class DeviceArena:
     at its share makes room from its own least recently used records, so one busy tenant cannot push every
     other tenant's facts out of HBM."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, device: torch.device, capacity_bytes: int,
-                 page_tokens: int = 16, on_evict: Callable[[Hashable, Hashable, Callable[[], tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
-                 on_change: Callable[[Hashable, Hashable, bool], None] | None = None,
-                 tenant_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        capacity_bytes: int,
+        page_tokens: int = 16,
+        on_evict: Callable[[Hashable, Hashable, Callable[[], tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+        on_change: Callable[[Hashable, Hashable, bool], None] | None = None,
+        tenant_bytes: int | None = None,
+    ) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.device, self.page_tokens = torch.device(device), page_tokens
         self._capacity_bytes = capacity_bytes
@@ -92,7 +100,9 @@ class DeviceArena:
         self.insert_many([(key, stamp)], k, v, [0, k.shape[2]])
         return self._entries[key].rows
 
-    def insert_many(self, items: list[tuple[Hashable, Hashable]], k: torch.Tensor, v: torch.Tensor, starts: list[int]) -> None:
+    def insert_many(
+        self, items: list[tuple[Hashable, Hashable]], k: torch.Tensor, v: torch.Tensor, starts: list[int]
+    ) -> None:
         """Copy several records in at once: `items` (key, stamp), their K/V joined along the tokens
         `[layers, kv_heads, sum T, head_dim]`, record i's tokens at `starts[i]:starts[i + 1]`. One index and one
         copy per tensor for all of them; `ArenaFullError` as `insert` (records placed before it stay)."""
@@ -133,8 +143,10 @@ class DeviceArena:
     def check_shape(self, layers: int, kv_heads: int, head_dim: int) -> None:
         """`IncompatibleRecordsError` unless records of this shape fit the engine's arena."""
         if (layers, kv_heads, head_dim) != (self.layers, self.kv_heads, self.head_dim):
-            raise IncompatibleRecordsError(f"record K/V of {layers} layers x {kv_heads} kv heads x head dim {head_dim} "
-                                           f"do not fit the engine's {self.layers} x {self.kv_heads} x {self.head_dim}")
+            raise IncompatibleRecordsError(
+                f"record K/V of {layers} layers x {kv_heads} kv heads x head dim {head_dim} "
+                f"do not fit the engine's {self.layers} x {self.kv_heads} x {self.head_dim}"
+            )
 
     def _place(self, key: Hashable, stamp: Hashable, count: int) -> list[int]:
         """Pages for one record of `count` tokens (replacing an older version), and its rows in token order."""
@@ -162,7 +174,9 @@ class DeviceArena:
         per_token = self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size() * 2
         pages = self._capacity_bytes // (per_token * self.page_tokens)
         if pages < 1:
-            raise ArenaFullError(f"device arena of {self._capacity_bytes} bytes holds not even one page of {self.page_tokens} tokens")
+            raise ArenaFullError(
+                f"device arena of {self._capacity_bytes} bytes holds not even one page of {self.page_tokens} tokens"
+            )
         shape = (self.layers, pages * self.page_tokens, self.kv_heads, self.head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=self.device)
         self.v = torch.empty(shape, dtype=dtype, device=self.device)
@@ -199,9 +213,11 @@ class DeviceArena:
 
     def _reader(self, rows: array) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Reads rows' K/V `[L, H, T, D]` (copies: called before the rows are reused)."""
+
         def read() -> tuple[torch.Tensor, torch.Tensor]:
             index = long_tensor(rows).to(self.device)
             return self.k.index_select(1, index).permute(0, 2, 1, 3), self.v.index_select(1, index).permute(0, 2, 1, 3)
+
         return read
 
     def _release(self, key: Hashable, announce: bool = True) -> None:

@@ -56,7 +56,9 @@ class CaptureTracker:
 
     def add(self, request_id: str, plan: CapturePlan, prompt_ids: Sequence[int]) -> None:
         if plan.end > len(prompt_ids):
-            log.warning("request %s: capture spans end at %d, past the prompt (%d)", request_id, plan.end, len(prompt_ids))
+            log.warning(
+                "request %s: capture spans end at %d, past the prompt (%d)", request_id, plan.end, len(prompt_ids)
+            )
             return
         self._pending.setdefault(request_id, _Pending(plan, tuple(prompt_ids)))
 
@@ -125,10 +127,19 @@ class CaptureWorker:
         positions = torch.arange(spec.plan.end, device=k.device)
         cos, sin = cos_sin(positions, self._rope)
         pre_rope = apply_rotation(k.float(), cos, sin, self._rope, table_dtype=table_dtype_of(k.dtype), invert=True)
-        params = EncodingParams(window=spec.plan.window, model_fingerprint=self._fingerprint, rope=self._rope, dtype="float32")
+        params = EncodingParams(
+            window=spec.plan.window, model_fingerprint=self._fingerprint, rope=self._rope, dtype="float32"
+        )
         for span in spec.plan.spans:
-            self._store.put(FactKV(
-                tenant_id=spec.plan.tenant_id, fact_id=span.fact_id, token_ids=spec.token_ids[span.begin : span.end],
-                k=pre_rope[:, :, span.begin : span.end].contiguous().cpu(),
-                v=v[:, :, span.begin : span.end].float().contiguous().cpu(),
-                params=params, version=spec.plan.version, meta={"encoder": "engine", "position": str(span.begin)}))
+            self._store.put(
+                FactKV(
+                    tenant_id=spec.plan.tenant_id,
+                    fact_id=span.fact_id,
+                    token_ids=spec.token_ids[span.begin : span.end],
+                    k=pre_rope[:, :, span.begin : span.end].contiguous().cpu(),
+                    v=v[:, :, span.begin : span.end].float().contiguous().cpu(),
+                    params=params,
+                    version=spec.plan.version,
+                    meta={"encoder": "engine", "position": str(span.begin)},
+                )
+            )

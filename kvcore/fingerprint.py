@@ -16,8 +16,19 @@ import torch
 
 # Config keys that describe packaging rather than the function the model computes.
 _IGNORED_KEYS = frozenset(
-    {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config", "architectures",
-     "use_cache", "_commit_hash", "_attn_implementation_autoset", "output_attentions", "output_hidden_states"}
+    {
+        "_name_or_path",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "quantization_config",
+        "architectures",
+        "use_cache",
+        "_commit_hash",
+        "_attn_implementation_autoset",
+        "output_attentions",
+        "output_hidden_states",
+    }
 )
 _SAMPLES_PER_TENSOR = 4096
 

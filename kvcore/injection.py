@@ -53,7 +53,9 @@ class StepWriter(Protocol):
     and the float32 cos/sin tables `[N, D/2]`. A device kernel (deployments/triton_adapter) implements it.
     """
 
-    def __call__(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
+    def __call__(
+        self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None: ...
 
 
 # Given every layer's joint rows `[slots, H, 2D]` and the rope, a StepWriter for them, or None (torch path).
@@ -113,8 +115,13 @@ class InjectionScheduler:
             self._report(request_id, plan, 0, None)  # the engine's prefix cache already holds the region
             return 0
         if num_computed < plan.region_start:
-            return self._refuse(request_id, plan, prompt_ids, num_computed,
-                                f"prompt tokens before the memory region ({plan.region_start}) are not cached")
+            return self._refuse(
+                request_id,
+                plan,
+                prompt_ids,
+                num_computed,
+                f"prompt tokens before the memory region ({plan.region_start}) are not cached",
+            )
         self._claims[request_id] = _Claim(plan, num_computed, end, stamps, lengths, True, "")
         return end - num_computed
 
@@ -124,8 +131,19 @@ class InjectionScheduler:
         if claim is None or num_external == 0:
             return
         end = claim.begin + num_external
-        self._ready.append(LoadSpec(request_id, claim.plan, claim.begin, end, tuple(block_ids), claim.stamps,
-                                    claim.lengths, claim.valid, claim.reason))
+        self._ready.append(
+            LoadSpec(
+                request_id,
+                claim.plan,
+                claim.begin,
+                end,
+                tuple(block_ids),
+                claim.stamps,
+                claim.lengths,
+                claim.valid,
+                claim.reason,
+            )
+        )
         self._report(request_id, claim.plan, num_external if claim.valid else 0, claim.reason or None)
 
     def take_loads(self) -> list[LoadSpec]:
@@ -146,8 +164,10 @@ class InjectionScheduler:
         fingerprint, joined, stamps, lengths = self.fingerprint, [], [], []
         for record_id, (stamp, info) in zip(plan.record_ids, checked):
             if info.params.model_fingerprint != fingerprint:
-                raise PlanError(f"fact {record_id!r} was encoded by model {info.params.model_fingerprint}, "
-                                f"the engine serves {fingerprint}")
+                raise PlanError(
+                    f"fact {record_id!r} was encoded by model {info.params.model_fingerprint}, "
+                    f"the engine serves {fingerprint}"
+                )
             joined += info.token_ids
             stamps.append(stamp)
             lengths.append(len(info.token_ids))
@@ -163,7 +183,9 @@ class InjectionScheduler:
             raise PlanError("the memory region must be followed by at least one query token")
         return end, tuple(stamps), tuple(lengths)
 
-    def _refuse(self, request_id: str, plan: MemoryPlan | None, prompt_ids: Sequence[int], num_computed: int, reason: str) -> int:
+    def _refuse(
+        self, request_id: str, plan: MemoryPlan | None, prompt_ids: Sequence[int], num_computed: int, reason: str
+    ) -> int:
         log.warning("request %s: memory plan unusable (%s); policy %s", request_id, reason, self.policy)
         end = len(prompt_ids) - 1
         if self.policy == "recompute" or end <= num_computed:
@@ -174,8 +196,11 @@ class InjectionScheduler:
         return end - num_computed
 
     def _report(self, request_id: str, plan: MemoryPlan | None, injected: int, reason: str | None) -> None:
-        self._reports[request_id] = {"injected_tokens": injected, "records": len(plan.record_ids) if plan else 0,
-                                     "fallback": reason}
+        self._reports[request_id] = {
+            "injected_tokens": injected,
+            "records": len(plan.record_ids) if plan else 0,
+            "fallback": reason,
+        }
 
 
 @dataclass
@@ -210,11 +235,20 @@ class _Step:
 class InjectionWorker:
     """Worker-side loads into one engine's paged caches, from a device arena of hot records."""
 
-    def __init__(self, store: FactStore, fingerprint: str, rope: RopeConfig, device_cache_bytes: int = DEFAULT_DEVICE_CACHE_BYTES,
-                 rotate_bytes: int = 256 << 20, tiers: TieredStore | None = None,
-                 step_writer: StepWriterFactory | None = None, placement: Sink | None = None,
-                 whole_load_bytes: int = 1 << 30, device_tenant_bytes: int | None = None,
-                 packed_inserter: PackedInserter | None = None) -> None:
+    def __init__(
+        self,
+        store: FactStore,
+        fingerprint: str,
+        rope: RopeConfig,
+        device_cache_bytes: int = DEFAULT_DEVICE_CACHE_BYTES,
+        rotate_bytes: int = 256 << 20,
+        tiers: TieredStore | None = None,
+        step_writer: StepWriterFactory | None = None,
+        placement: Sink | None = None,
+        whole_load_bytes: int = 1 << 30,
+        device_tenant_bytes: int | None = None,
+        packed_inserter: PackedInserter | None = None,
+    ) -> None:
         self._store = store
         self._fingerprint = fingerprint
         self._rope = rope
@@ -253,13 +287,28 @@ class InjectionWorker:
         on_change = tracker.arena_changed if tracker is not None else None
         if self._tiers is not None and tracker is not None:  # an evicted record is reported once its tier entry exists
             on_change = lambda key, stamp, resident: self._streams.arena_changed(key, stamp, resident)  # noqa: E731
-        self._arena = DeviceArena(len(names), layout.num_kv_heads, layout.head_dim, first.device, self._device_cache_bytes,
-                                  on_evict=self._spill if self._tiers is not None else None, on_change=on_change,
-                                  tenant_bytes=self._device_tenant_bytes)
+        self._arena = DeviceArena(
+            len(names),
+            layout.num_kv_heads,
+            layout.head_dim,
+            first.device,
+            self._device_cache_bytes,
+            on_evict=self._spill if self._tiers is not None else None,
+            on_change=on_change,
+            tenant_bytes=self._device_tenant_bytes,
+        )
         if self._tiers is not None:
-            self._streams = TierStreams(self._tiers, self._arena, self._rope, layout, self._table, self._fail,
-                                        whole_load_bytes=self._whole_load_bytes, packed_inserter=self._packed_inserter,
-                                        on_arena_change=tracker.arena_changed if tracker is not None else None)
+            self._streams = TierStreams(
+                self._tiers,
+                self._arena,
+                self._rope,
+                layout,
+                self._table,
+                self._fail,
+                whole_load_bytes=self._whole_load_bytes,
+                packed_inserter=self._packed_inserter,
+                on_arena_change=tracker.arena_changed if tracker is not None else None,
+            )
             if tracker is not None:
                 tiers = self._tiers
                 tiers.listen(lambda key, tier: tracker.tier_moved(key, tier, tiers.label_of(key)))
@@ -299,8 +348,11 @@ class InjectionWorker:
                 self._fail(load, str(exc))
         if not arena_parts and not own:
             return
-        sources = ([_Source(self._arena.k, self._arena.v, sum(load.end - load.begin for _, load in arena_parts))]
-                   if arena_parts else [])
+        sources = (
+            [_Source(self._arena.k, self._arena.v, sum(load.end - load.begin for _, load in arena_parts))]
+            if arena_parts
+            else []
+        )
         sources += [source for source, _ in own]
         ordered = [load for _, load in arena_parts] + [load for _, load in own]
         rows = [run for runs, _ in arena_parts for run in runs] + [array("q", range(source.count)) for source, _ in own]
@@ -455,8 +507,12 @@ class InjectionWorker:
         evictions = self._arena.evictions
         if self._tiers is None and evictions and evictions // 1000 != self._thrash_warned:
             self._thrash_warned = evictions // 1000
-            log.warning("device arena (%d tokens) evicted %d records that are read again from the fact store: raise "
-                        "device_cache_bytes or configure lower tiers", self._arena.capacity_tokens, evictions)
+            log.warning(
+                "device arena (%d tokens) evicted %d records that are read again from the fact store: raise "
+                "device_cache_bytes or configure lower tiers",
+                self._arena.capacity_tokens,
+                evictions,
+            )
 
     def _own_copy(self, load: LoadSpec) -> _Source:
         """The load's K/V copied to the device for this step only (when the arena cannot take them)."""

@@ -112,8 +112,10 @@ def pack(entries: list[RawEntry], dtype: torch.dtype, device: torch.device) -> P
     for at, source in sources:
         flat[at : at + source.numel()].copy_(source, non_blocking=True)
     starts = [0, *itertools.accumulate(entry.tokens for entry in entries)]
-    rows = [(*(placed[e.buffer.data_ptr()] + o for o in e.offsets), e.codes_stride, e.scales_stride, e.tokens, first)
-            for e, first in zip(entries, starts)]
+    rows = [
+        (*(placed[e.buffer.data_ptr()] + o for o in e.offsets), e.codes_stride, e.scales_stride, e.tokens, first)
+        for e, first in zip(entries, starts)
+    ]
     owner = array("q")
     for index, entry in enumerate(entries):
         owner.extend(array("q", [index]) * entry.tokens)
@@ -143,7 +145,8 @@ def _shared_buffer(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]
     """The host buffer all `tensors` are contiguous views of (as bytes) and their byte offsets in it, or None."""
     storage = tensors[0].untyped_storage()
     if tensors[0].device.type != "cpu" or any(
-            t.untyped_storage().data_ptr() != storage.data_ptr() or not t.is_contiguous() for t in tensors):
+        t.untyped_storage().data_ptr() != storage.data_ptr() or not t.is_contiguous() for t in tensors
+    ):
         return None
     if storage.nbytes() > 2 * sum(t.numel() * t.element_size() for t in tensors) + 4 * ALIGN:
         return None  # views of something larger: copying all of it would move unrelated bytes

@@ -108,21 +108,29 @@ class CacheTarget:
 def slot_mapping(block_ids: Sequence[int], begin: int, end: int, block_size: int) -> torch.Tensor:
     """Cache slots of token positions `begin..end-1` of a request whose blocks are `block_ids` (from 0)."""
     if end > len(block_ids) * block_size:
-        raise LayoutError(f"positions up to {end} need {-(-end // block_size)} blocks, the request has {len(block_ids)}")
+        raise LayoutError(
+            f"positions up to {end} need {-(-end // block_size)} blocks, the request has {len(block_ids)}"
+        )
     positions = torch.arange(begin, end)
-    table = torch.frombuffer(array("q", block_ids), dtype=torch.int64) if block_ids else torch.empty(0, dtype=torch.int64)
+    table = (
+        torch.frombuffer(array("q", block_ids), dtype=torch.int64) if block_ids else torch.empty(0, dtype=torch.int64)
+    )
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def step_slots(loads: Sequence, block_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def step_slots(
+    loads: Sequence, block_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions and cache slots of every token of a step's loads (each with `begin`, `end` and `block_ids` from
     position 0), in load order, on `device`: `slot_mapping` of each, joined. The host sends one small copy (each
     load's begin, count and blocks) and the device expands it, whatever the number of tokens."""
     counts, offsets, tables, table_size = [], [], [], 0
     for load in loads:
         if load.end > len(load.block_ids) * block_size:
-            raise LayoutError(f"positions up to {load.end} need {-(-load.end // block_size)} blocks, "
-                              f"the request has {len(load.block_ids)}")
+            raise LayoutError(
+                f"positions up to {load.end} need {-(-load.end // block_size)} blocks, "
+                f"the request has {len(load.block_ids)}"
+            )
         counts.append(load.end - load.begin)
         offsets.append(table_size)
         tables.append(array("q", load.block_ids))
@@ -139,7 +147,9 @@ def step_slots(loads: Sequence, block_size: int, device: torch.device | str = "c
     counts_t, offsets_t, begins_t, table = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n], packed[3 * n :]
     total = sum(counts)  # known here: the expansions need no device-to-host sync
     firsts = torch.cumsum(counts_t, 0) - counts_t  # where each load's tokens start in the step
-    positions = torch.arange(total, device=device) - torch.repeat_interleave(firsts - begins_t, counts_t, output_size=total)
+    positions = torch.arange(total, device=device) - torch.repeat_interleave(
+        firsts - begins_t, counts_t, output_size=total
+    )
     blocks = table[torch.repeat_interleave(offsets_t, counts_t, output_size=total) + positions // block_size]
     return positions, blocks * block_size + positions % block_size
 
@@ -175,8 +185,10 @@ def detect_layout(
     """
     candidates = candidate_layouts(cache.shape, block_size, num_kv_heads, head_dim)
     if not candidates:
-        raise LayoutError(f"no known paged layout has shape {tuple(cache.shape)} "
-                          f"(block {block_size}, {num_kv_heads} kv heads, head dim {head_dim})")
+        raise LayoutError(
+            f"no known paged layout has shape {tuple(cache.shape)} "
+            f"(block {block_size}, {num_kv_heads} kv heads, head dim {head_dim})"
+        )
     if engine_write is None:
         if len(candidates) > 1:
             raise LayoutError(f"shape {tuple(cache.shape)} fits {len(candidates)} layouts; a write probe is needed")

@@ -47,8 +47,9 @@ class MemoryPlan:
             raise PlanError(f"a memory plan names 1..{MAX_RECORDS} records, got {len(self.record_ids)}")
         if self.store_version < 0 or self.region_start < 0:
             raise PlanError("store_version and region_start must be >= 0")
-        if self.importance and (len(self.importance) != len(self.record_ids)
-                                or not all(math.isfinite(x) for x in self.importance)):
+        if self.importance and (
+            len(self.importance) != len(self.record_ids) or not all(math.isfinite(x) for x in self.importance)
+        ):
             raise PlanError("importance must give one finite number per record")
 
     @property
@@ -60,9 +61,15 @@ class MemoryPlan:
 
     def to_params(self) -> dict[str, Any]:
         """The `kv_transfer_params` entry for this plan (JSON-safe)."""
-        return {PLAN_KEY: {"tenant_id": self.tenant_id, "record_ids": list(self.record_ids),
-                           "store_version": self.store_version, "region_start": self.region_start,
-                           **({"importance": list(self.importance)} if self.importance else {})}}
+        return {
+            PLAN_KEY: {
+                "tenant_id": self.tenant_id,
+                "record_ids": list(self.record_ids),
+                "store_version": self.store_version,
+                "region_start": self.region_start,
+                **({"importance": list(self.importance)} if self.importance else {}),
+            }
+        }
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> "MemoryPlan | None":
@@ -71,9 +78,13 @@ class MemoryPlan:
             return None
         raw = params[PLAN_KEY]
         try:
-            return cls(tenant_id=raw["tenant_id"], record_ids=tuple(raw["record_ids"]),
-                       store_version=int(raw["store_version"]), region_start=int(raw.get("region_start", 0)),
-                       importance=tuple(float(x) for x in raw.get("importance", ())))
+            return cls(
+                tenant_id=raw["tenant_id"],
+                record_ids=tuple(raw["record_ids"]),
+                store_version=int(raw["store_version"]),
+                region_start=int(raw.get("region_start", 0)),
+                importance=tuple(float(x) for x in raw.get("importance", ())),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"malformed memory plan: {exc}") from None
 
@@ -114,8 +125,14 @@ class CapturePlan:
         return max(s.end for s in self.spans)
 
     def to_params(self) -> dict[str, Any]:
-        return {CAPTURE_KEY: {"tenant_id": self.tenant_id, "window": self.window, "version": self.version,
-                              "spans": [[s.fact_id, s.begin, s.end] for s in self.spans]}}
+        return {
+            CAPTURE_KEY: {
+                "tenant_id": self.tenant_id,
+                "window": self.window,
+                "version": self.version,
+                "spans": [[s.fact_id, s.begin, s.end] for s in self.spans],
+            }
+        }
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> "CapturePlan | None":

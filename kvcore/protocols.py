@@ -34,6 +34,4 @@ class KVForward(Protocol):
     their row. Returns `(keys, values)`, each `[layers, batch, kv_heads, tokens, head_dim]`.
     """
 
-    def __call__(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -25,7 +25,9 @@ class Quantized:
         return self.codes.numel() + self.scales.numel() * 4
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Quantized":
-        return Quantized(self.codes.to(device, non_blocking=non_blocking), self.scales.to(device, non_blocking=non_blocking))
+        return Quantized(
+            self.codes.to(device, non_blocking=non_blocking), self.scales.to(device, non_blocking=non_blocking)
+        )
 
     def layer(self, index: int) -> "Quantized":
         return Quantized(self.codes[index], self.scales[index])
@@ -48,15 +50,18 @@ def quantize_many(xs: list[torch.Tensor], joined: bool | None = None) -> list[Qu
         return [quantize(x) for x in xs]
     lengths = [x.shape[-2] for x in xs]
     together = torch.cat(xs, dim=-2).float()
-    owner = torch.repeat_interleave(torch.arange(len(xs), device=together.device),
-                                    torch.tensor(lengths, device=together.device))
+    owner = torch.repeat_interleave(
+        torch.arange(len(xs), device=together.device), torch.tensor(lengths, device=together.device)
+    )
     amax = together.new_zeros((*together.shape[:-2], len(xs), together.shape[-1]))
     index = owner.view(*[1] * (together.dim() - 2), -1, 1).expand_as(together)
     amax.scatter_reduce_(-2, index, together.abs(), "amax")
     scales = amax.clamp(min=1e-12) / 127.0
     codes = torch.round(together / scales.index_select(-2, owner)).clamp(-127, 127).to(torch.int8)
     starts = [0, *itertools.accumulate(lengths)]
-    return [Quantized(codes[..., a:b, :], scales[..., i : i + 1, :]) for i, (a, b) in enumerate(zip(starts, starts[1:]))]
+    return [
+        Quantized(codes[..., a:b, :], scales[..., i : i + 1, :]) for i, (a, b) in enumerate(zip(starts, starts[1:]))
+    ]
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:

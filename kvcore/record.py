@@ -43,14 +43,24 @@ class EncodingParams:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"window": self.window, "model_fingerprint": self.model_fingerprint, "rope": self.rope.to_dict(), "dtype": self.dtype},
+            {
+                "window": self.window,
+                "model_fingerprint": self.model_fingerprint,
+                "rope": self.rope.to_dict(),
+                "dtype": self.dtype,
+            },
             sort_keys=True,
         )
 
     @classmethod
     def from_json(cls, text: str) -> "EncodingParams":
         raw = json.loads(text)
-        return cls(window=int(raw["window"]), model_fingerprint=raw["model_fingerprint"], rope=RopeConfig(**raw["rope"]), dtype=raw["dtype"])
+        return cls(
+            window=int(raw["window"]),
+            model_fingerprint=raw["model_fingerprint"],
+            rope=RopeConfig(**raw["rope"]),
+            dtype=raw["dtype"],
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,7 +80,9 @@ class FactKV:
         check_identifier("tenant id", self.tenant_id)
         check_identifier("fact id", self.fact_id)
         if self.k.shape != self.v.shape or self.k.dim() != 4:
-            raise IncompatibleRecordsError(f"K {tuple(self.k.shape)} and V {tuple(self.v.shape)} must both be [L, H, T, D]")
+            raise IncompatibleRecordsError(
+                f"K {tuple(self.k.shape)} and V {tuple(self.v.shape)} must both be [L, H, T, D]"
+            )
         if self.k.shape[2] != len(self.token_ids):
             raise IncompatibleRecordsError(f"K has {self.k.shape[2]} tokens but the record names {len(self.token_ids)}")
         if self.k.dtype != self.v.dtype or dtype_name(self.k.dtype) != self.params.dtype:
@@ -185,7 +197,9 @@ def read_info_from(handle: BinaryIO, path: Path) -> RecordInfo:
     meta = _metadata(header, path)
     params = _check_fingerprint(meta, path, None)
     try:
-        return RecordInfo(meta["tenant_id"], meta["fact_id"], tuple(json.loads(meta["token_ids"])), params, int(meta["version"]))
+        return RecordInfo(
+            meta["tenant_id"], meta["fact_id"], tuple(json.loads(meta["token_ids"])), params, int(meta["version"])
+        )
     except (TypeError, ValueError) as exc:
         raise RecordCorruptError(f"{path}: header is inconsistent ({exc})") from None
 

@@ -68,9 +68,7 @@ class RopeConfig:
             factor=float(params.get("factor", 1.0)),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position=params.get(
-                "original_max_position_embeddings", config.get("max_position_embeddings")
-            ),
+            original_max_position=params.get("original_max_position_embeddings", config.get("max_position_embeddings")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,9 +113,7 @@ def _llama3_schedule(inv: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def cos_sin(
-    positions: torch.Tensor, rope: RopeConfig, seq_len: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(positions: torch.Tensor, rope: RopeConfig, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos and sin of `positions[..., None] * inv_freq`, shape `[*positions.shape, dim/2]`."""
     inv = _inverse_frequencies(rope, seq_len if rope.rope_type == "dynamic" else None, str(positions.device))
     angles = positions.to(torch.float32)[..., None] * inv  # [..., T, dim/2]
@@ -142,8 +138,13 @@ def rotate(
 
 
 def apply_rotation(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RopeConfig, *,
-    table_dtype: torch.dtype | None = None, invert: bool = False,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rope: RopeConfig,
+    *,
+    table_dtype: torch.dtype | None = None,
+    invert: bool = False,
 ) -> torch.Tensor:
     """Rotate `x` by precomputed `cos`/`sin` (from `cos_sin`), so many layers can share one table.
 
@@ -184,7 +185,12 @@ def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torc
         half = rope.dim // 2
         x1, x2, o1, o2 = x[..., :half], x[..., half : rope.dim], out[..., :half], out[..., half : rope.dim]
     else:
-        x1, x2, o1, o2 = x[..., 0 : rope.dim : 2], x[..., 1 : rope.dim : 2], out[..., 0 : rope.dim : 2], out[..., 1 : rope.dim : 2]
+        x1, x2, o1, o2 = (
+            x[..., 0 : rope.dim : 2],
+            x[..., 1 : rope.dim : 2],
+            out[..., 0 : rope.dim : 2],
+            out[..., 1 : rope.dim : 2],
+        )
     torch.addcmul(x1 * cos, x2, sin, value=-1, out=o1)
     torch.addcmul(x2 * cos, x1, sin, value=1, out=o2)
     if rope.dim < rope.head_dim:

@@ -12,8 +12,8 @@ import os
 import struct
 import tempfile
 import zlib
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import BinaryIO, Mapping, Sequence
 
 import torch
@@ -38,8 +38,14 @@ CRC_KEY = "crc32"  # metadata entry: JSON {tensor name: CRC32 of its bytes}, whe
 DATA_CRC_KEY = "crc32_data"  # metadata entry: CRC32 of the whole data section, when asked for (one check per read)
 
 
-def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], durable: bool = True,
-                 checksums: bool = False, data_checksum: bool = False) -> None:
+def write_atomic(
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str],
+    durable: bool = True,
+    checksums: bool = False,
+    data_checksum: bool = False,
+) -> None:
     """Write `tensors` in the given order; the file appears complete or not at all.
 
     `durable=False` skips the fsync: for caches whose readers verify checksums (a torn file after a power
@@ -49,8 +55,12 @@ def write_atomic(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapp
     write_many_atomic([(Path(path), tensors, metadata)], durable, checksums, data_checksum)
 
 
-def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Mapping[str, str]]],
-                      durable: bool = True, checksums: bool = False, data_checksum: bool = False) -> None:
+def write_many_atomic(
+    files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Mapping[str, str]]],
+    durable: bool = True,
+    checksums: bool = False,
+    data_checksum: bool = False,
+) -> None:
     """Write several files, each complete or not at all: the temporary files written and fsynced side by side
     on a pool of threads (the writes and checksums release the GIL; the filesystem commits its journal for the
     group), then the renames and one fsync per folder. A failure removes the temporary files and leaves the
@@ -62,8 +72,10 @@ def write_many_atomic(files: Sequence[tuple[Path, Mapping[str, torch.Tensor], Ma
     for folder in {path.parent for path, _, _ in files}:
         folder.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(min(8, len(files)) or 1) as pool:
-        futures = [pool.submit(_write_temporary, path, blobs, metadata, checksums, durable, data_checksum)
-                   for (path, _, metadata), blobs in zip(files, laid_out)]
+        futures = [
+            pool.submit(_write_temporary, path, blobs, metadata, checksums, durable, data_checksum)
+            for (path, _, metadata), blobs in zip(files, laid_out)
+        ]
         for future, (path, _, _) in zip(futures, files):
             try:
                 staged.append((future.result(), path))
@@ -93,8 +105,14 @@ def _lay_out(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, str, list[i
     return out
 
 
-def _write_temporary(path: Path, blobs: list[tuple[str, str, list[int], memoryview]], metadata: Mapping[str, str],
-                     checksums: bool, durable: bool = False, data_checksum: bool = False) -> str:
+def _write_temporary(
+    path: Path,
+    blobs: list[tuple[str, str, list[int], memoryview]],
+    metadata: Mapping[str, str],
+    checksums: bool,
+    durable: bool = False,
+    data_checksum: bool = False,
+) -> str:
     """The file's bytes under a temporary name next to `path`, in one gathered write (no copies of the tensors),
     fsynced before it is closed when `durable`."""
     header: dict[str, object] = {"__metadata__": dict(metadata)}
@@ -200,5 +218,9 @@ def read_tensor(handle: BinaryIO, path: Path, header: dict, data_start: int, nam
     raw = handle.read(end - begin)
     if len(raw) != end - begin:
         raise RecordCorruptError(f"{path}: tensor {name!r} is truncated")
-    tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
+    tensor = (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+        if raw
+        else torch.empty(shape, dtype=dtype)
+    )
     return tensor, raw

@@ -169,8 +169,11 @@ class LocalFactStore:
         key = (tenant_id, record_id)
         path = self._paths.get(key)
         if path is None:
-            path = os.path.join(self.root, check_identifier("tenant id", tenant_id),
-                                f"{check_identifier('fact id', record_id)}.safetensors")
+            path = os.path.join(
+                self.root,
+                check_identifier("tenant id", tenant_id),
+                f"{check_identifier('fact id', record_id)}.safetensors",
+            )
             if len(self._paths) >= _MAX_INFOS:
                 self._paths.clear()
             self._paths[key] = path

@@ -82,17 +82,27 @@ class _Stream:
 
 
 class TierStreams:
-    def __init__(self, tiers: TieredStore, arena: DeviceArena, rope: RopeConfig, layout: PagedLayout,
-                 table: RotationTable, on_fail: Callable[[object, str], None],
-                 on_arena_change: Callable[[tuple[str, str], Stamp, bool], None] | None = None,
-                 whole_load_bytes: int = 1 << 30, packed_inserter: PackedInserter | None = None) -> None:
+    def __init__(
+        self,
+        tiers: TieredStore,
+        arena: DeviceArena,
+        rope: RopeConfig,
+        layout: PagedLayout,
+        table: RotationTable,
+        on_fail: Callable[[object, str], None],
+        on_arena_change: Callable[[tuple[str, str], Stamp, bool], None] | None = None,
+        whole_load_bytes: int = 1 << 30,
+        packed_inserter: PackedInserter | None = None,
+    ) -> None:
         self._tiers, self._arena, self._rope, self._layout, self._table = tiers, arena, rope, layout, table
         self._whole_load_bytes = whole_load_bytes  # tier bytes of a load below which it is loaded before the forward
         self._insert: PackedInserter = packed_inserter or insert_packed
         self._on_fail = on_fail  # (load, reason): its blocks are reported failed
         self._streams: list[_Stream] = []
         self._ahead = LayerAhead(arena.device)
-        self._spills: list[tuple[tuple[tuple[str, str], torch.Tensor, torch.Tensor, str], float]] = []  # (item, importance)
+        self._spills: list[
+            tuple[tuple[tuple[str, str], torch.Tensor, torch.Tensor, str], float]
+        ] = []  # (item, importance)
         self._importance: dict[tuple[str, str], float] = {}  # (tenant, record) -> its last retrieval score
         self._on_arena_change = on_arena_change
         self._spilling: set[tuple[tuple[str, str], Stamp]] = set()
@@ -138,19 +148,25 @@ class TierStreams:
         tenant = load.plan.tenant_id
         weights = self._weigh(load.plan)
         resident = [self._arena.rows((tenant, record_id), stamp) for record_id, stamp, _, _ in spans]
-        if not any(rows is None and tier_key(tenant, r, st) in self._tiers for rows, (r, st, _, _) in zip(resident, spans)):
+        if not any(
+            rows is None and tier_key(tenant, r, st) in self._tiers for rows, (r, st, _, _) in zip(resident, spans)
+        ):
             return False
         parts: list[_Part] = []
         try:
             for rows, (record_id, stamp, lo, hi) in zip(resident, spans):
                 if rows is not None:
-                    parts.append(_Part(record_id, stamp, lo, hi, torch.tensor(rows[lo:hi], device=self._arena.device), None))
+                    parts.append(
+                        _Part(record_id, stamp, lo, hi, torch.tensor(rows[lo:hi], device=self._arena.device), None)
+                    )
                     continue
                 key = tier_key(tenant, record_id, stamp)
                 weight = weights.get(record_id)
                 if key not in self._tiers:  # neither here nor there: it joins the load through the tiers
                     record = fetch(tenant, record_id, stamp, hi)
-                    self._tiers.put(key, record.k, record.v, importance=weight or 0.0, label=tier_label(record_id, stamp))
+                    self._tiers.put(
+                        key, record.k, record.v, importance=weight or 0.0, label=tier_label(record_id, stamp)
+                    )
                 parts.append(_Part(record_id, stamp, lo, hi, None, self._tiers.begin_load(key, weight)))
         except BaseException:
             self._unpin(parts)
@@ -158,7 +174,9 @@ class TierStreams:
         if self._load_whole(tenant, parts):
             self._unpin(parts)
             return False
-        self._tiers.prefetch([part.reader.key for part in parts if part.reader is not None])  # all files read ahead at once
+        self._tiers.prefetch(
+            [part.reader.key for part in parts if part.reader is not None]
+        )  # all files read ahead at once
         device = self._arena.device
         slots = slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size).to(device)
         self._table.reserve(load.end)
@@ -190,8 +208,11 @@ class TierStreams:
         takes less time than that work, so it is cheaper to pay it once, in front. False (then streamed) above
         it, when an entry is kept at full precision or proves damaged, or when the arena cannot take them."""
         tiered = [p for p in parts if p.reader is not None]
-        if (not tiered or sum(p.reader.nbytes for p in tiered) > self._whole_load_bytes
-                or len({p.reader.dtype for p in tiered}) != 1):
+        if (
+            not tiered
+            or sum(p.reader.nbytes for p in tiered) > self._whole_load_bytes
+            or len({p.reader.dtype for p in tiered}) != 1
+        ):
             return False
         device = self._arena.device
         try:
@@ -216,7 +237,11 @@ class TierStreams:
 
     def _read_ahead(self, stream: _Stream, index: int) -> None:
         """Start reading layer `index` of the stream's tier parts while the engine computes the layer before."""
-        parts = [p for p in stream.parts if p.reader is not None and index < p.reader.layers and self._ahead.worth_it(p.reader)]
+        parts = [
+            p
+            for p in stream.parts
+            if p.reader is not None and index < p.reader.layers and self._ahead.worth_it(p.reader)
+        ]
         if not parts:
             return
         if stream.batch is None or [id(p) for p in stream.batch[0]] != [id(p) for p in parts]:  # a part dropped since
@@ -247,7 +272,9 @@ class TierStreams:
                 else:
                     if joined is not None:  # split by part for the part-by-part path
                         k, v, starts = joined
-                        stream.ready = {id(p): (k[:, a:b], v[:, a:b]) for p, a, b in zip(stream.batch[0], starts, starts[1:])}
+                        stream.ready = {
+                            id(p): (k[:, a:b], v[:, a:b]) for p, a, b in zip(stream.batch[0], starts, starts[1:])
+                        }
                     keys, values = self._gather_parts(stream, index)
             except (KVCoreError, OSError) as exc:
                 stream.failed = True

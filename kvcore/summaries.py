@@ -59,11 +59,14 @@ def summarize(keys: torch.Tensor, spans: list[tuple[int, int]], rope: RopeConfig
         norms.append(torch.sqrt(chunk[..., first] ** 2 + chunk[..., second] ** 2).amax(dim=2))
         low.append(relative[:, :, start:end].amin(dim=2))
         high.append(relative[:, :, start:end].amax(dim=2))
-    return ChunkSummaries(torch.tensor(spans, dtype=torch.long), torch.stack(norms), torch.stack(low), torch.stack(high))
+    return ChunkSummaries(
+        torch.tensor(spans, dtype=torch.long), torch.stack(norms), torch.stack(low), torch.stack(high)
+    )
 
 
-def upper_bound(summaries: ChunkSummaries, query: torch.Tensor, query_position: int, fact_start: int,
-                rope: RopeConfig) -> torch.Tensor:
+def upper_bound(
+    summaries: ChunkSummaries, query: torch.Tensor, query_position: int, fact_start: int, rope: RopeConfig
+) -> torch.Tensor:
     """Upper bound `[C, L, H]` of max q·k over each chunk's keys, the fact placed at `fact_start`.
 
     `query` `[L, H, D]` is the pre-RoPE query (one per KV head: take the max over a GQA group outside).
@@ -84,17 +87,27 @@ def upper_bound(summaries: ChunkSummaries, query: torch.Tensor, query_position: 
     return (pairs + passthrough + rounding.sum(-1)).float()
 
 
-def exact_max_scores(keys: torch.Tensor, spans: list[tuple[int, int]], query: torch.Tensor, query_position: int,
-                     fact_start: int, rope: RopeConfig) -> torch.Tensor:
+def exact_max_scores(
+    keys: torch.Tensor,
+    spans: list[tuple[int, int]],
+    query: torch.Tensor,
+    query_position: int,
+    fact_start: int,
+    rope: RopeConfig,
+) -> torch.Tensor:
     """The true max of q·k over each chunk `[C, L, H]` with both rotated to their positions (for tests)."""
     positions = torch.arange(keys.shape[2], device=keys.device) + fact_start
     rotated_k = rotate(keys.double(), positions, rope)  # [L, H, T, D]
-    rotated_q = rotate(query.double()[..., None, :], torch.tensor([query_position], device=keys.device), rope)[..., 0, :]
+    rotated_q = rotate(query.double()[..., None, :], torch.tensor([query_position], device=keys.device), rope)[
+        ..., 0, :
+    ]
     scores = torch.einsum("lhtd,lhd->lht", rotated_k, rotated_q)
     return torch.stack([scores[..., s:e].amax(-1) for s, e in spans]).float()
 
 
-def adaptive_spans(importance: torch.Tensor, min_size: int = 4, max_size: int = 32, share: float = 0.25) -> list[tuple[int, int]]:
+def adaptive_spans(
+    importance: torch.Tensor, min_size: int = 4, max_size: int = 32, share: float = 0.25
+) -> list[tuple[int, int]]:
     """Chunk a fact so important regions get small chunks (tight bounds) and quiet runs big ones.
 
     A span is split in half while it is longer than `max_size`, or holds more than `share` of the fact's

@@ -73,8 +73,9 @@ class DiskFile:
         except (OSError, ValueError) as exc:  # gone, or a header that parses but lies
             self.close()
             raise RecordCorruptError(f"{path}: cannot be read ({exc})") from None
-        self._data_end = max((info["data_offsets"][1] for name, info in self._header.items() if name != "__metadata__"),
-                             default=0)
+        self._data_end = max(
+            (info["data_offsets"][1] for name, info in self._header.items() if name != "__metadata__"), default=0
+        )
         self._located: tuple[int, list[tuple[list[str], list[dict]]]] | None = None
 
     @property
@@ -120,8 +121,9 @@ class DiskFile:
         if stride % 4 or any(o % 4 for o in offsets[1::2]):
             return None
         heads, tokens, dim = firsts[0]["shape"]
-        if firsts[1]["shape"] != [heads, 1, dim] or any(dtype_of(i["dtype"]) != d for i, d in
-                                                         zip(firsts, (torch.int8, torch.float32) * 2)):
+        if firsts[1]["shape"] != [heads, 1, dim] or any(
+            dtype_of(i["dtype"]) != d for i, d in zip(firsts, (torch.int8, torch.float32) * 2)
+        ):
             raise RecordCorruptError(f"{self.path}: codes and scales do not match")
         return RawEntry(buffer, offsets, stride, stride, tokens, (layers, heads, dim))
 
@@ -233,7 +235,8 @@ def layer_stride(layers: list[list[dict]]) -> int | None:
     stride = layers[1][0]["data_offsets"][0] - first[0]["data_offsets"][0] if len(layers) > 1 else 0
     for index, infos in enumerate(layers):
         for info, base in zip(infos, first):
-            if (info["dtype"], info["shape"]) != (base["dtype"], base["shape"]) \
-                    or info["data_offsets"][0] != base["data_offsets"][0] + index * stride:
+            if (info["dtype"], info["shape"]) != (base["dtype"], base["shape"]) or info["data_offsets"][0] != base[
+                "data_offsets"
+            ][0] + index * stride:
                 return None
     return stride

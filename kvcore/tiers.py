@@ -181,13 +181,17 @@ class _Resident:
         positions = sorted(entries)
         first = entries[positions[0]][0].codes
         lengths = [entries[i][0].codes.shape[2] for i in positions]
-        codes = torch.empty((2, first.shape[0], first.shape[1], sum(lengths), first.shape[3]), dtype=torch.int8, device=device)
+        codes = torch.empty(
+            (2, first.shape[0], first.shape[1], sum(lengths), first.shape[3]), dtype=torch.int8, device=device
+        )
         scales = torch.empty((2, first.shape[0], first.shape[1], len(positions), first.shape[3]), device=device)
         moved = [_to_device(entries[i], device) for i in positions]
         for side in (0, 1):
             torch.cat([entry[side].codes for entry in moved], dim=2, out=codes[side])
             torch.cat([entry[side].scales for entry in moved], dim=2, out=scales[side])
-        owner = torch.repeat_interleave(torch.arange(len(positions)), torch.tensor(lengths)).to(device, non_blocking=True)
+        owner = torch.repeat_interleave(torch.arange(len(positions)), torch.tensor(lengths)).to(
+            device, non_blocking=True
+        )
         return cls(positions, codes, scales, owner, [0, *itertools.accumulate(lengths)], readers[positions[0]].dtype)
 
     def values(self, index: int) -> torch.Tensor:
@@ -198,7 +202,9 @@ class _Resident:
         if not self.positions:
             return {}
         values = self.values(index)
-        return {i: (values[0, :, a:b], values[1, :, a:b]) for i, a, b in zip(self.positions, self.starts, self.starts[1:])}
+        return {
+            i: (values[0, :, a:b], values[1, :, a:b]) for i, a, b in zip(self.positions, self.starts, self.starts[1:])
+        }
 
 
 def _shape_key(dtype: torch.dtype, codes: Quantized) -> tuple:
@@ -208,10 +214,20 @@ def _shape_key(dtype: torch.dtype, codes: Quantized) -> tuple:
 
 
 class TieredStore:
-    def __init__(self, device: torch.device | str, gpu_bytes: int, cpu_bytes: int, disk_dir: Path, *,
-                 compress_lower: bool = True, age_scale_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 on_move: Callable[[Key, Tier | None], None] = lambda key, tier: None, write_behind: bool = False,
-                 disk_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str,
+        gpu_bytes: int,
+        cpu_bytes: int,
+        disk_dir: Path,
+        *,
+        compress_lower: bool = True,
+        age_scale_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_move: Callable[[Key, Tier | None], None] = lambda key, tier: None,
+        write_behind: bool = False,
+        disk_bytes: int | None = None,
+    ) -> None:
         self.device = torch.device(device)
         # the disk tier is a cache too (every record is canonical in the fact store): past `disk_bytes` its
         # lowest-scoring entries are dropped, so a long-lived replica never fills its volume
@@ -254,7 +270,9 @@ class TieredStore:
 
     def prefetch(self, keys: list[Key]) -> None:
         """Ask the kernel to start reading the disk entries among `keys` now (layer reads then hit memory)."""
-        advise_willneed([e.data for e in (self._entries.get(k) for k in keys) if e is not None and isinstance(e.data, Path)])
+        advise_willneed(
+            [e.data for e in (self._entries.get(k) for k in keys) if e is not None and isinstance(e.data, Path)]
+        )
 
     def flush(self) -> None:
         """Wait until every disk file queued so far is written."""
@@ -308,7 +326,11 @@ class TieredStore:
                 return file.read_raw(reader.layers, buffer, at)
 
         jobs = list(zip(files, starts, starts[1:]))
-        return list(self._file_readers.map(read, jobs)) if self._reader_count > 1 and len(jobs) > 1 else list(map(read, jobs))
+        return (
+            list(self._file_readers.map(read, jobs))
+            if self._reader_count > 1 and len(jobs) > 1
+            else list(map(read, jobs))
+        )
 
     # ---- writes ----
     def put(self, key: Key, k: torch.Tensor, v: torch.Tensor, importance: float = 0.0, label: str = "") -> Tier:
@@ -321,7 +343,9 @@ class TieredStore:
         raise AssertionError("unreachable: the disk tier always has room")
 
     @contextmanager
-    def _new_entry(self, key: Key, layers: int, dtype: torch.dtype, label: str, importance: float = 0.0) -> Iterator[_Entry]:
+    def _new_entry(
+        self, key: Key, layers: int, dtype: torch.dtype, label: str, importance: float = 0.0
+    ) -> Iterator[_Entry]:
         """A fresh entry under `key` (replacing any old one), protected from eviction while it finds its place."""
         _check_key(key)
         if key in self._entries:
@@ -334,7 +358,9 @@ class TieredStore:
         finally:
             entry.loading -= 1
 
-    def spill_many(self, items: list[tuple[Key, torch.Tensor, torch.Tensor, str]], importance: list[float] | None = None) -> None:
+    def spill_many(
+        self, items: list[tuple[Key, torch.Tensor, torch.Tensor, str]], importance: list[float] | None = None
+    ) -> None:
         """Entries leaving the device (a step's evictions: key, K, V `[L, H, T, D]`, label; optionally each one's
         importance) into host memory or disk: quantized together where they lie and copied to the host with one
         wait at the end, instead of a quantization and a synchronizing copy each."""
@@ -350,8 +376,15 @@ class TieredStore:
         for (key, k, _, label), host, weight in zip(items, hosts, weights):
             self._put_packed(key, host, k.shape[0], k.dtype, label, weight)
 
-    def _put_packed(self, key: Key, packed: tuple[object, object], layers: int, dtype: torch.dtype, label: str,
-                    importance: float = 0.0) -> Tier:
+    def _put_packed(
+        self,
+        key: Key,
+        packed: tuple[object, object],
+        layers: int,
+        dtype: torch.dtype,
+        label: str,
+        importance: float = 0.0,
+    ) -> Tier:
         """A host-side entry into host memory if room can be made there, else to disk."""
         with self._new_entry(key, layers, dtype, label, importance) as entry:
             tier: Tier = "cpu" if self._make_room("cpu", sum(_nbytes(x) for x in packed), keep=key) else "disk"
@@ -441,8 +474,11 @@ class TieredStore:
         if nbytes > self._budget[tier]:
             return False
         while self._used[tier] + nbytes > self._budget[tier]:
-            movable = [(self._score(e), key) for key, e in self._entries.items()
-                       if e.tier == tier and not e.loading and key != keep and e.data is not None]
+            movable = [
+                (self._score(e), key)
+                for key, e in self._entries.items()
+                if e.tier == tier and not e.loading and key != keep and e.data is not None
+            ]
             if not movable:
                 return False
             _, victim = min(movable)
@@ -479,8 +515,11 @@ class TieredStore:
         """Drop the lowest-scoring disk entries (never one being loaded, nor `keep`) until the disk tier is
         within its budget; a dropped record is read from the fact store when next needed."""
         while self._used["disk"] > self._budget["disk"]:
-            movable = [(self._score(e), key) for key, e in self._entries.items()
-                       if e.tier == "disk" and not e.loading and key != keep and e.data is not None]
+            movable = [
+                (self._score(e), key)
+                for key, e in self._entries.items()
+                if e.tier == "disk" and not e.loading and key != keep and e.data is not None
+            ]
             if not movable:
                 return
             self.remove(min(movable)[1])
@@ -527,13 +566,22 @@ class TieredStore:
         for layer in range(first.shape[0]):
             for name, x in zip("kv", packed):
                 if isinstance(x, Quantized):
-                    tensors[f"{name}.{layer:03d}.codes"], tensors[f"{name}.{layer:03d}.scales"] = x.codes[layer], x.scales[layer]
+                    tensors[f"{name}.{layer:03d}.codes"], tensors[f"{name}.{layer:03d}.scales"] = (
+                        x.codes[layer],
+                        x.scales[layer],
+                    )
                 else:
                     tensors[f"{name}.{layer:03d}"] = x[layer].contiguous()
         entry = self._entries.get(key)
         dtype = entry.dtype if entry is not None else first.dtype
-        meta = {"tenant": key[0], "record": key[1], "layers": str(first.shape[0]), "dtype": str(dtype).split(".")[-1],
-                "quantized": str(isinstance(packed[0], Quantized)), "label": entry.label if entry is not None else ""}
+        meta = {
+            "tenant": key[0],
+            "record": key[1],
+            "layers": str(first.shape[0]),
+            "dtype": str(dtype).split(".")[-1],
+            "quantized": str(isinstance(packed[0], Quantized)),
+            "label": entry.label if entry is not None else "",
+        }
         if self._writer is None:
             write_tier_file(path, tensors, meta)
             return path, path.stat().st_size
@@ -541,7 +589,9 @@ class TieredStore:
         self._writer.submit(self._write_behind, key, pending, tensors, meta)
         return pending, sum(_nbytes(x) for x in packed)
 
-    def _write_behind(self, key: Key, pending: _Pending, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    def _write_behind(
+        self, key: Key, pending: _Pending, tensors: dict[str, torch.Tensor], meta: dict[str, str]
+    ) -> None:
         """On the writer thread: write the file, then point the entry at it (unless it left the disk meanwhile)."""
         if pending.cancelled:
             return
@@ -585,8 +635,9 @@ class TieredStore:
                 log.warning("tier file %s is unreadable (%s); removed", path, exc)
                 path.unlink(missing_ok=True)
                 continue
-            self._entries[key] = _Entry("disk", path, path.stat().st_size, layers, dtype,
-                                        last_use=self._clock(), label=meta.get("label", ""))
+            self._entries[key] = _Entry(
+                "disk", path, path.stat().st_size, layers, dtype, last_use=self._clock(), label=meta.get("label", "")
+            )
             self._used["disk"] += path.stat().st_size
 
 

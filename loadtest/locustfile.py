@@ -26,7 +26,12 @@ from locust import HttpUser, between, events, task
 NAMES = ["Maya", "Ravi", "Lena", "Tomas", "Aiko", "Omar", "Nina", "Jonas"]
 PETS = ["cat", "dog", "parrot", "rabbit"]
 CITIES = ["Porto", "Lyon", "Osaka", "Quito", "Tallinn", "Accra"]
-QUESTIONS = ["What pet does {n} have?", "Where does {n} live?", "What is {n} allergic to?", "What does {n} do for work?"]
+QUESTIONS = [
+    "What pet does {n} have?",
+    "Where does {n} live?",
+    "What is {n} allergic to?",
+    "What does {n} do for work?",
+]
 _tenants: list[tuple[str, str, str]] = []  # (tenant id, api key, person)
 _next = itertools.count()
 
@@ -40,17 +45,29 @@ def _options(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--write-ratio", type=float, default=0.1, help="share of tasks that write a memory")
     parser.add_argument("--admin-key", default=os.environ.get("INFERSCALE_ADMIN_KEY", ""))
-    parser.add_argument("--ack-log", default="", help="append `tenant<TAB>fact id<TAB>text` of every acknowledged write")
-    parser.add_argument("--keep-tenants", action="store_true", help="leave the tenants in place at the end (to audit them)")
-    parser.add_argument("--tenants-file", default="", help="JSON list of existing tenants {id, key, person} to load "
-                                                           "instead of creating (and removing) tenants")
+    parser.add_argument(
+        "--ack-log", default="", help="append `tenant<TAB>fact id<TAB>text` of every acknowledged write"
+    )
+    parser.add_argument(
+        "--keep-tenants", action="store_true", help="leave the tenants in place at the end (to audit them)"
+    )
+    parser.add_argument(
+        "--tenants-file",
+        default="",
+        help="JSON list of existing tenants {id, key, person} to load instead of creating (and removing) tenants",
+    )
 
 
 def facts_for(person: str, count: int, rng: random.Random) -> list[str]:
-    base = [f"{person} has a {rng.choice(PETS)} called {rng.choice(['Pixel', 'Tofu', 'Mango', 'Biscuit'])}.",
-            f"{person} lives in {rng.choice(CITIES)}.", f"{person} is allergic to {rng.choice(['peanuts', 'pollen', 'cats'])}.",
-            f"{person} works as a {rng.choice(['nurse', 'baker', 'pilot', 'teacher'])}."]
-    return (base + [f"{person} noted detail number {i}: {rng.choice(CITIES)} in {2000 + i}." for i in range(count)])[:count]
+    base = [
+        f"{person} has a {rng.choice(PETS)} called {rng.choice(['Pixel', 'Tofu', 'Mango', 'Biscuit'])}.",
+        f"{person} lives in {rng.choice(CITIES)}.",
+        f"{person} is allergic to {rng.choice(['peanuts', 'pollen', 'cats'])}.",
+        f"{person} works as a {rng.choice(['nurse', 'baker', 'pilot', 'teacher'])}.",
+    ]
+    return (base + [f"{person} noted detail number {i}: {rng.choice(CITIES)} in {2000 + i}." for i in range(count)])[
+        :count
+    ]
 
 
 @events.test_start.add_listener
@@ -69,8 +86,12 @@ def _create_tenants(environment, **_) -> None:
         created = requests.post(f"{environment.host}/v1/tenants", json={"id": tenant_id}, headers=admin, timeout=60)
         created.raise_for_status()
         key = created.json()["api_key"]
-        requests.post(f"{environment.host}/v1/memories", json={"facts": facts_for(person, options.facts, random.Random(i))},
-                      headers={"Authorization": f"Bearer {key}"}, timeout=120).raise_for_status()
+        requests.post(
+            f"{environment.host}/v1/memories",
+            json={"facts": facts_for(person, options.facts, random.Random(i))},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
+        ).raise_for_status()
         return tenant_id, key, person
 
     _tenants.extend(Pool(16).map(create, range(options.tenants)))  # greenlets: locust runs under gevent
@@ -105,12 +126,19 @@ class MemoryUser(HttpUser):
                 with open(self.options.ack_log, "a") as log:  # acknowledged: it must be stored, exactly once
                     log.write(f"{self.tenant_id}\t{answer.json()['results'][0]['id']}\t{text}\n")
             return
-        body = {"model": "inferscale-smollm2", "max_tokens": self.options.max_tokens,
-                "messages": [{"role": "user", "content": random.choice(QUESTIONS).format(n=self.person)}],
-                "memory": {"k": self.options.k, "mode": self.options.mode}}
-        with self.client.post("/v1/chat/completions", json=body, name=f"/v1/chat/completions [{self.options.mode}]",
-                              catch_response=True) as response:
+        body = {
+            "model": "inferscale-smollm2",
+            "max_tokens": self.options.max_tokens,
+            "messages": [{"role": "user", "content": random.choice(QUESTIONS).format(n=self.person)}],
+            "memory": {"k": self.options.k, "mode": self.options.mode},
+        }
+        with self.client.post(
+            "/v1/chat/completions", json=body, name=f"/v1/chat/completions [{self.options.mode}]", catch_response=True
+        ) as response:
             if response.status_code != 200:
                 response.failure(f"{response.status_code}: {response.text[:200]}")
-            elif self.options.mode == "inject" and response.json()["usage"]["prefilled_tokens"] >= response.json()["usage"]["prompt_tokens"] > 60:
+            elif (
+                self.options.mode == "inject"
+                and response.json()["usage"]["prefilled_tokens"] >= response.json()["usage"]["prompt_tokens"] > 60
+            ):
                 response.failure("inject mode prefilled the whole prompt")

@@ -57,13 +57,16 @@ def split_chat(tokenizer: Any, system_prompt: str, messages: Sequence[dict[str, 
     turns = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"]
     system = f"{system_prompt}\n{_MEMORY}" + (f"\n{own_system}" if own_system else "")
     try:
-        text = tokenizer.apply_chat_template([{"role": "system", "content": system}, *turns], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, *turns], tokenize=False, add_generation_prompt=True
+        )
     except Exception:  # noqa: BLE001 - no system role: the memory opens the first user message
         first, *rest = turns
         text = tokenizer.apply_chat_template(
-            [{"role": first["role"], "content": system + "\n" + first["content"]}, *rest], tokenize=False,
-            add_generation_prompt=True)
+            [{"role": first["role"], "content": system + "\n" + first["content"]}, *rest],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
     head, tail = text.split(_MEMORY)
     return (tokenizer.encode(head, add_special_tokens=False), tokenizer.encode(tail, add_special_tokens=False))
 

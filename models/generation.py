@@ -14,8 +14,9 @@ class ChatGenerator:
         self._engine = ReferenceEngine(loaded)
 
     def __call__(self, prompt: str, max_new_tokens: int) -> str:
-        ids = self._tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)
+        ids = self._tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return self._tokenizer.decode(self._engine.generate_plain(list(ids), max_new_tokens), skip_special_tokens=True)

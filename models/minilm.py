@@ -70,14 +70,29 @@ class _Weights:
             att = layer.attention
             qkv_w = torch.cat([att.self.query.weight, att.self.key.weight, att.self.value.weight])
             qkv_b = torch.cat([att.self.query.bias, att.self.key.bias, att.self.value.bias])
-            layers.append(_Layer(t(qkv_w), t(qkv_b), t(att.output.dense.weight), t(att.output.dense.bias),
-                                 (t(att.output.LayerNorm.weight), t(att.output.LayerNorm.bias)),
-                                 t(layer.intermediate.dense.weight), t(layer.intermediate.dense.bias),
-                                 t(layer.output.dense.weight), t(layer.output.dense.bias),
-                                 (t(layer.output.LayerNorm.weight), t(layer.output.LayerNorm.bias))))
-        return cls(t(emb.word_embeddings.weight), t(emb.position_embeddings.weight), t(emb.token_type_embeddings.weight[0]),
-                   (t(emb.LayerNorm.weight), t(emb.LayerNorm.bias)), tuple(layers), model.config.num_attention_heads,
-                   model.config.layer_norm_eps)
+            layers.append(
+                _Layer(
+                    t(qkv_w),
+                    t(qkv_b),
+                    t(att.output.dense.weight),
+                    t(att.output.dense.bias),
+                    (t(att.output.LayerNorm.weight), t(att.output.LayerNorm.bias)),
+                    t(layer.intermediate.dense.weight),
+                    t(layer.intermediate.dense.bias),
+                    t(layer.output.dense.weight),
+                    t(layer.output.dense.bias),
+                    (t(layer.output.LayerNorm.weight), t(layer.output.LayerNorm.bias)),
+                )
+            )
+        return cls(
+            t(emb.word_embeddings.weight),
+            t(emb.position_embeddings.weight),
+            t(emb.token_type_embeddings.weight[0]),
+            (t(emb.LayerNorm.weight), t(emb.LayerNorm.bias)),
+            tuple(layers),
+            model.config.num_attention_heads,
+            model.config.layer_norm_eps,
+        )
 
 
 def encode(w: _Weights, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -150,8 +165,13 @@ class MiniLMEmbedder:
         out = []
         with self._lock:
             for first in range(0, len(texts), self._batch):
-                batch = self._tokenizer(list(texts[first : first + self._batch]), padding=True, truncation=True,
-                                        max_length=MAX_TOKENS, return_tensors="pt")
+                batch = self._tokenizer(
+                    list(texts[first : first + self._batch]),
+                    padding=True,
+                    truncation=True,
+                    max_length=MAX_TOKENS,
+                    return_tensors="pt",
+                )
                 ids, mask = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
                 out.append(self._forward(ids, mask))
         return torch.cat(out) if out else torch.empty((0, self.dim), device=self.device)

@@ -40,7 +40,9 @@ class HFKVForward:
                 return self._from_projections(input_ids, attention_mask)
             return self._from_cache(input_ids, attention_mask)
 
-    def _from_projections(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _from_projections(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         spec, base = self._loaded.spec, self._loaded.model.model
         batch, width = input_ids.shape
         keys: list[torch.Tensor | None] = [None] * spec.num_layers
@@ -70,7 +72,10 @@ class HFKVForward:
         width = input_ids.shape[1]
         positions = torch.arange(width, device=input_ids.device)
         out = self._loaded.model.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions[None].expand_as(input_ids), use_cache=True
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions[None].expand_as(input_ids),
+            use_cache=True,
         )
         cache = out.cache if hasattr(out, "cache") else out.past_key_values
         keys = torch.stack([layer.keys for layer in cache.layers])  # [L, B, H, T, D], post-RoPE
@@ -85,7 +90,9 @@ class ReferenceEngine:
         self._loaded = loaded
         self._model = loaded.model
         # transformers 5.2x renamed `past_key_values` to `cache` (in arguments and outputs); accept both.
-        self._cache_arg = "cache" if "cache" in inspect.signature(loaded.model.forward).parameters else "past_key_values"
+        self._cache_arg = (
+            "cache" if "cache" in inspect.signature(loaded.model.forward).parameters else "past_key_values"
+        )
         eos = loaded.tokenizer.eos_token_id
         self._stop = {eos} if isinstance(eos, int) else set(eos or ())
 

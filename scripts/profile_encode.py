@@ -71,9 +71,13 @@ def main() -> None:
         per_fact = stored / len(rows)
         floor = write_floor(folder / "floor", int(per_fact), len(rows) - len(batches[0]))
         done = len(rows) - len(batches[0])
-        write_profile(args.out, f"w={args.window}: {done / elapsed:.1f} facts/s ({done * per_fact / elapsed / 1e9:.2f} "
-                                f"GB/s of records, {per_fact / 1e6:.2f} MB a fact); disk write floor "
-                                f"{floor / 1e9:.2f} GB/s", profile)
+        write_profile(
+            args.out,
+            f"w={args.window}: {done / elapsed:.1f} facts/s ({done * per_fact / elapsed / 1e9:.2f} "
+            f"GB/s of records, {per_fact / 1e6:.2f} MB a fact); disk write floor "
+            f"{floor / 1e9:.2f} GB/s",
+            profile,
+        )
     finally:
         server.stop()
 

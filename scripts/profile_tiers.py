@@ -50,6 +50,7 @@ class ReaderTimes:
             finally:
                 with self._lock:
                     self.seconds[phase] += time.perf_counter() - start
+
         setattr(owner, name, timed)
 
     def install(self) -> None:
@@ -61,8 +62,10 @@ class ReaderTimes:
         self.wrap(tiers, "advise_willneed", "readahead advice (caller)")
 
     def lines(self, asks: int) -> list[str]:
-        return [f"  {phase:<24} {total / asks * 1e3:8.2f} ms per ask (summed over threads)"
-                for phase, total in sorted(self.seconds.items())]
+        return [
+            f"  {phase:<24} {total / asks * 1e3:8.2f} ms per ask (summed over threads)"
+            for phase, total in sorted(self.seconds.items())
+        ]
 
 
 def cold_reads(root: Path, threads: int) -> list[str]:
@@ -85,9 +88,12 @@ def cold_reads(root: Path, threads: int) -> list[str]:
             buffer.close()
 
     out = []
-    for label, count, one, advise in (("one after another", 1, read, False), (f"on {threads} threads", threads, read, False),
-                                      (f"advised, on {threads} threads", threads, read, True),
-                                      (f"O_DIRECT, on {threads} threads", threads, read_direct, False)):
+    for label, count, one, advise in (
+        ("one after another", 1, read, False),
+        (f"on {threads} threads", threads, read, False),
+        (f"advised, on {threads} threads", threads, read, True),
+        (f"O_DIRECT, on {threads} threads", threads, read_direct, False),
+    ):
         drop_page_cache(root)
         start = time.perf_counter()
         try:
@@ -99,8 +105,10 @@ def cold_reads(root: Path, threads: int) -> list[str]:
             out.append(f"  cold read {label}: {exc}")
             continue
         seconds = time.perf_counter() - start
-        out.append(f"  cold read of {len(paths)} tier files {label}: {seconds * 1e3:8.2f} ms "
-                   f"for {total / 2**20:.1f} MiB ({total / seconds / 1e9:.2f} GB/s)")
+        out.append(
+            f"  cold read of {len(paths)} tier files {label}: {seconds * 1e3:8.2f} ms "
+            f"for {total / 2**20:.1f} MiB ({total / seconds / 1e9:.2f} GB/s)"
+        )
     return out
 
 
@@ -127,8 +135,10 @@ def main() -> None:
     profile.enable()
     lower, arena = bench.alternate(llm, "bench", sets, args.repeats, before_lower=before)
     profile.disable()
-    headline = (f"{args.tier} tier TTFT median {statistics.median(lower) * 1e3:.2f} ms, arena "
-                f"{statistics.median(arena) * 1e3:.2f} ms, {len(lower)} lower asks")
+    headline = (
+        f"{args.tier} tier TTFT median {statistics.median(lower) * 1e3:.2f} ms, arena "
+        f"{statistics.median(arena) * 1e3:.2f} ms, {len(lower)} lower asks"
+    )
     if args.tier == "disk":
         headline = "\n".join([headline, *readers.lines(len(lower)), *cold_reads(root, 8)])
     write_profile(args.out, headline, profile)

@@ -12,10 +12,25 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
-IDLE_LEAVES = ("threading.py:wait", "threading.py:_wait_for_tstate_lock", "selectors.py:select", "queue.py:get",
-               "time.sleep", "socket.py:accept", "connection.py:_recv", "connection.py:poll", "connection.py:wait",
-               "popen_fork.py:poll", "base_events.py:_run_once", "subprocess.py:_wait", "threading.py:join",
-               "poll.py:poll", "utils.py:sched_yield", "resource_tracker.py:main", "shm_broadcast.py:wait")
+IDLE_LEAVES = (
+    "threading.py:wait",
+    "threading.py:_wait_for_tstate_lock",
+    "selectors.py:select",
+    "queue.py:get",
+    "time.sleep",
+    "socket.py:accept",
+    "connection.py:_recv",
+    "connection.py:poll",
+    "connection.py:wait",
+    "popen_fork.py:poll",
+    "base_events.py:_run_once",
+    "subprocess.py:_wait",
+    "threading.py:join",
+    "poll.py:poll",
+    "utils.py:sched_yield",
+    "resource_tracker.py:main",
+    "shm_broadcast.py:wait",
+)
 TAIL = 8
 
 
@@ -57,7 +72,9 @@ def report(folder: Path, top: int, min_share: float) -> str:
                     leaves[frames[-1]] += n
                     for name in set(frames):
                         inclusive[name] += n
-                lines.append("    self:      " + "  ".join(f"{name} {n / total:.1%}" for name, n in leaves.most_common(top)))
+                lines.append(
+                    "    self:      " + "  ".join(f"{name} {n / total:.1%}" for name, n in leaves.most_common(top))
+                )
                 lines.append("    inclusive:")
                 lines += [f"      {n / total:6.1%}  {name}" for name, n in inclusive.most_common(top)]
                 tails = Counter()

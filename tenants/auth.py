@@ -17,8 +17,10 @@ from tenants.errors import AuthError, InvalidInputError
 
 TENANT_PREFIX, ADMIN_PREFIX = "isk", "isa"
 MIN_ADMIN_KEY_CHARS = 16
-ADMIN_KEY_RULE = (f"an admin key has at least {MIN_ADMIN_KEY_CHARS} printable ASCII characters, no whitespace, "
-                  f"and is not of the tenant-key form '{TENANT_PREFIX}.<tenant>.<secret>'")
+ADMIN_KEY_RULE = (
+    f"an admin key has at least {MIN_ADMIN_KEY_CHARS} printable ASCII characters, no whitespace, "
+    f"and is not of the tenant-key form '{TENANT_PREFIX}.<tenant>.<secret>'"
+)
 
 
 def new_tenant_key(tenant_id: str) -> str:

@@ -12,12 +12,24 @@ from tenants.redis_meta import RedisMeta
 from tenants.service import TenantService
 
 
-def connect_service(redis_url: str, state_dir: Path, embedder: Embedder, limits: TenantSettings | None = None,
-                    device: str = "cpu", cache_registry: bool = False) -> TenantService:
+def connect_service(
+    redis_url: str,
+    state_dir: Path,
+    embedder: Embedder,
+    limits: TenantSettings | None = None,
+    device: str = "cpu",
+    cache_registry: bool = False,
+) -> TenantService:
     """`device`: where the retrieval vectors live (the ingress keeps them next to its query embedder);
     `cache_registry`: hold tenant registry entries in memory (the ingress authenticates every request)."""
     limits = limits or TenantSettings()
     meta = RedisMeta(redis_url, cache_registry=cache_registry)
-    return TenantService(meta, LocalFactStore(Path(state_dir) / "records"), embedder,
-                         TenantIndexes(meta, embedder.dim, Path(state_dir) / "indexes", device),
-                         max_facts=limits.max_facts, max_bytes=limits.max_bytes, max_fact_chars=limits.max_fact_chars)
+    return TenantService(
+        meta,
+        LocalFactStore(Path(state_dir) / "records"),
+        embedder,
+        TenantIndexes(meta, embedder.dim, Path(state_dir) / "indexes", device),
+        max_facts=limits.max_facts,
+        max_bytes=limits.max_bytes,
+        max_fact_chars=limits.max_fact_chars,
+    )

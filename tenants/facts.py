@@ -38,9 +38,18 @@ class Fact:
 
     @classmethod
     def from_meta(cls, meta: dict) -> "Fact":
-        return cls(meta["id"], meta["text"], int(meta["version"]), meta.get("record_id"), meta.get("encoding"),
-                   meta.get("source_turn"), float(meta["created"]), float(meta["updated"]), meta.get("metadata"),
-                   tuple(meta.get("previous") or ()))
+        return cls(
+            meta["id"],
+            meta["text"],
+            int(meta["version"]),
+            meta.get("record_id"),
+            meta.get("encoding"),
+            meta.get("source_turn"),
+            float(meta["created"]),
+            float(meta["updated"]),
+            meta.get("metadata"),
+            tuple(meta.get("previous") or ()),
+        )
 
 
 def check_text(text: object, max_chars: int) -> str:

@@ -112,8 +112,12 @@ class TenantIndexes:
             folder = self._dir / tenant_id
             folder.mkdir(parents=True, exist_ok=True)
             state.index.save(folder / SNAPSHOT)
-            side = {"last_id": state.last_id, "version": state.version, "dim": self._dim,
-                    "fact_of": {str(i): f.id for i, f in state.facts.items()}}
+            side = {
+                "last_id": state.last_id,
+                "version": state.version,
+                "dim": self._dim,
+                "fact_of": {str(i): f.id for i, f in state.facts.items()},
+            }
             tmp = folder / f"{SIDE}.tmp"
             tmp.write_text(json.dumps(side))
             tmp.replace(folder / SIDE)
@@ -161,11 +165,22 @@ class TenantIndexes:
         facts = self._meta.all_facts(tenant_id)
         embeddings = self._meta.all_embeddings(tenant_id)
         index = ExactIndex(self._dim, self._device)
-        visible = [(m["index_id"], Fact.from_meta(m)) for fid, m in facts.items() if m["state"] in VISIBLE and fid in embeddings]
+        visible = [
+            (m["index_id"], Fact.from_meta(m))
+            for fid, m in facts.items()
+            if m["state"] in VISIBLE and fid in embeddings
+        ]
         if visible:
-            index.upsert(np.array([i for i, _ in visible], dtype=np.int64),
-                         np.stack([np.frombuffer(embeddings[f.id], dtype=np.float32) for _, f in visible]))
-        state.index, state.facts, state.last_id, state.version = index, {int(i): f for i, f in visible}, last_id, version
+            index.upsert(
+                np.array([i for i, _ in visible], dtype=np.int64),
+                np.stack([np.frombuffer(embeddings[f.id], dtype=np.float32) for _, f in visible]),
+            )
+        state.index, state.facts, state.last_id, state.version = (
+            index,
+            {int(i): f for i, f in visible},
+            last_id,
+            version,
+        )
         log.info("tenant %s: index rebuilt with %d facts", tenant_id, len(visible))
 
     def _apply(self, tenant_id: str, state: _TenantIndex, entries: list[tuple[str, dict[str, str]]]) -> None:
@@ -175,7 +190,9 @@ class TenantIndexes:
         changed = [(fid, iid) for fid, (op, iid) in latest.items() if op != "remove"]
         removes = [iid for op, iid in latest.values() if op == "remove"]
         found = []
-        for (fid, iid), (meta, raw) in zip(changed, self._meta.facts_with_embeddings(tenant_id, [f for f, _ in changed])):
+        for (fid, iid), (meta, raw) in zip(
+            changed, self._meta.facts_with_embeddings(tenant_id, [f for f, _ in changed])
+        ):
             if meta is None or raw is None or meta["state"] not in VISIBLE:
                 removes.append(iid)  # deleted (or rolled back) since
             else:
@@ -185,8 +202,10 @@ class TenantIndexes:
             for iid in removes:
                 state.facts.pop(iid, None)
         if found:
-            state.index.upsert(np.array([i for i, _, _ in found], dtype=np.int64),
-                               np.stack([np.frombuffer(raw, dtype=np.float32) for _, _, raw in found]))
+            state.index.upsert(
+                np.array([i for i, _, _ in found], dtype=np.int64),
+                np.stack([np.frombuffer(raw, dtype=np.float32) for _, _, raw in found]),
+            )
             state.facts.update({iid: fact for iid, fact, _ in found})
         state.last_id = entries[-1][0]
         state.version = max(state.version, *(int(fields.get("v", 0)) for _, fields in entries))

@@ -34,7 +34,9 @@ def reconcile(meta: RedisMeta, records: LocalFactStore, older_than_s: float = 60
                     repairs.inserts_rolled_back += 1
             elif fact["state"] == "updating" and now - fact["pending"]["started"] >= older_than_s:
                 restored = {**fact, "state": "active", "pending": None}
-                if meta.rollback(tenant_id, fact_id, "updating", fact["version"], restored, 0, fact["pending"]["bytes"]):
+                if meta.rollback(
+                    tenant_id, fact_id, "updating", fact["version"], restored, 0, fact["pending"]["bytes"]
+                ):
                     repairs.updates_rolled_back += 1
         referenced = set()
         for fact in meta.all_facts(tenant_id).values():
@@ -42,7 +44,11 @@ def reconcile(meta: RedisMeta, records: LocalFactStore, older_than_s: float = 60
             referenced.add((fact.get("pending") or {}).get("record_id"))
         for record_id in records.record_ids(tenant_id):
             path = records.path(tenant_id, record_id)
-            if is_fact_record(record_id) and record_id not in referenced and now - os.path.getmtime(path) >= older_than_s:
+            if (
+                is_fact_record(record_id)
+                and record_id not in referenced
+                and now - os.path.getmtime(path) >= older_than_s
+            ):
                 records.delete(tenant_id, record_id)
                 repairs.orphan_records_removed += 1
     if repairs != Repairs():

@@ -37,7 +37,14 @@ from typing import Any, Callable, Iterable
 
 import redis
 
-from tenants.errors import ConflictError, FactExistsError, FactNotFoundError, QuotaExceededError, TenantExistsError, UnknownTenantError
+from tenants.errors import (
+    ConflictError,
+    FactExistsError,
+    FactNotFoundError,
+    QuotaExceededError,
+    TenantExistsError,
+    UnknownTenantError,
+)
 
 log = logging.getLogger(__name__)
 LOG_MAXLEN = 100_000
@@ -205,9 +212,21 @@ class RedisMeta:
         self._redis = redis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
         self._feed = ChangeFeed(self._redis, (REGISTRY_CHANNEL, FACTS_CHANNEL)) if cache_registry else None
         self._registry = RegistryCache(self._feed) if self._feed is not None else None
-        self._scripts = {name: self._redis.register_script(body) for name, body in (
-            ("create", _CREATE), ("create_scope", _CREATE_SCOPE), ("reserve", _RESERVE), ("charge", _CHARGE), ("begin_update", _BEGIN_UPDATE), ("commit", _COMMIT),
-            ("delete", _DELETE), ("rollback", _ROLLBACK), ("place", _PLACE), ("unplace", _UNPLACE))}
+        self._scripts = {
+            name: self._redis.register_script(body)
+            for name, body in (
+                ("create", _CREATE),
+                ("create_scope", _CREATE_SCOPE),
+                ("reserve", _RESERVE),
+                ("charge", _CHARGE),
+                ("begin_update", _BEGIN_UPDATE),
+                ("commit", _COMMIT),
+                ("delete", _DELETE),
+                ("rollback", _ROLLBACK),
+                ("place", _PLACE),
+                ("unplace", _UNPLACE),
+            )
+        }
 
     def ping(self) -> bool:
         return bool(self._redis.ping())
@@ -317,12 +336,22 @@ class RedisMeta:
 
     def commit_many(self, tenant_id: str, items: list[tuple[str, dict]], op: str) -> list[Exception | None]:
         """`commit` of pending version-1 facts (fact id, new meta) in one round trip; per item its error or None."""
-        keys = [_t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "pemb"), _t(tenant_id, "usage"),
-                _t(tenant_id, "version"), _t(tenant_id, "log"), _t(tenant_id)]
+        keys = [
+            _t(tenant_id, "facts"),
+            _t(tenant_id, "emb"),
+            _t(tenant_id, "pemb"),
+            _t(tenant_id, "usage"),
+            _t(tenant_id, "version"),
+            _t(tenant_id, "log"),
+            _t(tenant_id),
+        ]
         pipe = self._redis.pipeline(transaction=False)
         for fact_id, meta in items:
-            self._scripts["commit"](keys=keys, args=[fact_id, "pending", 1, _json(meta), op, 0, meta["index_id"], "0",
-                                                     LOG_MAXLEN], client=pipe)
+            self._scripts["commit"](
+                keys=keys,
+                args=[fact_id, "pending", 1, _json(meta), op, 0, meta["index_id"], "0", LOG_MAXLEN],
+                client=pipe,
+            )
         return [_error_of(result) for result in pipe.execute(raise_on_error=False)]
 
     def charge_total(self, tenant_id: str, facts: int, nbytes: int) -> None:
@@ -338,28 +367,63 @@ class RedisMeta:
         keys = [_t(tenant_id), _t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "usage")]
         self._run("reserve", keys, [fact_id, _json(meta), embedding, nbytes])
 
-    def begin_update(self, tenant_id: str, fact_id: str, version: int, meta: dict, embedding: bytes, nbytes: int) -> None:
+    def begin_update(
+        self, tenant_id: str, fact_id: str, version: int, meta: dict, embedding: bytes, nbytes: int
+    ) -> None:
         keys = [_t(tenant_id), _t(tenant_id, "facts"), _t(tenant_id, "pemb"), _t(tenant_id, "usage")]
         self._run("begin_update", keys, [fact_id, version, _json(meta), embedding, nbytes])
 
-    def commit(self, tenant_id: str, fact_id: str, state: str, version: int, meta: dict, op: str,
-               bytes_delta: int = 0, move_pending_embedding: bool = False) -> int:
+    def commit(
+        self,
+        tenant_id: str,
+        fact_id: str,
+        state: str,
+        version: int,
+        meta: dict,
+        op: str,
+        bytes_delta: int = 0,
+        move_pending_embedding: bool = False,
+    ) -> int:
         """Replace the fact's metadata if it is still in (`state`, `version`), add `bytes_delta` to its usage
         (within quota), log `op`; return the tenant's new version."""
-        keys = [_t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "pemb"), _t(tenant_id, "usage"),
-                _t(tenant_id, "version"), _t(tenant_id, "log"), _t(tenant_id)]
-        args = [fact_id, state, version, _json(meta), op, bytes_delta, meta["index_id"],
-                "1" if move_pending_embedding else "0", LOG_MAXLEN]
+        keys = [
+            _t(tenant_id, "facts"),
+            _t(tenant_id, "emb"),
+            _t(tenant_id, "pemb"),
+            _t(tenant_id, "usage"),
+            _t(tenant_id, "version"),
+            _t(tenant_id, "log"),
+            _t(tenant_id),
+        ]
+        args = [
+            fact_id,
+            state,
+            version,
+            _json(meta),
+            op,
+            bytes_delta,
+            meta["index_id"],
+            "1" if move_pending_embedding else "0",
+            LOG_MAXLEN,
+        ]
         return int(self._run("commit", keys, args))
 
     def delete(self, tenant_id: str, fact_id: str) -> dict:
         """Remove a visible fact in one step; return the metadata it had."""
-        keys = [_t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "pemb"), _t(tenant_id, "usage"),
-                _t(tenant_id, "version"), _t(tenant_id, "log"), _t(tenant_id, "place")]
+        keys = [
+            _t(tenant_id, "facts"),
+            _t(tenant_id, "emb"),
+            _t(tenant_id, "pemb"),
+            _t(tenant_id, "usage"),
+            _t(tenant_id, "version"),
+            _t(tenant_id, "log"),
+            _t(tenant_id, "place"),
+        ]
         return json.loads(self._run("delete", keys, [fact_id, LOG_MAXLEN]))
 
-    def rollback(self, tenant_id: str, fact_id: str, state: str, version: int, restored: dict | None,
-                 facts: int, nbytes: int) -> bool:
+    def rollback(
+        self, tenant_id: str, fact_id: str, state: str, version: int, restored: dict | None, facts: int, nbytes: int
+    ) -> bool:
         """Undo a change still in (`state`, `version`): restore `restored` (or drop the fact) and release quota."""
         keys = [_t(tenant_id, "facts"), _t(tenant_id, "emb"), _t(tenant_id, "pemb"), _t(tenant_id, "usage")]
         args = [fact_id, state, version, _json(restored) if restored else "", facts, nbytes]
@@ -400,14 +464,18 @@ class RedisMeta:
         entries = self._redis.xrange(_t(tenant_id, "log"), min=f"({last_id}" if last_id != "0" else "-", count=count)
         return [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in entries]
 
-    def log_since(self, tenant_id: str, last_id: str, count: int = 10_000) -> tuple[str | None, list[tuple[str, dict[str, str]]]]:
+    def log_since(
+        self, tenant_id: str, last_id: str, count: int = 10_000
+    ) -> tuple[str | None, list[tuple[str, dict[str, str]]]]:
         """(the first id the log still keeps, the changes after `last_id`) in one round trip."""
         pipe = self._redis.pipeline(transaction=False)
         pipe.xrange(_t(tenant_id, "log"), count=1)
         pipe.xrange(_t(tenant_id, "log"), min=f"({last_id}" if last_id != "0" else "-", count=count)
         first, entries = pipe.execute()
-        return (first[0][0].decode() if first else None,
-                [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in entries])
+        return (
+            first[0][0].decode() if first else None,
+            [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in entries],
+        )
 
     def facts_with_embeddings(self, tenant_id: str, fact_ids: list[str]) -> list[tuple[dict | None, bytes | None]]:
         """Metadata and committed embedding of each fact, in one round trip."""
@@ -580,7 +648,7 @@ def _t(tenant_id: str, part: str | None = None) -> str:
 
 def _tenant_of(key: str) -> str:
     """The tenant id inside one of its keys (`_t`'s inverse)."""
-    return key[len("is:t:{"):key.rindex("}")]
+    return key[len("is:t:{") : key.rindex("}")]
 
 
 def _json(value: dict) -> str:
@@ -601,7 +669,7 @@ def _translate(message: str) -> Exception:
     if message.startswith("UNKNOWN"):
         return UnknownTenantError("unknown tenant")
     if message.startswith("QUOTA"):
-        return QuotaExceededError(f"quota of {message[len('QUOTA '):]} exceeded")
+        return QuotaExceededError(f"quota of {message[len('QUOTA ') :]} exceeded")
     if message.startswith("GONE"):
         return FactNotFoundError("no such fact")
     if message.startswith("CONFLICT"):

@@ -26,13 +26,18 @@ import torch
 
 from kvcore.record import FactKV
 from kvcore.store import LocalFactStore
-from tenants.auth import (TENANT_PREFIX, check_admin_key, hash_key, matches, new_admin_key, new_tenant_key,
-                          tenant_of)
+from tenants.auth import TENANT_PREFIX, check_admin_key, hash_key, matches, new_admin_key, new_tenant_key, tenant_of
 from tenants.embedding import Embedder
-from tenants.errors import (AuthError, ConflictError, FactNotFoundError, InvalidInputError, JobNotFoundError,
-                            TenantExistsError, UnknownTenantError)
-from tenants.facts import (HISTORY_KEPT, VISIBLE, Fact, check_id, check_metadata, check_text, new_fact_id,
-                           record_id_for)
+from tenants.errors import (
+    AuthError,
+    ConflictError,
+    FactNotFoundError,
+    InvalidInputError,
+    JobNotFoundError,
+    TenantExistsError,
+    UnknownTenantError,
+)
+from tenants.facts import HISTORY_KEPT, VISIBLE, Fact, check_id, check_metadata, check_text, new_fact_id, record_id_for
 from tenants.index_sync import Retrieved, TenantIndexes
 from tenants.redis_meta import RedisMeta
 from tenants.scopes import NO_KEY, SEPARATOR, Scope, is_scoped, scoped_id
@@ -49,9 +54,18 @@ def _no_fault(step: str) -> None:
 class TenantService:
     """Admin operations and authentication over one Redis, one record store and one index directory."""
 
-    def __init__(self, meta: RedisMeta, records: LocalFactStore, embedder: Embedder, indexes: TenantIndexes, *,
-                 max_facts: int = 100_000, max_bytes: int = 4 << 30, max_fact_chars: int = 2000,
-                 fault: Fault = _no_fault) -> None:
+    def __init__(
+        self,
+        meta: RedisMeta,
+        records: LocalFactStore,
+        embedder: Embedder,
+        indexes: TenantIndexes,
+        *,
+        max_facts: int = 100_000,
+        max_bytes: int = 4 << 30,
+        max_fact_chars: int = 2000,
+        fault: Fault = _no_fault,
+    ) -> None:
         self.meta, self.records, self.embedder, self.indexes = meta, records, embedder, indexes
         self.defaults = {"max_facts": max_facts, "max_bytes": max_bytes}
         self.max_fact_chars = max_fact_chars
@@ -79,10 +93,20 @@ class TenantService:
         if not isinstance(key, str) or not matches(key, self.meta.admin_hash()):
             raise AuthError("missing or wrong admin key")
 
-    def create_tenant(self, admin_key: str, tenant_id: str, *, max_facts: int | None = None,
-                      max_bytes: int | None = None, window: int = 5, model_fingerprint: str = "",
-                      recompute: int | None = None, neighbours: int = 0, scope_max_facts: int | None = None,
-                      scope_max_bytes: int | None = None) -> tuple[dict, str]:
+    def create_tenant(
+        self,
+        admin_key: str,
+        tenant_id: str,
+        *,
+        max_facts: int | None = None,
+        max_bytes: int | None = None,
+        window: int = 5,
+        model_fingerprint: str = "",
+        recompute: int | None = None,
+        neighbours: int = 0,
+        scope_max_facts: int | None = None,
+        scope_max_bytes: int | None = None,
+    ) -> tuple[dict, str]:
         """Register a tenant; returns its registry entry and its API key (shown only this once). `max_facts` and
         `max_bytes` bound its own memory and all its end users' together; `scope_max_*` bound each end user's
         (None: the same as the tenant's). `recompute`:
@@ -92,9 +116,14 @@ class TenantService:
         tenant_id = check_id("tenant id", tenant_id)
         if is_scoped(tenant_id):
             raise InvalidInputError(f"tenant id {tenant_id!r} holds {SEPARATOR!r}, which is kept for end users' scopes")
-        limits = {"max_facts": max_facts or self.defaults["max_facts"], "max_bytes": max_bytes or self.defaults["max_bytes"]}
-        limits |= {"scope_max_facts": scope_max_facts or limits["max_facts"],
-                   "scope_max_bytes": scope_max_bytes or limits["max_bytes"]}
+        limits = {
+            "max_facts": max_facts or self.defaults["max_facts"],
+            "max_bytes": max_bytes or self.defaults["max_bytes"],
+        }
+        limits |= {
+            "scope_max_facts": scope_max_facts or limits["max_facts"],
+            "scope_max_bytes": scope_max_bytes or limits["max_bytes"],
+        }
         if any(not isinstance(v, int) or v < 1 for v in limits.values()) or not isinstance(window, int) or window < 0:
             raise InvalidInputError("quotas must be positive integers and the window a non-negative integer")
         if recompute is not None and (not isinstance(recompute, int) or recompute < 0):
@@ -102,8 +131,13 @@ class TenantService:
         if not isinstance(neighbours, int) or neighbours < 0:
             raise InvalidInputError("neighbours must be a non-negative integer")
         key = new_tenant_key(tenant_id)
-        fields = {"key_hash": hash_key(key), **limits, "window": window, "model_fingerprint": model_fingerprint,
-                  "created": time.time()} | ({} if recompute is None else {"recompute": recompute})
+        fields = {
+            "key_hash": hash_key(key),
+            **limits,
+            "window": window,
+            "model_fingerprint": model_fingerprint,
+            "created": time.time(),
+        } | ({} if recompute is None else {"recompute": recompute})
         fields |= {"neighbours": neighbours} if neighbours else {}
         self.meta.create_tenant(tenant_id, fields)
         return self.tenant_info(admin_key, tenant_id), key
@@ -175,9 +209,16 @@ class TenantService:
         info = self.meta.tenant(scoped)
         if info is None:
             fields = {k: v for k, v in tenant._info.items() if k not in ("id", "key_hash", "created")}
-            fields |= {"max_facts": fields.get("scope_max_facts", fields["max_facts"]),
-                       "max_bytes": fields.get("scope_max_bytes", fields["max_bytes"])}
-            fields |= {"key_hash": NO_KEY, "parent": tenant.id, "scope": json.dumps(scope.as_dict()), "created": time.time()}
+            fields |= {
+                "max_facts": fields.get("scope_max_facts", fields["max_facts"]),
+                "max_bytes": fields.get("scope_max_bytes", fields["max_bytes"]),
+            }
+            fields |= {
+                "key_hash": NO_KEY,
+                "parent": tenant.id,
+                "scope": json.dumps(scope.as_dict()),
+                "created": time.time(),
+            }
             if not create:
                 return Tenant(self, scoped, {k: str(v) for k, v in fields.items()} | {"id": scoped})
             try:
@@ -262,20 +303,36 @@ class Tenant:
         return self._info.get("model_fingerprint", "")
 
     def usage(self) -> dict[str, int]:
-        return self._s.meta.usage(self.id) | {"max_facts": int(self._info["max_facts"]), "max_bytes": int(self._info["max_bytes"])}
+        return self._s.meta.usage(self.id) | {
+            "max_facts": int(self._info["max_facts"]),
+            "max_bytes": int(self._info["max_bytes"]),
+        }
 
     def version(self) -> int:
         """Bumped by every committed change (salts the engine's prefix cache)."""
         return self._s.meta.version(self.id)
 
     # ---- writes ----
-    def add_fact(self, text: str, *, fact_id: str | None = None, source_turn: int | None = None,
-                 kv: FactKV | None = None, metadata: dict | None = None) -> Fact:
+    def add_fact(
+        self,
+        text: str,
+        *,
+        fact_id: str | None = None,
+        source_turn: int | None = None,
+        kv: FactKV | None = None,
+        metadata: dict | None = None,
+    ) -> Fact:
         return self.add_facts([text], fact_ids=[fact_id], source_turns=[source_turn], kvs=[kv], metadata=metadata)[0]
 
-    def add_facts(self, texts: list[str], *, fact_ids: list[str | None] | None = None,
-                  source_turns: list[int | None] | None = None, kvs: list[FactKV | None] | None = None,
-                  metadata: dict | None = None) -> list[Fact]:
+    def add_facts(
+        self,
+        texts: list[str],
+        *,
+        fact_ids: list[str | None] | None = None,
+        source_turns: list[int | None] | None = None,
+        kvs: list[FactKV | None] | None = None,
+        metadata: dict | None = None,
+    ) -> list[Fact]:
         """Insert facts (embedded in one batch), each with the same `metadata`; each is acknowledged only once
         committed."""
         count = len(texts)
@@ -295,8 +352,15 @@ class Tenant:
         vectors = self._s.embedder.embed(texts)
         return self._insert(list(zip(ids, texts, source_turns, kvs, vectors)), metadata)
 
-    def update_fact(self, fact_id: str, text: str | None, *, kv: FactKV | None = None, version: int | None = None,
-                    metadata: dict | None = None) -> Fact:
+    def update_fact(
+        self,
+        fact_id: str,
+        text: str | None,
+        *,
+        kv: FactKV | None = None,
+        version: int | None = None,
+        metadata: dict | None = None,
+    ) -> Fact:
         """A new version of the fact's text (None: the same text) and K/V, if given, and metadata, if given;
         `version` guards against lost updates. The version it replaces joins the fact's history."""
         fact_id, metadata = check_id("fact id", fact_id), check_metadata(metadata)
@@ -313,8 +377,14 @@ class Tenant:
         meta = self._s.meta
         self._charge(0, nbytes)  # both versions count until the commit
         try:
-            meta.begin_update(self.id, fact_id, current["version"], {**current, "state": "updating", "pending": pending},
-                              vector.astype(np.float32).tobytes(), nbytes)
+            meta.begin_update(
+                self.id,
+                fact_id,
+                current["version"],
+                {**current, "state": "updating", "pending": pending},
+                vector.astype(np.float32).tobytes(),
+                nbytes,
+            )
         except Exception:
             self._refund(0, nbytes)
             raise
@@ -323,13 +393,32 @@ class Tenant:
             if kv is not None:
                 self._write_record(record_id, kv, new_version)
             self._s.fault("update:record-written")
-            earlier = [*(current.get("previous") or ()), {"version": current["version"], "text": current["text"],
-                                                            "at": current["updated"]}][-HISTORY_KEPT:]
-            committed = {**current, "text": text, "version": new_version, "record_id": record_id, "bytes": nbytes,
-                         "encoding": _encoding(kv), "state": "active", "pending": None, "updated": now,
-                         "previous": earlier} | ({} if metadata is None else {"metadata": metadata})
-            meta.commit(self.id, fact_id, "updating", current["version"], committed, "update",
-                        bytes_delta=-current["bytes"], move_pending_embedding=True)
+            earlier = [
+                *(current.get("previous") or ()),
+                {"version": current["version"], "text": current["text"], "at": current["updated"]},
+            ][-HISTORY_KEPT:]
+            committed = {
+                **current,
+                "text": text,
+                "version": new_version,
+                "record_id": record_id,
+                "bytes": nbytes,
+                "encoding": _encoding(kv),
+                "state": "active",
+                "pending": None,
+                "updated": now,
+                "previous": earlier,
+            } | ({} if metadata is None else {"metadata": metadata})
+            meta.commit(
+                self.id,
+                fact_id,
+                "updating",
+                current["version"],
+                committed,
+                "update",
+                bytes_delta=-current["bytes"],
+                move_pending_embedding=True,
+            )
         except Exception:
             meta.rollback(self.id, fact_id, "updating", current["version"], current, 0, nbytes)
             self._refund(0, nbytes)
@@ -418,8 +507,9 @@ class Tenant:
         return status
 
     # ---- internals ----
-    def _insert(self, items: list[tuple[str, str, int | None, FactKV | None, np.ndarray]],
-                metadata: dict | None = None) -> list[Fact]:
+    def _insert(
+        self, items: list[tuple[str, str, int | None, FactKV | None, np.ndarray]], metadata: dict | None = None
+    ) -> list[Fact]:
         """Reserve every fact (pending) in Redis, write their K/V records as one group, then commit them: the
         order of a single insert, with one round trip per phase. Nothing is acknowledged unless all commit;
         whatever did not commit is rolled back (a crash in between is the reconciler's to undo)."""
@@ -427,15 +517,33 @@ class Tenant:
         now = time.time()
         pendings = []
         for (fact_id, text, source_turn, kv, _), index_id in zip(items, meta.next_index_ids(self.id, len(items))):
-            pendings.append({"id": fact_id, "text": text, "version": 1, "state": "pending", "index_id": index_id,
-                             "record_id": record_id_for(fact_id, 1) if kv is not None else None,
-                             "encoding": _encoding(kv), "bytes": _size(text, kv), "source_turn": source_turn,
-                             "created": now, "updated": now, "started": now, "pending": None}
-                            | ({} if metadata is None else {"metadata": metadata}))
+            pendings.append(
+                {
+                    "id": fact_id,
+                    "text": text,
+                    "version": 1,
+                    "state": "pending",
+                    "index_id": index_id,
+                    "record_id": record_id_for(fact_id, 1) if kv is not None else None,
+                    "encoding": _encoding(kv),
+                    "bytes": _size(text, kv),
+                    "source_turn": source_turn,
+                    "created": now,
+                    "updated": now,
+                    "started": now,
+                    "pending": None,
+                }
+                | ({} if metadata is None else {"metadata": metadata})
+            )
         self._charge(len(pendings), sum(p["bytes"] for p in pendings))  # the tenant's total first: all or none
         try:
-            errors = meta.reserve_many(self.id, [(p["id"], p, vector.astype(np.float32).tobytes(), p["bytes"])
-                                                 for p, (*_, vector) in zip(pendings, items)])
+            errors = meta.reserve_many(
+                self.id,
+                [
+                    (p["id"], p, vector.astype(np.float32).tobytes(), p["bytes"])
+                    for p, (*_, vector) in zip(pendings, items)
+                ],
+            )
         except Exception:
             self._refund(len(pendings), sum(p["bytes"] for p in pendings))
             raise
@@ -448,7 +556,9 @@ class Tenant:
         self._s.fault("insert:reserved")
         committed: set[str] = set()
         try:
-            self._write_records([(p["record_id"], kv, 1) for p, (_, _, _, kv, _) in zip(pendings, items) if kv is not None])
+            self._write_records(
+                [(p["record_id"], kv, 1) for p, (_, _, _, kv, _) in zip(pendings, items) if kv is not None]
+            )
             self._s.fault("insert:record-written")
             actives = [{**p, "state": "active"} for p in pendings]
             errors = meta.commit_many(self.id, [(a["id"], a) for a in actives], "add")
@@ -483,8 +593,12 @@ class Tenant:
 
     def _write_records(self, items: list[tuple[str, FactKV, int]]) -> None:
         if items:
-            self._s.records.put_many([FactKV(self.id, record_id, kv.token_ids, kv.k, kv.v, kv.params, version, kv.meta)
-                                      for record_id, kv, version in items])
+            self._s.records.put_many(
+                [
+                    FactKV(self.id, record_id, kv.token_ids, kv.k, kv.v, kv.params, version, kv.meta)
+                    for record_id, kv, version in items
+                ]
+            )
 
     def _visible_meta(self, fact_id: str) -> dict:
         meta = self._s.meta.fact(self.id, fact_id)
@@ -505,7 +619,12 @@ def _size(text: str, kv: FactKV | None) -> int:
 
 
 def _public(info: dict[str, str]) -> dict:
-    return {"id": info["id"], "max_facts": int(info["max_facts"]), "max_bytes": int(info["max_bytes"]),
-            "window": int(info["window"]), "model_fingerprint": info.get("model_fingerprint", ""),
-            "neighbours": int(info.get("neighbours", 0)), "created": float(info["created"])} \
-        | ({"recompute": int(info["recompute"])} if "recompute" in info else {})
+    return {
+        "id": info["id"],
+        "max_facts": int(info["max_facts"]),
+        "max_bytes": int(info["max_bytes"]),
+        "window": int(info["window"]),
+        "model_fingerprint": info.get("model_fingerprint", ""),
+        "neighbours": int(info.get("neighbours", 0)),
+        "created": float(info["created"]),
+    } | ({"recompute": int(info["recompute"])} if "recompute" in info else {})

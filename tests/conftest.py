@@ -105,8 +105,15 @@ def ray_local():
 
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix sockets must fit 107 characters
     apply_serve_env(load_settings().serve.proxy, Path(temp_dir) / "serve")
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             _temp_dir=temp_dir, _node_ip_address="127.0.0.1")
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        _temp_dir=temp_dir,
+        _node_ip_address="127.0.0.1",
+    )
     yield ray
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)

@@ -18,7 +18,8 @@ MAYA = [
 def maya_records(loaded, forward, frame) -> list:
     """Each Maya turn encoded behind all the turns before it (exact), then the frame's prefix record last."""
     facts = [Fact(f"turn{i}", t.render().rstrip("\n"), i) for i, t in enumerate(MAYA)]
-    jobs = plan_fact_jobs(MAYA, facts, window=len(MAYA), prefix_ids=frame.prefix_ids,
-                          tokenizer=TokenizerEncoder(loaded.tokenizer))
+    jobs = plan_fact_jobs(
+        MAYA, facts, window=len(MAYA), prefix_ids=frame.prefix_ids, tokenizer=TokenizerEncoder(loaded.tokenizer)
+    )
     jobs.append(EncodingJob("prefix", (), frame.prefix_ids))
     return encode_jobs(jobs, forward, loaded.spec, tenant_id="maya", window=len(MAYA), dtype=torch.float32)

@@ -11,15 +11,22 @@ def _fact(fact_id: str, turn: int | None, created: float) -> Fact:
     return Fact(fact_id, f"text of {fact_id}", 1, None, None, turn, created, created)
 
 
-HITS = [(_fact("said-late", 7, 10.0), 0.9), (_fact("api-old", None, 1.0), 0.8), (_fact("said-early", 2, 30.0), 0.7),
-        (_fact("api-new", None, 50.0), 0.6)]
+HITS = [
+    (_fact("said-late", 7, 10.0), 0.9),
+    (_fact("api-old", None, 1.0), 0.8),
+    (_fact("said-early", 2, 30.0), 0.7),
+    (_fact("api-new", None, 50.0), 0.6),
+]
 
 
-@pytest.mark.parametrize("order, expected", [
-    ("best_first", ["said-late", "api-old", "said-early", "api-new"]),  # retrieval's order
-    ("best_last", ["api-new", "said-early", "api-old", "said-late"]),  # the best next to the question
-    ("time", ["said-early", "said-late", "api-old", "api-new"]),  # by turn, then facts without one by time
-])
+@pytest.mark.parametrize(
+    "order, expected",
+    [
+        ("best_first", ["said-late", "api-old", "said-early", "api-new"]),  # retrieval's order
+        ("best_last", ["api-new", "said-early", "api-old", "said-late"]),  # the best next to the question
+        ("time", ["said-early", "said-late", "api-old", "api-new"]),  # by turn, then facts without one by time
+    ],
+)
 def test_orders(order, expected):
     ordered = order_facts(HITS, order)
     assert [fact.id for fact, _ in ordered] == expected

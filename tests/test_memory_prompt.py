@@ -6,8 +6,12 @@ from deployments.memory_prompt import MemoryItem, lay_out
 from kvcore.plan import cache_salt
 
 PREFIX, QUERY, FRAME = (1, 2, 3), (9, 9), ("frame", (1, 2, 3))
-ITEMS = [MemoryItem("a", (10, 11), "ra", 0.5), MemoryItem("b", (20,), None, 0.9),  # b has no K/V yet
-         MemoryItem("c", (30, 31, 32), "rc", 0.8), MemoryItem("d", (40,), "rd", 0.2)]
+ITEMS = [
+    MemoryItem("a", (10, 11), "ra", 0.5),
+    MemoryItem("b", (20,), None, 0.9),  # b has no K/V yet
+    MemoryItem("c", (30, 31, 32), "rc", 0.8),
+    MemoryItem("d", (40,), "rd", 0.2),
+]
 
 
 def test_inject_puts_facts_with_records_in_the_region_and_the_rest_after_it():

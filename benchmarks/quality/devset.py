@@ -20,33 +20,150 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FIRST_NAMES = ["Maya", "Sam", "Omar", "Ines", "Keiko", "Luis", "Priya", "Tomas", "Amara", "Felix", "Nadia", "Jonas",
-               "Leila", "Marco", "Sofia", "Ravi", "Elena", "Kwame", "Hana", "Diego", "Zara", "Ivan", "Lucia", "Theo"]
-CITIES = ["Lisbon", "Toronto", "Osaka", "Lima", "Nairobi", "Oslo", "Porto", "Denver", "Seoul", "Krakow", "Perth",
-          "Bogota", "Dublin", "Tunis", "Hanoi", "Quito", "Leeds", "Adelaide"]
-JOBS = ["nurse", "carpenter", "teacher", "pharmacist", "architect", "baker", "pilot", "librarian", "electrician",
-        "veterinarian", "journalist", "plumber", "chemist", "translator"]
-PETS = [("cat", "Pixel"), ("beagle", "Biscuit"), ("parrot", "Mango"), ("rabbit", "Clover"), ("tortoise", "Atlas"),
-        ("husky", "Juniper"), ("hamster", "Nugget"), ("goldfish", "Bubbles"), ("poodle", "Waffles"), ("ferret", "Ziggy")]
-HOBBIES = [("rock climbing", "climbing gym"), ("pottery", "ceramics studio"), ("chess", "chess club"),
-           ("kayaking", "river"), ("birdwatching", "nature reserve"), ("salsa dancing", "dance school"),
-           ("astronomy", "observatory"), ("woodworking", "workshop"), ("cycling", "velodrome"), ("painting", "art class")]
+FIRST_NAMES = [
+    "Maya",
+    "Sam",
+    "Omar",
+    "Ines",
+    "Keiko",
+    "Luis",
+    "Priya",
+    "Tomas",
+    "Amara",
+    "Felix",
+    "Nadia",
+    "Jonas",
+    "Leila",
+    "Marco",
+    "Sofia",
+    "Ravi",
+    "Elena",
+    "Kwame",
+    "Hana",
+    "Diego",
+    "Zara",
+    "Ivan",
+    "Lucia",
+    "Theo",
+]
+CITIES = [
+    "Lisbon",
+    "Toronto",
+    "Osaka",
+    "Lima",
+    "Nairobi",
+    "Oslo",
+    "Porto",
+    "Denver",
+    "Seoul",
+    "Krakow",
+    "Perth",
+    "Bogota",
+    "Dublin",
+    "Tunis",
+    "Hanoi",
+    "Quito",
+    "Leeds",
+    "Adelaide",
+]
+JOBS = [
+    "nurse",
+    "carpenter",
+    "teacher",
+    "pharmacist",
+    "architect",
+    "baker",
+    "pilot",
+    "librarian",
+    "electrician",
+    "veterinarian",
+    "journalist",
+    "plumber",
+    "chemist",
+    "translator",
+]
+PETS = [
+    ("cat", "Pixel"),
+    ("beagle", "Biscuit"),
+    ("parrot", "Mango"),
+    ("rabbit", "Clover"),
+    ("tortoise", "Atlas"),
+    ("husky", "Juniper"),
+    ("hamster", "Nugget"),
+    ("goldfish", "Bubbles"),
+    ("poodle", "Waffles"),
+    ("ferret", "Ziggy"),
+]
+HOBBIES = [
+    ("rock climbing", "climbing gym"),
+    ("pottery", "ceramics studio"),
+    ("chess", "chess club"),
+    ("kayaking", "river"),
+    ("birdwatching", "nature reserve"),
+    ("salsa dancing", "dance school"),
+    ("astronomy", "observatory"),
+    ("woodworking", "workshop"),
+    ("cycling", "velodrome"),
+    ("painting", "art class"),
+]
 INSTRUMENTS = ["cello", "banjo", "trumpet", "harp", "saxophone", "ukulele", "violin", "accordion", "drums", "flute"]
 FOODS = ["ramen", "tacos", "dumplings", "paella", "curry", "pierogi", "falafel", "risotto", "pho", "empanadas"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-          "November", "December"]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
 COMPANIES = ["Northwind", "Bluepeak", "Larkspur", "Orchid Labs", "Ironbridge", "Seabright", "Copperleaf", "Redfern"]
 RELATIVES = ["sister", "brother", "cousin", "aunt", "uncle", "grandmother"]
 # small facts (turn, observation, question, answer key) that fill each session: retrieval must pick among them
 MINOR = [
-    ("I am learning {language} in the evenings.", "{a} is learning {language}.", "Which language is {a} learning?", "language"),
+    (
+        "I am learning {language} in the evenings.",
+        "{a} is learning {language}.",
+        "Which language is {a} learning?",
+        "language",
+    ),
     ("I finally read {book}; I could not put it down.", "{a} read {book}.", "Which book did {a} read?", "book"),
-    ("I painted my kitchen {colour} last week.", "{a} painted the kitchen {colour}.", "What colour is {a}'s kitchen?", "colour"),
-    ("I planted {plant} on my balcony.", "{a} planted {plant} on the balcony.", "What did {a} plant on the balcony?", "plant"),
+    (
+        "I painted my kitchen {colour} last week.",
+        "{a} painted the kitchen {colour}.",
+        "What colour is {a}'s kitchen?",
+        "colour",
+    ),
+    (
+        "I planted {plant} on my balcony.",
+        "{a} planted {plant} on the balcony.",
+        "What did {a} plant on the balcony?",
+        "plant",
+    ),
     ("I ran a {race} race on Sunday.", "{a} ran a {race} race.", "What race did {a} run?", "race"),
-    ("I bought a used {vehicle} to get around.", "{a} bought a used {vehicle}.", "What did {a} buy to get around?", "vehicle"),
-    ("My favourite film this year is {film}.", "{a}'s favourite film this year is {film}.", "What is {a}'s favourite film this year?", "film"),
-    ("I joined a {club} on Tuesdays.", "{a} joined a {club} that meets on Tuesdays.", "What did {a} join on Tuesdays?", "club"),
+    (
+        "I bought a used {vehicle} to get around.",
+        "{a} bought a used {vehicle}.",
+        "What did {a} buy to get around?",
+        "vehicle",
+    ),
+    (
+        "My favourite film this year is {film}.",
+        "{a}'s favourite film this year is {film}.",
+        "What is {a}'s favourite film this year?",
+        "film",
+    ),
+    (
+        "I joined a {club} on Tuesdays.",
+        "{a} joined a {club} that meets on Tuesdays.",
+        "What did {a} join on Tuesdays?",
+        "club",
+    ),
 ]
 MINOR_VALUES = {
     "language": ["Portuguese", "Japanese", "Swahili", "Polish", "Korean", "Italian", "Turkish", "Dutch"],
@@ -59,13 +176,23 @@ MINOR_VALUES = {
     "club": ["book club", "choir", "running club", "quiz team", "volunteer group"],
 }
 # small talk that is remembered but never asked about (the haystack retrieval searches)
-CHATTER = ["I had {meal} with a colleague on {day}.", "It rained all {day}, so I stayed in and baked {bake}.",
-           "I fixed the {thing} in my flat on {day}.", "On {day} I walked along the {place} for an hour.",
-           "I tried a new {meal} place near work on {day}.", "I spent {day} sorting old {thing} boxes.",
-           "A neighbour lent me a {thing} on {day}.", "I watched the {place} fireworks on {day}."]
-CHATTER_VALUES = {"meal": ["lunch", "breakfast", "dinner", "brunch"], "day": ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Sunday"],
-                  "bake": ["bread", "scones", "a lemon cake", "cookies"], "thing": ["heater", "bookshelf", "window", "ladder", "lamp"],
-                  "place": ["canal", "seafront", "park", "old town"]}
+CHATTER = [
+    "I had {meal} with a colleague on {day}.",
+    "It rained all {day}, so I stayed in and baked {bake}.",
+    "I fixed the {thing} in my flat on {day}.",
+    "On {day} I walked along the {place} for an hour.",
+    "I tried a new {meal} place near work on {day}.",
+    "I spent {day} sorting old {thing} boxes.",
+    "A neighbour lent me a {thing} on {day}.",
+    "I watched the {place} fireworks on {day}.",
+]
+CHATTER_VALUES = {
+    "meal": ["lunch", "breakfast", "dinner", "brunch"],
+    "day": ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Sunday"],
+    "bake": ["bread", "scones", "a lemon cake", "cookies"],
+    "thing": ["heater", "bookshelf", "window", "ladder", "lamp"],
+    "place": ["canal", "seafront", "park", "old town"],
+}
 SESSION_GAP_DAYS = (9, 23)
 BEGIN_YEAR = 2026
 
@@ -130,11 +257,23 @@ def _person(rng: random.Random, name: str, friend: str, taken: set[str]) -> _Per
         return choice
 
     relation = rng.choice(RELATIVES)
-    return _Person(name=name, city=pick(CITIES), new_city=pick(CITIES), job=pick(JOBS), company=pick(COMPANIES),
-                   pet=pick(PETS), hobby=pick(HOBBIES), food=pick(FOODS), relative=(relation, pick(FIRST_NAMES)),
-                   friend=friend, friend_instrument=pick(INSTRUMENTS), friend_city=pick(CITIES), trip=pick(CITIES),
-                   trip_month=rng.choice(MONTHS),
-                   missing_relation=rng.choice([r for r in RELATIVES if r != relation]))
+    return _Person(
+        name=name,
+        city=pick(CITIES),
+        new_city=pick(CITIES),
+        job=pick(JOBS),
+        company=pick(COMPANIES),
+        pet=pick(PETS),
+        hobby=pick(HOBBIES),
+        food=pick(FOODS),
+        relative=(relation, pick(FIRST_NAMES)),
+        friend=friend,
+        friend_instrument=pick(INSTRUMENTS),
+        friend_city=pick(CITIES),
+        trip=pick(CITIES),
+        trip_month=rng.choice(MONTHS),
+        missing_relation=rng.choice([r for r in RELATIVES if r != relation]),
+    )
 
 
 def _an(noun: str) -> str:
@@ -197,10 +336,18 @@ def _life(c: _Conversation, p: _Person, other: str, dates: list[tuple[int, int, 
     c.ask(f"What instrument does {p.friend} play?", p.friend_instrument, [music_turn], 4)
     c.ask(f"Which food did {a} cook with {relative}?", p.food, [visit_turn], 4)
     c.ask(f"Where is {a} travelling in {p.trip_month}?", p.trip, [trip_turn], 4)
-    c.ask(f"What instrument does the friend {a} met at the {place} play?", p.friend_instrument,
-          [friend_turn, music_turn], 1)
-    c.ask(f"Who will look after {a}'s {species}, and where is {a} going?", f"{relative}, {p.trip}",
-          [sitter_turn, trip_turn], 1)
+    c.ask(
+        f"What instrument does the friend {a} met at the {place} play?",
+        p.friend_instrument,
+        [friend_turn, music_turn],
+        1,
+    )
+    c.ask(
+        f"Who will look after {a}'s {species}, and where is {a} going?",
+        f"{relative}, {p.trip}",
+        [sitter_turn, trip_turn],
+        1,
+    )
     c.ask(f"Where did the friend {a} met through {hobby} grow up?", p.friend_city, [hobby_turn, friend_turn], 1)
     c.ask(f"When did {a} adopt {pet}?", _date_text(adopted), [pet_turn], 2)
     c.ask(f"When did {a} move to {p.new_city}?", _date_text(moved), [move_turn], 2)

@@ -52,8 +52,10 @@ class Sample:
     def job_input(self) -> dict:
         """The encoding job's explicit-facts input: every turn in order, each fact anchored after its last evidence turn."""
         position = {turn.dia_id: i + 1 for i, turn in enumerate(self.turns)}
-        facts = [{"text": o.text, "turn": max((position[e] for e in o.evidence if e in position), default=len(self.turns))}
-                 for o in self.observations]
+        facts = [
+            {"text": o.text, "turn": max((position[e] for e in o.evidence if e in position), default=len(self.turns))}
+            for o in self.observations
+        ]
         turns = [{"speaker": t.speaker, "text": t.text, "time": t.date} for t in self.turns]
         return {"turns": turns, "facts": facts}
 
@@ -81,7 +83,9 @@ def _sample(item: object, where: str) -> Sample:
         if not isinstance(conversation[key], list):
             raise LocomoError(f"{where}.{key}: expected a list of turns")
         for j, turn in enumerate(conversation[key]):
-            if not isinstance(turn, dict) or not all(isinstance(turn.get(f), str) and turn[f] for f in ("speaker", "dia_id", "text")):
+            if not isinstance(turn, dict) or not all(
+                isinstance(turn.get(f), str) and turn[f] for f in ("speaker", "dia_id", "text")
+            ):
                 raise LocomoError(f"{where}.{key}[{j}]: a turn needs non-empty 'speaker', 'dia_id' and 'text'")
             turns.append(DialogueTurn(turn["dia_id"], turn["speaker"], turn["text"], date))
     known = {t.dia_id for t in turns}

@@ -71,8 +71,10 @@ class Plan:
         names = tuple(m.strip() for m in modes.split(",") if m.strip())
         for name in names:
             if name != "off" and not MODE.fullmatch(name):
-                raise ValueError(f"unknown mode {name!r}: inject_w<w>[_n<n>][_m<m>] or prompt, either with an optional "
-                                 f"_best_first, _best_last or _time, or off")
+                raise ValueError(
+                    f"unknown mode {name!r}: inject_w<w>[_n<n>][_m<m>] or prompt, either with an optional "
+                    f"_best_first, _best_last or _time, or off"
+                )
         try:
             k_values = tuple(int(k) for k in ks.split(","))
         except ValueError:
@@ -107,51 +109,76 @@ class Client:
     session: requests.Session = field(default_factory=requests.Session)
 
     def call(self, method: str, path: str, key: str, body: dict | None = None, ok: tuple[int, ...] = (200,)) -> dict:
-        answer = self.session.request(method, f"{self.base}{path}", json=body, timeout=self.timeout,
-                                      headers={"Authorization": f"Bearer {key}"})
+        answer = self.session.request(
+            method, f"{self.base}{path}", json=body, timeout=self.timeout, headers={"Authorization": f"Bearer {key}"}
+        )
         if answer.status_code not in ok:
             raise RuntimeError(f"{method} {path} answered {answer.status_code}: {answer.text[:500]}")
         return answer.json()
 
 
-def prepare_tenant(client: Client, tenant_id: str, sample: Sample, context: tuple[int, int], timeout_s: float = 1800) -> str:
+def prepare_tenant(
+    client: Client, tenant_id: str, sample: Sample, context: tuple[int, int], timeout_s: float = 1800
+) -> str:
     """A fresh tenant holding the sample's facts encoded behind `context` (window turns, neighbour facts);
     returns its API key."""
     window, neighbours = context
     client.call("DELETE", f"/v1/tenants/{tenant_id}", client.admin_key, ok=(200, 204, 404))
-    key = client.call("POST", "/v1/tenants", client.admin_key,
-                      {"id": tenant_id, "window": window, "neighbours": neighbours}, ok=(201,))["api_key"]
-    job = client.call("POST", "/v1/jobs", key, {"input": sample.job_input(), "window": window, "neighbours": neighbours},
-                      ok=(202,))
+    key = client.call(
+        "POST",
+        "/v1/tenants",
+        client.admin_key,
+        {"id": tenant_id, "window": window, "neighbours": neighbours},
+        ok=(201,),
+    )["api_key"]
+    job = client.call(
+        "POST", "/v1/jobs", key, {"input": sample.job_input(), "window": window, "neighbours": neighbours}, ok=(202,)
+    )
     deadline = time.monotonic() + timeout_s
     while (status := client.call("GET", f"/v1/jobs/{job['job_id']}", key))["status"] not in ("succeeded", "failed"):
         if time.monotonic() > deadline:
             raise RuntimeError(f"encoding job of {tenant_id} did not finish in {timeout_s:.0f} s")
         time.sleep(0.5)
     report = status.get("report") or {}
-    if status["status"] != "succeeded" or report.get("encoded", 0) + report.get("skipped", 0) != len(sample.observations):
+    if status["status"] != "succeeded" or report.get("encoded", 0) + report.get("skipped", 0) != len(
+        sample.observations
+    ):
         raise RuntimeError(f"encoding job of {tenant_id}: {status}")
     return key
 
 
-def ask(client: Client, key: str, plan: Plan, question: str, k: int, mode: str, recompute: int = 0,
-        order: str | None = None) -> tuple[str, dict]:
+def ask(
+    client: Client, key: str, plan: Plan, question: str, k: int, mode: str, recompute: int = 0, order: str | None = None
+) -> tuple[str, dict]:
     memory = {"k": k, "mode": mode} | ({"recompute": min(recompute, k)} if mode == "inject" else {})
     memory |= {"order": order} if order else {}
-    body = {"model": plan.model, "messages": [{"role": "user", "content": question + SUFFIX}],
-            "max_tokens": plan.max_tokens, "temperature": 0.0, "seed": 0, "memory": memory}
+    body = {
+        "model": plan.model,
+        "messages": [{"role": "user", "content": question + SUFFIX}],
+        "max_tokens": plan.max_tokens,
+        "temperature": 0.0,
+        "seed": 0,
+        "memory": memory,
+    }
     answer = client.call("POST", "/v1/chat/completions", key, body)
     return answer["choices"][0]["message"]["content"], answer["usage"]
 
 
-def retrieved(client: Client, key: str, question: str, k: int, evidence_of: dict[str, tuple[str, ...]]) -> list[tuple[str, ...]]:
+def retrieved(
+    client: Client, key: str, question: str, k: int, evidence_of: dict[str, tuple[str, ...]]
+) -> list[tuple[str, ...]]:
     """Evidence turns of the facts retrieval returns for the question (the query the chat embeds)."""
     hits = client.call("POST", "/v1/memories/search", key, {"query": question + SUFFIX, "limit": k})["results"]
     return [evidence_of.get(hit["memory"], ()) for hit in hits]
 
 
-def evaluate(client: Client, samples: list[Sample], plan: Plan, tenant_prefix: str = "quality",
-             on_progress: Callable[[dict], None] | None = None) -> dict:
+def evaluate(
+    client: Client,
+    samples: list[Sample],
+    plan: Plan,
+    tenant_prefix: str = "quality",
+    on_progress: Callable[[dict], None] | None = None,
+) -> dict:
     """Every question of every chosen conversation in every mode and k; `on_progress` gets the summary so far
     after each conversation (a long run leaves figures behind even when it is cut short)."""
     rows: list[dict] = []
@@ -167,23 +194,41 @@ def evaluate(client: Client, samples: list[Sample], plan: Plan, tenant_prefix: s
             for k in plan.ks:
                 hit = recall(retrieved(client, plain_key, q.question, k, evidence_of), q.evidence)
                 for mode in plan.modes:
-                    key, wire = ((keys[context_of(mode)], "inject") if mode.startswith("inject")
-                                 else (plain_key, mode.split("_")[0]))
+                    key, wire = (
+                        (keys[context_of(mode)], "inject")
+                        if mode.startswith("inject")
+                        else (plain_key, mode.split("_")[0])
+                    )
                     prediction, usage = ask(client, key, plan, q.question, k, wire, recompute_of(mode), order_of(mode))
-                    found.append({"sample": sample.sample_id, "category": q.category, "k": k, "mode": mode,
-                                  "question": q.question, "gold": q.answer, "prediction": prediction,
-                                  "f1": score(prediction, q.answer, q.category),
-                                  "em": exact_match(prediction, q.answer), "recall": hit,
-                                  "ttft_ms": usage["ttft_ms"], "injected_tokens": usage["injected_tokens"],
-                                  "prefilled_tokens": usage["prefilled_tokens"],
-                                  "recomputed_tokens": usage.get("recomputed_tokens", 0)})
+                    found.append(
+                        {
+                            "sample": sample.sample_id,
+                            "category": q.category,
+                            "k": k,
+                            "mode": mode,
+                            "question": q.question,
+                            "gold": q.answer,
+                            "prediction": prediction,
+                            "f1": score(prediction, q.answer, q.category),
+                            "em": exact_match(prediction, q.answer),
+                            "recall": hit,
+                            "ttft_ms": usage["ttft_ms"],
+                            "injected_tokens": usage["injected_tokens"],
+                            "prefilled_tokens": usage["prefilled_tokens"],
+                            "recomputed_tokens": usage.get("recomputed_tokens", 0),
+                        }
+                    )
             return found
 
         with ThreadPoolExecutor(max_workers=plan.concurrency) as pool:  # map keeps the questions' order
             for found in pool.map(one_question, sample.questions):
                 rows.extend(found)
-        print(f"conversation {index + 1}/{len(chosen)} ({sample.sample_id}): {len(sample.questions)} questions, "
-              f"{len(rows)} answers, {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"conversation {index + 1}/{len(chosen)} ({sample.sample_id}): {len(sample.questions)} questions, "
+            f"{len(rows)} answers, {time.monotonic() - started:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         if on_progress is not None:
             on_progress(summarize(rows, plan) | {"conversations_done": index + 1})
     return summarize(rows, plan) | {"conversations_done": len(chosen)}
@@ -200,29 +245,43 @@ def summarize(rows: list[dict], plan: Plan) -> dict:
             if not chosen:
                 continue
             table[mode][str(k)] = {
-                "f1": statistics.fmean(r["f1"] for r in chosen), "f1_ci95": mean_interval([r["f1"] for r in chosen]),
+                "f1": statistics.fmean(r["f1"] for r in chosen),
+                "f1_ci95": mean_interval([r["f1"] for r in chosen]),
                 "em": statistics.fmean(r["em"] for r in chosen),
                 "recall": statistics.fmean(r["recall"] for r in chosen),
                 "ttft_ms_median": statistics.median(r["ttft_ms"] for r in chosen),
                 "injected_tokens_mean": statistics.fmean(r["injected_tokens"] for r in chosen),
-                "f1_by_category": {CATEGORIES[c]: statistics.fmean(r["f1"] for r in chosen if r["category"] == c)
-                                   for c in sorted({r["category"] for r in chosen})},
-                "questions": len(chosen)}
-    ratios = {mode: {str(k): paired_ratio(rows, mode, "prompt", k) for k in plan.ks}
-              for mode in plan.modes if mode.startswith("inject") and "prompt" in plan.modes}
-    targets = [{**target(f"f1 inject (w=5) / prompt at k={k}", r["ratio"], ">= 0.97"), "ci95": r["ci95"]}
-               for k, r in ratios.get("inject_w5", {}).items()]
+                "f1_by_category": {
+                    CATEGORIES[c]: statistics.fmean(r["f1"] for r in chosen if r["category"] == c)
+                    for c in sorted({r["category"] for r in chosen})
+                },
+                "questions": len(chosen),
+            }
+    ratios = {
+        mode: {str(k): paired_ratio(rows, mode, "prompt", k) for k in plan.ks}
+        for mode in plan.modes
+        if mode.startswith("inject") and "prompt" in plan.modes
+    }
+    targets = [
+        {**target(f"f1 inject (w=5) / prompt at k={k}", r["ratio"], ">= 0.97"), "ci95": r["ci95"]}
+        for k, r in ratios.get("inject_w5", {}).items()
+    ]
     for k in map(str, plan.ks):  # the issue's target: the best inject configuration of the run, named
         scored = [(by_k[k]["ratio"], mode) for mode, by_k in ratios.items() if by_k[k]["questions"]]
         if len(scored) > 1:
             ratio, mode = max(scored)
-            targets.append({**target(f"f1 best inject ({mode}) / prompt at k={k}", ratio, ">= 0.97"),
-                            "ci95": ratios[mode][k]["ci95"]})
+            targets.append(
+                {
+                    **target(f"f1 best inject ({mode}) / prompt at k={k}", ratio, ">= 0.97"),
+                    "ci95": ratios[mode][k]["ci95"],
+                }
+            )
     return {"modes": table, "f1_ratio_to_prompt": ratios, "rows": rows, "targets": targets}
 
 
 def paired_ratio(rows: list[dict], mode: str, reference: str, k: int) -> dict:
     """F1 of `mode` over F1 of `reference` on the questions both answered at `k`, with a paired bootstrap interval."""
+
     def by_question(name: str) -> dict[tuple[str, str], float]:
         return {(r["sample"], r["question"]): r["f1"] for r in rows if r["mode"] == name and r["k"] == k}
 
@@ -230,8 +289,11 @@ def paired_ratio(rows: list[dict], mode: str, reference: str, k: int) -> dict:
     both = sorted(ours.keys() & theirs.keys())
     top, bottom = [ours[q] for q in both], [theirs[q] for q in both]
     ratio = sum(top) / sum(bottom) if sum(bottom) else (1.0 if sum(top) == sum(bottom) else 0.0)
-    return {"ratio": ratio, "ci95": ratio_interval(top, bottom) if both and sum(bottom) else (ratio, ratio),
-            "questions": len(both)}
+    return {
+        "ratio": ratio,
+        "ci95": ratio_interval(top, bottom) if both and sum(bottom) else (ratio, ratio),
+        "questions": len(both),
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -260,18 +322,26 @@ def main() -> None:
     parser.add_argument("--base-url", help="a running cluster; default: start one in this process")
     parser.add_argument("--admin-key", help="its admin key (default: INFERSCALE_ADMIN_KEY)")
     parser.add_argument("--quick", action="store_true", help="first conversation, k=10, w=5, inject and prompt")
-    parser.add_argument("--modes", help="comma-separated modes (inject_w<w>[_n<n>][_m<m>], prompt, off); default: all of "
-                                        "the full plan")
+    parser.add_argument(
+        "--modes", help="comma-separated modes (inject_w<w>[_n<n>][_m<m>], prompt, off); default: all of the full plan"
+    )
     parser.add_argument("--ks", default="10,50", help="comma-separated k values (with --modes)")
     parser.add_argument("--samples", type=int, help="only the first N conversations")
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="questions asked at once (the engine batches them; greedy answers can then differ in "
-                             "the last bits of a batch's arithmetic)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="questions asked at once (the engine batches them; greedy answers can then differ in "
+        "the last bits of a batch's arithmetic)",
+    )
     args = parser.parse_args()
     try:
         samples = load_samples(args.data)  # a bad file fails here, before any cluster work
-        plan = (Plan.parse(args.modes, args.ks, args.samples, args.concurrency) if args.modes
-                else dataclasses.replace(Plan.of(args.quick), concurrency=args.concurrency))
+        plan = (
+            Plan.parse(args.modes, args.ks, args.samples, args.concurrency)
+            if args.modes
+            else dataclasses.replace(Plan.of(args.quick), concurrency=args.concurrency)
+        )
     except (LocomoError, ValueError) as exc:
         parser.error(str(exc))
     from benchmarks._cluster import cluster_for
@@ -279,7 +349,9 @@ def main() -> None:
     about = {"benchmark": "quality", "quick": args.quick, "data": str(args.data), "plan": plan.__dict__}
 
     def save(report: dict) -> None:
-        write_report(args.out, report | about | {"complete": report["conversations_done"] == len(samples[: plan.samples])})
+        write_report(
+            args.out, report | about | {"complete": report["conversations_done"] == len(samples[: plan.samples])}
+        )
 
     with cluster_for(args.base_url, args.admin_key, "quality", cuda=_cuda()) as (base, admin):
         report = evaluate(Client(base, admin), samples, plan, on_progress=save)

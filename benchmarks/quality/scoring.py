@@ -58,7 +58,9 @@ def recall(retrieved_evidence: Iterable[Iterable[str]], gold_evidence: Iterable[
     return len(gold & covered) / len(gold)
 
 
-def mean_interval(values: Sequence[float], rounds: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+def mean_interval(
+    values: Sequence[float], rounds: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean, resampling the questions."""
     data = np.asarray(values, dtype=float)
     if data.size == 0:
@@ -69,8 +71,9 @@ def mean_interval(values: Sequence[float], rounds: int = 2000, level: float = 0.
     return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
 
 
-def ratio_interval(numerator: Sequence[float], denominator: Sequence[float], rounds: int = 2000, level: float = 0.95,
-                   seed: int = 0) -> tuple[float, float]:
+def ratio_interval(
+    numerator: Sequence[float], denominator: Sequence[float], rounds: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap interval of mean(numerator) / mean(denominator), the two scored on the same questions
     (index i of both is one question): the questions are resampled together, so their shared difficulty cancels."""
     top, bottom = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)

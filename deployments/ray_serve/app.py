@@ -22,9 +22,12 @@ def build_app(args: dict[str, Any]) -> Application:
     llm_options: dict[str, Any] = {
         "max_ongoing_requests": parsed.llm.max_ongoing_requests,
         "ray_actor_options": parsed.llm.ray_actor_options,
-        "request_router_config": RequestRouterConfig(request_router_class=ROUTER_CLASS,
-                                                     request_router_kwargs={"spill_queue_gap": parsed.llm.spill_queue_gap}),
-        "health_check_period_s": 10, "health_check_timeout_s": 60, "graceful_shutdown_timeout_s": 20,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=ROUTER_CLASS, request_router_kwargs={"spill_queue_gap": parsed.llm.spill_queue_gap}
+        ),
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 60,
+        "graceful_shutdown_timeout_s": 20,
     }
     if parsed.llm.autoscaling_config is not None:
         llm_options["autoscaling_config"] = parsed.llm.autoscaling_config
@@ -32,6 +35,8 @@ def build_app(args: dict[str, Any]) -> Application:
         llm_options["num_replicas"] = parsed.llm.num_replicas
     llm = serve.deployment(LLMServer, name="LLMServer").options(**llm_options).bind(plain)
     ingress = serve.deployment(Ingress, name="Ingress").options(
-        num_replicas=parsed.ingress.num_replicas, max_ongoing_requests=parsed.ingress.max_ongoing_requests,
-        ray_actor_options=parsed.ingress.ray_actor_options)
+        num_replicas=parsed.ingress.num_replicas,
+        max_ongoing_requests=parsed.ingress.max_ongoing_requests,
+        ray_actor_options=parsed.ingress.ray_actor_options,
+    )
     return ingress.bind(llm, plain)

@@ -58,8 +58,13 @@ class ServeLLMBackend:
             except asyncio.TimeoutError:
                 events.cancel()
                 log.warning("no model replica started a chat within %.0f s", self._first_event_timeout_s)
-                yield {"error": {"status": 503, "message": f"no model replica answered within "
-                                                           f"{self._first_event_timeout_s:g} s; retry the request"}}
+                yield {
+                    "error": {
+                        "status": 503,
+                        "message": f"no model replica answered within "
+                        f"{self._first_event_timeout_s:g} s; retry the request",
+                    }
+                }
                 return
             yield first
             async for event in events:
@@ -79,10 +84,25 @@ def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Cal
     # the job writes records where the LLM servers read them: the application's state folder
     settings = load_settings(**{**args.settings, "state_dir": args.state_dir})
 
-    def run(job_id: str, key: str, tenant_id: str, path: Path, window: int | None, neighbours: int | None,
-            progress: Callable[[dict], None]) -> dict:
-        report = run_job(settings, redis_url=args.redis(settings), key=key, tenant_id=tenant_id, input_path=path,
-                         window=window, neighbours=neighbours, progress=lambda r: progress(r.to_dict()))
+    def run(
+        job_id: str,
+        key: str,
+        tenant_id: str,
+        path: Path,
+        window: int | None,
+        neighbours: int | None,
+        progress: Callable[[dict], None],
+    ) -> dict:
+        report = run_job(
+            settings,
+            redis_url=args.redis(settings),
+            key=key,
+            tenant_id=tenant_id,
+            input_path=path,
+            window=window,
+            neighbours=neighbours,
+            progress=lambda r: progress(r.to_dict()),
+        )
         return report.to_dict()
 
     return run
@@ -97,17 +117,31 @@ class Ingress:
         embedder = MiniLMEmbedder(device=self.args.ingress.embed_device)
         queries = QueryBatcher(embedder, device=self.args.ingress.index_device)
         embedder.prepare(queries.max_batch)
-        service = connect_service(self.args.redis(settings), self.args.state_dir, embedder, settings.tenants,
-                                  device=self.args.ingress.index_device, cache_registry=True)
+        service = connect_service(
+            self.args.redis(settings),
+            self.args.state_dir,
+            embedder,
+            settings.tenants,
+            device=self.args.ingress.index_device,
+            cache_registry=True,
+        )
         if admin_key := self.args.admin_key or settings.admin_key:
             service.install_admin_key(admin_key)
         elif (created := service.ensure_admin_key()) is not None:
             log.warning("admin key created (shown once; keep it, set INFERSCALE_ADMIN_KEY): %s", created)
         backend, metrics = ServeLLMBackend(llm, self.args.ingress.first_event_timeout_s), Metrics()
         metrics.llm_transport.labels(transport=backend.transport).set(1)
-        self.gateway = Gateway(service, backend, self.args.ingress, self.args.llm.served_name,
-                               metrics, self.args.state_dir / "jobs", _job_runner(self.args),
-                               extraction_window=self.args.encoding_window, queries=queries)
+        self.gateway = Gateway(
+            service,
+            backend,
+            self.args.ingress,
+            self.args.llm.served_name,
+            metrics,
+            self.args.state_dir / "jobs",
+            _job_runner(self.args),
+            extraction_window=self.args.encoding_window,
+            queries=queries,
+        )
 
     def __serve_build_asgi_app__(self):
         return create_app(self.gateway)

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
-from urllib.parse import urlsplit
 from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
 
 import torch
 
 from config.connector import ConnectorConfig
 from config.settings import load_settings
 from deployments.app_args import AppArgs
-from deployments.ray_serve.loopback import bind_replica_grpc_to_node
 from deployments.chat_task import ChatTask
+from deployments.ray_serve.loopback import bind_replica_grpc_to_node
 from deployments.vllm_adapter.async_engine import MemoryEngine
 from models.loader import checkpoint_fingerprint, model_path
 from models.minilm import MiniLMEmbedder
@@ -37,12 +37,23 @@ def build_engine(args: AppArgs) -> MemoryEngine:
     # with lower tiers, the connector's worker records placements in the app's Redis; a URL with a password
     # stays out of the engine's config (vLLM may log it): the worker then reads the settings tree's
     placement_url = args.redis_url if args.redis_url and not urlsplit(args.redis_url).password else None
-    connector = ConnectorConfig(store_root=args.state_dir / "records", fingerprint=args.llm.fingerprint or checkpoint_fingerprint(path),
-                                on_load_failure=args.llm.on_load_failure, device_cache_bytes=args.llm.device_cache_bytes,
-                                device_tenant_bytes=args.llm.device_tenant_bytes, tiers=args.llm.tiers,
-                                report_placement=args.llm.tiers is not None, placement_redis_url=placement_url)
-    return MemoryEngine(path, connector, args.system_prompt, engine_kwargs=args.engine_kwargs(torch.cuda.is_available()),
-                        max_encodes_in_flight=args.llm.max_encodes_in_flight)
+    connector = ConnectorConfig(
+        store_root=args.state_dir / "records",
+        fingerprint=args.llm.fingerprint or checkpoint_fingerprint(path),
+        on_load_failure=args.llm.on_load_failure,
+        device_cache_bytes=args.llm.device_cache_bytes,
+        device_tenant_bytes=args.llm.device_tenant_bytes,
+        tiers=args.llm.tiers,
+        report_placement=args.llm.tiers is not None,
+        placement_redis_url=placement_url,
+    )
+    return MemoryEngine(
+        path,
+        connector,
+        args.system_prompt,
+        engine_kwargs=args.engine_kwargs(torch.cuda.is_available()),
+        max_encodes_in_flight=args.llm.max_encodes_in_flight,
+    )
 
 
 class LLMServer:
@@ -51,10 +62,16 @@ class LLMServer:
         self.args = AppArgs(**args)
         self.engine = build_engine(self.args)
         settings = load_settings(**self.args.settings)
-        self.service = connect_service(self.args.redis(settings), self.args.state_dir, MiniLMEmbedder(), settings.tenants)
+        self.service = connect_service(
+            self.args.redis(settings), self.args.state_dir, MiniLMEmbedder(), settings.tenants
+        )
         await self.engine.warm_up()
-        log.info("LLM server ready: %s (fingerprint %s, %s)", self.engine.model_name, self.engine.fingerprint,
-                 "cuda" if torch.cuda.is_available() else "cpu")
+        log.info(
+            "LLM server ready: %s (fingerprint %s, %s)",
+            self.engine.model_name,
+            self.engine.fingerprint,
+            "cuda" if torch.cuda.is_available() else "cpu",
+        )
 
     async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
         try:
@@ -79,4 +96,3 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-

@@ -54,15 +54,16 @@ def bind_replica_grpc_to_node() -> None:
     import ray.serve._private.replica as replica_module
 
     node_ip = ray.util.get_node_ip_address()
-    if not ipaddress.ip_address(node_ip).is_loopback or getattr(replica_module.add_port_to_grpc_server, "pinned", False):
+    if not ipaddress.ip_address(node_ip).is_loopback or getattr(
+        replica_module.add_port_to_grpc_server, "pinned", False
+    ):
         return
     original = replica_module.add_port_to_grpc_server
 
     def add_port(server, address: str) -> int:
         if address.startswith("[::]:"):
-            address = f"{node_ip}:{address[len('[::]:'):]}"
+            address = f"{node_ip}:{address[len('[::]:') :]}"
         return original(server, address)
 
     add_port.pinned = True  # type: ignore[attr-defined]
     replica_module.add_port_to_grpc_server = add_port
-

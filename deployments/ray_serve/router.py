@@ -30,6 +30,7 @@ def tenant_of(args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
 
 def rendezvous_order(key: str, replica_ids: Sequence[str]) -> list[str]:
     """Replica ids from most to least preferred for `key` (highest random weight hashing)."""
+
     def weight(replica_id: str) -> bytes:
         return hashlib.blake2b(f"{replica_id}\x00{key}".encode(), digest_size=8).digest()
 
@@ -53,8 +54,9 @@ class TenantAffinityRouter(RequestRouter):
             raise ValueError(f"spill_queue_gap must be a non-negative int, got {spill_queue_gap!r}")
         self._gap = spill_queue_gap
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
         if pending_request is not None:

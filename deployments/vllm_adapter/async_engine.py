@@ -21,9 +21,9 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from config.connector import ConnectorConfig
 from deployments.chat_task import ChatTask, RetrievedFact
 from deployments.memory_prompt import MemoryItem, lay_out
-from config.connector import ConnectorConfig
 from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
 from kvcore.conversation import Fact
 from kvcore.errors import KVCoreError
@@ -60,15 +60,23 @@ class EncodeSlots:
 class MemoryEngine:
     """The async engine plus what it needs to lay out memory: tokenizer, frame, record headers."""
 
-    def __init__(self, model: Path, connector: ConnectorConfig, system_prompt: str, *,
-                 engine_kwargs: dict[str, Any] | None = None, max_encodes_in_flight: int = 8) -> None:
+    def __init__(
+        self,
+        model: Path,
+        connector: ConnectorConfig,
+        system_prompt: str,
+        *,
+        engine_kwargs: dict[str, Any] | None = None,
+        max_encodes_in_flight: int = 8,
+    ) -> None:
         self.fingerprint = connector.fingerprint
         self.model_name = str(model)
         self._store = LocalFactStore(connector.store_root)
         self._tier_root = connector.tiers.disk_cache_dir if connector.tiers is not None else None
         kwargs = {"enable_prefix_caching": True, **(engine_kwargs or {})}
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model), kv_transfer_config=kv_transfer_config(connector),
-                                                                 **kwargs))
+        self._engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(model=str(model), kv_transfer_config=kv_transfer_config(connector), **kwargs)
+        )
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
@@ -84,8 +92,9 @@ class MemoryEngine:
     async def warm_up(self) -> None:
         """One short generation, so the first real request does not pay for lazy initialisation."""
         params = SamplingParams(max_tokens=2, temperature=0.0)
-        async for _ in self._engine.generate(TokensPrompt(prompt_token_ids=list(self.prefix_ids) + [1]), params,
-                                             f"warmup-{uuid.uuid4().hex}"):
+        async for _ in self._engine.generate(
+            TokensPrompt(prompt_token_ids=list(self.prefix_ids) + [1]), params, f"warmup-{uuid.uuid4().hex}"
+        ):
             pass
 
     async def ensure_frame(self, tenant_id: str) -> bool:
@@ -106,11 +115,13 @@ class MemoryEngine:
                 log.warning("could not capture the chat frame of a tenant; its requests are served by prompt")
             return self._frames[tenant_id]
 
-    async def encode_facts(self, tenant_id: str, facts: Sequence[tuple[str, int, str]],
-                           attach: Callable[[str, int, FactKV], None]) -> dict[str, str]:
+    async def encode_facts(
+        self, tenant_id: str, facts: Sequence[tuple[str, int, str]], attach: Callable[[str, int, FactKV], None]
+    ) -> dict[str, str]:
         """Encode facts `(id, version, text)` behind the chat frame with the engine's own prefill (a capture
         each, at most `max_encodes_in_flight` in the engine at once across callers, so a burst of writes does
         not queue ahead of chats) and hand each record to `attach`; returns fact id -> "encoded" or the error."""
+
         async def one(fact_id: str, version: int, text: str) -> tuple[str, str]:
             async with self._encode_slots:
                 return await encode(fact_id, version, text)
@@ -139,19 +150,33 @@ class MemoryEngine:
         `timeline` holds wall-clock times (s) of the task's arrival, the engine's start and its first token, so the
         ingress can split what lies between its own clock and the engine's (one host, one clock)."""
         arrived = time.time()
-        if task.mode == "inject" and self._tier_root is not None:  # disk-tier facts start loading before the engine sees them
+        if (
+            task.mode == "inject" and self._tier_root is not None
+        ):  # disk-tier facts start loading before the engine sees them
             self._prefetch(task.tenant_id, [f.record_id for f in task.facts if f.record_id])
-        frame = (self.frame_id, self.prefix_ids) if task.mode == "inject" and await self.ensure_frame(task.tenant_id) else None
+        frame = (
+            (self.frame_id, self.prefix_ids)
+            if task.mode == "inject" and await self.ensure_frame(task.tenant_id)
+            else None
+        )
         prefix_ids, query_ids = self._split(task)
         items = self._items(task.tenant_id, task.facts)
         laid = lay_out(task.mode, task.tenant_id, task.version, prefix_ids, items, query_ids, frame, task.recompute)
         if len(laid.token_ids) + task.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt of {len(laid.token_ids)} tokens plus max_tokens {task.max_tokens} exceeds "
-                             f"the model's context of {self.max_model_len}")
-        params = SamplingParams(max_tokens=task.max_tokens, temperature=task.temperature, top_p=task.top_p,
-                                seed=task.seed, stop=list(task.stop) if task.stop else None,
-                                output_kind=RequestOutputKind.DELTA, logprobs=task.logprobs,
-                                skip_clone=True)  # this request's own: vLLM's deep copy of it (and its plan) cost ~0.2 ms
+            raise ValueError(
+                f"prompt of {len(laid.token_ids)} tokens plus max_tokens {task.max_tokens} exceeds "
+                f"the model's context of {self.max_model_len}"
+            )
+        params = SamplingParams(
+            max_tokens=task.max_tokens,
+            temperature=task.temperature,
+            top_p=task.top_p,
+            seed=task.seed,
+            stop=list(task.stop) if task.stop else None,
+            output_kind=RequestOutputKind.DELTA,
+            logprobs=task.logprobs,
+            skip_clone=True,
+        )  # this request's own: vLLM's deep copy of it (and its plan) cost ~0.2 ms
         if laid.plan is not None:
             params.extra_args = {"kv_transfer_params": laid.plan.to_params()}
         prompt = TokensPrompt(prompt_token_ids=laid.token_ids, cache_salt=laid.cache_salt)
@@ -171,14 +196,27 @@ class MemoryEngine:
                 finish = piece.finish_reason
                 report = (out.kv_transfer_params or {}).get("inferscale")
         injected = int((report or {}).get("injected_tokens", 0))
-        yield {"done": True, "finish_reason": finish or "stop", "usage": {
-            "prompt_tokens": len(laid.token_ids), "completion_tokens": completion,
-            "total_tokens": len(laid.token_ids) + completion, "memory_tokens": laid.memory_tokens,
-            "recomputed_tokens": laid.recomputed_tokens,
-            "injected_tokens": injected, "prefix_cached_tokens": max(0, cached - injected),
-            "prefilled_tokens": len(laid.token_ids) - cached, "engine_ttft_ms": round(ttft or 0.0, 3),
-            "memory_fallback": (report or {}).get("fallback"),
-            "timeline": {"arrived": arrived, "engine_start": engine_start, "first_token": engine_start + (ttft or 0.0) / 1000}}}
+        yield {
+            "done": True,
+            "finish_reason": finish or "stop",
+            "usage": {
+                "prompt_tokens": len(laid.token_ids),
+                "completion_tokens": completion,
+                "total_tokens": len(laid.token_ids) + completion,
+                "memory_tokens": laid.memory_tokens,
+                "recomputed_tokens": laid.recomputed_tokens,
+                "injected_tokens": injected,
+                "prefix_cached_tokens": max(0, cached - injected),
+                "prefilled_tokens": len(laid.token_ids) - cached,
+                "engine_ttft_ms": round(ttft or 0.0, 3),
+                "memory_fallback": (report or {}).get("fallback"),
+                "timeline": {
+                    "arrived": arrived,
+                    "engine_start": engine_start,
+                    "first_token": engine_start + (ttft or 0.0) / 1000,
+                },
+            },
+        }
 
     def _prefetch(self, tenant_id: str, record_ids: list[str]) -> None:
         """Advise the kernel to read the disk-tier files of these records (advisory: unknown records are skipped)."""
@@ -230,7 +268,10 @@ class MemoryEngine:
         tokens: dict[str, tuple[int, ...]] = {}
         if with_records:
             try:
-                tokens = {r: info.token_ids for r, (_, info) in zip(with_records, self._store.checked_infos(tenant_id, with_records))}
+                tokens = {
+                    r: info.token_ids
+                    for r, (_, info) in zip(with_records, self._store.checked_infos(tenant_id, with_records))
+                }
             except (KVCoreError, OSError):
                 tokens = self._record_tokens_one_by_one(tenant_id, with_records)
         items = []
@@ -260,5 +301,7 @@ def _token_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Any]]
     for token_id, ranked in zip(token_ids, logprobs):
         chosen = ranked[token_id]
         best = sorted(ranked.values(), key=lambda entry: entry.rank)[:top]
-        out.append([chosen.decoded_token or "", chosen.logprob, [[entry.decoded_token or "", entry.logprob] for entry in best]])
+        out.append(
+            [chosen.decoded_token or "", chosen.logprob, [[entry.decoded_token or "", entry.logprob] for entry in best]]
+        )
     return out

@@ -75,8 +75,9 @@ class InferscaleConnector(KVConnectorBase_V1):
         if capture is not None:
             self._tracker.add(request.request_id, capture, request.prompt_token_ids or [])
             return 0, False
-        tokens = self._scheduler.match(request.request_id, request.prompt_token_ids or [],
-                                       request.kv_transfer_params, num_computed_tokens)
+        tokens = self._scheduler.match(
+            request.request_id, request.prompt_token_ids or [], request.kv_transfer_params, num_computed_tokens
+        )
         return tokens, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -84,8 +85,10 @@ class InferscaleConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         counts = scheduler_output.num_scheduled_tokens
-        steps = [(r.req_id, r.block_ids[0], r.num_computed_tokens, counts.get(r.req_id, 0))
-                 for r in scheduler_output.scheduled_new_reqs]
+        steps = [
+            (r.req_id, r.block_ids[0], r.num_computed_tokens, counts.get(r.req_id, 0))
+            for r in scheduler_output.scheduled_new_reqs
+        ]
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
@@ -100,8 +103,13 @@ class InferscaleConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         name, cache = next(iter(kv_caches.items()))
         model = self._vllm_config.model_config
-        layout = detect_layout(cache, self._block_size, model.get_total_num_kv_heads(), model.get_head_size(),
-                               engine_write=self._engine_writer(name))
+        layout = detect_layout(
+            cache,
+            self._block_size,
+            model.get_total_num_kv_heads(),
+            model.get_head_size(),
+            engine_write=self._engine_writer(name),
+        )
         log.info("paged KV layout: %s", layout)
         self._worker.injection.register(kv_caches, layout)
         self._worker.capture.register(self._worker.injection.layer_index, layout)
@@ -139,8 +147,9 @@ class InferscaleConnector(KVConnectorBase_V1):
         if not hasattr(layer, "isa") and type(impl).__module__.endswith("cpu_attn"):
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-            layer.isa = _get_attn_isa(self._vllm_config.model_config.dtype, self._block_size,
-                                      self._vllm_config.model_config.get_head_size())
+            layer.isa = _get_attn_isa(
+                self._vllm_config.model_config.dtype, self._block_size, self._vllm_config.model_config.get_head_size()
+            )
 
         def write(scratch: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
             impl.do_kv_cache_update(layer, k, v, scratch, slots)

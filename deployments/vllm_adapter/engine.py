@@ -38,7 +38,9 @@ def build_llm(model: str | Path, connector: ConnectorConfig, **engine_kwargs: An
     return LLM(model=str(model), kv_transfer_config=kv_transfer_config(connector), **engine_kwargs)
 
 
-def memory_request(prompt_ids: Sequence[int], plan: MemoryPlan | None, params: SamplingParams) -> tuple[TokensPrompt, SamplingParams]:
+def memory_request(
+    prompt_ids: Sequence[int], plan: MemoryPlan | None, params: SamplingParams
+) -> tuple[TokensPrompt, SamplingParams]:
     """A token prompt and sampling params carrying `plan` (or a plain request when `plan` is None)."""
     prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
     if plan is None:
@@ -52,6 +54,11 @@ def memory_request(prompt_ids: Sequence[int], plan: MemoryPlan | None, params: S
 
 def capture_request(prompt_ids: Sequence[int], plan: CapturePlan) -> tuple[TokensPrompt, SamplingParams]:
     """A one-token request whose prefill stores the K/V of `plan`'s spans as records (engine encoding)."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_clone=True,
-                            extra_args={"kv_transfer_params": plan.to_params()})
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        detokenize=False,
+        skip_clone=True,
+        extra_args={"kv_transfer_params": plan.to_params()},
+    )
     return TokensPrompt(prompt_token_ids=list(prompt_ids)), params

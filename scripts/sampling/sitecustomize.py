@@ -23,6 +23,7 @@ if os.environ.get("INFERSCALE_SAMPLE_DIR"):
     start(os.environ["INFERSCALE_SAMPLE_DIR"], float(os.environ.get("INFERSCALE_SAMPLE_MS", "2")))
 
 _shadowed = importlib.machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here]
+)
 if _shadowed is not None and _shadowed.loader is not None:
     _shadowed.loader.exec_module(importlib.util.module_from_spec(_shadowed))

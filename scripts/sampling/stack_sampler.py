@@ -89,7 +89,9 @@ class Sampler:
         rows = [[label, thread, stack, n] for (label, thread, stack), n in self._counts.items()]
         target = self._folder / f"{os.getpid()}.json"
         scratch = target.with_suffix(".tmp")
-        scratch.write_text(json.dumps({"pid": os.getpid(), "title": _title(), "interval_s": self._interval, "rows": rows}))
+        scratch.write_text(
+            json.dumps({"pid": os.getpid(), "title": _title(), "interval_s": self._interval, "rows": rows})
+        )
         scratch.replace(target)
         self._dirty = False
 

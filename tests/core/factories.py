@@ -12,8 +12,16 @@ ROPE = RopeConfig(head_dim=8, theta=10000.0)
 SPEC = ModelSpec(num_layers=3, num_kv_heads=2, head_dim=8, rope=ROPE, fingerprint="f" * 24)
 
 
-def make_record(fact_id: str = "f1", tokens: int = 5, *, seed: int = 0, dtype=torch.float32, fingerprint: str = "f" * 24,
-                tenant_id: str = "t1", layers: int = 3) -> FactKV:
+def make_record(
+    fact_id: str = "f1",
+    tokens: int = 5,
+    *,
+    seed: int = 0,
+    dtype=torch.float32,
+    fingerprint: str = "f" * 24,
+    tenant_id: str = "t1",
+    layers: int = 3,
+) -> FactKV:
     gen = torch.Generator().manual_seed(seed)
     shape = (layers, 2, tokens, 8)
     return FactKV(

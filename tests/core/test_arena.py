@@ -94,11 +94,23 @@ def test_reserving_rows_is_all_or_nothing_and_announced_once_placed():
     """Rows for a kernel to fill: either every record gets its rows (and is announced resident), or the arena
     is left as it was (no half-placed record whose rows nobody wrote)."""
     changes = []
-    arena = DeviceArena(L, H, D, torch.device("cpu"), 3 * PER_PAGE, page_tokens=PAGE,
-                        on_change=lambda key, stamp, resident: changes.append((key, resident)))
+    arena = DeviceArena(
+        L,
+        H,
+        D,
+        torch.device("cpu"),
+        3 * PER_PAGE,
+        page_tokens=PAGE,
+        on_change=lambda key, stamp, resident: changes.append((key, resident)),
+    )
     arena.begin_step()
     rows = arena.reserve_many([("a", 1), ("b", 1)], [5, 3], torch.float32)
-    assert len(rows) == 8 and len(set(rows)) == 8 and list(arena.rows("a", 1)) == rows[:5] and list(arena.rows("b", 1)) == rows[5:]
+    assert (
+        len(rows) == 8
+        and len(set(rows)) == 8
+        and list(arena.rows("a", 1)) == rows[:5]
+        and list(arena.rows("b", 1)) == rows[5:]
+    )
     assert changes == [("a", True), ("b", True)]
     with pytest.raises(ArenaFullError):  # "c" fits in the one free page, "d" only by evicting this step's records
         arena.reserve_many([("c", 1), ("d", 1)], [4, 4], torch.float32)

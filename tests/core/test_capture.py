@@ -58,7 +58,9 @@ def test_engine_cache_round_trips_bit_exactly_through_a_record(tmp_path):
     for name, cache in source.items():
         capture.save_layer(name, cache, specs)
     capture.end_step()
-    assert store.get("t1", "tail").k.dtype == torch.float32 and store.get("t1", "tail").token_ids == tuple(range(104, 110))
+    assert store.get("t1", "tail").k.dtype == torch.float32 and store.get("t1", "tail").token_ids == tuple(
+        range(104, 110)
+    )
 
     target = {name: torch.zeros_like(cache) for name, cache in source.items()}
     worker = InjectionWorker(store, FP, ROPE)

@@ -49,8 +49,14 @@ def test_bad_facts_are_refused_before_any_work(fact, message):
 
 def test_too_many_tokens_and_duplicates_are_refused():
     with pytest.raises(InvalidFactError, match="tokens"):
-        plan_fact_jobs(TURNS, [Fact("f", "x" * 50, 0)], window=0, prefix_ids=[], tokenizer=CharTokens(),
-                       limits=FactLimits(max_tokens=10))
+        plan_fact_jobs(
+            TURNS,
+            [Fact("f", "x" * 50, 0)],
+            window=0,
+            prefix_ids=[],
+            tokenizer=CharTokens(),
+            limits=FactLimits(max_tokens=10),
+        )
     with pytest.raises(InvalidFactError, match="twice"):
         plan_fact_jobs(TURNS, [Fact("f", "a", 0), Fact("f", "b", 1)], window=0, prefix_ids=[], tokenizer=CharTokens())
     with pytest.raises(InvalidFactError, match="window"):
@@ -63,7 +69,9 @@ def _jobs():
 
 def test_batched_equals_one_by_one_and_keeps_order():
     jobs = _jobs()
-    batched = encode_jobs(jobs, CausalSumForward(), SPEC, tenant_id="t", window=3, dtype=torch.float32, max_batch_tokens=10_000)
+    batched = encode_jobs(
+        jobs, CausalSumForward(), SPEC, tenant_id="t", window=3, dtype=torch.float32, max_batch_tokens=10_000
+    )
     for job, rec in zip(jobs, batched):
         alone = encode_jobs([job], CausalSumForward(), SPEC, tenant_id="t", window=3, dtype=torch.float32)[0]
         assert rec.fact_id == job.fact_id and rec.token_ids == job.target_ids
@@ -88,8 +96,9 @@ def test_records_carry_params_and_requested_dtype():
 
 def test_neighbours_sit_after_the_window_and_before_the_fact():
     facts = [Fact("f3", "y", 3), Fact("f4", "z", 4)]
-    jobs = plan_fact_jobs(TURNS, facts, window=1, prefix_ids=[7], tokenizer=CharTokens(),
-                          neighbours={"f3": ["far", "near"]})
+    jobs = plan_fact_jobs(
+        TURNS, facts, window=1, prefix_ids=[7], tokenizer=CharTokens(), neighbours={"f3": ["far", "near"]}
+    )
     render = CharTokens().encode_text
     assert jobs[0].context_ids == tuple([7] + render(TURNS[2].render()) + render("far\n") + render("near\n"))
     assert jobs[0].meta == {"anchor": "3", "neighbours": "2"}

@@ -46,8 +46,12 @@ def test_claims_the_uncached_part_of_the_region(store):
 
 @pytest.mark.parametrize(
     ("ids", "tamper", "reason"),
-    [(("p", "missing"), None, "no fact 'missing'"), (("p", "alien"), None, "encoded by model"),
-     (("p", "a"), "tokens", "are not the tokens"), (("p", "a"), "no-query", "at least one query token")],
+    [
+        (("p", "missing"), None, "no fact 'missing'"),
+        (("p", "alien"), None, "encoded by model"),
+        (("p", "a"), "tokens", "are not the tokens"),
+        (("p", "a"), "no-query", "at least one query token"),
+    ],
 )
 def test_unusable_plans_fall_back_to_recompute(store, ids, tamper, reason):
     sched = InjectionScheduler(store, FP, policy="recompute")
@@ -171,8 +175,9 @@ def test_a_step_larger_than_the_arena_stages_the_rest_on_its_own(store, caplog):
     page_bytes = 3 * 2 * 8 * 4 * 2 * 16  # one 16-token page of 3 layers, float32 K and V
     plan_a, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
     with caplog.at_level("INFO"):
-        worker = run_step(store, layout, caches, [("ra", plan_a, [3, 7]), ("rb", plan_b, [9])],
-                          device_cache_bytes=2 * page_bytes)  # room for p and a only
+        worker = run_step(
+            store, layout, caches, [("ra", plan_a, [3, 7]), ("rb", plan_b, [9])], device_cache_bytes=2 * page_bytes
+        )  # room for p and a only
     assert "staging its records on their own" in caplog.text
     assert_region(store, layout, caches, plan_a, [3, 7])
     assert_region(store, layout, caches, plan_b, [9])
@@ -239,9 +244,17 @@ def test_records_spilled_from_the_arena_come_back_from_the_lower_tiers(store, tm
     caches = {f"l{i}": torch.zeros(16, 2, BS, 16) for i in range(3)}
     page_bytes = 3 * 2 * 8 * 4 * 2 * 16
     moves = []
-    tiers = TieredStore("cpu", 0, page_bytes, tmp_path / "disk", compress_lower=compress,  # host holds ~one record
-                        on_move=lambda key, tier: moves.append((key, tier)))
-    worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers, whole_load_bytes=whole_load_bytes)
+    tiers = TieredStore(
+        "cpu",
+        0,
+        page_bytes,
+        tmp_path / "disk",
+        compress_lower=compress,  # host holds ~one record
+        on_move=lambda key, tier: moves.append((key, tier)),
+    )
+    worker = InjectionWorker(
+        store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers, whole_load_bytes=whole_load_bytes
+    )
     plan_pa, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
     run_step(store, layout, caches, [("r1", plan_pa, [0, 1])], worker=worker)
     run_step(store, layout, caches, [("r2", plan_b, [2])], worker=worker)  # evicts p: it spills
@@ -340,9 +353,14 @@ def test_placements_follow_records_across_arena_and_tiers_and_a_restart(store, t
     assert ("p", None) not in events  # promotion never shows a record as gone in between
     stamp_b = store.checked_infos("t1", ["b"])[0][0]
     restarted: dict[tuple, str | None] = {}
-    again = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes,
-                            tiers=TieredStore("cpu", 0, 0, tmp_path / "disk"),
-                            placement=lambda t, r, s, tier: restarted.__setitem__((t, r, s), tier))
+    again = InjectionWorker(
+        store,
+        FP,
+        ROPE,
+        device_cache_bytes=2 * page_bytes,
+        tiers=TieredStore("cpu", 0, 0, tmp_path / "disk"),
+        placement=lambda t, r, s, tier: restarted.__setitem__((t, r, s), tier),
+    )
     again.register(caches, layout)
     stamp_p = store.checked_infos("t1", ["p"])[0][0]
     assert restarted == {("t1", "b", stamp_b): "disk", ("t1", "p", stamp_p): "disk"}  # p's tier copy stayed
@@ -357,7 +375,9 @@ def test_a_plans_importance_travels_with_its_records_into_the_tiers(store, tmp_p
     page_bytes = 3 * 2 * 8 * 4 * 2 * 16
     tiers = TieredStore("cpu", 0, 1 << 20, tmp_path / "disk", compress_lower=False)
     worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers)
-    run_step(store, layout, caches, [("r1", MemoryPlan("t1", ("p", "a"), 4, importance=(0.75, 0.25)), [0, 1])], worker=worker)
+    run_step(
+        store, layout, caches, [("r1", MemoryPlan("t1", ("p", "a"), 4, importance=(0.75, 0.25)), [0, 1])], worker=worker
+    )
     run_step(store, layout, caches, [("r2", MemoryPlan("t1", ("b",), 4, importance=(0.5,)), [2])], worker=worker)
     p_key = tier_key("t1", "p", store.checked_infos("t1", ["p"])[0][0])
     assert tiers.tier_of(p_key) == "cpu" and tiers._entries[p_key].importance == 0.75

@@ -30,7 +30,11 @@ def as_on_disk(entries):
     blobs, raws, at = [], [], 0
     for k, v in entries:
         tokens = k.codes.shape[2]
-        layer = [t[i].contiguous().view(-1).view(torch.uint8) for i in range(L) for t in (k.codes, k.scales, v.codes, v.scales)]
+        layer = [
+            t[i].contiguous().view(-1).view(torch.uint8)
+            for i in range(L)
+            for t in (k.codes, k.scales, v.codes, v.scales)
+        ]
         sizes = [x.numel() for x in layer[:4]]
         offsets = [at, at + sizes[0], at + sum(sizes[:2]), at + sum(sizes[:3])]
         raws.append((offsets, sum(sizes), tokens))
@@ -42,7 +46,9 @@ def as_on_disk(entries):
 
 
 def check_rows(packed, entries, dtype):
-    rows = torch.randperm(40, generator=torch.Generator().manual_seed(3))[: packed.tokens]  # scattered, like arena pages
+    rows = torch.randperm(40, generator=torch.Generator().manual_seed(3))[
+        : packed.tokens
+    ]  # scattered, like arena pages
     arena_k, arena_v = torch.full((L, 40, H, D), -1.0, dtype=dtype), torch.full((L, 40, H, D), -1.0, dtype=dtype)
     insert_packed(packed, rows, arena_k, arena_v)
     for (k, v), a, b in zip(entries, packed.starts, packed.starts[1:]):

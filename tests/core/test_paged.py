@@ -11,6 +11,7 @@ BS, H, D = 16, 3, 8
 
 def cpu_rows_writer(k_transposed: bool):
     """What vLLM's CPU kernel does: view [nb, H, 2*bs, D], K rows then V rows (K maybe transposed)."""
+
     def write(cache, k, v, slots):
         nb = cache.shape[0]
         view = cache.view(nb, H, 2 * BS, D)
@@ -22,6 +23,7 @@ def cpu_rows_writer(k_transposed: bool):
             kt[b, :, :, o] = k
         else:
             kc[b, :, o] = k
+
     return write
 
 

@@ -17,7 +17,11 @@ def test_plan_round_trips_and_salts_per_tenant_and_version():
     weighted = MemoryPlan("alice", ("prefix", "f1"), 3, importance=(1.0, 0.42))
     assert MemoryPlan.from_params(weighted.to_params()).importance == (1.0, 0.42)
     assert MemoryPlan.from_params({"other": 1}) is None and MemoryPlan.from_params(None) is None
-    salts = {plan.cache_salt, MemoryPlan("bob", ("prefix", "f1"), 3).cache_salt, MemoryPlan("alice", ("f1",), 4).cache_salt}
+    salts = {
+        plan.cache_salt,
+        MemoryPlan("bob", ("prefix", "f1"), 3).cache_salt,
+        MemoryPlan("alice", ("f1",), 4).cache_salt,
+    }
     assert len(salts) == 3
     assert MemoryPlan("alice", ("f2", "f3"), 3).cache_salt == plan.cache_salt  # same tenant, version and region shape
     assert MemoryPlan("alice", ("f2",), 3).cache_salt != plan.cache_salt  # another region boundary: never shared
@@ -26,12 +30,16 @@ def test_plan_round_trips_and_salts_per_tenant_and_version():
 
 @pytest.mark.parametrize(
     "raw",
-    [{"tenant_id": "a"}, {"tenant_id": "../x", "record_ids": ["f"], "store_version": 1},
-     {"tenant_id": "a", "record_ids": [], "store_version": 1}, {"tenant_id": "a", "record_ids": ["f"], "store_version": "x"},
-     {"tenant_id": "a", "record_ids": ["f"], "store_version": 1, "region_start": -4},
-     {"tenant_id": "a", "record_ids": ["f"], "store_version": 1, "importance": [0.5, 0.2]},
-     {"tenant_id": "a", "record_ids": ["f"], "store_version": 1, "importance": ["nan"]},
-     {"tenant_id": "a", "record_ids": ["f"], "store_version": 1, "importance": ["high"]}],
+    [
+        {"tenant_id": "a"},
+        {"tenant_id": "../x", "record_ids": ["f"], "store_version": 1},
+        {"tenant_id": "a", "record_ids": [], "store_version": 1},
+        {"tenant_id": "a", "record_ids": ["f"], "store_version": "x"},
+        {"tenant_id": "a", "record_ids": ["f"], "store_version": 1, "region_start": -4},
+        {"tenant_id": "a", "record_ids": ["f"], "store_version": 1, "importance": [0.5, 0.2]},
+        {"tenant_id": "a", "record_ids": ["f"], "store_version": 1, "importance": ["nan"]},
+        {"tenant_id": "a", "record_ids": ["f"], "store_version": 1, "importance": ["high"]},
+    ],
 )
 def test_malformed_plans_raise_plan_error(raw):
     with pytest.raises(PlanError):

@@ -36,8 +36,22 @@ def test_layers_import_downward_and_adapters_hold_their_library():
     retrieval benchmark imports faiss, to compare it (retrieval is a matrix product: tenants/vector_index.py)."""
     root = CORE.parent
     tenants = {str(f.relative_to(root)): _imported_roots(f) for f in sorted((root / "tenants").glob("*.py"))}
-    assert tenants and not {name for name, roots in tenants.items() if roots & {"deployments", "cluster", "models", "vllm", "ray"}}
+    assert tenants and not {
+        name for name, roots in tenants.items() if roots & {"deployments", "cluster", "models", "vllm", "ray"}
+    }
     assert {name for name, roots in tenants.items() if "redis" in roots} == {"tenants/redis_meta.py"}
-    packages = ("kvcore", "models", "config", "tenants", "encoder_jobs", "deployments", "cluster", "loadtest", "benchmarks")
-    everything = {str(f.relative_to(root)): _imported_roots(f) for pkg in packages for f in sorted((root / pkg).rglob("*.py"))}
+    packages = (
+        "kvcore",
+        "models",
+        "config",
+        "tenants",
+        "encoder_jobs",
+        "deployments",
+        "cluster",
+        "loadtest",
+        "benchmarks",
+    )
+    everything = {
+        str(f.relative_to(root)): _imported_roots(f) for pkg in packages for f in sorted((root / pkg).rglob("*.py"))
+    }
     assert {name for name, roots in everything.items() if "faiss" in roots} == {"benchmarks/retrieval.py"}

@@ -102,8 +102,11 @@ def test_a_group_write_that_fails_for_one_file_writes_none_of_them(tmp_path):
 
     (tmp_path / "b.st").write_bytes(b"old")
     good = {"x": torch.arange(6, dtype=torch.float32)}
-    files = [(tmp_path / "a.st", good, {}), (tmp_path / "b.st", {"x": torch.zeros(2, dtype=torch.complex64)}, {}),
-             (tmp_path / "c.st", good, {})]
+    files = [
+        (tmp_path / "a.st", good, {}),
+        (tmp_path / "b.st", {"x": torch.zeros(2, dtype=torch.complex64)}, {}),
+        (tmp_path / "c.st", good, {}),
+    ]
     with pytest.raises(TypeError, match="cannot be stored"):
         write_many_atomic(files)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.st"] and (tmp_path / "b.st").read_bytes() == b"old"

@@ -15,8 +15,10 @@ def test_holders_get_distinct_slots_and_a_successor_gets_the_freed_one(tmp_path)
 
 
 def test_a_slot_held_by_another_process_is_skipped_until_it_exits(tmp_path):
-    code = ("import sys, time; from kvcore.replica_slot import claim_slot; "
-            f"print(claim_slot({str(tmp_path)!r}, host='h').name, flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from kvcore.replica_slot import claim_slot; "
+        f"print(claim_slot({str(tmp_path)!r}, host='h').name, flush=True); time.sleep(60)"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "h-slot0"

@@ -11,8 +11,15 @@ from kvcore.rope import RopeConfig, inverse_frequencies, rotate, rotate_to
 CONFIGS = [
     RopeConfig(head_dim=64, theta=100000.0),
     RopeConfig(head_dim=64, theta=10000.0, style="gptj"),
-    RopeConfig(head_dim=128, theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-               high_freq_factor=4.0, original_max_position=8192),
+    RopeConfig(
+        head_dim=128,
+        theta=500000.0,
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position=8192,
+    ),
     RopeConfig(head_dim=64, theta=10000.0, rope_type="linear", factor=4.0),
     RopeConfig(head_dim=64, theta=10000.0, rotary_dim=32),
     RopeConfig(head_dim=64, theta=10000.0, rotary_dim=32, style="gptj"),
@@ -107,9 +114,19 @@ def test_dynamic_ntk_changes_only_past_the_original_length():
 
 
 def test_from_hf_config_reads_llama31_scaling():
-    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192}}
+    cfg = {
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     rope = RopeConfig.from_hf_config(cfg)
     assert (rope.head_dim, rope.rope_type, rope.factor, rope.original_max_position) == (128, "llama3", 8.0, 8192)
 

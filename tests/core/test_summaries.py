@@ -16,7 +16,9 @@ ROPES = [
 def sample(rope, seed, layers=4, heads=4, tokens=32):
     gen = torch.Generator().manual_seed(seed)
     scale = torch.rand(rope.head_dim, generator=gen) * 3  # uneven channels, as real keys have
-    keys = torch.randn(layers, heads, tokens, rope.head_dim, generator=gen) * scale + torch.randn(rope.head_dim, generator=gen)
+    keys = torch.randn(layers, heads, tokens, rope.head_dim, generator=gen) * scale + torch.randn(
+        rope.head_dim, generator=gen
+    )
     return keys, gen
 
 
@@ -27,7 +29,9 @@ def norm_only(summaries, query, rope):
     first, second = pair_index(rope)
     q_norm = torch.sqrt(query[..., first] ** 2 + query[..., second] ** 2)
     rest = torch.arange(rope.dim, rope.head_dim)
-    box = torch.maximum(query[..., rest] * summaries.low[..., rest], query[..., rest] * summaries.high[..., rest]).sum(-1)
+    box = torch.maximum(query[..., rest] * summaries.low[..., rest], query[..., rest] * summaries.high[..., rest]).sum(
+        -1
+    )
     return (q_norm * summaries.norms).sum(-1) + box
 
 

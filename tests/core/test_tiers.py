@@ -111,8 +111,14 @@ def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_pa
 def test_every_tier_gives_back_what_was_stored(tmp_path, compress):
     moves = []
     one_on_cpu = 2 * quantize(kv(0)[0]).nbytes if compress else ENTRY
-    store = TieredStore("cpu", ENTRY, one_on_cpu, tmp_path, compress_lower=compress,
-                        on_move=lambda key, tier: moves.append((key[1], tier)))
+    store = TieredStore(
+        "cpu",
+        ENTRY,
+        one_on_cpu,
+        tmp_path,
+        compress_lower=compress,
+        on_move=lambda key, tier: moves.append((key[1], tier)),
+    )
     originals = {f"f{i}": kv(i) for i in range(3)}
     for name, (k, v) in originals.items():
         store.put(("t", name), k, v)
@@ -164,7 +170,9 @@ def test_promotion_after_a_load_and_recovery_of_the_disk_tier(tmp_path):
     assert store.tier_of(("t", "a")) == "gpu" and store.tier_of(("t", "b")) == "disk"
     reopened = TieredStore("cpu", ENTRY, 0, tmp_path)
     assert reopened.tier_of(("t", "b")) == "disk" and reopened.tier_of(("t", "a")) is None
-    assert torch.allclose(read_all(reopened, ("t", "b"))[0], kv(2)[0], atol=float(quantize(kv(2)[0]).scales.max()) / 2 + 1e-6)
+    assert torch.allclose(
+        read_all(reopened, ("t", "b"))[0], kv(2)[0], atol=float(quantize(kv(2)[0]).scales.max()) / 2 + 1e-6
+    )
 
 
 def flip_a_byte(path, at=-3):
@@ -179,8 +187,11 @@ def test_a_damaged_disk_entry_raises_instead_of_returning_garbage(tmp_path, dama
     store = TieredStore("cpu", 0, 0, tmp_path, on_move=lambda key, tier: moves.append(tier))
     store.put(("t", "a"), *kv(1), label="a@1")
     path = next(tmp_path.glob("*.kv"))
-    {"flipped": flip_a_byte, "truncated": lambda p: p.write_bytes(p.read_bytes()[:-40]),
-     "removed": lambda p: p.unlink()}[damage](path)
+    {
+        "flipped": flip_a_byte,
+        "truncated": lambda p: p.write_bytes(p.read_bytes()[:-40]),
+        "removed": lambda p: p.unlink(),
+    }[damage](path)
     reader = store.begin_load(("t", "a"))
     with pytest.raises(RecordCorruptError):
         reader.layer(L - 1)
@@ -218,7 +229,9 @@ def test_tier_files_are_named_in_every_slot_and_prefetch_skips_absent_ones(tmp_p
     TieredStore("cpu", 0, 0, tmp_path / "h-slot0").put(keys[0], *kv(1))
     TieredStore("cpu", 0, 0, tmp_path / "h-slot1").put(keys[1], *kv(1))
     candidates = tier_files(tmp_path, [keys[0], keys[2]])
-    assert len(candidates) == 4 and [p for p in candidates if p.exists()] == [tmp_path / "h-slot0" / f"t__{keys[0][1]}.kv"]
+    assert len(candidates) == 4 and [p for p in candidates if p.exists()] == [
+        tmp_path / "h-slot0" / f"t__{keys[0][1]}.kv"
+    ]
     advise_willneed(candidates)  # advisory: absent files are skipped
     assert tier_files(tmp_path / "nowhere", keys) == []
 
@@ -284,8 +297,12 @@ def test_a_tier_file_whose_layers_are_not_evenly_laid_out_is_refused(tmp_path):
     from kvcore.tier_disk import DiskFile, write_tier_file
 
     path = tmp_path / "odd.kv"
-    tensors = {"k.000": torch.zeros(2, 3, 8), "v.000": torch.zeros(2, 3, 8),
-               "k.001": torch.zeros(2, 4, 8), "v.001": torch.zeros(2, 4, 8)}
+    tensors = {
+        "k.000": torch.zeros(2, 3, 8),
+        "v.000": torch.zeros(2, 3, 8),
+        "k.001": torch.zeros(2, 4, 8),
+        "v.001": torch.zeros(2, 4, 8),
+    }
     write_tier_file(path, tensors, {"layers": "2"})
     with DiskFile(path) as file, pytest.raises(RecordCorruptError, match="evenly spaced"):
         file.read_all(2)
@@ -298,8 +315,15 @@ def test_the_disk_tier_drops_its_least_important_entries_past_its_budget(tmp_pat
     probe.put(("t", "p"), *kv(0))
     file_bytes = probe.used("disk")  # one entry's file, header included
     moves = []
-    store = TieredStore("cpu", 0, 0, tmp_path, compress_lower=False, disk_bytes=int(2.5 * file_bytes),
-                        on_move=lambda key, tier: moves.append((key[1], tier)))
+    store = TieredStore(
+        "cpu",
+        0,
+        0,
+        tmp_path,
+        compress_lower=False,
+        disk_bytes=int(2.5 * file_bytes),
+        on_move=lambda key, tier: moves.append((key[1], tier)),
+    )
     store.put(("t", "a"), *kv(1), importance=0.9)
     store.put(("t", "b"), *kv(2), importance=0.1)
     loading = store.begin_load(("t", "b"))  # pinned: not a victim while it loads
@@ -355,8 +379,12 @@ def test_a_whole_read_checks_every_byte_of_the_file_once(tmp_path, data_checksum
     from kvcore.tier_disk import DiskFile
 
     k, v = quantize(kv(1)[0]), quantize(kv(2)[1])
-    tensors = {f"{n}.{i:03d}{part}": t[i] for i in range(L) for n, q in (("k", k), ("v", v))
-               for part, t in ((".codes", q.codes), (".scales", q.scales))}
+    tensors = {
+        f"{n}.{i:03d}{part}": t[i]
+        for i in range(L)
+        for n, q in (("k", k), ("v", v))
+        for part, t in ((".codes", q.codes), (".scales", q.scales))
+    }
     path = tmp_path / "t__a.kv"
     write_atomic(path, tensors, {"layers": str(L)}, durable=False, checksums=True, data_checksum=data_checksum)
     with DiskFile(path) as file:

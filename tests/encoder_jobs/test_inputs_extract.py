@@ -16,14 +16,19 @@ from encoder_jobs.tasks import fact_id_for, task_rows
 from kvcore.conversation import Turn
 
 
-@pytest.mark.parametrize(("raw", "message"), [
-    ([], "JSON object"), ({}, "needs 'turns'"), ({"turns": "x"}, "must be a list"),
-    ({"turns": [{"speaker": "", "text": "hi"}]}, "turns[0] needs"),
-    ({"turns": [{"speaker": "a", "text": "hi"}], "facts": [{"text": "x", "turn": 5}]}, "facts[0].turn"),
-    ({"turns": [{"speaker": "a", "text": "hi"}], "facts": [{"text": ""}]}, "facts[0].text"),
-    ({"conversation": {"speaker_a": "a"}}, "no session"),
-    ({"conversation": {"session_1": [{"speaker": "a"}]}}, "session_1[0] needs"),
-])
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ([], "JSON object"),
+        ({}, "needs 'turns'"),
+        ({"turns": "x"}, "must be a list"),
+        ({"turns": [{"speaker": "", "text": "hi"}]}, "turns[0] needs"),
+        ({"turns": [{"speaker": "a", "text": "hi"}], "facts": [{"text": "x", "turn": 5}]}, "facts[0].turn"),
+        ({"turns": [{"speaker": "a", "text": "hi"}], "facts": [{"text": ""}]}, "facts[0].text"),
+        ({"conversation": {"speaker_a": "a"}}, "no session"),
+        ({"conversation": {"session_1": [{"speaker": "a"}]}}, "session_1[0] needs"),
+    ],
+)
 def test_malformed_inputs_name_the_problem(raw, message):
     with pytest.raises(JobInputError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_input(raw)
@@ -35,8 +40,14 @@ def test_files_are_read_and_bad_json_is_refused(tmp_path):
         load_input(tmp_path / "bad.json")
     with pytest.raises(JobInputError, match="no such file"):
         load_input(tmp_path / "missing.json")
-    locomo = {"conversation": {"speaker_a": "Maya", "session_2": [{"speaker": "Maya", "dia_id": "D2:1", "text": "b"}],
-                               "session_1_date_time": "1 May", "session_1": [{"speaker": "Sam", "dia_id": "D1:1", "text": "a"}]}}
+    locomo = {
+        "conversation": {
+            "speaker_a": "Maya",
+            "session_2": [{"speaker": "Maya", "dia_id": "D2:1", "text": "b"}],
+            "session_1_date_time": "1 May",
+            "session_1": [{"speaker": "Sam", "dia_id": "D1:1", "text": "a"}],
+        }
+    }
     (tmp_path / "c.json").write_text(json.dumps(locomo))
     parsed = load_input(tmp_path / "c.json")
     assert [t.text for t in parsed.turns] == ["a", "b"] and parsed.sessions == (0, 1) and parsed.facts is None
@@ -45,13 +56,18 @@ def test_files_are_read_and_bad_json_is_refused(tmp_path):
 
 def test_task_ids_are_stable_and_rows_carry_their_window():
     turns = [Turn("a", f"turn {i}") for i in range(5)]
-    rows = task_rows("t", turns, [ExplicitFact("x  is   y", 4), ExplicitFact("x is y", 4), ExplicitFact("z", 1)], window=2)
+    rows = task_rows(
+        "t", turns, [ExplicitFact("x  is   y", 4), ExplicitFact("x is y", 4), ExplicitFact("z", 1)], window=2
+    )
     assert len(rows) == 2 and rows[0]["fact_id"] == fact_id_for("t", 4, "x is y") != fact_id_for("u", 4, "x is y")
     assert [c["text"] for c in rows[0]["context"]] == ["turn 2", "turn 3"] and rows[1]["context"][0]["text"] == "turn 0"
 
 
 def test_parsers_are_defensive():
-    assert parse_facts("Facts:\n- Maya has a cat.\n* She runs.\nnoise\n- Maya has a cat.\n- x") == ["Maya has a cat.", "She runs."]
+    assert parse_facts("Facts:\n- Maya has a cat.\n* She runs.\nnoise\n- Maya has a cat.\n- x") == [
+        "Maya has a cat.",
+        "She runs.",
+    ]
     assert parse_decision('sure {"event": "update", "id": "f1"} ok', {"f1"}) == ("UPDATE", "f1")
     assert parse_decision('{"event": "DELETE", "id": "unknown"}', {"f1"}) == ("ADD", None)
     assert parse_decision("no json at all", {"f1"}) == ("ADD", None)
@@ -60,7 +76,10 @@ def test_parsers_are_defensive():
 
 def test_extraction_follows_the_model_and_falls_back_on_similarity():
     turns = [Turn("Maya", "I moved to Porto."), Turn("Sam", "Nice."), Turn("Maya", "My cat Pixel is grey.")]
-    replies = {"Porto": "- Maya lives in Porto.\n", "Pixel": "- Maya has a grey cat called Pixel.\n- Maya lives in Porto.\n"}
+    replies = {
+        "Porto": "- Maya lives in Porto.\n",
+        "Pixel": "- Maya has a grey cat called Pixel.\n- Maya lives in Porto.\n",
+    }
 
     def generate(prompt, max_new_tokens):
         if prompt.startswith("Stored memories"):
@@ -76,5 +95,6 @@ def test_extraction_follows_the_model_and_falls_back_on_similarity():
     assert [(d.event, d.fact.text, d.fact.anchor, d.target_id) for d in decisions] == [
         ("NOOP", "Maya lives in Porto.", 2, "porto"),
         ("UPDATE", "Maya has a grey cat called Pixel.", 3, "old-cat"),
-        ("NOOP", "Maya lives in Porto.", 3, "porto")]
+        ("NOOP", "Maya lives in Porto.", 3, "porto"),
+    ]
     assert decide(ExplicitFact("new", 1), generate, lambda q, k: []) == Decision("ADD", ExplicitFact("new", 1))

@@ -16,18 +16,30 @@ from models.loader import load_model
 pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 SESSIONS = [
-    [("Maya", "Hi! I just moved to Porto for a new job."), ("Sam", "Welcome! What is the job?"),
-     ("Maya", "I'm a marine biologist at the aquarium.")],
+    [
+        ("Maya", "Hi! I just moved to Porto for a new job."),
+        ("Sam", "Welcome! What is the job?"),
+        ("Maya", "I'm a marine biologist at the aquarium."),
+    ],
     [("Sam", "Any pets?"), ("Maya", "A grey cat called Pixel."), ("Sam", "Cute!")],
-    [("Maya", "I'm training for the Lisbon half marathon."), ("Sam", "Good luck!"),
-     ("Maya", "I'm allergic to peanuts, so energy bars are tricky.")],
+    [
+        ("Maya", "I'm training for the Lisbon half marathon."),
+        ("Sam", "Good luck!"),
+        ("Maya", "I'm allergic to peanuts, so energy bars are tricky."),
+    ],
 ]
-FACTS = [("Maya works as a marine biologist at the aquarium in Porto.", 3), ("Maya has a grey cat called Pixel.", 5),
-         ("Maya is training for the Lisbon half marathon.", 7), ("Maya is allergic to peanuts.", 9)]
+FACTS = [
+    ("Maya works as a marine biologist at the aquarium in Porto.", 3),
+    ("Maya has a grey cat called Pixel.", 5),
+    ("Maya is training for the Lisbon half marathon.", 7),
+    ("Maya is allergic to peanuts.", 9),
+]
 
 
 def write_input(path, facts=FACTS):
-    turns = [{"speaker": s, "text": t, "time": f"2026-03-0{i + 1}"} for i, session in enumerate(SESSIONS) for s, t in session]
+    turns = [
+        {"speaker": s, "text": t, "time": f"2026-03-0{i + 1}"} for i, session in enumerate(SESSIONS) for s, t in session
+    ]
     path.write_text(json.dumps({"turns": turns, "facts": [{"text": t, "turn": n} for t, n in facts]}))
     return path
 
@@ -43,15 +55,23 @@ def test_a_conversation_is_encoded_once_and_equals_the_core(ray_local, job_env, 
     assert (report.total, report.encoded, report.failed, report.skipped) == (4, 4, 0, 0), report.errors
     tenant = service.tenant_for_admin(admin, "maya")
     stored = {f.text: f for f in tenant.list_facts()}
-    assert set(stored) == {t for t, _ in FACTS} and all(f.kv_ready and f.encoding["window"] == 2 for f in stored.values())
+    assert set(stored) == {t for t, _ in FACTS} and all(
+        f.kv_ready and f.encoding["window"] == 2 for f in stored.values()
+    )
 
     loaded = load_model(settings.model)  # the same facts encoded directly with the core
     frame = build_frame(loaded.tokenizer, settings.system_prompt)
     turns = [Turn(s, t, f"2026-03-0{i + 1}") for i, session in enumerate(SESSIONS) for s, t in session]
     from models.transformers_adapter import HFKVForward
 
-    jobs = plan_fact_jobs(turns, [Fact(f"f{i}", t, n) for i, (t, n) in enumerate(FACTS)], window=2,
-                          prefix_ids=frame.prefix_ids, tokenizer=TokenizerEncoder(loaded.tokenizer), limits=FactLimits())
+    jobs = plan_fact_jobs(
+        turns,
+        [Fact(f"f{i}", t, n) for i, (t, n) in enumerate(FACTS)],
+        window=2,
+        prefix_ids=frame.prefix_ids,
+        tokenizer=TokenizerEncoder(loaded.tokenizer),
+        limits=FactLimits(),
+    )
     direct = encode_jobs(jobs, HFKVForward(loaded), loaded.spec, tenant_id="maya", window=2, dtype=loaded.dtype)
     for (text, _), expected in zip(FACTS, direct):
         record = service.records.get("maya", stored[text].record_id)
@@ -83,8 +103,14 @@ def test_facts_are_encoded_behind_their_nearest_facts_when_asked(ray_local, job_
     frame = build_frame(loaded.tokenizer, settings.system_prompt)
     facts = [Fact(f"f{i}", t, 0) for i, t in enumerate(texts)]
     for neighbours, same in (({f"f{i}": n for i, n in enumerate(near)}, True), (None, False)):
-        jobs = plan_fact_jobs([], facts, window=0, prefix_ids=frame.prefix_ids, tokenizer=TokenizerEncoder(loaded.tokenizer),
-                              neighbours=neighbours)
+        jobs = plan_fact_jobs(
+            [],
+            facts,
+            window=0,
+            prefix_ids=frame.prefix_ids,
+            tokenizer=TokenizerEncoder(loaded.tokenizer),
+            neighbours=neighbours,
+        )
         direct = encode_jobs(jobs, HFKVForward(loaded), loaded.spec, tenant_id="maya", window=0, dtype=loaded.dtype)
         for text, expected in zip(texts, direct):
             record = service.records.get("maya", stored[text].record_id)
@@ -119,7 +145,9 @@ def test_bad_facts_are_reported_and_the_rest_continue(ray_local, job_env, tmp_pa
 
 def test_a_malformed_file_writes_nothing(job_env, tmp_path):
     settings, service, admin = job_env
-    (tmp_path / "bad.json").write_text(json.dumps({"turns": [{"speaker": "a", "text": "b"}], "facts": [{"text": "x", "turn": 9}]}))
+    (tmp_path / "bad.json").write_text(
+        json.dumps({"turns": [{"speaker": "a", "text": "b"}], "facts": [{"text": "x", "turn": 9}]})
+    )
     with pytest.raises(JobInputError, match="facts\\[0\\].turn"):
         run(job_env, tmp_path / "bad.json")
     assert service.meta.fact_ids("maya") == [] and service.records.record_ids("maya") == []
@@ -130,8 +158,10 @@ def test_a_locomo_conversation_goes_through_extraction_with_the_model(ray_local,
     settings, service, admin = job_env
     tenant = service.tenant_for_admin(admin, "maya")
     tenant.add_fact("Maya lives in Porto.")  # something for the ADD/UPDATE/DELETE/NOOP step to compare with
-    sessions = {f"session_{n + 1}": [{"speaker": s, "dia_id": f"D{n + 1}:{i}", "text": t} for i, (s, t) in enumerate(session)]
-                for n, session in enumerate(SESSIONS[:2])}
+    sessions = {
+        f"session_{n + 1}": [{"speaker": s, "dia_id": f"D{n + 1}:{i}", "text": t} for i, (s, t) in enumerate(session)]
+        for n, session in enumerate(SESSIONS[:2])
+    }
     path = tmp_path / "locomo.json"
     path.write_text(json.dumps({"conversation": {"speaker_a": "Maya", "speaker_b": "Sam", **sessions}}))
     report = run(job_env, path)
@@ -143,12 +173,15 @@ def test_a_locomo_conversation_goes_through_extraction_with_the_model(ray_local,
     assert again.encoded == 0 and len(tenant.list_facts()) == len(facts)
 
 
-@pytest.mark.parametrize("total, free, per_gpu, workers, share", [
-    (0.0, 0.0, 2, 1, 0.0),     # no GPU in the cluster: CPU actors
-    (1.0, 1.0, 2, 1, 0.5),     # a free GPU: the configured share
-    (1.0, 0.1, 2, 1, 0.1),     # the serving replica holds 0.9: what is left, not a share that never comes
-    (1.0, 0.1, 2, 4, 0.025),   # split over the workers
-    (1.0, 0.004, 2, 1, 0.0),   # the GPU is taken: CPU actors rather than waiting
-])
+@pytest.mark.parametrize(
+    "total, free, per_gpu, workers, share",
+    [
+        (0.0, 0.0, 2, 1, 0.0),  # no GPU in the cluster: CPU actors
+        (1.0, 1.0, 2, 1, 0.5),  # a free GPU: the configured share
+        (1.0, 0.1, 2, 1, 0.1),  # the serving replica holds 0.9: what is left, not a share that never comes
+        (1.0, 0.1, 2, 4, 0.025),  # split over the workers
+        (1.0, 0.004, 2, 1, 0.0),  # the GPU is taken: CPU actors rather than waiting
+    ],
+)
 def test_encoding_actors_ask_for_a_gpu_share_the_cluster_has(total, free, per_gpu, workers, share):
     assert encoder_gpu_share(total, free, per_gpu, workers) == pytest.approx(share)

@@ -12,7 +12,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_check(module: str, device: str, dtype: str, interpret: bool) -> dict:
     """The JSON line the check prints (`python -m tests.kernels.<module> DEVICE DTYPE`)."""
     env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
-    done = subprocess.run([sys.executable, "-m", f"tests.kernels.{module}", device, dtype], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", f"tests.kernels.{module}", device, dtype],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -32,8 +32,16 @@ def _store(root: Path, dtype: torch.dtype) -> LocalFactStore:
     for i in range(4):
         gen = torch.Generator().manual_seed(i)
         shape = (LAYERS, HEADS, 5 + 2 * i, ROPE.head_dim)
-        store.put(FactKV("t1", f"f{i}", tuple(range(100 + 10 * i, 105 + 12 * i)), torch.randn(shape, generator=gen).to(dtype),
-                         torch.randn(shape, generator=gen).to(dtype), params))
+        store.put(
+            FactKV(
+                "t1",
+                f"f{i}",
+                tuple(range(100 + 10 * i, 105 + 12 * i)),
+                torch.randn(shape, generator=gen).to(dtype),
+                torch.randn(shape, generator=gen).to(dtype),
+                params,
+            )
+        )
     return store
 
 
@@ -45,13 +53,19 @@ def run(device: str, dtype: torch.dtype, writer_factory) -> list[torch.Tensor]:
 
 def _write(store: LocalFactStore, device: str, dtype: torch.dtype, writer_factory) -> list[torch.Tensor]:
     layout = PagedLayout("channels", BLOCK, HEADS, ROPE.head_dim)
-    caches = {f"model.layers.{i}.attn": torch.zeros(BLOCKS, BLOCK, HEADS, 2 * ROPE.head_dim, dtype=dtype,
-                                                    device=device).permute(0, 2, 1, 3) for i in range(LAYERS)}
+    caches = {
+        f"model.layers.{i}.attn": torch.zeros(
+            BLOCKS, BLOCK, HEADS, 2 * ROPE.head_dim, dtype=dtype, device=device
+        ).permute(0, 2, 1, 3)
+        for i in range(LAYERS)
+    }
     scheduler = InjectionScheduler(store, FINGERPRINT)
     worker = InjectionWorker(store, FINGERPRINT, ROPE, step_writer=writer_factory)
     worker.register(caches, layout)
-    plans = {"a": (MemoryPlan("t1", ("f0", "f1", "f2", "f3"), 3), [5, 1, 9, 12, 3, 7, 2, 20, 21, 22, 23]),
-             "b": (MemoryPlan("t1", ("f3", "f1"), 6), [4, 6, 8, 10, 11, 13])}
+    plans = {
+        "a": (MemoryPlan("t1", ("f0", "f1", "f2", "f3"), 3), [5, 1, 9, 12, 3, 7, 2, 20, 21, 22, 23]),
+        "b": (MemoryPlan("t1", ("f3", "f1"), 6), [4, 6, 8, 10, 11, 13]),
+    }
     for request, (plan, blocks) in plans.items():
         prompt = [0] * plan.region_start + [t for r in plan.record_ids for t in store.info("t1", r).token_ids] + [1, 2]
         claimed = scheduler.match(request, prompt, plan.to_params(), plan.region_start)
@@ -73,15 +87,32 @@ def main(device: str, dtype: torch.dtype) -> None:
         return made[-1]
 
     fused, reference = run(device, dtype, factory), run(device, dtype, None)
-    configs_equal = all(all(torch.equal(a, b) for a, b in zip(run(device, dtype, lambda r, p, c=c: factory(r, p, c)), fused))
-                        for c in TILES_AND_WARPS) if device == "cuda" else None
+    configs_equal = (
+        all(
+            all(torch.equal(a, b) for a, b in zip(run(device, dtype, lambda r, p, c=c: factory(r, p, c)), fused))
+            for c in TILES_AND_WARPS
+        )
+        if device == "cuda"
+        else None
+    )
     dim = ROPE.head_dim
     eps = torch.finfo(dtype).eps
-    ulps = max(((a - b).abs() / (b.abs().clamp(min=1.0) * eps)).max().item() for a, b in zip(fused, reference))  # ulps of max(|x|, 1)
-    print(json.dumps({"kernel_used": made[0] is not None, "max_ulps": ulps, "configs_equal": configs_equal,
-                      "values_equal": all(torch.equal(a[..., dim:], b[..., dim:]) for a, b in zip(fused, reference)),
-                      "written": sum(int(c.count_nonzero()) for c in reference),
-                      "equal_fraction": sum(int((a == b).sum()) for a, b in zip(fused, reference)) / sum(c.numel() for c in reference)}))
+    ulps = max(
+        ((a - b).abs() / (b.abs().clamp(min=1.0) * eps)).max().item() for a, b in zip(fused, reference)
+    )  # ulps of max(|x|, 1)
+    print(
+        json.dumps(
+            {
+                "kernel_used": made[0] is not None,
+                "max_ulps": ulps,
+                "configs_equal": configs_equal,
+                "values_equal": all(torch.equal(a[..., dim:], b[..., dim:]) for a, b in zip(fused, reference)),
+                "written": sum(int(c.count_nonzero()) for c in reference),
+                "equal_fraction": sum(int((a == b).sum()) for a, b in zip(fused, reference))
+                / sum(c.numel() for c in reference),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

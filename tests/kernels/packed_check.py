@@ -34,13 +34,19 @@ def _entries() -> tuple[list[RawEntry], list[tuple[Quantized, Quantized]]]:
     blobs, layout = [], []
     for k, v in entries[3:]:
         at = sum(b.numel() for b in blobs)
-        layer = [t[i].contiguous().view(-1).view(torch.uint8) for i in range(LAYERS) for t in (k.codes, k.scales, v.codes, v.scales)]
+        layer = [
+            t[i].contiguous().view(-1).view(torch.uint8)
+            for i in range(LAYERS)
+            for t in (k.codes, k.scales, v.codes, v.scales)
+        ]
         sizes = [x.numel() for x in layer[:4]]
         layout.append(((at, at + sizes[0], at + sum(sizes[:2]), at + sum(sizes[:3])), sum(sizes), k.codes.shape[2]))
         blob = torch.cat(layer)
         blobs.append(torch.cat([blob, torch.zeros(aligned(blob.numel()) - blob.numel(), dtype=torch.uint8)]))
     buffer = torch.cat(blobs)
-    raws += [RawEntry(buffer, offsets, stride, stride, tokens, (LAYERS, HEADS, DIM)) for offsets, stride, tokens in layout]
+    raws += [
+        RawEntry(buffer, offsets, stride, stride, tokens, (LAYERS, HEADS, DIM)) for offsets, stride, tokens in layout
+    ]
     return raws, entries
 
 
@@ -63,9 +69,18 @@ def main(device: str, dtype_name: str) -> None:
     written = ~kernel.isnan()
     got, want = kernel[written].float(), reference[written].float()
     ulps = ((got - want).abs() / (want.abs() * torch.finfo(dtype).eps).clamp(min=1e-30)).max().item()
-    print(json.dumps({"kernel_used": _unsupported(packed, kernel[0], kernel[1]) == "", "written": int(written.sum()),
-                      "same_rows": bool(torch.equal(written, ~reference.isnan())), "equal": bool(torch.equal(got, want)),
-                      "max_ulps": ulps}))
+    print(
+        json.dumps(
+            {
+                "kernel_used": _unsupported(packed, kernel[0], kernel[1]) == "",
+                "written": int(written.sum()),
+                "same_rows": bool(torch.equal(written, ~reference.isnan())),
+                "equal": bool(torch.equal(got, want)),
+                "max_ulps": ulps,
+            }
+        )
+    )
+
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])

@@ -37,7 +37,7 @@ def _prefix(loaded, forward, frame):
 
 
 def _gap(engine, memory, query, start=0):
-    plain = engine.prompt_logits(list(memory.token_ids) + query, start=start)[-len(query):]
+    plain = engine.prompt_logits(list(memory.token_ids) + query, start=start)[-len(query) :]
     return (plain - engine.injected_logits(memory, query)).abs().max().item()
 
 
@@ -56,8 +56,13 @@ def test_joint_encoding_injected_equals_prompt_injection(loaded, forward, engine
 @pytest.mark.parametrize("offset", [50, 500])
 def test_relocation_needs_and_gets_chunked_rope(loaded, forward, engine, frame, offset):
     """Theorem 6: encoded at 0, served at `offset`; without re-rotation it is measurably wrong."""
-    jobs = plan_fact_jobs(TURNS, _turn_facts(), window=len(TURNS), prefix_ids=frame.prefix_ids,
-                          tokenizer=TokenizerEncoder(loaded.tokenizer))
+    jobs = plan_fact_jobs(
+        TURNS,
+        _turn_facts(),
+        window=len(TURNS),
+        prefix_ids=frame.prefix_ids,
+        tokenizer=TokenizerEncoder(loaded.tokenizer),
+    )
     records = _encode(loaded, forward, jobs, len(TURNS))
     prefix = _prefix(loaded, forward, frame)
     query = frame.query_ids(loaded.tokenizer, QUESTION)
@@ -97,7 +102,9 @@ def test_projection_and_cache_extraction_agree(loaded, forward):
 
 def test_batched_encoding_of_real_facts_equals_one_at_a_time(loaded, forward, frame):
     facts = _turn_facts() + [Fact("cat", "Maya has a grey cat called Pixel.", 3)]
-    jobs = plan_fact_jobs(TURNS, facts, window=2, prefix_ids=frame.prefix_ids, tokenizer=TokenizerEncoder(loaded.tokenizer))
+    jobs = plan_fact_jobs(
+        TURNS, facts, window=2, prefix_ids=frame.prefix_ids, tokenizer=TokenizerEncoder(loaded.tokenizer)
+    )
     batched = _encode(loaded, forward, jobs, 2)
     assert len({job.length for job in jobs}) > 1  # rows really are padded
     for job, rec in zip(jobs, batched):

@@ -41,7 +41,10 @@ def test_fingerprint_ignores_dtype_but_not_weights(loaded, settings):
     params = [(name, p.detach().clone()) for name, p in loaded.model.named_parameters()]
     params[5][1].view(-1)[0] += 1.0
     assert model_fingerprint(config, params) != loaded.spec.fingerprint
-    assert model_fingerprint({**config, "num_hidden_layers": 29}, loaded.model.named_parameters()) != loaded.spec.fingerprint
+    assert (
+        model_fingerprint({**config, "num_hidden_layers": 29}, loaded.model.named_parameters())
+        != loaded.spec.fingerprint
+    )
 
 
 def test_local_directory_loads_like_the_bundled_one(loaded, settings):

@@ -23,8 +23,13 @@ def test_rotating_pre_rope_keys_equals_the_models_rotary_module(loaded):
     [
         {"rope_type": "default"},
         {"rope_type": "linear", "factor": 4.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 8192},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
         {"rope_type": "dynamic", "factor": 2.0},
     ],
     ids=lambda s: s["rope_type"],
@@ -33,8 +38,12 @@ def test_frequency_schedules_match_transformers(scaling):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=4096,
-                         rope_parameters={"rope_theta": 500000.0, **scaling})
+    config = LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=4,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_theta": 500000.0, **scaling},
+    )
     rope = RopeConfig.from_hf_config(config.to_dict())
     seq_len = 9000 if scaling["rope_type"] == "dynamic" else None
     if scaling["rope_type"] == "default":

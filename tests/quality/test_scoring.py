@@ -9,13 +9,16 @@ from benchmarks.quality.scoring import exact_match, normalize, recall, score, to
 from benchmarks.quality.synthetic import dataset
 
 
-@pytest.mark.parametrize("prediction, gold, f1", [
-    ("Lisbon", "Lisbon", 1.0),
-    ("She moved to Lisbon.", "Lisbon", 0.4),            # precision 1/4, recall 1
-    ("the grey cat", "a grey cat", 1.0),                 # articles and case ignored
-    ("Kyoto", "Lisbon", 0.0),
-    ("a nurse at the hospital", "nurse", 0.5),          # precision 1/3 (articles dropped), recall 1
-])
+@pytest.mark.parametrize(
+    "prediction, gold, f1",
+    [
+        ("Lisbon", "Lisbon", 1.0),
+        ("She moved to Lisbon.", "Lisbon", 0.4),  # precision 1/4, recall 1
+        ("the grey cat", "a grey cat", 1.0),  # articles and case ignored
+        ("Kyoto", "Lisbon", 0.0),
+        ("a nurse at the hospital", "nurse", 0.5),  # precision 1/3 (articles dropped), recall 1
+    ],
+)
 def test_token_f1_on_known_pairs(prediction, gold, f1):
     assert token_f1(prediction, gold) == pytest.approx(f1)
 
@@ -27,7 +30,7 @@ def test_normalisation_and_exact_match():
 
 def test_category_rules():
     assert score("Lena, Kyoto", "Lena, Kyoto", 1) == 1.0
-    assert score("Lena", "Lena, Kyoto", 1) == 0.5           # multi-hop: each gold part matched on its own
+    assert score("Lena", "Lena, Kyoto", 1) == 0.5  # multi-hop: each gold part matched on its own
     assert score("That is not mentioned.", "Lena", 5) == 1.0 and score("Lena", "Lena", 5) == 0.0
     assert score("climbing", "rock climbing; bouldering", 3) == pytest.approx(2 / 3)
 
@@ -49,14 +52,24 @@ def test_loader_reads_the_synthetic_set_and_anchors_facts(tmp_path):
     assert [f["turn"] for f in job["facts"]] == [1, 3, 5, 5, 8, 10, 12]
 
 
-@pytest.mark.parametrize("broken, message", [
-    ([], "non-empty list"),
-    ([{"qa": []}], "needs a 'conversation'"),
-    ([{"conversation": {"speaker_a": "A"}}], "no session_N"),
-    ([{"conversation": {"session_1": [{"speaker": "A", "text": "hi"}]}}], "dia_id"),
-    ([{"conversation": {"session_1": [{"speaker": "A", "dia_id": "D1:1", "text": "hi"}]},
-       "qa": [{"question": "q?", "answer": "a", "category": 9}]}], "category"),
-])
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        ([], "non-empty list"),
+        ([{"qa": []}], "needs a 'conversation'"),
+        ([{"conversation": {"speaker_a": "A"}}], "no session_N"),
+        ([{"conversation": {"session_1": [{"speaker": "A", "text": "hi"}]}}], "dia_id"),
+        (
+            [
+                {
+                    "conversation": {"session_1": [{"speaker": "A", "dia_id": "D1:1", "text": "hi"}]},
+                    "qa": [{"question": "q?", "answer": "a", "category": 9}],
+                }
+            ],
+            "category",
+        ),
+    ],
+)
 def test_loader_refuses_bad_files_with_the_place(tmp_path, broken, message):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(broken))
@@ -102,7 +115,9 @@ def test_dev_set_is_deterministic_large_and_in_the_locomo_layout(tmp_path):
         assert all(o.evidence and set(o.evidence) <= turns for o in sample.observations)
         assert all(set(q.evidence) <= turns for q in sample.questions)
         multi = [q for q in sample.questions if q.category == 1]
-        assert all(len(q.evidence) == 2 for q in multi) and any(len({e.split(":")[0] for e in q.evidence}) == 2 for q in multi)
+        assert all(len(q.evidence) == 2 for q in multi) and any(
+            len({e.split(":")[0] for e in q.evidence}) == 2 for q in multi
+        )
         assert len({t.date for t in sample.turns}) == 5  # five dated sessions
         # every answer of a non-adversarial question is stated in the conversation
         text = " ".join(t.text for t in sample.turns)

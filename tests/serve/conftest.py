@@ -23,11 +23,15 @@ class Cluster:
         return {"Authorization": f"Bearer {self.admin_key}"}
 
     def new_tenant(self, tenant_id: str) -> dict[str, str]:
-        created = requests.post(f"{self.base}/v1/tenants", json={"id": tenant_id, "window": 0}, headers=self.admin(), timeout=30)
+        created = requests.post(
+            f"{self.base}/v1/tenants", json={"id": tenant_id, "window": 0}, headers=self.admin(), timeout=30
+        )
         assert created.status_code == 201, created.text
         return {"Authorization": f"Bearer {created.json()['api_key']}"}
 
-    def add_and_wait(self, auth: dict[str, str], facts: list[str], timeout_s: float = 120, user_id: str | None = None) -> list[str]:
+    def add_and_wait(
+        self, auth: dict[str, str], facts: list[str], timeout_s: float = 120, user_id: str | None = None
+    ) -> list[str]:
         """Add facts (to an end user's scope with `user_id`) and wait until the LLM server has encoded their K/V;
         return their ids."""
         import time
@@ -38,8 +42,10 @@ class Cluster:
         ids = [r["id"] for r in added.json()["results"]]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if all(requests.get(f"{self.base}/v1/memories/{i}", params=scope, headers=auth, timeout=30).json()["kv_ready"]
-                   for i in ids):
+            if all(
+                requests.get(f"{self.base}/v1/memories/{i}", params=scope, headers=auth, timeout=30).json()["kv_ready"]
+                for i in ids
+            ):
                 return ids
             time.sleep(0.3)
         raise AssertionError("facts were not encoded in time")
@@ -64,11 +70,18 @@ def cluster(ray_local, tmp_path_factory):
     port = free_port()
     admin = new_admin_key()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = {"redis_url": redis.url, "state_dir": str(state), "admin_key": admin, "encoding_window": 1,
-            "llm": {"env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CACHE_ROOT": str(state / "vllm-cache")},
-                    "engine_kwargs": {"kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16},
-                    "tiers": {"disk_cache_dir": str(state / "tiers"), "host_cache_bytes": 64 << 20}},
-            "ingress": {"max_body_bytes": 64 * 1024, "first_event_timeout_s": 10}}
+    args = {
+        "redis_url": redis.url,
+        "state_dir": str(state),
+        "admin_key": admin,
+        "encoding_window": 1,
+        "llm": {
+            "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CACHE_ROOT": str(state / "vllm-cache")},
+            "engine_kwargs": {"kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16},
+            "tiers": {"disk_cache_dir": str(state / "tiers"), "host_cache_bytes": 64 << 20},
+        },
+        "ingress": {"max_body_bytes": 64 * 1024, "first_event_timeout_s": 10},
+    }
     serve.run(build_app(args), name="inferscale", route_prefix="/")
     yield Cluster(f"http://127.0.0.1:{port}", admin, state, redis)
     serve.shutdown()

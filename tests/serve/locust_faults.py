@@ -22,10 +22,40 @@ def run_with_fault(cluster, folder: Path, seconds: int, fault: Callable[[], None
     """Locust for `seconds`; `fault` runs once writes are being acknowledged. Returns what the run saw."""
     locust = shutil.which("locust", path=os.path.dirname(sys.executable))
     acks = folder / "acks.tsv"
-    command = [locust, "-f", str(LOCUSTFILE), "--headless", "-u", "4", "-r", "4", "-t", f"{seconds}s", "--host",
-               cluster.base, "--csv", str(folder / "run"), "--tenants", "3", "--facts", "4", "--k", "3",
-               "--write-ratio", "0.5", "--admin-key", cluster.admin_key, "--ack-log", str(acks), "--keep-tenants",
-               "--only-summary", "--stop-timeout", "30", "--exit-code-on-error", "0"]
+    command = [
+        locust,
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "-u",
+        "4",
+        "-r",
+        "4",
+        "-t",
+        f"{seconds}s",
+        "--host",
+        cluster.base,
+        "--csv",
+        str(folder / "run"),
+        "--tenants",
+        "3",
+        "--facts",
+        "4",
+        "--k",
+        "3",
+        "--write-ratio",
+        "0.5",
+        "--admin-key",
+        cluster.admin_key,
+        "--ack-log",
+        str(acks),
+        "--keep-tenants",
+        "--only-summary",
+        "--stop-timeout",
+        "30",
+        "--exit-code-on-error",
+        "0",
+    ]
     runner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(runner.stdout), daemon=True)
@@ -39,9 +69,14 @@ def run_with_fault(cluster, folder: Path, seconds: int, fault: Callable[[], None
     assert runner.wait(timeout=seconds + 240) == 0, "".join(output)[-3000:]
     reader.join(timeout=10)
     acked = [line.split("\t") for line in acks.read_text().splitlines()]
-    return {"acked": acked, "acked_at_fault": acked_at_fault,
-            "failures": list(csv.DictReader(open(folder / "run_failures.csv"))),
-            "requests": int({r["Name"]: r for r in csv.DictReader(open(folder / "run_stats.csv"))}["Aggregated"]["Request Count"])}
+    return {
+        "acked": acked,
+        "acked_at_fault": acked_at_fault,
+        "failures": list(csv.DictReader(open(folder / "run_failures.csv"))),
+        "requests": int(
+            {r["Name"]: r for r in csv.DictReader(open(folder / "run_stats.csv"))}["Aggregated"]["Request Count"]
+        ),
+    }
 
 
 def assert_every_acknowledged_write_stored_once(cluster, acked: list[list[str]]) -> None:

@@ -44,18 +44,29 @@ def test_the_connector_config_round_trips_and_refuses_what_it_does_not_know():
 
     from config.connector import ConnectorConfig, TierConfig
 
-    config = ConnectorConfig(store_root="/srv/records", fingerprint="f", device_tenant_bytes=1 << 20,
-                             tiers=TierConfig(disk_cache_dir="/srv/tiers", host_cache_bytes=64 << 20, compress_lower=False),
-                             report_placement=True, placement_redis_url="redis://127.0.0.1:6379/0")
+    config = ConnectorConfig(
+        store_root="/srv/records",
+        fingerprint="f",
+        device_tenant_bytes=1 << 20,
+        tiers=TierConfig(disk_cache_dir="/srv/tiers", host_cache_bytes=64 << 20, compress_lower=False),
+        report_placement=True,
+        placement_redis_url="redis://127.0.0.1:6379/0",
+    )
     extra = config.to_extra()
-    assert extra["tiers"] == {"disk_cache_dir": "/srv/tiers", "host_cache_bytes": 64 << 20, "disk_cache_bytes": None,
-                              "compress_lower": False}
+    assert extra["tiers"] == {
+        "disk_cache_dir": "/srv/tiers",
+        "host_cache_bytes": 64 << 20,
+        "disk_cache_bytes": None,
+        "compress_lower": False,
+    }
     assert ConnectorConfig.from_extra(extra) == config
-    for bad, field in [({**extra, "host_cache_bytes": 1}, "host_cache_bytes"),  # a tier knob at the wrong level
-                       ({**extra, "device_cache_bytes": "lots"}, "device_cache_bytes"),
-                       ({**extra, "tiers": {"host_cache_bytes": 1}}, "disk_cache_dir"),
-                       ({**extra, "placement_redis_url": "redis://:hunter2@redis:6379/0"}, "placement_redis_url"),
-                       ({k: v for k, v in extra.items() if k != "fingerprint"}, "fingerprint")]:
+    for bad, field in [
+        ({**extra, "host_cache_bytes": 1}, "host_cache_bytes"),  # a tier knob at the wrong level
+        ({**extra, "device_cache_bytes": "lots"}, "device_cache_bytes"),
+        ({**extra, "tiers": {"host_cache_bytes": 1}}, "disk_cache_dir"),
+        ({**extra, "placement_redis_url": "redis://:hunter2@redis:6379/0"}, "placement_redis_url"),
+        ({k: v for k, v in extra.items() if k != "fingerprint"}, "fingerprint"),
+    ]:
         with pytest.raises(ValidationError, match=field):
             ConnectorConfig.from_extra(bad)
     with pytest.raises(ValidationError, match="tiers"):

@@ -31,7 +31,9 @@ def test_two_tenants_get_answers_grounded_in_their_own_facts_only(cluster):
     off = cluster.chat(alice, CAT, memory={"mode": "off"}).json()["choices"][0]["message"]["content"]
     assert "Pixel" not in off and "Tofu" not in off
     # retrieval and reads never cross tenants, even with the other tenant's ids
-    found = requests.post(f"{cluster.base}/v1/memories/search", json={"query": "cat", "limit": 10}, headers=alice).json()
+    found = requests.post(
+        f"{cluster.base}/v1/memories/search", json={"query": "cat", "limit": 10}, headers=alice
+    ).json()
     assert {r["id"] for r in found["results"]} <= set(alice_ids)
     assert requests.get(f"{cluster.base}/v1/memories/{bob_ids[0]}", headers=alice).status_code == 404
     assert requests.delete(f"{cluster.base}/v1/memories/{bob_ids[0]}", headers=alice).status_code == 404
@@ -46,28 +48,52 @@ def test_end_users_of_one_tenant_get_answers_from_their_own_memories_only(cluste
     cluster.add_and_wait(hal, TOFU, user_id="bob")
     client = OpenAI(base_url=f"{cluster.base}/v1", api_key=hal["Authorization"].split()[1])
     for user, own, other in (("alice", "Pixel", "Tofu"), ("bob", "Tofu", "Pixel")):
-        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16,
-                                               user=user, extra_body={"memory": {"k": 4}})
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": CAT}],
+            max_tokens=16,
+            user=user,
+            extra_body={"memory": {"k": 4}},
+        )
         assert own in reply.choices[0].message.content and other not in reply.choices[0].message.content, (user, reply)
         assert reply.usage.model_extra["injected_tokens"] > 0
-    chosen = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16,
-                                            user="alice", extra_body={"memory": {"k": 4, "user_id": "bob"}})
+    chosen = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": CAT}],
+        max_tokens=16,
+        user="alice",
+        extra_body={"memory": {"k": 4, "user_id": "bob"}},
+    )
     assert "Tofu" in chosen.choices[0].message.content  # memory.user_id wins over `user`
-    own = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16,
-                                         extra_body={"memory": {"k": 4}})
+    own = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16, extra_body={"memory": {"k": 4}}
+    )
     assert own.usage.model_extra["memory_tokens"] == 0  # the tenant's own memory holds nothing
     listed = requests.get(f"{cluster.base}/v1/memories", params={"user_id": "alice"}, headers=hal, timeout=30).json()
     assert sorted(m["id"] for m in listed["results"]) == sorted(alice_ids)
     assert requests.get(f"{cluster.base}/v1/memories", headers=hal, timeout=30).json()["results"] == []
-    assert requests.get(f"{cluster.base}/v1/memories/{alice_ids[0]}", params={"user_id": "bob"}, headers=hal,
-                        timeout=30).status_code == 404
-    found = requests.post(f"{cluster.base}/v1/memories/search", json={"query": "cat", "user_id": "bob"}, headers=hal,
-                          timeout=30).json()["results"]
+    assert (
+        requests.get(
+            f"{cluster.base}/v1/memories/{alice_ids[0]}", params={"user_id": "bob"}, headers=hal, timeout=30
+        ).status_code
+        == 404
+    )
+    found = requests.post(
+        f"{cluster.base}/v1/memories/search", json={"query": "cat", "user_id": "bob"}, headers=hal, timeout=30
+    ).json()["results"]
     assert found and all("Pixel" not in r["memory"] for r in found)
-    assert requests.delete(f"{cluster.base}/v1/memories/{alice_ids[0]}", params={"user_id": "bob"}, headers=hal,
-                           timeout=30).status_code == 404
-    assert requests.get(f"{cluster.base}/v1/memories/{alice_ids[0]}", params={"user_id": "alice"}, headers=hal,
-                        timeout=30).status_code == 200
+    assert (
+        requests.delete(
+            f"{cluster.base}/v1/memories/{alice_ids[0]}", params={"user_id": "bob"}, headers=hal, timeout=30
+        ).status_code
+        == 404
+    )
+    assert (
+        requests.get(
+            f"{cluster.base}/v1/memories/{alice_ids[0]}", params={"user_id": "alice"}, headers=hal, timeout=30
+        ).status_code
+        == 200
+    )
 
 
 def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(cluster):
@@ -82,9 +108,14 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
     assert pasted["injected_tokens"] == 0 and pasted["prefilled_tokens"] == pasted["prompt_tokens"]
     # selective recomputation: the best-scored fact is prefilled after the injected ones, the same prompt tokens
     mixed = cluster.chat(carol, "Where does Maya work?", memory={"k": 3, "recompute": 1}).json()["usage"]
-    assert mixed["prompt_tokens"] == injected["prompt_tokens"] and 0 < mixed["recomputed_tokens"] < mixed["memory_tokens"]
+    assert (
+        mixed["prompt_tokens"] == injected["prompt_tokens"] and 0 < mixed["recomputed_tokens"] < mixed["memory_tokens"]
+    )
     assert mixed["prefilled_tokens"] == query_tokens + mixed["recomputed_tokens"]
-    assert mixed["injected_tokens"] + mixed["prefix_cached_tokens"] == injected["injected_tokens"] - mixed["recomputed_tokens"]
+    assert (
+        mixed["injected_tokens"] + mixed["prefix_cached_tokens"]
+        == injected["injected_tokens"] - mixed["recomputed_tokens"]
+    )
     for usage in (injected, pasted, mixed):  # one account: every prompt token was prefilled, injected or prefix-cached
         not_computed = usage["injected_tokens"] + usage["prefix_cached_tokens"]
         assert usage["prompt_tokens"] == usage["prefilled_tokens"] + not_computed
@@ -93,16 +124,27 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
     refused = cluster.chat(carol, "Where does Maya work?", memory={"k": 3, "recompute": 4})
     assert refused.status_code == 400 and "memory.recompute (4) must be at most memory.k (3)" in refused.text
     # a tenant's own default applies when the chat does not say; the chat's own value still wins
-    made = requests.post(f"{cluster.base}/v1/tenants", json={"id": "dora", "window": 0, "recompute": 1, "neighbours": 2},
-                         headers=cluster.admin(), timeout=30)
+    made = requests.post(
+        f"{cluster.base}/v1/tenants",
+        json={"id": "dora", "window": 0, "recompute": 1, "neighbours": 2},
+        headers=cluster.admin(),
+        timeout=30,
+    )
     assert made.status_code == 201 and made.json()["tenant"]["recompute"] == 1, made.text
     assert made.json()["tenant"]["neighbours"] == 2  # its encoding jobs' context: 2 nearest facts
     dora = {"Authorization": f"Bearer {made.json()['api_key']}"}
     cluster.add_and_wait(dora, PIXEL)
     own = cluster.chat(dora, "Where does Maya work?", memory={"k": 3}).json()["usage"]
     assert own["recomputed_tokens"] == mixed["recomputed_tokens"] > 0
-    assert cluster.chat(dora, "Where does Maya work?", memory={"k": 3, "recompute": 0}).json()["usage"]["recomputed_tokens"] == 0
-    bad = requests.post(f"{cluster.base}/v1/tenants", json={"id": "dora-2", "recompute": -1}, headers=cluster.admin(), timeout=30)
+    assert (
+        cluster.chat(dora, "Where does Maya work?", memory={"k": 3, "recompute": 0}).json()["usage"][
+            "recomputed_tokens"
+        ]
+        == 0
+    )
+    bad = requests.post(
+        f"{cluster.base}/v1/tenants", json={"id": "dora-2", "recompute": -1}, headers=cluster.admin(), timeout=30
+    )
     assert bad.status_code == 422 and "recompute" in bad.text
     assert requests.get(f"{cluster.base}/v1/tenants/dora-2", headers=cluster.admin(), timeout=30).status_code == 404
     for usage in (injected, pasted):
@@ -118,12 +160,18 @@ def test_the_official_openai_client_works_unchanged_streaming_included(cluster):
     cluster.add_and_wait(dave, PIXEL)
     client = OpenAI(base_url=f"{cluster.base}/v1", api_key=dave["Authorization"].split()[1])
     assert [m.id for m in client.models.list().data] == [MODEL]
-    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16,
-                                           extra_body={"memory": {"k": 3}})
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16, extra_body={"memory": {"k": 3}}
+    )
     assert "Pixel" in reply.choices[0].message.content and reply.usage.completion_tokens > 0
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"memory": {"k": 3}})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": CAT}],
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"memory": {"k": 3}},
+    )
     pieces, usage = [], None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -148,9 +196,16 @@ def test_text_completions_continue_the_prompt_after_the_tenants_memory(cluster):
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, extra_body={"memory": {"mode": "off"}})
     assert "Pixel" not in plain.choices[0].text
     own = AutoTokenizer.from_pretrained(model_path(load_settings().model)).encode(prompt)
-    assert plain.usage.prompt_tokens == plain.usage.model_extra["prefilled_tokens"] == len(own)  # the prompt's own tokens
-    pieces = [c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, stream=True,
-                                                                    extra_body={"memory": {"k": 3}}) if c.choices]
+    assert (
+        plain.usage.prompt_tokens == plain.usage.model_extra["prefilled_tokens"] == len(own)
+    )  # the prompt's own tokens
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, stream=True, extra_body={"memory": {"k": 3}}
+        )
+        if c.choices
+    ]
     assert "".join(pieces) == grounded.choices[0].text  # greedy: the same text, streamed
 
 
@@ -160,20 +215,40 @@ def test_log_probabilities_come_with_greedy_tokens_in_both_apis(cluster):
     gus = cluster.new_tenant("gus")
     cluster.add_and_wait(gus, PIXEL)
     client = OpenAI(base_url=f"{cluster.base}/v1", api_key=gus["Authorization"].split()[1])
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=8,
-                                          logprobs=True, top_logprobs=3, extra_body={"memory": {"k": 3}})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": CAT}],
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"memory": {"k": 3}},
+    )
     content = chat.choices[0].logprobs.content
-    assert len(content) == chat.usage.completion_tokens and "".join(t.token for t in content) == chat.choices[0].message.content
+    assert (
+        len(content) == chat.usage.completion_tokens
+        and "".join(t.token for t in content) == chat.choices[0].message.content
+    )
     for token in content:
         assert len(token.top_logprobs) == 3 and token.logprob <= 0
         assert token.logprob == max(t.logprob for t in token.top_logprobs) == token.top_logprobs[0].logprob
         assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob >= token.top_logprobs[2].logprob
-    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=8, logprobs=True, top_logprobs=3,
-        stream=True, extra_body={"memory": {"k": 3}}) if c.choices and c.choices[0].logprobs]
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": CAT}],
+            max_tokens=8,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+            extra_body={"memory": {"k": 3}},
+        )
+        if c.choices and c.choices[0].logprobs
+    ]
     assert [t.token for lp in streamed for t in lp.content] == [t.token for t in content]
-    text = client.completions.create(model=MODEL, prompt="Maya's cat is called", max_tokens=5, logprobs=2,
-                                     extra_body={"memory": {"k": 3}}).choices[0]
+    text = client.completions.create(
+        model=MODEL, prompt="Maya's cat is called", max_tokens=5, logprobs=2, extra_body={"memory": {"k": 3}}
+    ).choices[0]
     assert "".join(text.logprobs.tokens) == text.text and len(text.logprobs.top_logprobs[0]) == 2
     assert text.logprobs.text_offset[0] == 0 and all(lp <= 0 for lp in text.logprobs.token_logprobs)
     assert all(lp == max(top.values()) for lp, top in zip(text.logprobs.token_logprobs, text.logprobs.top_logprobs))
@@ -185,8 +260,11 @@ def test_memory_lifecycle_update_reencodes_and_delete_removes(cluster):
     erin = cluster.new_tenant("erin")
     ids = cluster.add_and_wait(erin, PIXEL)
     fact_id = ids[[i for i, text in enumerate(PIXEL) if "Pixel" in text][0]]
-    updated = requests.put(f"{cluster.base}/v1/memories/{fact_id}", json={"memory": "Maya has a ginger cat called Mango.",
-                                                                          "version": 1}, headers=erin)
+    updated = requests.put(
+        f"{cluster.base}/v1/memories/{fact_id}",
+        json={"memory": "Maya has a ginger cat called Mango.", "version": 1},
+        headers=erin,
+    )
     assert updated.status_code == 200 and updated.json()["version"] == 2
     stale = requests.put(f"{cluster.base}/v1/memories/{fact_id}", json={"memory": "x", "version": 1}, headers=erin)
     assert stale.status_code == 409
@@ -244,7 +322,7 @@ def test_where_each_injected_fact_is_held_is_recorded_in_redis(cluster):
         assert time.monotonic() < deadline, [memory(i)["placement"] for i in ids]
         time.sleep(0.2)
     for fact_id in ids:
-        (replica, where), = memory(fact_id)["placement"].items()
+        ((replica, where),) = memory(fact_id)["placement"].items()
         assert replica.endswith("-slot0") and where["tier"] == "gpu" and where["version"] == 1
     usage = cluster.chat(frank, CAT, memory={"k": len(ids)}).json()["usage"]
     assert usage["memory_tiers"] == {"gpu": len(ids)}  # served from the device arena now

@@ -19,10 +19,38 @@ LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtest" / "locustfile.py"
 def test_locust_multi_tenant_smoke_run_has_no_failures(cluster, tmp_path):
     locust = shutil.which("locust", path=os.path.dirname(sys.executable))
     assert locust, "locust is not installed"
-    run = subprocess.run([locust, "-f", str(LOCUSTFILE), "--headless", "-u", "4", "-r", "4", "-t", "20s",
-                          "--host", cluster.base, "--csv", str(tmp_path / "run"), "--tenants", "2", "--facts", "6",
-                          "--k", "4", "--admin-key", cluster.admin_key, "--only-summary", "--stop-timeout", "10"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            locust,
+            "-f",
+            str(LOCUSTFILE),
+            "--headless",
+            "-u",
+            "4",
+            "-r",
+            "4",
+            "-t",
+            "20s",
+            "--host",
+            cluster.base,
+            "--csv",
+            str(tmp_path / "run"),
+            "--tenants",
+            "2",
+            "--facts",
+            "6",
+            "--k",
+            "4",
+            "--admin-key",
+            cluster.admin_key,
+            "--only-summary",
+            "--stop-timeout",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["Name"]: r for r in csv.DictReader(open(tmp_path / "run_stats.csv"))}
     total = rows["Aggregated"]

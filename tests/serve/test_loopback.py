@@ -26,7 +26,9 @@ def test_side_listeners_follow_a_loopback_frontend():
     assert "bind 127.0.0.1:9101" in pinned and "bind 127.0.0.1:8404" in pinned and "bind 127.0.0.1:8000" in pinned
     public = RENDERED.replace("bind 127.0.0.1:8000", "bind *:8000")
     assert pin_side_listeners(public) == public  # a pod's ingress stays as Ray renders it
-    assert pin_side_listeners(RENDERED.replace("127.0.0.1:8000", "10.0.0.7:8000")) == RENDERED.replace("127.0.0.1:8000", "10.0.0.7:8000")
+    assert pin_side_listeners(RENDERED.replace("127.0.0.1:8000", "10.0.0.7:8000")) == RENDERED.replace(
+        "127.0.0.1:8000", "10.0.0.7:8000"
+    )
 
 
 def test_every_port_of_the_cluster_is_on_loopback(cluster):
@@ -34,8 +36,11 @@ def test_every_port_of_the_cluster_is_on_loopback(cluster):
 
     assert requests.get(f"{cluster.base}/healthz", timeout=30).status_code == 200
     ours = {p.pid for p in psutil.Process().children(recursive=True)}
-    listening = [(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections(kind="tcp")
-                 if c.status == psutil.CONN_LISTEN and c.pid in ours]
+    listening = [
+        (c.laddr.ip, c.laddr.port, c.pid)
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.pid in ours
+    ]
     names = {pid: psutil.Process(pid).name() for _, _, pid in listening}
     assert any("haproxy" in name for name in names.values()) or _python_proxy(), names  # the mode under test runs
     assert sum(name.startswith("ray::ServeReplica") for name in set(names.values())) >= 2, names  # ingress, LLM server

@@ -33,8 +33,9 @@ def _wait_encoded(client, ids: list[str], timeout_s: float = 120) -> None:
 def test_the_mem0_client_works_unchanged_for_two_end_users_of_one_tenant(cluster):
     key = _key(cluster, "mem0-app")
     client = mem0.MemoryClient(api_key=key, host=cluster.base)  # pings the server, with `Token` auth
-    alice = client.add([{"role": "user", "content": t} for t in PIXEL], user_id="alice", infer=False,
-                       metadata={"source": "onboarding"})["results"]
+    alice = client.add(
+        [{"role": "user", "content": t} for t in PIXEL], user_id="alice", infer=False, metadata={"source": "onboarding"}
+    )["results"]
     bob = client.add([{"role": "user", "content": t} for t in TOFU], user_id="bob", infer=False)["results"]
     assert [m["memory"] for m in alice] == PIXEL and {m["user_id"] for m in alice} == {"alice"}
     _wait_encoded(client, [m["id"] for m in alice + bob])
@@ -55,8 +56,13 @@ def test_the_mem0_client_works_unchanged_for_two_end_users_of_one_tenant(cluster
     # the application's chat, through the openai client, answers each user from their own memory, injected
     chat = OpenAI(base_url=f"{cluster.base}/v1", api_key=key)
     for user, own, other in (("alice", "Pixel", "Tofu"), ("bob", "Tofu", "Pixel")):
-        reply = chat.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CAT}], max_tokens=16,
-                                             user=user, extra_body={"memory": {"k": 4}})
+        reply = chat.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": CAT}],
+            max_tokens=16,
+            user=user,
+            extra_body={"memory": {"k": 4}},
+        )
         text = reply.choices[0].message.content
         assert own in text and other not in text and reply.usage.model_extra["injected_tokens"] > 0, (user, text)
 
@@ -95,8 +101,9 @@ def test_what_the_mem0_client_asks_and_inferscale_lacks_is_refused_by_name(clust
         mem0.MemoryClient(api_key="isk.nobody.wrong", host=cluster.base)
     queued = client.add([{"role": "user", "content": "I moved to Porto last spring."}], user_id="carol")
     assert queued["status"] == "PENDING" and queued["event_id"]  # extraction runs as an encoding job
-    status = requests.get(f"{cluster.base}/v1/event/{queued['event_id']}/", headers={"Authorization": f"Token {key}"},
-                          timeout=30).json()["status"]
+    status = requests.get(
+        f"{cluster.base}/v1/event/{queued['event_id']}/", headers={"Authorization": f"Token {key}"}, timeout=30
+    ).json()["status"]
     assert status in ("PENDING", "RUNNING", "SUCCEEDED")
 
 

@@ -20,8 +20,9 @@ def test_quick_quality_run_scores_both_modes_on_the_same_facts(cluster, tmp_path
     samples = load_samples(path)
     plan = dataclasses.replace(Plan.of(quick=True), concurrency=4)
     progress: list[dict] = []
-    report = evaluate(Client(cluster.base, cluster.admin_key), samples, plan, tenant_prefix="qh",
-                      on_progress=progress.append)
+    report = evaluate(
+        Client(cluster.base, cluster.admin_key), samples, plan, tenant_prefix="qh", on_progress=progress.append
+    )
     rows = report["rows"]
     questions = len(samples[0].questions)
     assert len(rows) == questions * len(plan.modes)
@@ -34,7 +35,10 @@ def test_quick_quality_run_scores_both_modes_on_the_same_facts(cluster, tmp_path
     # the job's K/V (encoded behind 5 turns) is injected: every fact, not just the chat frame, skips prefill
     for injected, pasted in zip(inject, prompt):
         assert injected["question"] == pasted["question"]
-        assert injected["injected_tokens"] >= 40 and injected["prefilled_tokens"] + 40 <= pasted["prefilled_tokens"], (injected, pasted)
+        assert injected["injected_tokens"] >= 40 and injected["prefilled_tokens"] + 40 <= pasted["prefilled_tokens"], (
+            injected,
+            pasted,
+        )
     # k=10 >= the 7 facts of a conversation: every question's evidence is retrieved
     assert all(r["recall"] == 1.0 for r in rows)
     assert all(0.0 <= r["f1"] <= 1.0 and r["prediction"] for r in rows)
@@ -44,7 +48,9 @@ def test_quick_quality_run_scores_both_modes_on_the_same_facts(cluster, tmp_path
     lo, hi = summary["f1_ci95"]
     assert 0.0 <= lo <= summary["f1"] <= hi <= 1.0
     paired = report["f1_ratio_to_prompt"]["inject_w5"]["10"]
-    assert paired["questions"] == questions and report["targets"][0]["value"] == pytest.approx(paired["ratio"], abs=1e-4)
+    assert paired["questions"] == questions and report["targets"][0]["value"] == pytest.approx(
+        paired["ratio"], abs=1e-4
+    )
     assert report["targets"][0]["ci95"] == paired["ci95"] and paired["ci95"][0] <= paired["ci95"][1]
     # the job stored the 7 facts of the conversation once, in the tenant of window 5
     listed = Client(cluster.base, cluster.admin_key).call("GET", "/v1/tenants/qh-0-w5-n0", cluster.admin_key)

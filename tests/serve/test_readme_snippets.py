@@ -40,6 +40,8 @@ def test_the_readmes_mem0_and_openai_snippets_run_as_written(cluster, monkeypatc
     while not all(m["kv_ready"] for m in listed["results"]):  # encoded, so the chat injects it
         assert time.monotonic() < deadline, "the memory was not encoded in time"
         time.sleep(0.3)
-        listed = requests.get(f"{cluster.base}/v1/memories", params={"user_id": "alice"}, headers=auth, timeout=30).json()
+        listed = requests.get(
+            f"{cluster.base}/v1/memories", params={"user_id": "alice"}, headers=auth, timeout=30
+        ).json()
     answer, injected = run(snippet("openai")).rsplit(maxsplit=1)
     assert "Pixel" in answer and int(injected) > 0, (answer, injected)

@@ -28,7 +28,10 @@ def test_redis_killed_under_locust_load_loses_no_acknowledged_write(cluster, tmp
     assert all("503" in f["Error"] for f in run["failures"]), run["failures"]  # retryable answers only, never a 500
     assert len(run["acked"]) > run["acked_at_fault"] and run["requests"] > 40  # writes resumed after the restart
     assert_every_acknowledged_write_stored_once(cluster, run["acked"])
-    chat = requests.post(f"{cluster.base}/v1/chat/completions", timeout=120,
-                         headers={"Authorization": f"Bearer {cluster.admin_key}"},
-                         json={"model": "inferscale-smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    chat = requests.post(
+        f"{cluster.base}/v1/chat/completions",
+        timeout=120,
+        headers={"Authorization": f"Bearer {cluster.admin_key}"},
+        json={"model": "inferscale-smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert chat.status_code == 401  # and auth (Redis-backed) works again: the admin key is not a tenant key

@@ -60,8 +60,15 @@ async def _collect(backend):
     return [event async for event in backend.chat({"tenant_id": "t"})]
 
 
-@pytest.mark.parametrize("error", [ActorDiedError(), ActorUnavailableError("gone", None), BackPressureError(num_queued_requests=9, max_queued_requests=8)],
-                         ids=["died", "unavailable", "back-pressure"])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ActorDiedError(),
+        ActorUnavailableError("gone", None),
+        BackPressureError(num_queued_requests=9, max_queued_requests=8),
+    ],
+    ids=["died", "unavailable", "back-pressure"],
+)
 def test_a_replica_lost_mid_chat_ends_it_with_a_retryable_503(error):
     events = asyncio.run(_collect(ServeLLMBackend(_Handle([{"delta": "Hel"}], error))))
     assert events[0] == {"delta": "Hel"} and events[-1]["error"]["status"] == 503 and len(events) == 2

@@ -20,20 +20,29 @@ pytestmark = [pytest.mark.slow, pytest.mark.late(3)]  # restarts the shared clus
 
 
 def _llm_replicas() -> list[tuple[str, str]]:
-    return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-            if "LLMServer" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+    return [
+        (a["name"], a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "LLMServer" in a["name"] and a["name"].startswith("SERVE_REPLICA")
+    ]
 
 
 def test_killed_llm_replica_under_locust_load_is_replaced_and_loses_no_write(cluster, tmp_path):
     auth = cluster.new_tenant("henry")
     cluster.add_and_wait(auth, PIXEL)
     (victim,) = _llm_replicas()
-    run = run_with_fault(cluster, tmp_path, 45, lambda: ray.kill(ray.get_actor(victim[0], namespace=victim[1]), no_restart=True))
+    run = run_with_fault(
+        cluster, tmp_path, 45, lambda: ray.kill(ray.get_actor(victim[0], namespace=victim[1]), no_restart=True)
+    )
     assert all("503" in f["Error"] for f in run["failures"]), run["failures"]  # retryable answers only, never a 500
     assert len(run["acked"]) > run["acked_at_fault"]  # memory writes do not need the replica
     assert_every_acknowledged_write_stored_once(cluster, run["acked"])
     deadline = time.monotonic() + 300
-    while not (_llm_replicas() and _llm_replicas()[0] != victim and cluster.chat(auth, "Where does Maya work?").status_code == 200):
+    while not (
+        _llm_replicas()
+        and _llm_replicas()[0] != victim
+        and cluster.chat(auth, "Where does Maya work?").status_code == 200
+    ):
         assert time.monotonic() < deadline, "the replica was not replaced in time"
         time.sleep(2)
     after = [cluster.chat(auth, "What is Maya allergic to?", memory={"k": 3}) for _ in range(3)]

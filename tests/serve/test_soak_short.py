@@ -12,8 +12,16 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_short_soak_has_no_errors_and_flat_memory(cluster):
-    windows = soak(cluster.base, cluster.admin_key, cluster.redis.url, minutes=1.5, tenants=4, users=2,
-                   window_s=22.5, prefix="short-soak")
+    windows = soak(
+        cluster.base,
+        cluster.admin_key,
+        cluster.redis.url,
+        minutes=1.5,
+        tenants=4,
+        users=2,
+        window_s=22.5,
+        prefix="short-soak",
+    )
     assert len(windows) == 4 and all(w["requests"] > 0 for w in windows), windows
     assert sum(w["errors"] for w in windows) == 0, windows
     first, last = windows[1], windows[-1]  # the first window warms up

@@ -36,11 +36,13 @@ def redis_url(redis_server):
 @pytest.fixture()
 def make_service(redis_url, tmp_path):
     """Build a service (a fresh one per call acts like another process over the same Redis and disk)."""
+
     def build(fault=None, embedder=None, **limits):
         service = connect_service(redis_url, tmp_path, embedder or WordEmbedder(), TenantSettings(**limits))
         if fault is not None:
             service.fault = fault
         return service
+
     return build
 
 

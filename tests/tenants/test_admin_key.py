@@ -49,15 +49,18 @@ def test_a_changed_configured_key_replaces_the_stored_one(make_service, caplog):
     assert caplog.records == []
 
 
-@pytest.mark.parametrize("key, problem", [
-    ("fifteen-chars!!", "15 characters"),
-    ("", "0 characters"),
-    ("my own admin key with spaces", "it contains whitespace"),
-    ("my-own-admin-key\n", "it contains whitespace"),
-    ("isk.alice." + "s" * 43, "it has the tenant-key form"),
-    ("my-own-admin-key-\u00e9t\u00e9", "it has characters an HTTP header cannot carry"),
-    (None, "not a string"),
-])
+@pytest.mark.parametrize(
+    "key, problem",
+    [
+        ("fifteen-chars!!", "15 characters"),
+        ("", "0 characters"),
+        ("my own admin key with spaces", "it contains whitespace"),
+        ("my-own-admin-key\n", "it contains whitespace"),
+        ("isk.alice." + "s" * 43, "it has the tenant-key form"),
+        ("my-own-admin-key-\u00e9t\u00e9", "it has characters an HTTP header cannot carry"),
+        (None, "not a string"),
+    ],
+)
 def test_invalid_keys_are_refused_with_the_rule(service, key, problem):
     stored = service.ensure_admin_key()
     with pytest.raises(InvalidInputError) as refused:

@@ -14,6 +14,7 @@ def crash_at(step):
     def fault(name):
         if name == step:
             raise Crash(step)
+
     return fault
 
 
@@ -54,8 +55,14 @@ def test_insert_crash_is_rolled_back(setup, step):
     assert set(check_consistent(fresh, "alice")) == {"kept"}
 
 
-@pytest.mark.parametrize(("step", "text"), [("update:begun", "fact one kept"), ("update:record-written", "fact one kept"),
-                                            ("update:committed", "fact one changed")])
+@pytest.mark.parametrize(
+    ("step", "text"),
+    [
+        ("update:begun", "fact one kept"),
+        ("update:record-written", "fact one kept"),
+        ("update:committed", "fact one changed"),
+    ],
+)
 def test_update_crash_keeps_one_whole_version(setup, step, text):
     crashing = setup(fault=crash_at(step)).authenticate(KEYS["alice"])
     with pytest.raises(Crash):
@@ -66,7 +73,9 @@ def test_update_crash_keeps_one_whole_version(setup, step, text):
     facts = check_consistent(fresh, "alice")
     assert facts["kept"]["text"] == text
     record = fresh.records.get("alice", facts["kept"]["record_id"])
-    assert record.token_ids == (make_record("z", 5, seed=3) if text.endswith("changed") else make_record("x", 5)).token_ids
+    assert (
+        record.token_ids == (make_record("z", 5, seed=3) if text.endswith("changed") else make_record("x", 5)).token_ids
+    )
 
 
 def test_delete_crash_leaves_no_orphan_record(setup):

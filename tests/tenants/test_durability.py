@@ -64,7 +64,9 @@ def test_many_writers_keep_counts_and_index_consistent(make_service):
     assert len(facts) == 8 * 20 and tenant.usage()["facts"] == 160
     assert tenant.usage()["bytes"] == sum(len(f.text.encode()) for f in facts)
     for service in services:  # every process's index converges on the same 160 facts
-        assert {f.id for f, _ in service.authenticate(key).search("worker fact updated", k=1000)} == {f.id for f in facts}
+        assert {f.id for f, _ in service.authenticate(key).search("worker fact updated", k=1000)} == {
+            f.id for f in facts
+        }
 
 
 def top(tenant, k=1000):
@@ -107,8 +109,9 @@ WRITER = textwrap.dedent("""
 def test_a_writer_killed_mid_change_loses_nothing_acknowledged(redis_url, tmp_path, make_service):
     service = build(redis_url, tmp_path)
     _, key = service.create_tenant(service.ensure_admin_key(), "alice")
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, redis_url, str(tmp_path), str(ROOT), key],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, redis_url, str(tmp_path), str(ROOT), key], stdout=subprocess.PIPE, text=True
+    )
     acked = []
     while len(acked) < 150:
         line = proc.stdout.readline()
@@ -124,4 +127,8 @@ def test_a_writer_killed_mid_change_loses_nothing_acknowledged(redis_url, tmp_pa
     facts = service.meta.all_facts("alice")
     assert all(f["state"] == "active" for f in facts.values())
     assert tenant.usage() | {"max_facts": 0, "max_bytes": 0} == {
-        "facts": len(facts), "bytes": sum(f["bytes"] for f in facts.values()), "max_facts": 0, "max_bytes": 0}
+        "facts": len(facts),
+        "bytes": sum(f["bytes"] for f in facts.values()),
+        "max_facts": 0,
+        "max_bytes": 0,
+    }

@@ -72,7 +72,10 @@ def test_kv_records_are_versioned_and_removed_with_their_fact(service, admin):
     fact = alice.add_fact("my dog is called Rex")
     encoded = alice.attach_kv(fact.id, 1, make_record("x", 5, tenant_id="alice"))
     assert encoded.record_id == f"{fact.id}.v1" and service.records.record_ids("alice") == [f"{fact.id}.v1"]
-    assert alice.get_fact(fact.id).encoding["window"] == 2 and alice.get_fact(fact.id).encoding["model_fingerprint"] == "f" * 24
+    assert (
+        alice.get_fact(fact.id).encoding["window"] == 2
+        and alice.get_fact(fact.id).encoding["model_fingerprint"] == "f" * 24
+    )
     assert alice.usage()["bytes"] == len("my dog is called Rex") + make_record("x", 5).nbytes
     with pytest.raises(ConflictError):
         alice.attach_kv(fact.id, 7, make_record("x", 5, tenant_id="alice"))
@@ -81,17 +84,29 @@ def test_kv_records_are_versioned_and_removed_with_their_fact(service, admin):
     assert service.records.get("alice", second.record_id).token_ids == make_record("y", 5, seed=2).token_ids
     alice.delete_fact(fact.id)
     assert service.records.record_ids("alice") == [] and alice.usage() | {"max_facts": 0, "max_bytes": 0} == {
-        "facts": 0, "bytes": 0, "max_facts": 0, "max_bytes": 0}
+        "facts": 0,
+        "bytes": 0,
+        "max_facts": 0,
+        "max_bytes": 0,
+    }
 
 
-@pytest.mark.parametrize(("call", "error"), [
-    (lambda t: t.add_fact(""), InvalidInputError), (lambda t: t.add_fact("   "), InvalidInputError),
-    (lambda t: t.add_fact("x" * 201), InvalidInputError), (lambda t: t.add_fact(42), InvalidInputError),
-    (lambda t: t.add_fact("ok", fact_id="../x"), InvalidInputError), (lambda t: t.add_fact("ok", source_turn=-1), InvalidInputError),
-    (lambda t: t.add_fact("ok", fact_id="dup"), FactExistsError), (lambda t: t.search("q", k=0), InvalidInputError),
-    (lambda t: t.list_facts(limit=0), InvalidInputError), (lambda t: t.get_fact("nope"), FactNotFoundError),
-    (lambda t: t.placement("../dup"), InvalidInputError),
-])
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda t: t.add_fact(""), InvalidInputError),
+        (lambda t: t.add_fact("   "), InvalidInputError),
+        (lambda t: t.add_fact("x" * 201), InvalidInputError),
+        (lambda t: t.add_fact(42), InvalidInputError),
+        (lambda t: t.add_fact("ok", fact_id="../x"), InvalidInputError),
+        (lambda t: t.add_fact("ok", source_turn=-1), InvalidInputError),
+        (lambda t: t.add_fact("ok", fact_id="dup"), FactExistsError),
+        (lambda t: t.search("q", k=0), InvalidInputError),
+        (lambda t: t.list_facts(limit=0), InvalidInputError),
+        (lambda t: t.get_fact("nope"), FactNotFoundError),
+        (lambda t: t.placement("../dup"), InvalidInputError),
+    ],
+)
 def test_bad_input_is_refused_and_stores_nothing(make_service, call, error):
     service = make_service(max_fact_chars=200)
     admin = service.ensure_admin_key()

@@ -12,8 +12,9 @@ from tenants.connect import connect_service
 
 def _reader(writer_service):
     """A second process's view of the same store (the ingress: change feed on)."""
-    return connect_service(writer_service.meta.url, writer_service.records.root.parent, writer_service.embedder,
-                           cache_registry=True)
+    return connect_service(
+        writer_service.meta.url, writer_service.records.root.parent, writer_service.embedder, cache_registry=True
+    )
 
 
 def _soon(search, want, timeout_s: float = 1.0):

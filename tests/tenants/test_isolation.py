@@ -28,9 +28,13 @@ def test_no_call_reaches_the_other_tenants_facts(service, two):
     secret = alice.add_fact("alice's bank pin is 4321", fact_id="pin")
     alice.attach_kv("pin", 1, make_record("x", 5, tenant_id="alice"))
     bob.add_fact("bob likes tennis")
-    for attempt in (lambda: bob.get_fact("pin"), lambda: bob.update_fact("pin", "hacked"),
-                    lambda: bob.delete_fact("pin"), lambda: bob.attach_kv("pin", 1, make_record("x", 5, tenant_id="bob")),
-                    lambda: bob.placement("pin")):
+    for attempt in (
+        lambda: bob.get_fact("pin"),
+        lambda: bob.update_fact("pin", "hacked"),
+        lambda: bob.delete_fact("pin"),
+        lambda: bob.attach_kv("pin", 1, make_record("x", 5, tenant_id="bob")),
+        lambda: bob.placement("pin"),
+    ):
         with pytest.raises(FactNotFoundError):
             attempt()
     assert all(f.id != "pin" for f in bob.list_facts(limit=10_000))

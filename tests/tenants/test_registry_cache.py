@@ -93,8 +93,9 @@ def test_a_service_with_the_cache_refuses_an_old_key_at_once(make_service, chang
     admin_service = make_service()
     admin = admin_service.ensure_admin_key()
     _, key = admin_service.create_tenant(admin, "acme")
-    ingress = connect_service(admin_service.meta.url, admin_service.records.root.parent, admin_service.embedder,
-                              cache_registry=True)
+    ingress = connect_service(
+        admin_service.meta.url, admin_service.records.root.parent, admin_service.embedder, cache_registry=True
+    )
     for _ in range(2):
         assert ingress.authenticate(key).id == "acme"
     if change == "rotate":

@@ -122,7 +122,9 @@ def test_reading_an_end_users_memory_that_was_never_written_stores_nothing(servi
     written = service.open_scope(tenant, Scope("ghost"))  # a write makes it
     written.add_fact("ghost likes tea")
     assert written.id == ghost.id and service.scopes(tenant) == [{"user_id": "ghost"}]
-    assert [f.text for f in service.open_scope(tenant, Scope("ghost"), create=False).list_facts()] == ["ghost likes tea"]
+    assert [f.text for f in service.open_scope(tenant, Scope("ghost"), create=False).list_facts()] == [
+        "ghost likes tea"
+    ]
 
 
 def test_a_located_memory_id_opens_its_scope_only_through_its_own_tenant(service, admin, acme):
@@ -136,8 +138,12 @@ def test_a_located_memory_id_opens_its_scope_only_through_its_own_tenant(service
     assert service.open_holder(tenant, holder_id, fact_id).get_fact(fact_id).text == fact.text
     _, other_key = service.create_tenant(admin, "other")
     other = service.authenticate(other_key)
-    for who, holder in ((other, split_located(memory_id, other.id)[1]), (other, alice.id), (tenant, tenant.id + "..0"),
-                        (tenant, "bad/id")):
+    for who, holder in (
+        (other, split_located(memory_id, other.id)[1]),
+        (other, alice.id),
+        (tenant, tenant.id + "..0"),
+        (tenant, "bad/id"),
+    ):
         with pytest.raises(FactNotFoundError):
             service.open_holder(who, holder, fact_id)
 
@@ -157,8 +163,17 @@ def test_metadata_is_kept_and_updates_keep_the_earlier_versions(service, acme):
     assert [f.text for f in tenant.list_facts()] == ["Maya has two cats"]  # nothing stored by a refusal
 
 
-@pytest.mark.parametrize("scope", [dict(user_id=""), dict(user_id="   "), dict(user_id="x" * 257),
-                                   dict(user_id="a\nb"), dict(user_id="a", agent_id=""), dict(user_id=7)])
+@pytest.mark.parametrize(
+    "scope",
+    [
+        dict(user_id=""),
+        dict(user_id="   "),
+        dict(user_id="x" * 257),
+        dict(user_id="a\nb"),
+        dict(user_id="a", agent_id=""),
+        dict(user_id=7),
+    ],
+)
 def test_bad_scope_ids_are_refused(scope):
     with pytest.raises(InvalidInputError):
         Scope(**scope)

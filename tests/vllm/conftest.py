@@ -16,7 +16,6 @@ BLOCK = 32
 ARENA_BYTES = 16 * 16 * 30 * 3 * 64 * 4 * 2  # 16 pages of 16 tokens of SmolLM2 float32 K/V (~12 MB)
 
 
-
 @pytest.fixture(scope="session")
 def store(tmp_path_factory) -> LocalFactStore:
     return LocalFactStore(tmp_path_factory.mktemp("facts"))
@@ -38,10 +37,23 @@ def llm(loaded, store, tier_dir, tmp_path_factory):
 
     # a small device arena with full-precision lower tiers under it: records the tests stop using spill to
     # host memory and disk and stream back from there, so every exactness test also covers the tiers
-    connector = ConnectorConfig(store_root=store.root, fingerprint=loaded.spec.fingerprint, device_cache_bytes=ARENA_BYTES,
-                                tiers=TierConfig(disk_cache_dir=tier_dir, host_cache_bytes=2 << 20, compress_lower=False))
-    engine = build_llm(loaded.path, connector, dtype="float32", enforce_eager=True, max_model_len=2048,
-                       block_size=BLOCK, seed=0, kv_cache_memory_bytes=512 << 20, max_num_seqs=16)
+    connector = ConnectorConfig(
+        store_root=store.root,
+        fingerprint=loaded.spec.fingerprint,
+        device_cache_bytes=ARENA_BYTES,
+        tiers=TierConfig(disk_cache_dir=tier_dir, host_cache_bytes=2 << 20, compress_lower=False),
+    )
+    engine = build_llm(
+        loaded.path,
+        connector,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        block_size=BLOCK,
+        seed=0,
+        kv_cache_memory_bytes=512 << 20,
+        max_num_seqs=16,
+    )
     yield engine
     del engine
 
@@ -49,8 +61,9 @@ def llm(loaded, store, tier_dir, tmp_path_factory):
 def encode_conversation(loaded, forward, frame, store, tenant: str, turns: list[Turn]) -> list[str]:
     """Encode each turn behind all the turns before it (exact, Corollary 9); return record ids in order."""
     facts = [Fact(f"turn{i}", t.render().rstrip("\n"), i) for i, t in enumerate(turns)]
-    jobs = plan_fact_jobs(turns, facts, window=len(turns), prefix_ids=frame.prefix_ids,
-                          tokenizer=TokenizerEncoder(loaded.tokenizer))
+    jobs = plan_fact_jobs(
+        turns, facts, window=len(turns), prefix_ids=frame.prefix_ids, tokenizer=TokenizerEncoder(loaded.tokenizer)
+    )
     jobs.append(EncodingJob("prefix", (), frame.prefix_ids))
     for record in encode_jobs(jobs, forward, loaded.spec, tenant_id=tenant, window=len(turns), dtype=torch.float32):
         store.put(record)

@@ -27,8 +27,15 @@ def ask(llm, items):
     """items: (prompt ids, plan or None); all go into one generate call (one batch)."""
     requests = [memory_request(ids, plan, GREEDY) for ids, plan in items]
     outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [list(lp.values())[0].logprob for lp in o.outputs[0].logprobs],
-             o.num_cached_tokens, (o.kv_transfer_params or {}).get("inferscale")) for o in outs]
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            [list(lp.values())[0].logprob for lp in o.outputs[0].logprobs],
+            o.num_cached_tokens,
+            (o.kv_transfer_params or {}).get("inferscale"),
+        )
+        for o in outs
+    ]
 
 
 def boundary_turns(loaded, frame, on_boundary: bool) -> list[Turn]:
@@ -52,8 +59,8 @@ def test_injected_memory_matches_plain_prefill(llm, loaded, forward, frame, stor
     assert (len(memory) % BLOCK == 0) == on_boundary
     for turn, question in enumerate(QUESTIONS[:2]):
         query = frame.query_ids(loaded.tokenizer, question)
-        (plain_tokens, plain_lp, plain_cached, _), = ask(llm, [(memory + query, None)])
-        (inj_tokens, inj_lp, inj_cached, report), = ask(llm, [(memory + query, plan)])
+        ((plain_tokens, plain_lp, plain_cached, _),) = ask(llm, [(memory + query, None)])
+        ((inj_tokens, inj_lp, inj_cached, report),) = ask(llm, [(memory + query, plan)])
         assert inj_tokens == plain_tokens
         assert max(abs(a - b) for a, b in zip(inj_lp, plain_lp)) < 1e-3
         # vLLM's own accounting: the region was not computed (only query tokens were)
@@ -70,8 +77,14 @@ def test_random_kv_changes_the_answer(llm, loaded, forward, frame, store):
     gen = torch.Generator().manual_seed(0)
     for rid in ids[1:]:  # same tokens, same fingerprint, random K/V
         real = store.get("maya-real", rid)
-        store.put(dataclasses.replace(real, tenant_id="maya-noise", k=torch.randn(real.k.shape, generator=gen),
-                                      v=torch.randn(real.v.shape, generator=gen)))
+        store.put(
+            dataclasses.replace(
+                real,
+                tenant_id="maya-noise",
+                k=torch.randn(real.k.shape, generator=gen),
+                v=torch.randn(real.v.shape, generator=gen),
+            )
+        )
     store.put(dataclasses.replace(store.get("maya-real", "prefix"), tenant_id="maya-noise"))
     query = frame.query_ids(loaded.tokenizer, QUESTIONS[0])
     real_plan = MemoryPlan("maya-real", tuple(ids), store.version("maya-real"))
@@ -125,7 +138,7 @@ def test_missing_record_falls_back_to_prefilling_the_text(llm, loaded, forward, 
     memory = region(store, plan)
     query = frame.query_ids(loaded.tokenizer, QUESTIONS[2])
     store.path("maya-gone", ids[2]).unlink()
-    (tokens, _, cached, report), = ask(llm, [(memory + query, plan)])
+    ((tokens, _, cached, report),) = ask(llm, [(memory + query, plan)])
     assert report["injected_tokens"] == 0 and f"no fact '{ids[2]}'" in report["fallback"]
     assert cached == 0
     plain = ask(llm, [(memory + query, None)])[0]
@@ -137,7 +150,7 @@ def test_record_from_another_model_is_never_injected(llm, loaded, forward, frame
     alien = store.get("maya-alien", ids[1])
     store.put(dataclasses.replace(alien, params=dataclasses.replace(alien.params, model_fingerprint="0" * 24)))
     plan = MemoryPlan("maya-alien", tuple(ids), store.version("maya-alien"))
-    (_, _, _, report), = ask(llm, [(region(store, plan) + frame.query_ids(loaded.tokenizer, QUESTIONS[0]), plan)])
+    ((_, _, _, report),) = ask(llm, [(region(store, plan) + frame.query_ids(loaded.tokenizer, QUESTIONS[0]), plan)])
     assert report["injected_tokens"] == 0 and "encoded by model" in report["fallback"]
 
 
@@ -154,8 +167,10 @@ def test_engine_captured_records_reproduce_plain_prefill_exactly(llm, loaded, fr
         spans.append(CaptureSpan(fact_id, cursor, cursor + len(ids)))
         memory += ids
         cursor += len(ids)
-    llm.generate(*map(list, zip(capture_request(memory, CapturePlan("maya-engine", tuple(spans), window=len(turns))))),
-                 use_tqdm=False)
+    llm.generate(
+        *map(list, zip(capture_request(memory, CapturePlan("maya-engine", tuple(spans), window=len(turns))))),
+        use_tqdm=False,
+    )
     record = store.get("maya-engine", "turn2")
     assert record.token_ids == tuple(encode(turns[2].render()))
     assert record.meta["encoder"] == "engine" and record.params.model_fingerprint == loaded.spec.fingerprint
@@ -189,8 +204,8 @@ def assert_injection_equals_prefill_under_a_new_salt(llm, store, tenant, ids, qu
     store.put(make_record("unrelated", 3, tenant_id=tenant))
     plan = MemoryPlan(tenant, tuple(ids[tenant]), store.version(tenant))
     memory = region(store, plan)
-    (plain_tokens, plain_lp, _, _), = ask(llm, [(memory + query, None)])
-    (inj_tokens, inj_lp, _, report), = ask(llm, [(memory + query, plan)])
+    ((plain_tokens, plain_lp, _, _),) = ask(llm, [(memory + query, None)])
+    ((inj_tokens, inj_lp, _, report),) = ask(llm, [(memory + query, plan)])
     assert report["injected_tokens"] == len(memory) and report["fallback"] is None
     assert inj_tokens == plain_tokens and max(abs(a - b) for a, b in zip(inj_lp, plain_lp)) < 1e-3
 

@@ -15,8 +15,16 @@ from tests.vllm.conftest import BLOCK, encode_conversation
 @pytest.fixture(scope="module")
 def strict_llm(loaded, store, llm):  # after the shared engine exists, so both fit side by side
     connector = ConnectorConfig(store_root=store.root, fingerprint=loaded.spec.fingerprint, on_load_failure="fail")
-    engine = build_llm(loaded.path, connector, dtype="float32", enforce_eager=True, max_model_len=1024, block_size=BLOCK, seed=0,
-                       kv_cache_memory_bytes=256 << 20)
+    engine = build_llm(
+        loaded.path,
+        connector,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        block_size=BLOCK,
+        seed=0,
+        kv_cache_memory_bytes=256 << 20,
+    )
     yield engine
     del engine
 
