@@ -336,15 +336,7 @@ class RedisMeta:
 
     def commit_many(self, tenant_id: str, items: list[tuple[str, dict]], op: str) -> list[Exception | None]:
         """`commit` of pending version-1 facts (fact id, new meta) in one round trip; per item its error or None."""
-        keys = [
-            _t(tenant_id, "facts"),
-            _t(tenant_id, "emb"),
-            _t(tenant_id, "pemb"),
-            _t(tenant_id, "usage"),
-            _t(tenant_id, "version"),
-            _t(tenant_id, "log"),
-            _t(tenant_id),
-        ]
+        keys = _commit_keys(tenant_id)
         pipe = self._redis.pipeline(transaction=False)
         for fact_id, meta in items:
             self._scripts["commit"](
@@ -386,15 +378,7 @@ class RedisMeta:
     ) -> int:
         """Replace the fact's metadata if it is still in (`state`, `version`), add `bytes_delta` to its usage
         (within quota), log `op`; return the tenant's new version."""
-        keys = [
-            _t(tenant_id, "facts"),
-            _t(tenant_id, "emb"),
-            _t(tenant_id, "pemb"),
-            _t(tenant_id, "usage"),
-            _t(tenant_id, "version"),
-            _t(tenant_id, "log"),
-            _t(tenant_id),
-        ]
+        keys = _commit_keys(tenant_id)
         args = [
             fact_id,
             state,
@@ -644,6 +628,11 @@ class RegistryCache:
 
 def _t(tenant_id: str, part: str | None = None) -> str:
     return f"is:t:{{{tenant_id}}}" + (f":{part}" if part else "")
+
+
+def _commit_keys(tenant_id: str) -> list[str]:
+    """The keys the `commit` script takes, in its order."""
+    return [_t(tenant_id, part) for part in ("facts", "emb", "pemb", "usage", "version", "log")] + [_t(tenant_id)]
 
 
 def _tenant_of(key: str) -> str:
