@@ -14,6 +14,9 @@ norm). Used with the query rotated to its absolute position instead, the same bo
 bound once the fact moves; LeoAM's element-wise q·max is not one even in place when query signs are
 mixed. Engines compute angles p·θ in float32: a slack term of a few ulps of the largest angle per pair
 covers that rounding.
+
+Not on the serving path yet: only its tests use it. Selecting a long history's chunks by this bound is
+the "LeoAM at work" issue's job; until then it stays as the proven piece that work builds on.
 """
 
 from __future__ import annotations
