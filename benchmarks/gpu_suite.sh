@@ -5,7 +5,9 @@
 # scripts/gpu/install.sh, once its parts sit in /root/stash/parts (one part per device call, README.md).
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
 #   steps: setup gpu-tests inject-kernel retrieval equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers
-#          profile-tiers (or profile-host, profile-disk) profile-encode quality
+#          profile-tiers (or profile-host, profile-disk) profile-encode quality mps-on mps-off
+# mps-on starts CUDA's multi-process service (every later CUDA process of the call shares the GPU through it,
+# kernels of separate processes side by side instead of time-sliced); mps-off stops it.
 # With SAMPLE_MS set, ttft and serve-http also sample every process's stacks during their timed phases
 # (scripts/sampling) and write OUT_DIR/<step>-stacks.txt.
 set -u
@@ -13,6 +15,7 @@ out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}
 shift
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/redisbin:$PATH"
 export RAY_USAGE_STATS_ENABLED=0
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/root/stash/vllm-cache}  # kept while the machine stays warm: later calls compile less
 SHAPE=benchmarks/configs/llama31-8b-shape.json
 run() {  # name, seconds, command...
@@ -65,6 +68,10 @@ for step in "$@"; do
         done ;;
     profile-encode) run profile-encode 240 python3 scripts/profile_encode.py --config "$SHAPE" --out "$out/profile_encode.txt"
         head -1 "$out/profile_encode.txt" ;;
+    mps-on) mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d && echo "mps: started" || echo "mps: not started" ;;
+    mps-off) echo quit | nvidia-cuda-mps-control; cp "$CUDA_MPS_LOG_DIRECTORY"/*.log "$out/" 2>/dev/null
+        echo "mps: stopped" ;;
     *) echo "unknown step $step" ;;
     esac
 done

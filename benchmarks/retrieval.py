@@ -9,11 +9,15 @@ reported with the same names.
 Where the serving run's embedding time goes (`embed_ms.under_load`, GPU only): one query embedded while the
 GPU is kept busy by another process (a CUDA context of its own, as vLLM's engine core is to an ingress
 replica) and by another stream of this process (one context), against the idle GPU; and the embedding on
-the host's CPU by thread count (`embed_ms.cpu_threads`), the alternative that no GPU load can slow.
+the host's CPU by thread count (`embed_ms.cpu_threads`), the alternative that no GPU load can slow. Run with
+CUDA's multi-process service on (`gpu_suite.sh mps-on`), the other process's kernels may run beside the
+embedding's instead of in turns; `under_load` then also measures the load process at MPS's lower client
+priority and held to a share of the SMs (`CUDA_MPS_CLIENT_PRIORITY=1`, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -62,9 +66,11 @@ while True:
 
 
 @contextmanager
-def gpu_busy_elsewhere():
-    """The GPU kept busy by a separate process (its own CUDA context) for the duration."""
-    child = subprocess.Popen([sys.executable, "-c", BUSY_PROCESS], stdout=subprocess.PIPE, text=True)
+def gpu_busy_elsewhere(env: dict[str, str] | None = None):
+    """The GPU kept busy by a separate process (its own CUDA context; `env` added to its environment)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", BUSY_PROCESS], stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
     try:
         if child.stdout.readline().strip() != "busy":
             raise RuntimeError("the GPU load process did not start")
@@ -105,9 +111,32 @@ def under_load(embedder, query: str, repeats: int) -> dict[str, dict[str, float]
     report = {"idle": timed(one, repeats, device_sync=False)}
     with gpu_busy_elsewhere():
         report["other_process_busy"] = timed(one, repeats, device_sync=False)
+    if mps_active():
+        for name, env in MPS_LOADS.items():
+            with gpu_busy_elsewhere(env):
+                report[f"other_process_busy_{name}"] = timed(one, repeats, device_sync=False)
     with gpu_busy_here():
         report["same_process_busy"] = timed(one, repeats, device_sync=False)
     return report
+
+
+# How an MPS client may be held back: scheduled after normal clients, or confined to a share of the SMs.
+MPS_LOADS = {
+    "mps_low_priority": {"CUDA_MPS_CLIENT_PRIORITY": "1"},
+    "mps_90pct_sms": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "90"},
+    "mps_75pct_sms": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "75"},
+}
+
+
+def mps_active() -> bool:
+    """Whether CUDA's multi-process service serves this process (its control daemon answers)."""
+    try:
+        found = subprocess.run(
+            ["nvidia-cuda-mps-control"], input="get_server_list\n", capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return found.returncode == 0 and found.stdout.strip() != ""
 
 
 def cpu_threads(query: str, repeats: int) -> dict[str, dict[str, float]]:
@@ -140,7 +169,7 @@ def main() -> None:
 
     embedder = MiniLMEmbedder(device=device)
     query = "What does box 17 hold, and where is it?"
-    report: dict = {"device": device, "facts": args.facts}
+    report: dict = {"device": device, "facts": args.facts, "mps": device == "cuda" and mps_active()}
     report["embed_ms"] = {
         "one": timed(lambda: embedder.embed_tensor([query]), repeats),
         "batch_of_8": timed(lambda: embedder.embed_tensor([query] * 8), repeats),
