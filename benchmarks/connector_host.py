@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
-from kvcore.injection import InjectionScheduler, InjectionWorker  # noqa: E402
+from kvcore.injection import InjectionWorker  # noqa: E402
+from kvcore.injection_scheduler import InjectionScheduler  # noqa: E402
 from kvcore.paged import PagedLayout  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.record import EncodingParams, FactKV  # noqa: E402

@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import parser, target, write_report  # noqa: E402
-from kvcore.rope import RopeConfig, RotationTable, rotate_into  # noqa: E402
+from kvcore.rope import RopeConfig, RotationTable  # noqa: E402
+from kvcore.step_writes import rotate_rows  # noqa: E402
 
 EIGHT_B = Path(__file__).with_name("configs") / "llama31-8b-shape.json"
 REQUESTS, TOKENS_PER_REQUEST, ARENA_ROWS = 100, 1524, 16_384  # 100 requests of 51 records of ~30 tokens
@@ -86,9 +87,8 @@ def main() -> None:
         row_cos, row_sin = table.lookup(positions)
         for layer, cache in enumerate(caches):
             keys, values = arena_k[layer].index_select(0, rows), arena_v[layer].index_select(0, rows)
-            rotated = torch.empty_like(keys, dtype=dtype)
-            rotate_into(rotated, keys, row_cos[:, None], row_sin[:, None], rope)
-            cache.index_copy_(0, slots, torch.cat((rotated, values.to(dtype)), dim=-1))
+            joint = torch.empty(*keys.shape[:-1], 2 * dim, dtype=dtype, device=keys.device)
+            cache.index_copy_(0, slots, rotate_rows(joint, keys, values, row_cos[:, None], row_sin[:, None], rope))
 
     copy_gbs = copy_rate(min(layers * tokens * heads * dim * 2, 1 << 30), dtype, device, repeats)
     report: dict = {

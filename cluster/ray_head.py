@@ -24,6 +24,8 @@ LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RA
 
 @dataclass
 class RayHead:
+    """A Ray head this process started: its temp folder and ports (the address others join)."""
+
     temp_dir: str
     port: int
     dashboard_port: int

@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Tenants:
+    """The tenant service of a command, and the redis-server it started, closed together."""
+
     service: TenantService
     redis: LocalRedis | None  # the server this process started, if any
 

@@ -20,6 +20,8 @@ DEFAULT_WHOLE_LOAD_BYTES = 1 << 30
 
 
 class Frozen(BaseModel):
+    """A settings model that is immutable and refuses unknown keys."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
 

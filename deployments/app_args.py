@@ -25,6 +25,8 @@ CPU_ENGINE_DEFAULTS: dict[str, Any] = {
 
 
 class Strict(BaseModel):
+    """A settings model that refuses unknown keys (a misspelt setting is an error, not a silent default)."""
+
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 

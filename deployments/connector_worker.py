@@ -41,7 +41,6 @@ class ConnectorWorker:
             slot = claim_slot(config.tiers.disk_cache_dir)
             tiers = TieredStore(
                 device,
-                0,
                 config.tiers.host_cache_bytes,
                 slot.path,
                 compress_lower=config.tiers.compress_lower,

@@ -66,6 +66,8 @@ def by_size(work: list[tuple[str, int, str]], limit: int) -> list[list[tuple[str
 
 
 class LLMBackend(Protocol):
+    """What the gateway needs of the LLM deployment: chats streamed, facts encoded."""
+
     def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]: ...
 
     async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]: ...
@@ -101,6 +103,8 @@ def order_facts(hits: list[tuple[Fact, float]], order: FactOrder) -> list[tuple[
 
 
 class Gateway:
+    """The HTTP API's work, transport aside: auth, memories, retrieval and the chat task handed to the LLM."""
+
     def __init__(
         self,
         service: TenantService,

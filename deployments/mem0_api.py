@@ -84,6 +84,8 @@ def scope_of_filters(raw: dict[str, Any] | None) -> Scope | None:
 
 
 class Add(_Mem0Body):
+    """Mem0's add request: messages stored as memories of one end user, agent or run."""
+
     messages: list[Message] = Field(..., min_length=1, max_length=2000)
     user_id: str | None = None
     agent_id: str | None = None
@@ -99,6 +101,8 @@ class Add(_Mem0Body):
 
 
 class Search(_Mem0Body):
+    """Mem0's search request: a query, the scope's filters, how many and how close."""
+
     query: str = Field(..., min_length=1)
     filters: dict[str, Any] | None = None
     top_k: int = Field(10, ge=1, le=1000)
@@ -106,15 +110,21 @@ class Search(_Mem0Body):
 
 
 class GetAll(_Mem0Body):
+    """Mem0's list request: the scope's filters."""
+
     filters: dict[str, Any] | None = None
 
 
 class Update(_Mem0Body):
+    """Mem0's update request: a memory's new text and/or metadata."""
+
     text: str | None = Field(None, min_length=1)
     metadata: dict[str, Any] | None = None
 
 
 class BatchItem(BaseModel):
+    """One memory of a Mem0 batch update."""
+
     model_config = ConfigDict(extra="forbid")
 
     memory_id: str
@@ -123,6 +133,8 @@ class BatchItem(BaseModel):
 
 
 class Batch(BaseModel):
+    """Mem0's batch update (or delete) request."""
+
     model_config = ConfigDict(extra="forbid")
 
     memories: list[BatchItem] = Field(..., min_length=1, max_length=1000)

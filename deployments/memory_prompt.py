@@ -40,6 +40,8 @@ class MemoryItem:
 
 @dataclass(frozen=True)
 class LaidOutPrompt:
+    """A chat's prompt tokens with its facts placed, the plan that injects them, and its cache salt."""
+
     token_ids: list[int]
     plan: MemoryPlan | None
     cache_salt: str

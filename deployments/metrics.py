@@ -8,6 +8,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 
 
 class Metrics:
+    """The serving app's Prometheus metrics, in a registry of their own (what `/metrics` exports)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(

@@ -16,6 +16,8 @@ import torch
 
 
 class TensorEmbedder(Protocol):
+    """An embedder that returns its vectors as one tensor (on its device)."""
+
     def embed_tensor(self, texts: Sequence[str]) -> torch.Tensor: ...
 
 

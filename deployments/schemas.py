@@ -79,6 +79,8 @@ class ScopeFields(BaseModel):
 
 
 class MemoryOptions(ScopeFields):
+    """The `memory` object of a chat request: which end user's facts, how many, and how they reach the model."""
+
     model_config = ConfigDict(extra="forbid")
 
     k: int | None = Field(None, ge=0, le=1000, description="Facts to retrieve (0: none).")
@@ -99,6 +101,8 @@ class MemoryOptions(ScopeFields):
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`: whether the last streamed chunk carries the usage."""
+
     include_usage: bool = False
 
 
@@ -197,6 +201,8 @@ class GenerationRequest(BaseModel):
 
 
 class ChatRequest(GenerationRequest):
+    """An OpenAI chat completion request, with inferscale's optional `memory` options."""
+
     messages: list[Message] = Field(..., min_length=1, max_length=256)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -290,6 +296,8 @@ class SubmitJob(BaseModel):
 
 
 class SearchMemories(ScopeFields):
+    """The body of a memory search: the query, how many facts, and whose."""
+
     model_config = ConfigDict(extra="forbid")
 
     query: str = Field(..., min_length=1)
@@ -297,6 +305,8 @@ class SearchMemories(ScopeFields):
 
 
 class UpdateMemory(BaseModel):
+    """The body of a fact's update: its new text, optionally guarded by the version it replaces."""
+
     model_config = ConfigDict(extra="forbid")
 
     memory: str = Field(..., min_length=1)
@@ -304,6 +314,8 @@ class UpdateMemory(BaseModel):
 
 
 class CreateTenant(BaseModel):
+    """The body of an admin's tenant creation: its id and quotas."""
+
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(..., min_length=1, max_length=128)
@@ -328,6 +340,8 @@ class CreateTenant(BaseModel):
 
 
 class ErrorDetail(BaseModel):
+    """An error as OpenAI's clients read it (`error.code`, `message`, `type`, `param`)."""
+
     code: str
     message: str
     type: str  # OpenAI's error type: invalid_request_error, authentication_error, not_found_error, ...

@@ -43,6 +43,8 @@ Answer:
 
 
 class Generator(Protocol):
+    """Text generation from a prompt: the model that extracts facts."""
+
     def __call__(self, prompt: str, max_new_tokens: int) -> str: ...
 
 
@@ -51,6 +53,8 @@ Search = Callable[[str, int], list[tuple[str, str, float]]]  # query, k -> (fact
 
 @dataclass(frozen=True)
 class Decision:
+    """What extraction decided for one candidate fact: add, update, delete or nothing."""
+
     event: str  # ADD | UPDATE | DELETE | NOOP
     fact: ExplicitFact
     target_id: str | None = None  # the stored fact an UPDATE or DELETE applies to

@@ -30,12 +30,16 @@ class JobInputError(ValueError):
 
 @dataclass(frozen=True)
 class ExplicitFact:
+    """A fact given in an encoding job's input, with the turn it follows (its context window's anchor)."""
+
     text: str
     anchor: int
 
 
 @dataclass(frozen=True)
 class JobInput:
+    """An encoding job's conversation: its turns, the facts to encode (or None to extract them), its sessions."""
+
     turns: tuple[Turn, ...]
     facts: tuple[ExplicitFact, ...] | None  # None: extract them from the turns
     sessions: tuple[int, ...]  # index of the first turn of each session (for extraction)

@@ -35,6 +35,8 @@ MIN_GPU_SHARE = 0.005  # below this a GPU is as good as taken: encode on CPU rat
 
 @dataclass
 class JobReport:
+    """Counts of what an encoding job did, by outcome."""
+
     total: int = 0
     encoded: int = 0
     skipped: int = 0

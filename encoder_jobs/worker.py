@@ -32,6 +32,8 @@ CRASH_ENV = "INFERSCALE_ENCODER_CRASH_AFTER"  # tests: SIGKILL this worker after
 
 
 class EncodeWorker:
+    """A Ray actor that encodes one tenant's facts (K/V and embeddings) on its node's device."""
+
     def __init__(self, settings: dict[str, Any], redis_url: str, key: str, tenant_id: str, window: int) -> None:
         self._settings = Settings(**settings)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU actor encodes and embeds on its GPU

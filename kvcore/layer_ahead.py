@@ -14,13 +14,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvcore.tiers import BatchedReads, LayerReader
+from kvcore.tier_reads import BatchedReads, Joined, LayerReader
 
 log = logging.getLogger(__name__)
-Joined = tuple[torch.Tensor, torch.Tensor, list[int]]  # K and V `[H, sum T, D]` of a batch's readers, their starts
 
 
 class LayerAhead:
+    """Reads the next layer of a batch of tier entries on a thread (a side stream on CUDA) under the current one's compute."""
+
     def __init__(self, device: torch.device) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tier-reader")
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -9,15 +9,18 @@ sink (the serving layer writes Redis) never records a transient or out-of-order 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Hashable, Iterable
+from typing import Callable, Hashable, Iterable, Literal
 
 from kvcore.store import Stamp
-from kvcore.tiers import Key, Tier
+from kvcore.tier_disk import Key
+from kvcore.tier_policy import Tier
 
 log = logging.getLogger(__name__)
 
+Where = Literal["gpu", "cpu", "disk"]  # the device arena, or a lower tier
+
 Ident = tuple[str, str, Stamp]  # tenant id, record id, stamp
-Sink = Callable[[str, str, Stamp, "Tier | None"], None]  # tenant, record, stamp, where it is now (None: gone)
+Sink = Callable[[str, str, Stamp, "Where | None"], None]  # tenant, record, stamp, where it is now (None: gone)
 
 
 def tier_label(record_id: str, stamp: Stamp) -> str:
@@ -34,12 +37,14 @@ def parse_label(label: str) -> tuple[str, Stamp] | None:
 
 
 class PlacementTracker:
+    """One placement per record version from the arena's and the tiers' reports, passed on only when it changes."""
+
     def __init__(self, sink: Sink) -> None:
         self._sink = sink
         self._in_arena: set[Ident] = set()
         self._in_tier: dict[Ident, Tier] = {}
         self._tier_ident: dict[Key, Ident] = {}
-        self._reported: dict[Ident, Tier] = {}
+        self._reported: dict[Ident, Where] = {}
 
     def arena_changed(self, key: Hashable, stamp: Stamp, resident: bool) -> None:
         tenant_id, record_id = key

@@ -21,6 +21,8 @@ _HELD: list[int] = []  # lock descriptors of this process's slots, open for its 
 
 @dataclass(frozen=True)
 class ReplicaSlot:
+    """A replica's claimed folder under the shared tier root, and the name its placements are reported under."""
+
     name: str
     path: Path
 

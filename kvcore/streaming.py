@@ -1,14 +1,13 @@
 """Loads whose records sit in the lower tiers (pinned host, disk): brought up before the forward, or streamed.
 
-A record evicted from the device arena is spilled to the tiers under its exact version (stamp); a step's
-spills are stored together at its end. The tiers keep a copy of what they hand back up (inclusive), so a
-record that came from them leaves the arena again without a spill. When a later load needs tier records:
-a small one (`whole_load_bytes`) is brought up whole before the forward (host entries and the disk files,
-read into one buffer as they lie, copied to the device as they are and dequantized into the arena in one
-launch: `kvcore/packed.py`), and the step is then written like any arena step; a large one is streamed: `begin` pins its tier entries (two-phase load), the next layer of its tier records is read ahead
-as one joined batch (host/disk -> device, dequantized) while the current one computes, and every
-`write_layer` gathers the layer's tokens from the arena and that batch in one op, rotates the keys to their
-positions and writes the layer into the paged cache; `finish` unpins and promotes the records into the arena.
+A record evicted from the device arena goes down to the tiers under its exact version (`kvcore/spills.py`).
+When a later load needs tier records, or the arena cannot hold a load this step: a small one
+(`whole_load_bytes`) is brought into the arena whole before the forward (`kvcore/whole_loads.py`) and the step
+is then written like any arena step; a large one is streamed: `begin` pins its tier entries (two-phase load),
+each layer of its tier records is read as one joined batch (host/disk -> device, dequantized; on the reader
+thread, ahead of the layer, where that pays), and every `write_layer` gathers the layer's tokens from the
+arena and that batch in one op, rotates the keys to their positions and writes the layer into the paged
+cache; `finish` unpins and promotes the records into the arena.
 A tier entry that turns out damaged or gone mid-load is dropped and the canonical record is read from
 the fact store for the remaining layers (the layers already written came from verified bytes); if that
 fails too, the load is reported failed, so the engine recomputes or fails the request, never serves garbage.
@@ -16,7 +15,6 @@ fails too, the load is reported failed, so the engine recomputes or fails the re
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -24,26 +22,24 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvcore.arena import DeviceArena, long_tensor
+from kvcore.arena import DeviceArena
 from kvcore.errors import ArenaFullError, KVCoreError, RecordCorruptError
 from kvcore.layer_ahead import LayerAhead
-from kvcore.packed import PackedInserter, insert_packed, pack
+from kvcore.packed import PackedInserter, insert_packed
 from kvcore.paged import CacheTarget, PagedLayout, slot_mapping
 from kvcore.placement import tier_label
 from kvcore.record import FactKV
-from kvcore.rope import RopeConfig, RotationTable, rotate_into
+from kvcore.rope import RopeConfig, RotationTable
+from kvcore.spills import ArenaChange, SpillQueue, tier_key
+from kvcore.step_writes import write_rotated
 from kvcore.store import Stamp
-from kvcore.tiers import BatchedReads, LayerReader, TieredStore
+from kvcore.tier_reads import BatchedReads, Joined, LayerReader
+from kvcore.tiers import TieredStore
+from kvcore.whole_loads import load_whole
 
 log = logging.getLogger(__name__)
 Span = tuple[str, Stamp, int, int]  # record id, stamp, first and end token inside the record
 Fetch = Callable[[str, str, Stamp, int], FactKV]  # tenant, record, stamp, tokens needed -> record
-
-
-def tier_key(tenant_id: str, record_id: str, stamp: Stamp) -> tuple[str, str]:
-    """A tier entry names the exact record version (its stamp), so a rewritten fact is never served stale."""
-    digest = hashlib.sha1(repr(stamp).encode()).hexdigest()[:12]
-    return tenant_id, f"{record_id[:100]}.{digest}"
 
 
 @dataclass
@@ -82,6 +78,8 @@ class _Stream:
 
 
 class TierStreams:
+    """A step's loads whose records sit in the lower tiers: brought up whole, or streamed a layer at a time."""
+
     def __init__(
         self,
         tiers: TieredStore,
@@ -90,7 +88,7 @@ class TierStreams:
         layout: PagedLayout,
         table: RotationTable,
         on_fail: Callable[[object, str], None],
-        on_arena_change: Callable[[tuple[str, str], Stamp, bool], None] | None = None,
+        on_arena_change: ArenaChange | None = None,
         whole_load_bytes: int = 1 << 30,
         packed_inserter: PackedInserter | None = None,
     ) -> None:
@@ -100,55 +98,20 @@ class TierStreams:
         self._on_fail = on_fail  # (load, reason): its blocks are reported failed
         self._streams: list[_Stream] = []
         self._ahead = LayerAhead(arena.device)
-        self._spills: list[
-            tuple[tuple[tuple[str, str], torch.Tensor, torch.Tensor, str], float]
-        ] = []  # (item, importance)
-        self._importance: dict[tuple[str, str], float] = {}  # (tenant, record) -> its last retrieval score
-        self._on_arena_change = on_arena_change
-        self._spilling: set[tuple[tuple[str, str], Stamp]] = set()
-        self._deferred: list[tuple[tuple[str, str], Stamp, bool]] = []
+        self.spills = SpillQueue(tiers, on_arena_change)
 
     @property
     def active(self) -> bool:
         return bool(self._streams)
 
-    def spill(self, key: tuple[str, str], stamp: Stamp, read: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """A record leaving the arena goes to the lower tiers rather than away: queued, and stored with the rest
-        of the step's spills by `flush_spills` (quantized together on the device, one wait for their copies).
-        A record that came up from the tiers still has its entry there (the tiers keep a copy of what they
-        promote: same version, same bytes), so it leaves for free."""
-        entry = tier_key(key[0], key[1], stamp)
-        weight = self._importance.pop(key, 0.0)
-        if entry in self._tiers:
-            return
-        k, v = read()
-        self._spills.append(((entry, k, v, tier_label(key[1], stamp)), weight))
-        self._spilling.add((key, stamp))
-
-    def flush_spills(self) -> None:
-        spills, self._spills = self._spills, []
-        try:
-            self._tiers.spill_many([item for item, _ in spills], [weight for _, weight in spills])
-        finally:
-            deferred, self._deferred, self._spilling = self._deferred, [], set()
-            for change in deferred:
-                self._on_arena_change(*change)
-
-    def arena_changed(self, key: tuple[str, str], stamp: Stamp, resident: bool) -> None:
-        """The arena's placement reports: a record leaving it for the tiers is reported once its tier entry
-        exists (after `flush_spills`), so a placement never reads "gone" while the record is on its way down."""
-        if not resident and (key, stamp) in self._spilling:
-            self._deferred.append((key, stamp, resident))
-        elif self._on_arena_change is not None:
-            self._on_arena_change(key, stamp, resident)
-
-    def begin(self, load, spans: Sequence[Span], fetch: Fetch) -> bool:
-        """Stream `load` if one of its records is held only in the tiers (True); else leave it to the arena."""
-        self.flush_spills()  # a record evicted by an earlier load of this step is found in the tiers
+    def begin(self, load, spans: Sequence[Span], fetch: Fetch, overflow: bool = False) -> bool:
+        """Stream `load` if one of its records is held only in the tiers, or if it is an `overflow` (a load the
+        arena cannot hold this step): True; else leave it to the arena."""
+        self.spills.flush()  # a record evicted by an earlier load of this step is found in the tiers
         tenant = load.plan.tenant_id
-        weights = self._weigh(load.plan)
+        weights = self.spills.weigh(load.plan)
         resident = [self._arena.rows((tenant, record_id), stamp) for record_id, stamp, _, _ in spans]
-        if not any(
+        if not overflow and not any(
             rows is None and tier_key(tenant, r, st) in self._tiers for rows, (r, st, _, _) in zip(resident, spans)
         ):
             return False
@@ -171,7 +134,8 @@ class TierStreams:
         except BaseException:
             self._unpin(parts)
             raise
-        if self._load_whole(tenant, parts):
+        tiered = [(p.record_id, p.stamp, p.reader) for p in parts if p.reader is not None]
+        if load_whole(self._tiers, self._arena, self._insert, self._whole_load_bytes, tenant, tiered):
             self._unpin(parts)
             return False
         self._tiers.prefetch(
@@ -186,91 +150,44 @@ class TierStreams:
         self._read_ahead(stream, 0)
         return True
 
-    def _weigh(self, plan) -> dict[str, float]:
-        """The plan's records' importance (retrieval scores), remembered until each record leaves the arena so
-        that its spill carries it into the tiers' choice of what to move down first."""
-        if not plan.importance:
-            return {}
-        if len(self._importance) > 100_000:  # records that never reached the arena would otherwise pile up
-            self._importance.clear()
-        weights = dict(zip(plan.record_ids, plan.importance))
-        for record_id, weight in weights.items():
-            self._importance[plan.tenant_id, record_id] = weight
-        return weights
-
-    def _load_whole(self, tenant: str, parts: list[_Part]) -> bool:
-        """Bring a small load's tier records into the arena before the forward (True), so the step is written
-        from the arena like any other: the entries' int8 bytes moved in one copy each, then dequantized
-        straight into their arena rows (one kernel launch with a `PackedInserter`, else `insert_packed`).
-
-        LeoAM's pipeline inequality decides: streaming hides the transfer under the layers' compute but costs
-        host work on every layer (a read, a gather and a rotation each); below `whole_load_bytes` the transfer
-        takes less time than that work, so it is cheaper to pay it once, in front. False (then streamed) above
-        it, when an entry is kept at full precision or proves damaged, or when the arena cannot take them."""
-        tiered = [p for p in parts if p.reader is not None]
-        if (
-            not tiered
-            or sum(p.reader.nbytes for p in tiered) > self._whole_load_bytes
-            or len({p.reader.dtype for p in tiered}) != 1
-        ):
-            return False
-        device = self._arena.device
-        try:
-            entries = self._tiers.read_raw([p.reader for p in tiered], pinned=device.type == "cuda")
-        except (KVCoreError, OSError) as exc:
-            log.info("tier entries not loaded whole (%s); streaming them", exc)
-            return False
-        packed = pack(entries, tiered[0].reader.dtype, device) if entries is not None else None
-        if packed is None:
-            return False
-        self._arena.check_shape(packed.layers, packed.heads, packed.dim)
-        lengths = [b - a for a, b in zip(packed.starts, packed.starts[1:])]
-        try:
-            rows = self._arena.reserve_many([((tenant, p.record_id), p.stamp) for p in tiered], lengths, packed.dtype)
-        except ArenaFullError:
-            return False
-        index = long_tensor(rows)
-        if device.type == "cuda":
-            index = index.pin_memory()
-        self._insert(packed, index.to(device, non_blocking=True), self._arena.k, self._arena.v)
-        return True
-
     def _read_ahead(self, stream: _Stream, index: int) -> None:
-        """Start reading layer `index` of the stream's tier parts while the engine computes the layer before."""
-        parts = [
-            p
-            for p in stream.parts
-            if p.reader is not None and index < p.reader.layers and self._ahead.worth_it(p.reader)
-        ]
+        """Keep the stream's batch of tier parts current, and start reading its layer `index` on the reader
+        thread while the engine computes the layer before, where that pays (`LayerAhead.worth_it`)."""
+        parts = [p for p in stream.parts if p.reader is not None and index < p.reader.layers]
         if not parts:
             return
         if stream.batch is None or [id(p) for p in stream.batch[0]] != [id(p) for p in parts]:  # a part dropped since
-            stream.batch = (parts, BatchedReads([p.reader for p in parts]))
+            stream.batch = (parts, BatchedReads([p.reader for p in parts], self._tiers))
             stream.joined, stream.order = [], None
-        stream.ahead = (index, parts, self._ahead.submit(stream.batch[1], index))
+        if any(self._ahead.worth_it(p.reader) for p in parts):
+            stream.ahead = (index, parts, self._ahead.submit(stream.batch[1], index))
 
-    def _take_ahead(self, stream: _Stream, index: int) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
-        """This layer of the batch that ran ahead, joined (None if nothing ran ahead for it, or the read failed:
-        then its parts are read in place, and fail there)."""
+    def _joined_layer(self, stream: _Stream, index: int) -> Joined | None:
+        """This layer of the stream's batch, joined: the read that ran ahead, else read now. None if the read
+        failed: the parts are then read one by one, where a damaged entry is found and replaced."""
         stream.ready = {}
-        if stream.ahead is None or stream.ahead[0] != index:
-            return None
-        future, stream.ahead = stream.ahead[2], None
         try:
-            return self._ahead.take(future)
+            if stream.ahead is not None and stream.ahead[0] == index:
+                future, stream.ahead = stream.ahead[2], None
+                return self._ahead.take(future)
+            if stream.batch is not None:
+                return stream.batch[1].joined_layer(index)
         except (KVCoreError, OSError):
-            return None
+            pass
+        return None
 
     def write_layer(self, index: int, target: CacheTarget) -> None:
+        """Write this layer of every stream: its tokens gathered from the arena and the joined batch in one op
+        (part by part only when an entry failed), rotated to their positions, into the paged cache."""
         for stream in self._streams:
             if stream.failed:
                 continue
             try:
-                joined = self._take_ahead(stream, index)
+                joined = self._joined_layer(stream, index)
                 if joined is not None and self._joinable(stream):
                     keys, values = self._gather_joined(stream, index, joined)
                 else:
-                    if joined is not None:  # split by part for the part-by-part path
+                    if joined is not None:  # a part was replaced by its record: the batch's layers serve the rest
                         k, v, starts = joined
                         stream.ready = {
                             id(p): (k[:, a:b], v[:, a:b]) for p, a, b in zip(stream.batch[0], starts, starts[1:])
@@ -281,16 +198,7 @@ class TierStreams:
                 self._on_fail(stream.load, f"tier load failed: {exc}")
                 continue
             self._read_ahead(stream, index + 1)
-            dim = keys.shape[-1]
-            if target.kv_rows is not None:
-                joint = torch.empty(*keys.shape[:-1], 2 * dim, dtype=target.kv_rows.dtype, device=keys.device)
-                rotate_into(joint[..., :dim], keys, stream.cos, stream.sin, self._rope)
-                joint[..., dim:] = values
-                target.kv_rows.index_copy_(0, stream.slots, joint)
-            else:
-                rotated = torch.empty_like(keys, dtype=target.k_view.dtype)
-                rotate_into(rotated, keys, stream.cos, stream.sin, self._rope)
-                target.write(rotated, values, *self._layout.split(stream.slots))
+            write_rotated(target, keys, values, stream.cos, stream.sin, self._rope, stream.slots)
 
     @staticmethod
     def _joinable(stream: _Stream) -> bool:
@@ -370,7 +278,7 @@ class TierStreams:
                     self._promote(stream.tenant_id, part, streamed.get(id(part)))
                 elif part.record is not None and not stream.failed:
                     self._admit(stream.tenant_id, part)
-        self.flush_spills()
+        self.spills.flush()
 
     @staticmethod
     def _streamed(stream: _Stream) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -419,4 +327,4 @@ class TierStreams:
     def _unpin(self, parts: list[_Part]) -> None:
         for part in parts:
             if part.reader is not None:
-                self._tiers.end_load(part.reader, promote=False)
+                self._tiers.end_load(part.reader)

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class PlacementWriter:
+    """Batches a replica's placement changes and writes them to Redis every `flush_s`."""
+
     def __init__(self, meta: RedisMeta, replica: str, flush_s: float = 0.2) -> None:
         self.replica = replica
         self._meta, self._flush_s = meta, flush_s

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Repairs:
+    """What one reconciliation pass repaired, by kind."""
+
     inserts_rolled_back: int = 0
     updates_rolled_back: int = 0
     orphan_records_removed: int = 0

@@ -110,6 +110,8 @@ def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Cal
 
 @serve.ingress()
 class Ingress:
+    """The Serve deployment that answers HTTP: the gateway's routes over this replica's tenant service."""
+
     def __init__(self, llm: DeploymentHandle, args: dict[str, Any]) -> None:
         bind_replica_grpc_to_node()
         self.args = AppArgs(**args)

@@ -57,6 +57,8 @@ def build_engine(args: AppArgs) -> MemoryEngine:
 
 
 class LLMServer:
+    """The Serve deployment hosting one vLLM engine with the memory connector."""
+
     async def __init__(self, args: dict[str, Any]) -> None:
         bind_replica_grpc_to_node()
         self.args = AppArgs(**args)

@@ -49,6 +49,8 @@ def rank_with_spill(order: Sequence[str], queue_len: dict[str, int | None], gap:
 
 
 class TenantAffinityRouter(RequestRouter):
+    """Routes a tenant's requests to its home replica (rendezvous hashing), spilling over when that one's queue is long."""
+
     def initialize_state(self, spill_queue_gap: int = 8, **kwargs: Any) -> None:
         if not isinstance(spill_queue_gap, int) or spill_queue_gap < 0:
             raise ValueError(f"spill_queue_gap must be a non-negative int, got {spill_queue_gap!r}")

@@ -29,8 +29,8 @@ from kvcore.conversation import Fact
 from kvcore.errors import KVCoreError
 from kvcore.plan import CapturePlan, CaptureSpan
 from kvcore.record import FactKV
+from kvcore.spills import tier_key
 from kvcore.store import LocalFactStore
-from kvcore.streaming import tier_key
 from kvcore.tier_disk import advise_willneed, tier_files
 from models.chat import build_frame, split_chat
 

@@ -24,7 +24,7 @@ from config.connector import ConnectorConfig
 from deployments.connector_worker import ConnectorWorker
 from kvcore.capture import CaptureSpec, CaptureTracker
 from kvcore.errors import PlanError
-from kvcore.injection import InjectionScheduler, LoadSpec
+from kvcore.injection_scheduler import InjectionScheduler, LoadSpec
 from kvcore.paged import detect_layout
 from kvcore.plan import CapturePlan
 from kvcore.rope import RopeConfig

@@ -43,6 +43,8 @@ def _title() -> str:
 
 
 class Sampler:
+    """Samples every thread's Python stack at an interval and counts them per labelled phase."""
+
     def __init__(self, folder: Path, interval_s: float) -> None:
         self._folder = folder
         self._interval = interval_s

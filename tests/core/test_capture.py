@@ -5,7 +5,8 @@ import torch
 
 from kvcore.capture import CaptureTracker, CaptureWorker
 from kvcore.errors import PlanError
-from kvcore.injection import InjectionScheduler, InjectionWorker
+from kvcore.injection import InjectionWorker
+from kvcore.injection_scheduler import InjectionScheduler
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import CAPTURE_KEY, CapturePlan, CaptureSpan, MemoryPlan
 from kvcore.rope import apply_rotation, cos_sin

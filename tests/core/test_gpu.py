@@ -32,7 +32,8 @@ def test_compose_on_cuda_matches_cpu():
 
 def test_injection_worker_on_cuda_matches_cpu(tmp_path):
     """Arena, pinned index copy and the joint write on the device give the CPU worker's values."""
-    from kvcore.injection import InjectionScheduler, InjectionWorker
+    from kvcore.injection import InjectionWorker
+    from kvcore.injection_scheduler import InjectionScheduler
     from kvcore.paged import PagedLayout
     from kvcore.plan import MemoryPlan
     from kvcore.store import LocalFactStore
@@ -64,18 +65,19 @@ def test_layers_read_ahead_on_a_side_stream_equal_direct_reads(tmp_path, tier_by
     batched transfer and handed over with an event, give the bytes each direct read gives, while the default
     stream is kept busy (so a missing wait would show as a race)."""
     from kvcore.layer_ahead import LayerAhead
-    from kvcore.tiers import BatchedReads, TieredStore
+    from kvcore.tier_reads import BatchedReads
+    from kvcore.tiers import TieredStore
 
-    store = TieredStore("cuda", 0, tier_bytes, tmp_path, compress_lower=True, write_behind=True)
+    store = TieredStore("cuda", tier_bytes, tmp_path, compress_lower=True, write_behind=True)
     originals = {}
     for i, tokens in enumerate((64, 30, 17)):
         k, v = (torch.randn(8, 4, tokens, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
         originals[("t", f"f{i}")] = (k, v)
-    store.spill_many([(key, k, v, "") for key, (k, v) in originals.items()])  # as a step's evictions arrive
+    store.put_many([(key, k, v, "") for key, (k, v) in originals.items()])  # as a step's evictions arrive
     assert {store.tier_of(key) for key in originals} == {"cpu" if tier_bytes else "disk"}
     ahead = LayerAhead(torch.device("cuda"))
     readers = [store.begin_load(key) for key in originals]
-    batch = BatchedReads(readers)
+    batch = BatchedReads(readers, store)
     busy = torch.randn(4096, 4096, device="cuda")
     for layer in range(8):
         future = ahead.submit(batch, layer)

@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from kvcore.compose import compose
-from kvcore.injection import InjectionScheduler, InjectionWorker
+from kvcore.injection import InjectionWorker
+from kvcore.injection_scheduler import InjectionScheduler
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import MemoryPlan
 from kvcore.record import FactKV, save_record
+from kvcore.spills import tier_key
 from kvcore.store import LocalFactStore
-from kvcore.streaming import tier_key
 from tests.core.factories import ROPE, make_record
 
 BS = 4
@@ -169,19 +170,36 @@ def assert_region(store, layout, caches, plan, blocks):
         assert torch.allclose(k, full.k[layer], atol=1e-6) and torch.equal(v, full.v[layer])
 
 
-def test_a_step_larger_than_the_arena_stages_the_rest_on_its_own(store, caplog):
+@pytest.mark.parametrize("lower_tiers", [False, True], ids=["arena-only", "with-tiers"])
+def test_a_step_larger_than_the_arena_streams_the_rest_or_fails_it(store, tmp_path, caplog, lower_tiers):
+    """A load the arena cannot hold this step goes through the lower tiers (exact at full precision); without
+    them it is reported failed (the engine recomputes or fails it by policy), never written wrong."""
+    from kvcore.tiers import TieredStore
+
     layout = PagedLayout("rows", BS, 2, 8)
     caches = {f"l{i}": torch.zeros(12, 2, BS, 16) for i in range(3)}
     page_bytes = 3 * 2 * 8 * 4 * 2 * 16  # one 16-token page of 3 layers, float32 K and V
     plan_a, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
+    tiers = TieredStore("cpu", 0, tmp_path / "disk", compress_lower=False) if lower_tiers else None
     with caplog.at_level("INFO"):
         worker = run_step(
-            store, layout, caches, [("ra", plan_a, [3, 7]), ("rb", plan_b, [9])], device_cache_bytes=2 * page_bytes
+            store,
+            layout,
+            caches,
+            [("ra", plan_a, [3, 7]), ("rb", plan_b, [9])],
+            device_cache_bytes=2 * page_bytes,
+            tiers=tiers,
         )  # room for p and a only
-    assert "staging its records on their own" in caplog.text
     assert_region(store, layout, caches, plan_a, [3, 7])
-    assert_region(store, layout, caches, plan_b, [9])
-    assert worker.take_failed_blocks() == set()
+    if lower_tiers:
+        assert "streaming it through the lower tiers" in caplog.text
+        assert_region(store, layout, caches, plan_b, [9])
+        assert worker.take_failed_blocks() == set()
+    else:
+        assert "configure lower tiers" in caplog.text
+        assert worker.take_failed_blocks() == {9}
+        k, _ = layout.gather(caches["l0"], slot_mapping([9], 0, 4, BS))
+        assert not k.any()  # nothing written for the failed load
 
 
 def test_a_record_rewritten_after_scheduling_is_refused_not_mixed_in(store, caplog):
@@ -246,7 +264,6 @@ def test_records_spilled_from_the_arena_come_back_from_the_lower_tiers(store, tm
     moves = []
     tiers = TieredStore(
         "cpu",
-        0,
         page_bytes,
         tmp_path / "disk",
         compress_lower=compress,  # host holds ~one record
@@ -289,7 +306,7 @@ def test_a_damaged_tier_file_is_replaced_by_the_record_or_the_load_fails(store, 
     layout = PagedLayout("rows", BS, 2, 8)
     caches = {f"l{i}": torch.zeros(16, 2, BS, 16) for i in range(3)}
     page_bytes = 3 * 2 * 8 * 4 * 2 * 16
-    tiers = TieredStore("cpu", 0, 0, tmp_path / "disk", compress_lower=compress)  # every spill goes to disk
+    tiers = TieredStore("cpu", 0, tmp_path / "disk", compress_lower=compress)  # every spill goes to disk
     worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers)
     plan_pa, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
     run_step(store, layout, caches, [("r1", plan_pa, [0, 1])], worker=worker)
@@ -341,7 +358,7 @@ def test_placements_follow_records_across_arena_and_tiers_and_a_restart(store, t
         events.append((record, tier))
         where[record] = tier
 
-    tiers = TieredStore("cpu", 0, 0, tmp_path / "disk", compress_lower=False)
+    tiers = TieredStore("cpu", 0, tmp_path / "disk", compress_lower=False)
     worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers, placement=sink)
     plan_pa, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
     run_step(store, layout, caches, [("r1", plan_pa, [0, 1])], worker=worker)
@@ -358,7 +375,7 @@ def test_placements_follow_records_across_arena_and_tiers_and_a_restart(store, t
         FP,
         ROPE,
         device_cache_bytes=2 * page_bytes,
-        tiers=TieredStore("cpu", 0, 0, tmp_path / "disk"),
+        tiers=TieredStore("cpu", 0, tmp_path / "disk"),
         placement=lambda t, r, s, tier: restarted.__setitem__((t, r, s), tier),
     )
     again.register(caches, layout)
@@ -373,7 +390,7 @@ def test_a_plans_importance_travels_with_its_records_into_the_tiers(store, tmp_p
     layout = PagedLayout("rows", BS, 2, 8)
     caches = {f"l{i}": torch.zeros(16, 2, BS, 16) for i in range(3)}
     page_bytes = 3 * 2 * 8 * 4 * 2 * 16
-    tiers = TieredStore("cpu", 0, 1 << 20, tmp_path / "disk", compress_lower=False)
+    tiers = TieredStore("cpu", 1 << 20, tmp_path / "disk", compress_lower=False)
     worker = InjectionWorker(store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers)
     run_step(
         store, layout, caches, [("r1", MemoryPlan("t1", ("p", "a"), 4, importance=(0.75, 0.25)), [0, 1])], worker=worker

@@ -1,4 +1,5 @@
-"""The three-tier store: round trips per tier, int8 error bound, spill order, protected loads, recovery."""
+"""The lower tiers (host memory, disk): round trips per tier, int8 error bound, spill order, protected loads,
+recovery."""
 
 from pathlib import Path
 
@@ -7,8 +8,9 @@ import torch
 
 from kvcore.errors import RecordCorruptError
 from kvcore.packed import insert_packed, pack
-from kvcore.quantize import Quantized, dequantize, quantize, quantize_many
-from kvcore.tiers import BatchedReads, TieredStore
+from kvcore.quantize import dequantize, quantize, quantize_many
+from kvcore.tier_reads import BatchedReads
+from kvcore.tiers import TieredStore
 
 L, H, T, D = 3, 2, 6, 8
 ENTRY = L * H * T * D * 4 * 2  # float32 K and V of one fact
@@ -23,7 +25,7 @@ def kv(seed):
 def read_all(store, key):
     reader = store.begin_load(key)
     layers = [reader.layer(i) for i in range(reader.layers)]
-    store.end_load(reader, promote=False)
+    store.end_load(reader)
     return torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
 
 
@@ -52,9 +54,9 @@ def test_quantizing_many_facts_at_once_equals_quantizing_each(dtype):
 
 def test_a_steps_spills_fill_host_memory_then_disk_and_read_back_like_single_puts(tmp_path):
     one = 2 * quantize(kv(0)[0]).nbytes
-    store = TieredStore("cpu", 0, 2 * one, tmp_path, compress_lower=True)
+    store = TieredStore("cpu", 2 * one, tmp_path, compress_lower=True)
     originals = {f"f{i}": kv(i) for i in range(3)}
-    store.spill_many([(("t", name), k, v, f"{name}@1") for name, (k, v) in originals.items()])
+    store.put_many([(("t", name), k, v, f"{name}@1") for name, (k, v) in originals.items()])
     assert [store.tier_of(("t", n)) for n in originals] == ["disk", "cpu", "cpu"]  # the oldest made room
     for name, (k, v) in originals.items():
         got_k, got_v = read_all(store, ("t", name))
@@ -67,14 +69,14 @@ def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_pa
     """Entries uploaded whole (host codes, disk files read in one call; full-precision ones a layer at a time)
     give each entry's own layer reads."""
     one = 2 * quantize(kv(0)[0]).nbytes if compress else L * H * 2 * D * 4 * 2
-    store = TieredStore("cpu", 0, one, tmp_path, compress_lower=compress)
+    store = TieredStore("cpu", one, tmp_path, compress_lower=compress)
     keys = [("t", f"f{i}") for i in range(3)]
     for i, key in enumerate(keys):
         k, v = kv(i)
-        store.spill_many([(key, k[:, :, : 2 + i], v[:, :, : 2 + i], "")])
+        store.put_many([(key, k[:, :, : 2 + i], v[:, :, : 2 + i], "")])
     assert sorted(store.tier_of(key) for key in keys) == ["cpu", "disk", "disk"]
     readers = [store.begin_load(key) for key in keys]
-    batch = BatchedReads(readers)
+    batch = BatchedReads(readers, store)
     for layer in range(L):
         k, v, starts = batch.joined_layer(layer)
         assert starts == [0, 2, 5, 9]
@@ -95,16 +97,14 @@ def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_pa
     else:
         assert entries is None  # kept at full precision: streamed
     for reader in readers:
-        store.end_load(reader, promote=False)
+        store.end_load(reader)
     victim = next(p for p in tmp_path.glob("*.kv"))
     victim.write_bytes(victim.read_bytes()[:-3])  # a truncated file fails the whole read, not a wrong answer
     readers = [store.begin_load(key) for key in keys]
     with pytest.raises(RecordCorruptError):
-        BatchedReads(readers).joined_layer(0)
+        BatchedReads(readers, store).joined_layer(0)
     with pytest.raises(RecordCorruptError):
         store.read_raw(readers, pinned=False)
-    with pytest.raises(RecordCorruptError):
-        store.read_whole(readers, pinned=False)
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["full", "int8"])
@@ -112,63 +112,58 @@ def test_every_tier_gives_back_what_was_stored(tmp_path, compress):
     moves = []
     one_on_cpu = 2 * quantize(kv(0)[0]).nbytes if compress else ENTRY
     store = TieredStore(
-        "cpu",
-        ENTRY,
-        one_on_cpu,
-        tmp_path,
-        compress_lower=compress,
-        on_move=lambda key, tier: moves.append((key[1], tier)),
+        "cpu", one_on_cpu, tmp_path, compress_lower=compress, on_move=lambda key, tier: moves.append((key[1], tier))
     )
     originals = {f"f{i}": kv(i) for i in range(3)}
     for name, (k, v) in originals.items():
         store.put(("t", name), k, v)
-    assert [store.tier_of(("t", n)) for n in originals] == ["disk", "cpu", "gpu"]  # older ones spilled down
-    assert moves[:2] == [("f0", "gpu"), ("f0", "cpu")] and ("f0", "disk") in moves
+    assert [store.tier_of(("t", n)) for n in originals] == ["disk", "disk", "cpu"]  # older ones moved down
+    assert moves[:3] == [("f0", "cpu"), ("f0", "disk"), ("f1", "cpu")]
     for name, (k, v) in originals.items():
         got_k, got_v = read_all(store, ("t", name))
-        tier = store.tier_of(("t", name))
-        if tier == "gpu" or not compress:
+        assert torch.equal(store.read(("t", name))[0], got_k)  # the whole entry at once: the same values
+        if not compress:
             assert torch.equal(got_k, k) and torch.equal(got_v, v)  # bit-exact at full precision
         else:
             assert torch.allclose(got_k, k, atol=float(quantize(k).scales.max()) / 2 + 1e-6)
 
 
-def test_the_lowest_scoring_entry_spills_first(tmp_path):
+def test_the_lowest_scoring_entry_moves_down_first(tmp_path):
     clock = Clock()
-    store = TieredStore("cpu", 2 * ENTRY, 10 * ENTRY, tmp_path, compress_lower=False, clock=clock)
+    store = TieredStore("cpu", 2 * ENTRY, tmp_path, compress_lower=False, clock=clock)
     store.put(("t", "old"), *kv(1))
     clock.now = 100
     store.put(("t", "hot"), *kv(2))
-    for _ in range(5):
-        store.touch(("t", "old"), importance=2.0)  # old but retrieved often and strongly
+    for _ in range(5):  # old but retrieved often and strongly
+        store.end_load(store.begin_load(("t", "old"), importance=2.0))
     clock.now = 110
     store.put(("t", "new"), *kv(3))
-    assert store.tier_of(("t", "old")) == "gpu" and store.tier_of(("t", "hot")) == "cpu"
+    assert store.tier_of(("t", "old")) == "cpu" and store.tier_of(("t", "hot")) == "disk"
 
 
-def test_an_entry_being_loaded_is_never_evicted(tmp_path):
-    store = TieredStore("cpu", ENTRY, ENTRY, tmp_path, compress_lower=False)
+def test_an_entry_being_loaded_is_never_moved(tmp_path):
+    store = TieredStore("cpu", ENTRY, tmp_path, compress_lower=False)
     store.put(("t", "a"), *kv(1))
     reader = store.begin_load(("t", "a"))
-    assert store.put(("t", "b"), *kv(2)) == "cpu"  # no room made by moving a: b goes below
-    assert store.tier_of(("t", "a")) == "gpu" and torch.equal(reader.layer(2)[0], kv(1)[0][2])
+    assert store.put(("t", "b"), *kv(2)) == "disk"  # no room made by moving a: b goes below
+    assert store.tier_of(("t", "a")) == "cpu" and torch.equal(reader.layer(2)[0], kv(1)[0][2])
     with pytest.raises(RuntimeError, match="being loaded"):
         store.remove(("t", "a"))
     store.end_load(reader)
     store.put(("t", "c"), *kv(3))
-    assert store.tier_of(("t", "a")) in ("cpu", "disk")  # free to move once loaded
+    assert store.tier_of(("t", "a")) == "disk"  # free to move once loaded
 
 
-def test_promotion_after_a_load_and_recovery_of_the_disk_tier(tmp_path):
-    store = TieredStore("cpu", ENTRY, 0, tmp_path, compress_lower=True)
+def test_a_disk_entry_reads_one_layer_and_the_disk_tier_is_recovered(tmp_path):
+    store = TieredStore("cpu", 0, tmp_path, compress_lower=True)
     store.put(("t", "a"), *kv(1))
     store.put(("t", "b"), *kv(2))
     assert store.tier_of(("t", "a")) == "disk"
     reader = store.begin_load(("t", "a"))
     assert torch.allclose(reader.layer(1)[1], kv(1)[1][1], atol=0.05)  # one layer read on its own
-    store.end_load(reader)  # promoted: b spills to disk
-    assert store.tier_of(("t", "a")) == "gpu" and store.tier_of(("t", "b")) == "disk"
-    reopened = TieredStore("cpu", ENTRY, 0, tmp_path)
+    store.end_load(reader)
+    store.remove(("t", "a"))
+    reopened = TieredStore("cpu", 0, tmp_path)
     assert reopened.tier_of(("t", "b")) == "disk" and reopened.tier_of(("t", "a")) is None
     assert torch.allclose(
         read_all(reopened, ("t", "b"))[0], kv(2)[0], atol=float(quantize(kv(2)[0]).scales.max()) / 2 + 1e-6
@@ -184,7 +179,7 @@ def flip_a_byte(path, at=-3):
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "removed"])
 def test_a_damaged_disk_entry_raises_instead_of_returning_garbage(tmp_path, damage):
     moves = []
-    store = TieredStore("cpu", 0, 0, tmp_path, on_move=lambda key, tier: moves.append(tier))
+    store = TieredStore("cpu", 0, tmp_path, on_move=lambda key, tier: moves.append(tier))
     store.put(("t", "a"), *kv(1), label="a@1")
     path = next(tmp_path.glob("*.kv"))
     {
@@ -201,33 +196,24 @@ def test_a_damaged_disk_entry_raises_instead_of_returning_garbage(tmp_path, dama
 
 
 def test_recovery_drops_unreadable_files_and_keeps_labels(tmp_path):
-    store = TieredStore("cpu", 0, 0, tmp_path)
+    store = TieredStore("cpu", 0, tmp_path)
     store.put(("t", "good"), *kv(1), label="good@3.4")
     store.put(("t", "bad"), *kv(2))
     (tmp_path / "t__bad.kv").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     (tmp_path / "stray.kv").write_bytes(b"")
-    reopened = TieredStore("cpu", 0, 0, tmp_path)
+    reopened = TieredStore("cpu", 0, tmp_path)
     assert reopened.entries() == [(("t", "good"), "disk", "good@3.4")]
     assert sorted(p.name for p in tmp_path.glob("*.kv")) == ["t__good.kv"]
     assert torch.equal(read_all(reopened, ("t", "good"))[1].float(), dequantize(quantize(kv(1)[1])))
 
 
-def test_promoting_a_damaged_entry_drops_it(tmp_path):
-    store = TieredStore("cpu", ENTRY, 0, tmp_path, compress_lower=False)
-    store.put(("t", "a"), *kv(1))
-    store.put(("t", "b"), *kv(2))  # a spills to disk
-    flip_a_byte(tmp_path / "t__a.kv", at=-ENTRY // 4)
-    store.remove(("t", "b"))
-    assert store.promote(("t", "a")) is None and ("t", "a") not in store
-
-
 def test_tier_files_are_named_in_every_slot_and_prefetch_skips_absent_ones(tmp_path):
-    from kvcore.streaming import tier_key
+    from kvcore.spills import tier_key
     from kvcore.tier_disk import advise_willneed, tier_files
 
     keys = [tier_key("t", record, (1, 2, 3)) for record in ("f1.v1", "f1.v10", "f2.v1")]
-    TieredStore("cpu", 0, 0, tmp_path / "h-slot0").put(keys[0], *kv(1))
-    TieredStore("cpu", 0, 0, tmp_path / "h-slot1").put(keys[1], *kv(1))
+    TieredStore("cpu", 0, tmp_path / "h-slot0").put(keys[0], *kv(1))
+    TieredStore("cpu", 0, tmp_path / "h-slot1").put(keys[1], *kv(1))
     candidates = tier_files(tmp_path, [keys[0], keys[2]])
     assert len(candidates) == 4 and [p for p in candidates if p.exists()] == [
         tmp_path / "h-slot0" / f"t__{keys[0][1]}.kv"
@@ -242,8 +228,8 @@ def test_write_behind_serves_pending_entries_and_leaves_no_file_for_removed_ones
     import threading
 
     gate = threading.Event()
-    store = TieredStore("cpu", 0, 0, tmp_path, compress_lower=False, write_behind=True)
-    store._writer.submit(gate.wait)  # hold the writer so the next files stay pending
+    store = TieredStore("cpu", 0, tmp_path, compress_lower=False, write_behind=True)
+    store._disk.writer.submit(gate.wait)  # hold the writer so the next files stay pending
     store.put(("t", "a"), *kv(1), label="a@1")
     store.put(("t", "b"), *kv(2))
     assert store.tier_of(("t", "a")) == "disk" and not list(tmp_path.glob("*.kv"))
@@ -255,40 +241,21 @@ def test_write_behind_serves_pending_entries_and_leaves_no_file_for_removed_ones
     assert sorted(p.name for p in tmp_path.glob("*.kv")) == ["t__a.kv"]
     assert torch.equal(read_all(store, ("t", "a"))[0], kv(1)[0])  # now from the file
     store.close()
-    assert TieredStore("cpu", 0, 0, tmp_path).entries() == [(("t", "a"), "disk", "a@1")]
+    assert TieredStore("cpu", 0, tmp_path).entries() == [(("t", "a"), "disk", "a@1")]
 
 
 def test_host_memory_moves_its_least_important_entry_down_first(tmp_path):
     """Spills carry their records' importance (retrieval scores): when the host tier is full, the entry that goes
     to disk is the least important one, not the oldest (which it would be with equal importance)."""
-    store = TieredStore("cpu", 0, 2 * ENTRY, tmp_path, compress_lower=False)
+    store = TieredStore("cpu", 2 * ENTRY, tmp_path, compress_lower=False)
     (xk, xv), (yk, yv), (zk, zv) = kv(1), kv(2), kv(3)
-    store.spill_many([(("t", "x"), xk, xv, ""), (("t", "y"), yk, yv, "")], importance=[0.9, 0.1])
-    store.spill_many([(("t", "z"), zk, zv, "")], importance=[0.5])
+    store.put_many([(("t", "x"), xk, xv, ""), (("t", "y"), yk, yv, "")], importance=[0.9, 0.1])
+    store.put_many([(("t", "z"), zk, zv, "")], importance=[0.5])
     assert (store.tier_of(("t", "x")), store.tier_of(("t", "y")), store.tier_of(("t", "z"))) == ("cpu", "disk", "cpu")
-    plain = TieredStore("cpu", 0, 2 * ENTRY, tmp_path / "plain", compress_lower=False)
-    plain.spill_many([(("t", "x"), xk, xv, ""), (("t", "y"), yk, yv, "")])
-    plain.spill_many([(("t", "z"), zk, zv, "")])
+    plain = TieredStore("cpu", 2 * ENTRY, tmp_path / "plain", compress_lower=False)
+    plain.put_many([(("t", "x"), xk, xv, ""), (("t", "y"), yk, yv, "")])
+    plain.put_many([(("t", "z"), zk, zv, "")])
     assert plain.tier_of(("t", "x")) == "disk"  # without importance the oldest goes
-
-
-def test_an_entry_in_one_host_buffer_moves_as_one_and_keeps_every_tensor():
-    """Disk reads (and pinned spills) put an entry's four tensors in one buffer, aligned; moving it hands back
-    views of one transfer that hold exactly the original codes and scales."""
-    from kvcore.packed import slab
-    from kvcore.tiers import _to_device
-
-    k, v = quantize(kv(1)[0]), quantize(kv(2)[1])
-    parts = [k.codes, k.scales, v.codes, v.scales]
-    views = slab([(tuple(t.shape), t.dtype) for t in parts], pinned=False)
-    for view, t in zip(views, parts):
-        view.copy_(t)
-    storage = views[0].untyped_storage().data_ptr()
-    assert all(view.untyped_storage().data_ptr() == storage for view in views)
-    assert all((view.storage_offset() * view.element_size()) % 64 == 0 for view in views)
-    moved_k, moved_v = _to_device((Quantized(views[0], views[1]), Quantized(views[2], views[3])), torch.device("cpu"))
-    for got, want in zip((moved_k.codes, moved_k.scales, moved_v.codes, moved_v.scales), parts):
-        assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 def test_a_tier_file_whose_layers_are_not_evenly_laid_out_is_refused(tmp_path):
@@ -311,13 +278,12 @@ def test_a_tier_file_whose_layers_are_not_evenly_laid_out_is_refused(tmp_path):
 def test_the_disk_tier_drops_its_least_important_entries_past_its_budget(tmp_path):
     """With `disk_bytes`, the disk tier is a bounded cache: an entry that would overfill it drops the
     lowest-scoring one (its file goes too), never one being loaded."""
-    probe = TieredStore("cpu", 0, 0, tmp_path / "probe", compress_lower=False)
+    probe = TieredStore("cpu", 0, tmp_path / "probe", compress_lower=False)
     probe.put(("t", "p"), *kv(0))
     file_bytes = probe.used("disk")  # one entry's file, header included
     moves = []
     store = TieredStore(
         "cpu",
-        0,
         0,
         tmp_path,
         compress_lower=False,
@@ -330,7 +296,7 @@ def test_the_disk_tier_drops_its_least_important_entries_past_its_budget(tmp_pat
     store.put(("t", "c"), *kv(3), importance=0.5)
     assert ("t", "a") not in store and ("t", "b") in store and ("t", "c") in store
     assert ("a", None) in moves and len(list(tmp_path.glob("*.kv"))) == 2
-    store.end_load(loading, promote=False)
+    store.end_load(loading)
     store.put(("t", "d"), *kv(4), importance=0.7)  # b was loaded once since (frequency): c now scores lowest
     assert ("t", "c") not in store and ("t", "b") in store and ("t", "d") in store
     assert store.used("disk") <= 2.5 * file_bytes
@@ -340,29 +306,29 @@ def test_a_whole_read_decides_on_one_reading_of_where_an_entry_is(tmp_path):
     """The background writer moves an entry from host memory to its file at any moment: a whole read that looked
     twice (once to choose the path, once to read) would find the file where it expected codes in memory."""
     from kvcore.packed import insert_packed, pack
-    from kvcore.tiers import _Pending
+    from kvcore.tier_media import HostKV, PendingFile
 
-    store = TieredStore("cpu", 0, 0, tmp_path, compress_lower=True)
+    store = TieredStore("cpu", 0, tmp_path, compress_lower=True)
     k, v = kv(4)
-    store.spill_many([(("t", "a"), k, v, "")])
+    store.put_many([(("t", "a"), k, v, "")])
     reader = store.begin_load(("t", "a"))
-    path = reader._entry.data
+    path = reader.entry.held
     assert isinstance(path, Path)
-    pending = _Pending(path, (quantize(k), quantize(v)))
+    pending = PendingFile(path, HostKV(quantize(k), quantize(v)))
 
     class Moving:  # in memory when first looked at, in its file from then on
         def __init__(self, entry):
             self.__dict__["_entry"], self.__dict__["_seen"] = entry, False
 
         def __getattr__(self, name):
-            if name != "data":
+            if name != "held":
                 return getattr(self._entry, name)
             if self._seen:
                 return path
             self.__dict__["_seen"] = True
             return pending
 
-    reader._entry = Moving(reader._entry)
+    reader.entry = Moving(reader.entry)
     entries = store.read_raw([reader], pinned=False)
     packed = pack(entries, torch.float32, torch.device("cpu"))
     arena_k, arena_v = torch.zeros(L, T, H, D), torch.zeros(L, T, H, D)

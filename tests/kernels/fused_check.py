@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from kvcore.injection import InjectionScheduler, InjectionWorker
+from kvcore.injection import InjectionWorker
+from kvcore.injection_scheduler import InjectionScheduler
 from kvcore.paged import PagedLayout
 from kvcore.plan import MemoryPlan
 from kvcore.record import EncodingParams, FactKV
