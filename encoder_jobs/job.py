@@ -92,7 +92,7 @@ def run_job(
                 report.errors[decision.target_id or decision.fact.text[:40]] = str(exc)
     rows = task_rows(tenant_id, job_input.turns, facts, window)
     report.total = len(rows)
-    existing = service.meta.facts(tenant_id, [r["fact_id"] for r in rows])
+    existing = service.meta.records.facts(tenant_id, [r["fact_id"] for r in rows])
     todo = [r for r, meta in zip(rows, existing) if not (meta and meta.get("record_id") and meta["state"] == "active")]
     report.skipped = len(rows) - len(todo)
     if todo:

@@ -147,7 +147,10 @@ class TenantService:
         info = self.meta.tenant(check_id("tenant id", tenant_id))
         if info is None:
             raise UnknownTenantError(f"unknown tenant {tenant_id!r}")
-        return _public(info) | {"usage": self.meta.usage(tenant_id), "total": self.meta.total(tenant_id)}
+        return _public(info) | {
+            "usage": self.meta.records.usage(tenant_id),
+            "total": self.meta.records.total(tenant_id),
+        }
 
     def list_tenants(self, admin_key: str) -> list[str]:
         self.check_admin(admin_key)
@@ -246,10 +249,10 @@ class TenantService:
         if tenant.scope is not None:
             raise InvalidInputError("a scope has no scopes of its own")
         scoped = scoped_id(tenant.id, scope)
-        held = self.meta.usage(scoped)
+        held = self.meta.records.usage(scoped)
         existed = self.meta.delete_tenant(scoped)
         if existed:  # its facts leave the tenant's total
-            self.meta.charge_total(tenant.id, -held["facts"], -held["bytes"])
+            self.meta.records.charge_total(tenant.id, -held["facts"], -held["bytes"])
         self.meta.remove_scope(tenant.id, scoped)  # after: a crash between leaves an id `scopes` skips
         self._drop_stored(scoped)
         return existed
@@ -303,14 +306,14 @@ class Tenant:
         return self._info.get("model_fingerprint", "")
 
     def usage(self) -> dict[str, int]:
-        return self._s.meta.usage(self.id) | {
+        return self._s.meta.records.usage(self.id) | {
             "max_facts": int(self._info["max_facts"]),
             "max_bytes": int(self._info["max_bytes"]),
         }
 
     def version(self) -> int:
         """Bumped by every committed change (salts the engine's prefix cache)."""
-        return self._s.meta.version(self.id)
+        return self._s.meta.records.version(self.id)
 
     # ---- writes ----
     def add_fact(
@@ -377,7 +380,7 @@ class Tenant:
         meta = self._s.meta
         self._charge(0, nbytes)  # both versions count until the commit
         try:
-            meta.begin_update(
+            meta.records.begin_update(
                 self.id,
                 fact_id,
                 current["version"],
@@ -409,7 +412,7 @@ class Tenant:
                 "updated": now,
                 "previous": earlier,
             } | ({} if metadata is None else {"metadata": metadata})
-            meta.commit(
+            meta.records.commit(
                 self.id,
                 fact_id,
                 "updating",
@@ -420,7 +423,7 @@ class Tenant:
                 move_pending_embedding=True,
             )
         except Exception:
-            meta.rollback(self.id, fact_id, "updating", current["version"], current, 0, nbytes)
+            meta.records.rollback(self.id, fact_id, "updating", current["version"], current, 0, nbytes)
             self._refund(0, nbytes)
             if record_id:
                 self._s.records.delete(self.id, record_id)
@@ -443,7 +446,7 @@ class Tenant:
         self._charge(0, kv.nbytes)
         try:
             self._write_record(record_id, kv, version)  # an orphan until committed; the reconciler removes it then
-            self._s.meta.commit(self.id, fact_id, "active", version, updated, "kv", bytes_delta=kv.nbytes)
+            self._s.meta.records.commit(self.id, fact_id, "active", version, updated, "kv", bytes_delta=kv.nbytes)
         except Exception:
             self._refund(0, kv.nbytes)
             self._s.records.delete(self.id, record_id)
@@ -452,7 +455,7 @@ class Tenant:
 
     def delete_fact(self, fact_id: str) -> None:
         """Gone from retrieval, listing and quota in one step; its records are removed after."""
-        old = self._s.meta.delete(self.id, check_id("fact id", fact_id))
+        old = self._s.meta.records.delete(self.id, check_id("fact id", fact_id))
         self._refund(1, old["bytes"] + ((old.get("pending") or {}).get("bytes") or 0))
         self._s.fault("delete:committed")
         for record_id in (old.get("record_id"), (old.get("pending") or {}).get("record_id")):
@@ -466,8 +469,8 @@ class Tenant:
     def list_facts(self, offset: int = 0, limit: int = 100) -> list[Fact]:
         if not isinstance(offset, int) or not isinstance(limit, int) or offset < 0 or not 1 <= limit <= 10_000:
             raise InvalidInputError("offset must be >= 0 and limit within 1..10000")
-        ids = self._s.meta.fact_ids(self.id)[offset : offset + limit]
-        return [Fact.from_meta(m) for m in self._s.meta.facts(self.id, ids) if m and m["state"] in VISIBLE]
+        ids = self._s.meta.records.fact_ids(self.id)[offset : offset + limit]
+        return [Fact.from_meta(m) for m in self._s.meta.records.facts(self.id, ids) if m and m["state"] in VISIBLE]
 
     def search(self, query: str, k: int = 10) -> list[tuple[Fact, float]]:
         """The top-k facts of this tenant for `query`, with cosine scores, best first."""
@@ -484,14 +487,14 @@ class Tenant:
     def placement(self, fact_id: str) -> dict[str, dict]:
         """Where serving replicas hold this fact's K/V: {replica: {tier, version, at}} (reported by the replicas)."""
         self._visible_meta(check_id("fact id", fact_id))
-        return self._s.meta.placement(self.id, fact_id)
+        return self._s.meta.places.placement(self.id, fact_id)
 
     def best_tiers(self, fact_ids: list[str]) -> list[str]:
         """Per fact, the highest tier any replica reported holding its K/V in (`gpu`, `cpu`, `disk`), else
         `store` (the K/V is read from the fact store, or the fact has none yet)."""
         order = ("gpu", "cpu", "disk")
         best = []
-        for placed in self._s.meta.placements(self.id, fact_ids):
+        for placed in self._s.meta.places.placements(self.id, fact_ids):
             tiers = [where.get("tier") for where in placed.values()]
             best.append(next((tier for tier in order if tier in tiers), "store"))
         return best
@@ -516,7 +519,9 @@ class Tenant:
         meta = self._s.meta
         now = time.time()
         pendings = []
-        for (fact_id, text, source_turn, kv, _), index_id in zip(items, meta.next_index_ids(self.id, len(items))):
+        for (fact_id, text, source_turn, kv, _), index_id in zip(
+            items, meta.records.next_index_ids(self.id, len(items))
+        ):
             pendings.append(
                 {
                     "id": fact_id,
@@ -537,7 +542,7 @@ class Tenant:
             )
         self._charge(len(pendings), sum(p["bytes"] for p in pendings))  # the tenant's total first: all or none
         try:
-            errors = meta.reserve_many(
+            errors = meta.records.reserve_many(
                 self.id,
                 [
                     (p["id"], p, vector.astype(np.float32).tobytes(), p["bytes"])
@@ -561,7 +566,7 @@ class Tenant:
             )
             self._s.fault("insert:record-written")
             actives = [{**p, "state": "active"} for p in pendings]
-            errors = meta.commit_many(self.id, [(a["id"], a) for a in actives], "add")
+            errors = meta.records.commit_many(self.id, [(a["id"], a) for a in actives], "add")
             committed = {a["id"] for a, error in zip(actives, errors) if error is None}
             if len(committed) != len(actives):
                 raise next(error for error in errors if error is not None)
@@ -573,7 +578,7 @@ class Tenant:
     def _roll_back(self, pendings: list[dict]) -> None:
         """Undo inserts that did not commit; `pendings`: the reserved ones (every one was charged to the total)."""
         for p in pendings:
-            self._s.meta.rollback(self.id, p["id"], "pending", 1, None, 1, p["bytes"])
+            self._s.meta.records.rollback(self.id, p["id"], "pending", 1, None, 1, p["bytes"])
             if p["record_id"]:
                 self._s.records.delete(self.id, p["record_id"])
         self._refund(len(pendings), sum(p["bytes"] for p in pendings))
@@ -582,11 +587,11 @@ class Tenant:
         """Count facts and bytes against the tenant's total across its own memory and its end users' (a scope
         charges its tenant); refused past its quotas. A crash after a charge and before its write leaves the
         total above what is stored: it then refuses early, never lets a tenant past its quota."""
-        self._s.meta.charge_total(self.root_id, facts, nbytes)
+        self._s.meta.records.charge_total(self.root_id, facts, nbytes)
 
     def _refund(self, facts: int, nbytes: int) -> None:
         if facts or nbytes:
-            self._s.meta.charge_total(self.root_id, -facts, -nbytes)
+            self._s.meta.records.charge_total(self.root_id, -facts, -nbytes)
 
     def _write_record(self, record_id: str, kv: FactKV, version: int) -> None:
         self._write_records([(record_id, kv, version)])
@@ -601,7 +606,7 @@ class Tenant:
             )
 
     def _visible_meta(self, fact_id: str) -> dict:
-        meta = self._s.meta.fact(self.id, fact_id)
+        meta = self._s.meta.records.fact(self.id, fact_id)
         if meta is None or meta["state"] not in VISIBLE:
             raise FactNotFoundError(f"no fact {fact_id!r}")
         return meta

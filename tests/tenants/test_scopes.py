@@ -71,18 +71,18 @@ def test_quotas_bound_each_end_user_and_the_tenant_with_all_its_end_users(servic
     with pytest.raises(QuotaExceededError, match="together"):
         tenant.add_fact("h")  # the tenant's own memory counts in the same total
     assert (alice.usage()["facts"], bob.usage()["facts"], tenant.usage()["facts"]) == (3, 2, 0)
-    assert service.meta.total("shop") == {"facts": 5, "bytes": 5}  # refusals refunded what they had charged
+    assert service.meta.records.total("shop") == {"facts": 5, "bytes": 5}  # refusals refunded what they had charged
     alice.delete_fact(alice.list_facts()[0].id)
     tenant.add_fact("h")  # a deletion frees room for anyone
     service.delete_scope(tenant, Scope("bob"))
     bob_again = service.open_scope(tenant, Scope("bob"))
     bob_again.add_facts(["i", "j"])
-    assert service.meta.total("shop")["facts"] == 5
+    assert service.meta.records.total("shop")["facts"] == 5
     fact = bob_again.list_facts()[0]
     bob_again.update_fact(fact.id, "a longer text than before")
     bob_again.attach_kv(fact.id, 2, make_record("x", 5, tenant_id=bob_again.id))
     stored = sum(s.usage()["bytes"] for s in (tenant, alice, bob_again))
-    assert service.meta.total("shop")["bytes"] == stored  # updates and K/V moved the total as they moved usage
+    assert service.meta.records.total("shop")["bytes"] == stored  # updates and K/V moved the total as they moved usage
 
 
 def test_deleting_a_tenant_deletes_its_scopes(service, admin, acme):
