@@ -35,7 +35,8 @@ from encoder_jobs.inputs import JobInputError, parse_input
 from tenants.errors import FactNotFoundError, InvalidInputError, RateLimitedError, TenantError
 from tenants.facts import Fact
 from tenants.scopes import Scope, scoped_id, split_located
-from tenants.service import Tenant, TenantService
+from tenants.service import TenantService
+from tenants.tenant import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class Gateway:
         retrieval_ms = (time.perf_counter() - started) * 1000
         self.metrics.retrieval.observe(retrieval_ms / 1000)
         recompute = next(
-            m for m in (body.memory.recompute, tenant.recompute, self.args.default_recompute) if m is not None
+            m for m in (body.memory.recompute, tenant.entry.recompute, self.args.default_recompute) if m is not None
         )
         task = ChatTask(
             tenant.id,

@@ -40,7 +40,7 @@ from deployments.schemas import (
 from tenants.errors import TenantError
 from tenants.redis_meta import STORE_UNAVAILABLE
 from tenants.scopes import Scope
-from tenants.service import Tenant
+from tenants.tenant import Tenant
 
 log = logging.getLogger(__name__)
 _CODES = {

@@ -23,7 +23,7 @@ from deployments.schemas import Message, scope_input, scope_of
 from tenants.errors import FactNotFoundError, InvalidInputError, JobNotFoundError
 from tenants.facts import Fact
 from tenants.scopes import Scope, located_id
-from tenants.service import Tenant
+from tenants.tenant import Tenant
 
 PAGE_SIZE_MAX = 1000
 _FEATURES = {  # Mem0 routes with no counterpart here, by path prefix: what each is
@@ -154,7 +154,7 @@ def _iso(seconds: float) -> str:
 
 def memory_of(fact: Fact, holder: Tenant) -> dict[str, Any]:
     """A fact in Mem0's shape, with its located id and its K/V state beside."""
-    scope = holder.scope.as_dict() if holder.scope else {}
+    scope = holder.entry.scope.as_dict() if holder.entry.scope else {}
     return {
         "id": located_id(fact.id, holder.id),
         "memory": fact.text,
@@ -178,7 +178,7 @@ def history_of(fact: Fact, holder: Tenant) -> list[dict[str, Any]]:
     times = [*(v["at"] for v in fact.previous), fact.updated]
     first = fact.version - len(fact.previous)
     memory_id = located_id(fact.id, holder.id)
-    scope = holder.scope.as_dict() if holder.scope else {}
+    scope = holder.entry.scope.as_dict() if holder.entry.scope else {}
     return [
         {
             "id": f"{memory_id}.v{first + i}",

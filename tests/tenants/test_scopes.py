@@ -23,7 +23,9 @@ def acme(service, admin):
 def test_two_end_users_of_one_tenant_never_see_each_others_memories(service, acme):
     tenant, _ = acme
     alice, bob = service.open_scope(tenant, Scope("alice")), service.open_scope(tenant, Scope("bob"))
-    assert len({alice.id, bob.id, tenant.id}) == 3 and alice.scope == Scope("alice") and tenant.scope is None
+    assert (
+        len({alice.id, bob.id, tenant.id}) == 3 and alice.entry.scope == Scope("alice") and tenant.entry.scope is None
+    )
     pin = alice.add_fact("alice's bank pin is 4321", fact_id="pin")
     alice.attach_kv("pin", 1, make_record("x", 5, tenant_id=alice.id))
     bob.add_fact("bob likes tennis", fact_id="tennis")
@@ -117,7 +119,7 @@ def test_reading_an_end_users_memory_that_was_never_written_stores_nothing(servi
     tenant, _ = acme
     ghost = service.open_scope(tenant, Scope("ghost"), create=False)
     assert ghost.list_facts() == [] and ghost.search("anything", k=5) == [] and ghost.usage()["facts"] == 0
-    assert ghost.version() == 0 and ghost.scope == Scope("ghost")
+    assert ghost.version() == 0 and ghost.entry.scope == Scope("ghost")
     assert service.meta.tenant(ghost.id) is None and service.scopes(tenant) == []
     written = service.open_scope(tenant, Scope("ghost"))  # a write makes it
     written.add_fact("ghost likes tea")
