@@ -24,6 +24,8 @@ START_DELAY_S = 3.0  # the workers' imports and connection pools are ready well 
 
 @dataclass(frozen=True)
 class LoadResult:
+    """Requests completed by a load run, its duration and every request's latency."""
+
     requests: int
     seconds: float
     latencies_ms: list[float]

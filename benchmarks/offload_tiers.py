@@ -128,6 +128,8 @@ def copy_floor(nbytes: int, repeats: int) -> float:
 
 
 class Bench:
+    """One engine per tier configuration, timed on the same facts and requests."""
+
     def __init__(self, args, path: str, facts: Facts, fingerprint: str, engine_kwargs: dict) -> None:
         self.args, self.path, self.facts, self.fingerprint, self.engine_kwargs = (
             args,

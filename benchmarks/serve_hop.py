@@ -37,12 +37,16 @@ def build(facts_text: str):
     from deployments.ray_serve.transport import in_this_mode
 
     class Downstream:
+        """A trivial downstream deployment: what the hop costs without any work behind it."""
+
         async def chat(self, task: ChatTask):
             yield {"arrived": time.time(), "facts": len(task.facts)}
             yield {"done": True}
 
     @serve.ingress()
     class Front:
+        """A trivial ingress that calls the downstream deployment through a handle."""
+
         def __init__(self, down) -> None:
             self._via = {
                 "mode": in_this_mode(down).options(stream=True),

@@ -55,6 +55,8 @@ class Who:
 
 
 class Api:
+    """The cluster's HTTP API as the timing attacks use it."""
+
     def __init__(self, base: str, admin_key: str) -> None:
         self.base, self.admin_key, self.http = base, admin_key, requests.Session()
 

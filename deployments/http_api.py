@@ -40,7 +40,7 @@ from deployments.schemas import (
 from tenants.errors import TenantError
 from tenants.redis_meta import STORE_UNAVAILABLE
 from tenants.scopes import Scope
-from tenants.service import Tenant
+from tenants.tenant import Tenant
 
 log = logging.getLogger(__name__)
 _CODES = {
@@ -299,55 +299,55 @@ def create_app(gateway: Gateway) -> FastAPI:
         "/v1/memories", responses={202: {"description": "facts to extract from messages: an encoding job was queued"}}
     )
     async def add_memories(request: Request, tenant: TenantDep, body: AddMemories) -> JSONResponse:
-        status, result = gateway.add_memories(tenant, _key(request) or "", body)
+        status, result = gateway.memories.add_memories(tenant, _key(request) or "", body)
         return JSONResponse(result, status_code=status)
 
     @app.post("/v1/memories/search")
     async def search(tenant: TenantDep, body: SearchMemories) -> dict[str, Any]:
-        return await asyncio.to_thread(gateway.search, tenant, body)
+        return await asyncio.to_thread(gateway.memories.search, tenant, body)
 
     @app.get("/v1/memories")
     async def list_memories(tenant: TenantDep, scope: ScopeQuery, offset: int = 0, limit: int = 100) -> dict[str, Any]:
-        return gateway.list_memories(gateway.in_scope(tenant, scope), offset, limit)
+        return gateway.memories.list_memories(gateway.memories.in_scope(tenant, scope), offset, limit)
 
     @app.get("/v1/memories/{fact_id}")
     async def get_memory(tenant: TenantDep, scope: ScopeQuery, fact_id: str) -> dict[str, Any]:
-        return gateway.get_memory(tenant, scope, fact_id)
+        return gateway.memories.get_memory(tenant, scope, fact_id)
 
     @app.put("/v1/memories/{fact_id}")
     async def update_memory(
         request: Request, tenant: TenantDep, scope: ScopeQuery, fact_id: str, body: UpdateMemory
     ) -> dict[str, Any]:
-        return gateway.update_memory(tenant, scope, _key(request) or "", fact_id, body)
+        return gateway.memories.update_memory(tenant, scope, _key(request) or "", fact_id, body)
 
     @app.delete("/v1/memories/{fact_id}")
     async def delete_memory(tenant: TenantDep, scope: ScopeQuery, fact_id: str) -> dict[str, Any]:
-        return gateway.delete_memory(tenant, scope, fact_id)
+        return gateway.memories.delete_memory(tenant, scope, fact_id)
 
     @app.post("/v1/jobs", status_code=202)
     async def submit_job(request: Request, tenant: TenantDep, body: SubmitJob) -> dict[str, Any]:
-        return gateway.submit_job(tenant, _key(request) or "", body)
+        return gateway.jobs.submit(tenant, _key(request) or "", body)
 
     @app.get("/v1/jobs/{job_id}")
     async def job(tenant: TenantDep, job_id: str) -> dict[str, Any]:
-        return gateway.job(tenant, job_id)
+        return tenant.job(job_id)
 
     # ---- admin ----
     @app.post("/v1/tenants", status_code=201)
     async def create_tenant(admin: AdminDep, body: CreateTenant) -> dict[str, Any]:
-        return gateway.create_tenant(admin, body)
+        return gateway.admin.create_tenant(admin, body)
 
     @app.get("/v1/tenants")
     async def list_tenants(admin: AdminDep) -> dict[str, Any]:
-        return gateway.list_tenants(admin)
+        return gateway.admin.list_tenants(admin)
 
     @app.get("/v1/tenants/{tenant_id}")
     async def tenant_info(admin: AdminDep, tenant_id: str) -> dict[str, Any]:
-        return gateway.tenant_info(admin, tenant_id)
+        return gateway.admin.tenant_info(admin, tenant_id)
 
     @app.delete("/v1/tenants/{tenant_id}")
     async def delete_tenant(admin: AdminDep, tenant_id: str) -> dict[str, Any]:
-        return gateway.delete_tenant(admin, tenant_id)
+        return gateway.admin.delete_tenant(admin, tenant_id)
 
     return app
 

@@ -23,7 +23,7 @@ from deployments.schemas import Message, scope_input, scope_of
 from tenants.errors import FactNotFoundError, InvalidInputError, JobNotFoundError
 from tenants.facts import Fact
 from tenants.scopes import Scope, located_id
-from tenants.service import Tenant
+from tenants.tenant import Tenant
 
 PAGE_SIZE_MAX = 1000
 _FEATURES = {  # Mem0 routes with no counterpart here, by path prefix: what each is
@@ -154,7 +154,7 @@ def _iso(seconds: float) -> str:
 
 def memory_of(fact: Fact, holder: Tenant) -> dict[str, Any]:
     """A fact in Mem0's shape, with its located id and its K/V state beside."""
-    scope = holder.scope.as_dict() if holder.scope else {}
+    scope = holder.entry.scope.as_dict() if holder.entry.scope else {}
     return {
         "id": located_id(fact.id, holder.id),
         "memory": fact.text,
@@ -178,7 +178,7 @@ def history_of(fact: Fact, holder: Tenant) -> list[dict[str, Any]]:
     times = [*(v["at"] for v in fact.previous), fact.updated]
     first = fact.version - len(fact.previous)
     memory_id = located_id(fact.id, holder.id)
-    scope = holder.scope.as_dict() if holder.scope else {}
+    scope = holder.entry.scope.as_dict() if holder.entry.scope else {}
     return [
         {
             "id": f"{memory_id}.v{first + i}",
@@ -197,6 +197,7 @@ def history_of(fact: Fact, holder: Tenant) -> list[dict[str, Any]]:
 def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], str | None]) -> APIRouter:
     """The routes `mem0ai`'s clients call (`tenant_dep`: the API's tenant authentication)."""
     router = APIRouter(tags=["mem0"])
+    memories = gateway.memories
     TenantDep = Annotated[Tenant, Depends(tenant_dep)]
     EntityQuery = Annotated[Scope | None, Depends(_entity_query)]
 
@@ -213,10 +214,10 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
 
     @router.post("/v3/memories/add/")
     async def add(request: Request, tenant: TenantDep, body: Add) -> dict[str, Any]:
-        holder = gateway.in_scope(tenant, _entity_query(body.user_id, body.agent_id, body.run_id), write=True)
+        holder = memories.in_scope(tenant, _entity_query(body.user_id, body.agent_id, body.run_id), write=True)
         key = key_of(request) or ""
         if body.infer:
-            job = gateway.extract(holder, key, body.messages)
+            job = gateway.jobs.extract(holder, key, body.messages)
             return {
                 "results": [],
                 "event_id": located_id(job["job_id"], holder.id),
@@ -226,22 +227,22 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
         texts = [m.content for m in body.messages if m.role != "system"]
         if not texts:
             raise InvalidInputError("messages hold no user or assistant content to store")
-        added = gateway.add_facts(holder, key, texts, body.metadata)  # on the loop: it schedules their encoding
+        added = memories.add_facts(holder, key, texts, body.metadata)  # on the loop: it schedules their encoding
         return {"results": [{**memory_of(f, holder), "event": "ADD"} for f in added]}
 
     @router.get("/v1/event/{event_id}/")
     async def event(tenant: TenantDep, event_id: str) -> dict[str, Any]:
         """An extraction's status (its encoding job's): PENDING, RUNNING, SUCCEEDED or FAILED."""
         try:
-            holder, job_id = gateway.locate(tenant, event_id, None)
+            holder, job_id = memories.locate(tenant, event_id, None)
         except FactNotFoundError:
             raise JobNotFoundError(f"no event {event_id!r}") from None
-        job = gateway.job(holder, job_id)
+        job = holder.job(job_id)
         return {**job, "id": event_id, "status": str(job.get("status", "")).upper().replace("QUEUED", "PENDING")}
 
     @router.post("/v3/memories/search/")
     async def search(tenant: TenantDep, body: Search) -> dict[str, Any]:
-        holder = gateway.in_scope(tenant, scope_of_filters(body.filters))
+        holder = memories.in_scope(tenant, scope_of_filters(body.filters))
         hits = await asyncio.to_thread(holder.search, body.query, body.top_k)
         return {
             "results": [
@@ -257,7 +258,7 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
     ) -> dict[str, Any]:
         if page < 1 or not 1 <= page_size <= PAGE_SIZE_MAX:
             raise InvalidInputError(f"page must be >= 1 and page_size within 1..{PAGE_SIZE_MAX}")
-        holder = gateway.in_scope(tenant, scope_of_filters(body.filters))
+        holder = memories.in_scope(tenant, scope_of_filters(body.filters))
         count = holder.usage()["facts"]
         facts = holder.list_facts((page - 1) * page_size, page_size)
         link = lambda p: str(request.url.include_query_params(page=p, page_size=page_size))  # noqa: E731
@@ -270,12 +271,12 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
 
     @router.get("/v1/memories/{memory_id}/")
     async def get(tenant: TenantDep, scope: EntityQuery, memory_id: str) -> dict[str, Any]:
-        holder, fact_id = gateway.locate(tenant, memory_id, scope)
+        holder, fact_id = memories.locate(tenant, memory_id, scope)
         return memory_of(holder.get_fact(fact_id), holder)
 
     @router.get("/v1/memories/{memory_id}/history/")
     async def history(tenant: TenantDep, scope: EntityQuery, memory_id: str) -> list[dict[str, Any]]:
-        holder, fact_id = gateway.locate(tenant, memory_id, scope)
+        holder, fact_id = memories.locate(tenant, memory_id, scope)
         return history_of(holder.get_fact(fact_id), holder)
 
     @router.put("/v1/memories/{memory_id}/")
@@ -284,13 +285,13 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
     ) -> dict[str, Any]:
         if body.text is None and body.metadata is None:
             raise InvalidInputError("send text or metadata to update")
-        holder, fact_id = gateway.locate(tenant, memory_id, scope)
-        fact = gateway.update_fact(holder, key_of(request) or "", fact_id, body.text, metadata=body.metadata)
+        holder, fact_id = memories.locate(tenant, memory_id, scope)
+        fact = memories.update_fact(holder, key_of(request) or "", fact_id, body.text, metadata=body.metadata)
         return {**memory_of(fact, holder), "event": "UPDATE"}
 
     @router.delete("/v1/memories/{memory_id}/")
     async def delete(tenant: TenantDep, scope: EntityQuery, memory_id: str) -> dict[str, Any]:
-        gateway.delete_memory(tenant, scope, memory_id)
+        memories.delete_memory(tenant, scope, memory_id)
         return {"message": "Memory deleted successfully!", "id": memory_id}
 
     @router.delete("/v1/memories/")
@@ -304,14 +305,14 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
     @router.put("/v1/batch/")
     async def batch_update(request: Request, tenant: TenantDep, body: Batch) -> dict[str, Any]:
         for item in body.memories:
-            holder, fact_id = gateway.locate(tenant, item.memory_id, None)
-            gateway.update_fact(holder, key_of(request) or "", fact_id, item.text, metadata=item.metadata)
+            holder, fact_id = memories.locate(tenant, item.memory_id, None)
+            memories.update_fact(holder, key_of(request) or "", fact_id, item.text, metadata=item.metadata)
         return {"message": f"Successfully updated {len(body.memories)} memories"}
 
     @router.delete("/v1/batch/")
     async def batch_delete(tenant: TenantDep, body: Batch) -> dict[str, Any]:
         for item in body.memories:
-            gateway.delete_memory(tenant, None, item.memory_id)
+            memories.delete_memory(tenant, None, item.memory_id)
         return {"message": f"Successfully deleted {len(body.memories)} memories"}
 
     @router.get("/v1/entities/")
@@ -320,7 +321,7 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
         a write stays, empty, once its memories are deleted one by one)."""
         counts: dict[tuple[str, str], int] = {}
         for scope in gateway.service.scopes(tenant):
-            facts = gateway.in_scope(tenant, Scope(**scope)).usage()["facts"]
+            facts = memories.in_scope(tenant, Scope(**scope)).usage()["facts"]
             for kind in ("user", "agent", "run") if facts else ():
                 if f"{kind}_id" in scope:
                     counts[kind, scope[f"{kind}_id"]] = counts.get((kind, scope[f"{kind}_id"]), 0) + facts

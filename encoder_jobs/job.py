@@ -26,7 +26,7 @@ from models.loader import load_model
 from models.minilm import MiniLMEmbedder
 from tenants.connect import connect_service
 from tenants.errors import TenantError
-from tenants.service import Tenant
+from tenants.tenant import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ def run_job(
     embedder = MiniLMEmbedder()
     service = connect_service(redis_url, settings.state_dir, embedder, settings.tenants)
     tenant = service.open_tenant(key, tenant_id)
-    window = tenant.window if window is None else window
-    neighbours = tenant.neighbours if neighbours is None else neighbours
+    window = tenant.entry.window if window is None else window
+    neighbours = tenant.entry.neighbours if neighbours is None else neighbours
     if window < 0 or neighbours < 0:
         raise ValueError("window and neighbours must be >= 0")
     report = JobReport()
@@ -92,7 +92,7 @@ def run_job(
                 report.errors[decision.target_id or decision.fact.text[:40]] = str(exc)
     rows = task_rows(tenant_id, job_input.turns, facts, window)
     report.total = len(rows)
-    existing = service.meta.facts(tenant_id, [r["fact_id"] for r in rows])
+    existing = service.meta.records.facts(tenant_id, [r["fact_id"] for r in rows])
     todo = [r for r, meta in zip(rows, existing) if not (meta and meta.get("record_id") and meta["state"] == "active")]
     report.skipped = len(rows) - len(todo)
     if todo:

@@ -123,7 +123,7 @@ class InjectionWorker:
             )
             if tracker is not None:
                 tiers = self._tiers
-                tiers.on_move = lambda key, tier: tracker.tier_moved(key, tier, tiers.label_of(key))
+                tiers.on_move = tracker.tier_moved
                 tracker.recovered(tiers.entries())
 
     @property

@@ -4,7 +4,7 @@ Every entry lives in exactly one tier. `put_many` places entries in host memory 
 moving the entries that score lowest (`kvcore/tier_policy.py`) down to disk; the lower tiers keep int8 codes
 (`compress_lower`) and the disk keeps layer-contiguous files (`kvcore/tier_media.py`), so one layer is read on
 its own. Loads are two-phase: `begin_load` pins the entry (nothing moves or drops it) and hands out a reader
-(`kvcore/tier_reads.py`), `end_load` unpins it. `on_move(key, tier)` reports every placement, None once an
+(`kvcore/tier_reads.py`), `end_load` unpins it. `on_move(key, tier, label)` reports every placement, tier None once an
 entry leaves (the serving layer records placements in Redis); a store reopened on the same folder finds its
 disk entries again. A damaged or vanished file raises `RecordCorruptError` on read (and is dropped at
 recovery), so a caller falls back to the canonical record instead of serving garbage.
@@ -46,7 +46,7 @@ class TieredStore:
         compress_lower: bool = True,
         age_scale_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
-        on_move: Callable[[Key, Tier | None], None] = lambda key, tier: None,
+        on_move: Callable[[Key, Tier | None, str], None] = lambda key, tier, label: None,
         write_behind: bool = False,
         disk_bytes: int | None = None,
     ) -> None:
@@ -78,10 +78,6 @@ class TieredStore:
 
     def used(self, tier: Tier) -> int:
         return self._used[tier]
-
-    def label_of(self, key: Key) -> str:
-        entry = self._entries.get(key)
-        return entry.label if entry else ""
 
     def entries(self) -> list[tuple[Key, Tier, str]]:
         """Every entry's key, tier and label (what a restarted replica reports as its placement)."""
@@ -191,28 +187,24 @@ class TieredStore:
             victim = self._policy.victim(self._entries, tier, keep)
             if victim is None:
                 return False
-            if tier == "cpu":
-                self._to_disk(victim)
+            if tier == "cpu":  # host codes (or values) go to their file as they are
+                entry = self._entries[victim]
+                host, nbytes = entry.held, entry.nbytes
+                entry.loading += 1
+                try:
+                    self._place(victim, entry, "disk", *self._disk.write(victim, host, entry.dtype, entry.label))
+                finally:
+                    entry.loading -= 1
+                self._used["cpu"] -= nbytes
             else:  # a dropped record is read from the fact store when next needed
                 self._forget(victim)
         return True
-
-    def _to_disk(self, key: Key) -> None:
-        """Host codes (or values) go to their file as they are."""
-        entry = self._entries[key]
-        entry.loading += 1
-        try:
-            host, nbytes = entry.held, entry.nbytes
-            self._place(key, entry, "disk", *self._disk.write(key, host, entry.dtype, entry.label))
-            self._used["cpu"] -= nbytes
-        finally:
-            entry.loading -= 1
 
     def _place(self, key: Key, entry: TierEntry, tier: Tier, held: object, nbytes: int) -> None:
         with self._lock:  # the writer thread swaps a pending entry's file in under the same lock
             entry.tier, entry.held, entry.nbytes = tier, held, nbytes
         self._used[tier] += nbytes
-        self.on_move(key, tier)
+        self.on_move(key, tier, entry.label)
         if tier == "disk":
             self._make_room("disk", 0, keep=key)
 
@@ -229,4 +221,4 @@ class TieredStore:
         self._used[entry.tier] -= entry.nbytes
         if entry.tier == "disk":
             self._disk.remove(entry.held)
-        self.on_move(key, None)
+        self.on_move(key, None, entry.label)

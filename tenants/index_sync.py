@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from tenants.facts import VISIBLE, Fact
-from tenants.redis_meta import ANY, RedisMeta
+from tenants.redis_feed import ANY
+from tenants.redis_meta import RedisMeta
 from tenants.vector_index import ExactIndex
 
 log = logging.getLogger(__name__)
@@ -73,14 +74,14 @@ class TenantIndexes:
             return state
         with state.lock:
             heard = self._heard_of(tenant_id)
-            first, entries = self._meta.log_since(tenant_id, state.last_id)
+            first, entries = self._meta.log.log_since(tenant_id, state.last_id)
             if state.last_id != "0" and (first is None or _older(state.last_id, first)):
                 # the log was trimmed past this index (changes may be missed), or it is gone with its tenant
                 self._rebuild(tenant_id, state)
             else:
                 while entries:
                     self._apply(tenant_id, state, entries)
-                    entries = self._meta.log_after(tenant_id, state.last_id)
+                    entries = self._meta.log.log_after(tenant_id, state.last_id)
             # quiet from now on unless a change was announced while we read (it may or may not be in what we
             # read), whichever thread took the announcement
             if live and self._announced():
@@ -147,7 +148,7 @@ class TenantIndexes:
             side = json.loads((folder / SIDE).read_text())
             index = ExactIndex.load(folder / SNAPSHOT, self._dim, self._device)
             fact_of = {int(i): f for i, f in side["fact_of"].items()}
-            metas = self._meta.facts(tenant_id, list(fact_of.values()))
+            metas = self._meta.records.facts(tenant_id, list(fact_of.values()))
             facts = {i: Fact.from_meta(m) for i, m in zip(fact_of, metas) if m and m["state"] in VISIBLE}
             index.remove(np.array([i for i in fact_of if i not in facts], dtype=np.int64))  # gone since the snapshot
             return _TenantIndex(index, facts, side["last_id"], int(side["version"]))
@@ -160,10 +161,10 @@ class TenantIndexes:
 
     def _rebuild(self, tenant_id: str, state: _TenantIndex) -> None:
         """Everything committed, from Redis; changes committed meanwhile are replayed after."""
-        last_id = self._meta.log_last_id(tenant_id) or "0"
-        version = self._meta.version(tenant_id)
-        facts = self._meta.all_facts(tenant_id)
-        embeddings = self._meta.all_embeddings(tenant_id)
+        last_id = self._meta.log.log_last_id(tenant_id) or "0"
+        version = self._meta.records.version(tenant_id)
+        facts = self._meta.records.all_facts(tenant_id)
+        embeddings = self._meta.records.all_embeddings(tenant_id)
         index = ExactIndex(self._dim, self._device)
         visible = [
             (m["index_id"], Fact.from_meta(m))
@@ -191,7 +192,7 @@ class TenantIndexes:
         removes = [iid for op, iid in latest.values() if op == "remove"]
         found = []
         for (fid, iid), (meta, raw) in zip(
-            changed, self._meta.facts_with_embeddings(tenant_id, [f for f, _ in changed])
+            changed, self._meta.log.facts_with_embeddings(tenant_id, [f for f, _ in changed])
         ):
             if meta is None or raw is None or meta["state"] not in VISIBLE:
                 removes.append(iid)  # deleted (or rolled back) since

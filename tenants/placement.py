@@ -55,7 +55,7 @@ class PlacementWriter:
         for (tenant_id, fact_id, version), tier in batch.items():
             moves.setdefault(tenant_id, []).append((fact_id, version, tier))
         try:
-            self._meta.write_placements(self.replica, time.time(), moves)
+            self._meta.places.write_placements(self.replica, time.time(), moves)
             return True
         except STORE_UNAVAILABLE as exc:
             log.warning("placements not written yet (%s); retrying", type(exc).__name__)
@@ -73,7 +73,7 @@ class PlacementWriter:
     def _run(self) -> None:
         while not self._stopped:
             try:
-                self._meta.forget_replica(self.replica)
+                self._meta.places.forget_replica(self.replica)
                 break
             except STORE_UNAVAILABLE:
                 self._wake.wait(1.0)

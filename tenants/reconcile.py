@@ -30,18 +30,18 @@ class Repairs:
 def reconcile(meta: RedisMeta, records: LocalFactStore, older_than_s: float = 60.0) -> Repairs:
     repairs, now = Repairs(), time.time()
     for tenant_id in meta.tenant_ids():
-        for fact_id, fact in meta.all_facts(tenant_id).items():
+        for fact_id, fact in meta.records.all_facts(tenant_id).items():
             if fact["state"] == "pending" and now - fact["started"] >= older_than_s:
-                if meta.rollback(tenant_id, fact_id, "pending", fact["version"], None, 1, fact["bytes"]):
+                if meta.records.rollback(tenant_id, fact_id, "pending", fact["version"], None, 1, fact["bytes"]):
                     repairs.inserts_rolled_back += 1
             elif fact["state"] == "updating" and now - fact["pending"]["started"] >= older_than_s:
                 restored = {**fact, "state": "active", "pending": None}
-                if meta.rollback(
+                if meta.records.rollback(
                     tenant_id, fact_id, "updating", fact["version"], restored, 0, fact["pending"]["bytes"]
                 ):
                     repairs.updates_rolled_back += 1
         referenced = set()
-        for fact in meta.all_facts(tenant_id).values():
+        for fact in meta.records.all_facts(tenant_id).values():
             referenced.add(fact.get("record_id"))
             referenced.add((fact.get("pending") or {}).get("record_id"))
         for record_id in records.record_ids(tenant_id):

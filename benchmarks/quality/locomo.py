@@ -22,6 +22,8 @@ class LocomoError(ValueError):
 
 @dataclass(frozen=True)
 class DialogueTurn:
+    """One turn of a LoCoMo-format conversation."""
+
     dia_id: str
     speaker: str
     text: str
@@ -30,12 +32,16 @@ class DialogueTurn:
 
 @dataclass(frozen=True)
 class Observation:
+    """A fact observed in the conversation, with the turns it rests on."""
+
     text: str
     evidence: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class Question:
+    """A question about the conversation, its answer, evidence turns and category."""
+
     question: str
     answer: str
     evidence: tuple[str, ...]
@@ -44,6 +50,8 @@ class Question:
 
 @dataclass(frozen=True)
 class Sample:
+    """One conversation with its observations and questions."""
+
     sample_id: str
     turns: tuple[DialogueTurn, ...]
     observations: tuple[Observation, ...]

@@ -46,6 +46,8 @@ MODE = re.compile(r"(inject_w\d+(_n\d+)?(_m\d+)?|prompt)(_best_first|_best_last|
 
 @dataclass
 class Plan:
+    """What a quality run asks: the encoding contexts, the k values and the modes."""
+
     contexts: tuple[tuple[int, int], ...]  # (window, neighbours) of each tenant the inject modes need
     ks: tuple[int, ...]
     modes: tuple[str, ...]  # "inject_w<w>[_n<n>][_m<m>]" (n nearest facts in the encoding context, m facts
@@ -103,6 +105,8 @@ def order_of(mode: str) -> str | None:
 
 @dataclass
 class Client:
+    """The cluster's HTTP API as the quality harness uses it."""
+
     base: str
     admin_key: str
     timeout: float = 300.0

@@ -267,7 +267,7 @@ def test_records_spilled_from_the_arena_come_back_from_the_lower_tiers(store, tm
         page_bytes,
         tmp_path / "disk",
         compress_lower=compress,  # host holds ~one record
-        on_move=lambda key, tier: moves.append((key, tier)),
+        on_move=lambda key, tier, label: moves.append((key, tier)),
     )
     worker = InjectionWorker(
         store, FP, ROPE, device_cache_bytes=2 * page_bytes, tiers=tiers, whole_load_bytes=whole_load_bytes

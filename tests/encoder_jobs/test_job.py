@@ -150,7 +150,7 @@ def test_a_malformed_file_writes_nothing(job_env, tmp_path):
     )
     with pytest.raises(JobInputError, match="facts\\[0\\].turn"):
         run(job_env, tmp_path / "bad.json")
-    assert service.meta.fact_ids("maya") == [] and service.records.record_ids("maya") == []
+    assert service.meta.records.fact_ids("maya") == [] and service.records.record_ids("maya") == []
 
 
 def test_a_locomo_conversation_goes_through_extraction_with_the_model(ray_local, job_env, tmp_path):

@@ -82,7 +82,9 @@ def run_with_fault(cluster, folder: Path, seconds: int, fault: Callable[[], None
 def assert_every_acknowledged_write_stored_once(cluster, acked: list[list[str]]) -> None:
     meta = RedisMeta(cluster.redis.url)
     for tenant_id in {t for t, _, _ in acked}:
-        stored = {fid: m for fid, m in meta.all_facts(tenant_id).items() if m["state"] in ("active", "updating")}
+        stored = {
+            fid: m for fid, m in meta.records.all_facts(tenant_id).items() if m["state"] in ("active", "updating")
+        }
         mine = [(fid, text) for t, fid, text in acked if t == tenant_id]
         assert all(fid in stored and stored[fid]["text"] == text for fid, text in mine)  # none lost
         counts = Counter(m["text"] for m in stored.values())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deployments.gateway import ENCODE_CALL_BYTES, by_size
+from deployments.fact_encoding import ENCODE_CALL_BYTES, by_size
 
 
 def test_work_is_cut_in_order_into_calls_under_the_limit():

@@ -20,9 +20,9 @@ def crash_at(step):
 
 def check_consistent(service, tenant_id):
     """No half-done change is visible; usage, records and index agree with the committed facts."""
-    facts = service.meta.all_facts(tenant_id)
+    facts = service.meta.records.all_facts(tenant_id)
     assert all(f["state"] == "active" and f["pending"] is None for f in facts.values())
-    usage = service.meta.usage(tenant_id)
+    usage = service.meta.records.usage(tenant_id)
     assert usage == {"facts": len(facts), "bytes": sum(f["bytes"] for f in facts.values())}
     assert set(service.records.record_ids(tenant_id)) == {f["record_id"] for f in facts.values() if f["record_id"]}
     found = {f.id for f, _ in service.authenticate(KEYS[tenant_id]).search("fact", k=100)}
@@ -94,4 +94,4 @@ def test_recent_changes_are_left_to_their_writer(setup):
         crashing.add_fact("fact in flight", fact_id="flight")
     fresh = setup()
     assert reconcile(fresh.meta, fresh.records, older_than_s=3600).inserts_rolled_back == 0
-    assert fresh.meta.fact("alice", "flight")["state"] == "pending"
+    assert fresh.meta.records.fact("alice", "flight")["state"] == "pending"

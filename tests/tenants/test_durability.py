@@ -124,7 +124,7 @@ def test_a_writer_killed_mid_change_loses_nothing_acknowledged(redis_url, tmp_pa
     tenant = service.authenticate(key)
     visible = {f.id for f in tenant.list_facts(limit=10_000)}
     assert set(acked) <= visible and len(visible) - len(acked) <= 1  # at most the one committed but not printed
-    facts = service.meta.all_facts("alice")
+    facts = service.meta.records.all_facts("alice")
     assert all(f["state"] == "active" for f in facts.values())
     assert tenant.usage() | {"max_facts": 0, "max_bytes": 0} == {
         "facts": len(facts),

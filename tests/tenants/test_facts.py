@@ -112,10 +112,10 @@ def test_bad_input_is_refused_and_stores_nothing(make_service, call, error):
     admin = service.ensure_admin_key()
     tenant = service.authenticate(service.create_tenant(admin, "alice")[1])
     tenant.add_fact("first", fact_id="dup")
-    before = (tenant.usage(), tenant.version(), service.meta.fact_ids("alice"))
+    before = (tenant.usage(), tenant.version(), service.meta.records.fact_ids("alice"))
     with pytest.raises(error):
         call(tenant)
-    assert (tenant.usage(), tenant.version(), service.meta.fact_ids("alice")) == before
+    assert (tenant.usage(), tenant.version(), service.meta.records.fact_ids("alice")) == before
 
 
 def test_quotas_in_facts_and_bytes(service, admin):

@@ -37,13 +37,13 @@ def _acme(make_service, fact: str):
 
 def _count_log_reads(service) -> list[str]:
     calls: list[str] = []
-    original = service.meta.log_since
+    original = service.meta.log.log_since
 
     def counted(tenant_id, last_id, count=10_000):
         calls.append(tenant_id)
         return original(tenant_id, last_id, count)
 
-    service.meta.log_since = counted
+    service.meta.log.log_since = counted
     return calls
 
 

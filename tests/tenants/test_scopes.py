@@ -23,7 +23,9 @@ def acme(service, admin):
 def test_two_end_users_of_one_tenant_never_see_each_others_memories(service, acme):
     tenant, _ = acme
     alice, bob = service.open_scope(tenant, Scope("alice")), service.open_scope(tenant, Scope("bob"))
-    assert len({alice.id, bob.id, tenant.id}) == 3 and alice.scope == Scope("alice") and tenant.scope is None
+    assert (
+        len({alice.id, bob.id, tenant.id}) == 3 and alice.entry.scope == Scope("alice") and tenant.entry.scope is None
+    )
     pin = alice.add_fact("alice's bank pin is 4321", fact_id="pin")
     alice.attach_kv("pin", 1, make_record("x", 5, tenant_id=alice.id))
     bob.add_fact("bob likes tennis", fact_id="tennis")
@@ -71,18 +73,18 @@ def test_quotas_bound_each_end_user_and_the_tenant_with_all_its_end_users(servic
     with pytest.raises(QuotaExceededError, match="together"):
         tenant.add_fact("h")  # the tenant's own memory counts in the same total
     assert (alice.usage()["facts"], bob.usage()["facts"], tenant.usage()["facts"]) == (3, 2, 0)
-    assert service.meta.total("shop") == {"facts": 5, "bytes": 5}  # refusals refunded what they had charged
+    assert service.meta.records.total("shop") == {"facts": 5, "bytes": 5}  # refusals refunded what they had charged
     alice.delete_fact(alice.list_facts()[0].id)
     tenant.add_fact("h")  # a deletion frees room for anyone
     service.delete_scope(tenant, Scope("bob"))
     bob_again = service.open_scope(tenant, Scope("bob"))
     bob_again.add_facts(["i", "j"])
-    assert service.meta.total("shop")["facts"] == 5
+    assert service.meta.records.total("shop")["facts"] == 5
     fact = bob_again.list_facts()[0]
     bob_again.update_fact(fact.id, "a longer text than before")
     bob_again.attach_kv(fact.id, 2, make_record("x", 5, tenant_id=bob_again.id))
     stored = sum(s.usage()["bytes"] for s in (tenant, alice, bob_again))
-    assert service.meta.total("shop")["bytes"] == stored  # updates and K/V moved the total as they moved usage
+    assert service.meta.records.total("shop")["bytes"] == stored  # updates and K/V moved the total as they moved usage
 
 
 def test_deleting_a_tenant_deletes_its_scopes(service, admin, acme):
@@ -117,7 +119,7 @@ def test_reading_an_end_users_memory_that_was_never_written_stores_nothing(servi
     tenant, _ = acme
     ghost = service.open_scope(tenant, Scope("ghost"), create=False)
     assert ghost.list_facts() == [] and ghost.search("anything", k=5) == [] and ghost.usage()["facts"] == 0
-    assert ghost.version() == 0 and ghost.scope == Scope("ghost")
+    assert ghost.version() == 0 and ghost.entry.scope == Scope("ghost")
     assert service.meta.tenant(ghost.id) is None and service.scopes(tenant) == []
     written = service.open_scope(tenant, Scope("ghost"))  # a write makes it
     written.add_fact("ghost likes tea")

@@ -1,0 +1,16 @@
+"""What the ingress needs of the LLM deployment: chats streamed (the gateway) and new facts encoded (the fact
+encoder). `deployments/ray_serve/ingress.py` implements it over Serve handles."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Protocol
+
+from deployments.chat_task import ChatTask
+
+
+class LLMBackend(Protocol):
+    """What the gateway needs of the LLM deployment: chats streamed, facts encoded."""
+
+    def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]: ...
+
+    async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]: ...
