@@ -5,12 +5,16 @@ ones, Corollary 9), stored, and injected through InferscaleConnector; five quest
 prompts (`--quick`: 2 x 5 on CPU). `--encoder engine` (default) encodes with the serving engine itself
 (capture plans), `--encoder transformers` with the transformers reference model in the served dtype;
 the gap between the two is the kernel rounding of two implementations of one model.
-Each prompt is answered greedily twice, by plain prefill and with injection, in the same engine. Reports
-the share of identical greedy continuations and the largest logprob gap before any divergence.
+Each prompt is answered greedily by plain prefill and with injection, in the same engine. Reports the share of
+identical greedy continuations and the largest logprob gap before any divergence. Records are stored as the
+encoder made them (float32 from the engine) and, beside them under tenants of their own, rounded to bf16 as
+`record_dtype` bf16 / `engine` stores them (the same one rounding of the pre-RoPE keys and the values):
+`record_dtypes` compares both against plain prefill and each other, with their bytes in the store.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -24,7 +28,10 @@ from benchmarks._common import parser, scratch_dir, target, write_report  # noqa
 from kvcore.conversation import Fact, Turn  # noqa: E402
 from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
+from kvcore.record import FactKV  # noqa: E402
 from kvcore.store import LocalFactStore  # noqa: E402
+
+BF16 = "-bf16"  # the tenant suffix of the bf16 copies
 
 PEOPLE = [
     ("Maya", "Porto", "marine biologist", "cat", "Pixel", "octopus stew", "tennis"),
@@ -138,28 +145,27 @@ def main() -> None:
                 )
             )
         llm.generate([c[0] for c in captures], [c[1] for c in captures], use_tqdm=False)
-    prompts = []
-    for (tenant, segments, _), queries in zip(conversations, questions_ids):
-        plan = MemoryPlan(tenant, tuple(f for f, _ in segments), store.version(tenant))
-        memory = [t for rid in plan.record_ids for t in store.info(tenant, rid).token_ids]
-        prompts += [(memory + query, plan) for query in queries]
+    for tenant, segments, _ in conversations:  # the same records rounded to bf16, as `record_dtype` stores them
+        store.put_many([as_bf16(store.get(tenant, fact_id), tenant + BF16) for fact_id, _ in segments])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
-    plain = llm.generate([memory_request(ids, None, params)[0] for ids, _ in prompts], params, use_tqdm=False)
-    requests = [memory_request(ids, plan, params) for ids, plan in prompts]
-    injected = llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
-
-    equal, gaps, injected_tokens = 0, [], 0
-    for a, b in zip(plain, injected):
-        ta, tb = list(a.outputs[0].token_ids), list(b.outputs[0].token_ids)
-        equal += ta == tb
-        report = (b.kv_transfer_params or {}).get("inferscale") or {}
-        injected_tokens += report.get("injected_tokens", 0) > 0 or b.num_cached_tokens > 0
-        for position, (x, y) in enumerate(zip(ta, tb)):
-            gaps.append(abs(a.outputs[0].logprobs[position][x].logprob - b.outputs[0].logprobs[position][y].logprob))
-            if x != y:
-                break
-    share = equal / len(prompts)
-    print(f"{equal}/{len(prompts)} identical greedy continuations; max logprob gap {max(gaps):.3g}", flush=True)
+    prompts = {suffix: [] for suffix in ("", BF16)}
+    for (tenant, segments, _), queries in zip(conversations, questions_ids):
+        for suffix, listed in prompts.items():
+            plan = MemoryPlan(tenant + suffix, tuple(f for f, _ in segments), store.version(tenant + suffix))
+            memory = [t for rid in plan.record_ids for t in store.info(tenant + suffix, rid).token_ids]
+            listed += [(memory + query, plan) for query in queries]
+    plain = llm.generate([memory_request(ids, None, params)[0] for ids, _ in prompts[""]], params, use_tqdm=False)
+    injected = {}
+    for suffix, listed in prompts.items():
+        requests = [memory_request(ids, plan, params) for ids, plan in listed]
+        injected[suffix] = llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
+    figures = {name: compare(plain, injected[suffix]) for name, suffix in (("float32", ""), ("bfloat16", BF16))}
+    for name, suffix in (("float32", ""), ("bfloat16", BF16)):
+        figures[name]["store_bytes"] = sum(tenant_bytes(store, tenant + suffix) for tenant, _, _ in conversations)
+    bf16_vs_f32 = compare(injected[""], injected[BF16])["identical"]
+    total, f32, bf16 = len(plain), figures["float32"], figures["bfloat16"]
+    print(f"{f32['identical']}/{total} identical greedy continuations; max logprob gap {f32['max_logprob_gap']:.3g}")
+    print(f"bf16 records: {bf16['identical']}/{total} identical to plain, {bf16_vs_f32}/{total} to float32 records")
     write_report(
         args.out,
         {
@@ -168,17 +174,55 @@ def main() -> None:
             "gpu": gpu,
             "dtype": dtype,
             "encoder": args.encoder,
-            "prompts": len(prompts),
-            "identical": equal,
-            "max_logprob_gap": max(gaps),
-            "mean_logprob_gap": statistics.fmean(gaps),
-            "requests_served_from_injected_kv": injected_tokens,
+            "prompts": total,
+            "identical": f32["identical"],
+            "max_logprob_gap": f32["max_logprob_gap"],
+            "mean_logprob_gap": f32["mean_logprob_gap"],
+            "requests_served_from_injected_kv": f32["served_injected"],
+            "record_dtypes": figures | {"bf16_identical_to_float32_records": bf16_vs_f32},
             "targets": [
-                target("greedy_identical_share", share, ">= 0.95"),
-                target("requests_served_from_injected_kv_share", injected_tokens / len(prompts), ">= 1.0"),
+                target("greedy_identical_share", f32["identical"] / total, ">= 0.95"),
+                target("requests_served_from_injected_kv_share", f32["served_injected"] / total, ">= 1.0"),
+                target("greedy_identical_share_bf16_records", bf16["identical"] / total, ">= 0.95"),
+                target("bf16_record_bytes_over_float32", bf16["store_bytes"] / f32["store_bytes"], "<= 0.55"),
             ],
         },
     )
+
+
+def as_bf16(record: FactKV, tenant_id: str) -> FactKV:
+    """`record` rounded to bf16 under another tenant, as the capture worker stores it with `record_dtype` bf16."""
+    return dataclasses.replace(
+        record,
+        tenant_id=tenant_id,
+        k=record.k.to(torch.bfloat16),
+        v=record.v.to(torch.bfloat16),
+        params=dataclasses.replace(record.params, dtype="bfloat16"),
+    )
+
+
+def tenant_bytes(store: LocalFactStore, tenant_id: str) -> int:
+    return sum(path.stat().st_size for path in (store.root / tenant_id).glob("*.safetensors"))
+
+
+def compare(plain: list, injected: list) -> dict:
+    """Identical greedy continuations, the logprob gaps up to the first divergence, requests served injected."""
+    equal, gaps, served = 0, [], 0
+    for a, b in zip(plain, injected):
+        ta, tb = list(a.outputs[0].token_ids), list(b.outputs[0].token_ids)
+        equal += ta == tb
+        report = (b.kv_transfer_params or {}).get("inferscale") or {}
+        served += report.get("injected_tokens", 0) > 0 or b.num_cached_tokens > 0
+        for position, (x, y) in enumerate(zip(ta, tb)):
+            gaps.append(abs(a.outputs[0].logprobs[position][x].logprob - b.outputs[0].logprobs[position][y].logprob))
+            if x != y:
+                break
+    return {
+        "identical": equal,
+        "max_logprob_gap": max(gaps),
+        "mean_logprob_gap": statistics.fmean(gaps),
+        "served_injected": served,
+    }
 
 
 if __name__ == "__main__":

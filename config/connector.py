@@ -19,6 +19,9 @@ DEFAULT_HOST_CACHE_BYTES = 1 << 30
 DEFAULT_WHOLE_LOAD_BYTES = 1 << 30
 
 
+RecordDtype = Literal["float32", "engine", "bfloat16", "float16"]
+
+
 class Frozen(BaseModel):
     """A settings model that is immutable and refuses unknown keys."""
 
@@ -51,6 +54,11 @@ class ConnectorConfig(Frozen):
         "larger ones layer by layer during it.",
     )
     fused_kernel: bool = Field(True, description="Triton writers on CUDA where the cache layout allows them.")
+    record_dtype: RecordDtype = Field(
+        "float32",
+        description="The dtype of the records the engine encodes: float32 (re-rotation gives the cached values bit "
+        "for bit), or the engine's own (half the bytes in every tier at bf16), or one named.",
+    )
     tiers: TierConfig | None = None
     report_placement: bool = Field(False, description="Record where each fact's K/V is held in Redis.")
     placement_redis_url: str | None = Field(None, description="That Redis; None: the settings tree's.")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from config.connector import DEFAULT_DEVICE_CACHE_BYTES, TierConfig
+from config.connector import DEFAULT_DEVICE_CACHE_BYTES, RecordDtype, TierConfig
 from deployments.memory_prompt import FactOrder
 
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
@@ -50,6 +50,9 @@ class LLMArgs(Strict):
         "evicts its own records first.",
     )
     tiers: TierConfig | None = Field(None, description="Lower tiers under the device arena (pinned host, then disk).")
+    record_dtype: RecordDtype = Field(
+        "float32", description="The dtype of the records the engine encodes (`engine`: the served dtype)."
+    )
     num_replicas: int | Literal["auto"] = 1
     autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve autoscaling, as given.")
     max_ongoing_requests: int = Field(64, ge=1)

@@ -14,6 +14,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from config.connector import ConnectorConfig
 from kvcore.capture import CaptureWorker
 from kvcore.injection import InjectionWorker
@@ -62,7 +64,12 @@ class ConnectorWorker:
             device_tenant_bytes=config.device_tenant_bytes,
             packed_inserter=_triton_kernel("packed_insert", "insert_packed_kernel") if kernels else None,
         )
-        return cls(injection, CaptureWorker(store, config.fingerprint, rope), tiers, placement)
+        return cls(
+            injection,
+            CaptureWorker(store, config.fingerprint, rope, _record_dtype(config.record_dtype)),
+            tiers,
+            placement,
+        )
 
     def close(self) -> None:
         if self.tiers is not None:
@@ -94,3 +101,8 @@ def _triton_kernel(module: str, name: str):
     except ImportError as exc:
         log.info("Triton kernel %s unavailable: %s", name, exc)
         return None
+
+
+def _record_dtype(name: str) -> torch.dtype | None:
+    """The configured record dtype as torch's; None for the engine's own."""
+    return None if name == "engine" else getattr(torch, name)

@@ -11,7 +11,9 @@ the spans' K/V back from the paged cache; once every layer is in, it undoes the 
 exactly (the inverse of the rounded cos/sin table, in float32) and stores one record per span, in
 float32 so that re-rotating to the same position reproduces the cached values bit for bit. It relies
 only on the per-layer save hook, not on when the engine calls `start_load_kv` (vLLM 0.32 calls it
-after the forward in steps without synchronous loads).
+after the forward in steps without synchronous loads). With a `record_dtype` (the engine's bf16, say) the
+pre-RoPE keys and the values are rounded to it once, after the exact inverse rotation: half the bytes in
+every tier, at the cost of that rounding (`benchmarks/injection_equivalence.py` measures what it does to answers).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from kvcore.errors import KVCoreError
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import CapturePlan
-from kvcore.record import EncodingParams, FactKV
+from kvcore.record import EncodingParams, FactKV, dtype_name
 from kvcore.rope import RopeConfig, apply_rotation, cos_sin, table_dtype_of
 
 log = logging.getLogger(__name__)
@@ -82,8 +84,12 @@ class CaptureTracker:
 class CaptureWorker:
     """Worker-side: read spans from the paged cache layer by layer, store them as records."""
 
-    def __init__(self, store, fingerprint: str, rope: RopeConfig) -> None:
+    def __init__(
+        self, store, fingerprint: str, rope: RopeConfig, record_dtype: torch.dtype | None = torch.float32
+    ) -> None:
+        """`record_dtype`: what records are stored in; None: the engine cache's own dtype."""
         self._store = store
+        self._record_dtype = record_dtype
         self._fingerprint = fingerprint
         self._rope = rope
         self._layout: PagedLayout | None = None
@@ -127,8 +133,9 @@ class CaptureWorker:
         positions = torch.arange(spec.plan.end, device=k.device)
         cos, sin = cos_sin(positions, self._rope)
         pre_rope = apply_rotation(k.float(), cos, sin, self._rope, table_dtype=table_dtype_of(k.dtype), invert=True)
+        dtype = self._record_dtype or k.dtype
         params = EncodingParams(
-            window=spec.plan.window, model_fingerprint=self._fingerprint, rope=self._rope, dtype="float32"
+            window=spec.plan.window, model_fingerprint=self._fingerprint, rope=self._rope, dtype=dtype_name(dtype)
         )
         for span in spec.plan.spans:
             self._store.put(
@@ -136,8 +143,8 @@ class CaptureWorker:
                     tenant_id=spec.plan.tenant_id,
                     fact_id=span.fact_id,
                     token_ids=spec.token_ids[span.begin : span.end],
-                    k=pre_rope[:, :, span.begin : span.end].contiguous().cpu(),
-                    v=v[:, :, span.begin : span.end].float().contiguous().cpu(),
+                    k=pre_rope[:, :, span.begin : span.end].to(dtype).contiguous().cpu(),
+                    v=v[:, :, span.begin : span.end].to(dtype).contiguous().cpu(),
                     params=params,
                     version=spec.plan.version,
                     meta={"encoder": "engine", "position": str(span.begin)},

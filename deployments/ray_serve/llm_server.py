@@ -44,6 +44,7 @@ def build_engine(args: AppArgs) -> MemoryEngine:
         device_cache_bytes=args.llm.device_cache_bytes,
         device_tenant_bytes=args.llm.device_tenant_bytes,
         tiers=args.llm.tiers,
+        record_dtype=args.llm.record_dtype,
         report_placement=args.llm.tiers is not None,
         placement_redis_url=placement_url,
     )

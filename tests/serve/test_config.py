@@ -51,6 +51,7 @@ def test_the_connector_config_round_trips_and_refuses_what_it_does_not_know():
         tiers=TierConfig(disk_cache_dir="/srv/tiers", host_cache_bytes=64 << 20, compress_lower=False),
         report_placement=True,
         placement_redis_url="redis://127.0.0.1:6379/0",
+        record_dtype="engine",
     )
     extra = config.to_extra()
     assert extra["tiers"] == {
@@ -66,6 +67,7 @@ def test_the_connector_config_round_trips_and_refuses_what_it_does_not_know():
         ({**extra, "tiers": {"host_cache_bytes": 1}}, "disk_cache_dir"),
         ({**extra, "placement_redis_url": "redis://:hunter2@redis:6379/0"}, "placement_redis_url"),
         ({k: v for k, v in extra.items() if k != "fingerprint"}, "fingerprint"),
+        ({**extra, "record_dtype": "int8"}, "record_dtype"),
     ]:
         with pytest.raises(ValidationError, match=field):
             ConnectorConfig.from_extra(bad)

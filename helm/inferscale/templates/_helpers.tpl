@@ -116,6 +116,7 @@ applications:
         device_tenant_bytes: {{ . | int64 }}
         {{- end }}
         on_load_failure: {{ $llm.onLoadFailure }}
+        record_dtype: {{ $llm.recordDtype }}
         {{- if $llm.offload.enabled }}
         tiers:
           disk_cache_dir: /var/cache/inferscale/tiers
