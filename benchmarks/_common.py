@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import math
 import os
 import platform
 import shutil
@@ -95,6 +96,16 @@ def sampled(label: str) -> Iterator[None]:
     finally:
         flag.unlink(missing_ok=True)
         time.sleep(0.1)  # the samplers look at the label every 50 ms
+
+
+def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a share (sound at small counts and at 0 or 1, unlike the normal one)."""
+    if trials == 0:
+        return 0.0, 1.0
+    share, z2 = successes / trials, z * z
+    centre = (share + z2 / (2 * trials)) / (1 + z2 / trials)
+    half = z * math.sqrt(share * (1 - share) / trials + z2 / (4 * trials * trials)) / (1 + z2 / trials)
+    return round(centre - half, 4), round(centre + half, 4)
 
 
 def target(name: str, value: float, goal: str) -> dict[str, Any]:

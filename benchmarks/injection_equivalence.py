@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, scratch_dir, target, write_report  # noqa: E402
+from benchmarks._common import parser, scratch_dir, target, wilson, write_report  # noqa: E402
 from kvcore.conversation import Fact, Turn  # noqa: E402
 from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
@@ -219,6 +219,7 @@ def compare(plain: list, injected: list) -> dict:
                 break
     return {
         "identical": equal,
+        "identical_share_interval": wilson(equal, len(plain)),
         "max_logprob_gap": max(gaps),
         "mean_logprob_gap": statistics.fmean(gaps),
         "served_injected": served,
