@@ -189,13 +189,13 @@ class TieredStore:
                 return False
             if tier == "cpu":  # host codes (or values) go to their file as they are
                 entry = self._entries[victim]
-                host, nbytes = entry.held, entry.nbytes
+                host, freed = entry.held, entry.nbytes
                 entry.loading += 1
                 try:
                     self._place(victim, entry, "disk", *self._disk.write(victim, host, entry.dtype, entry.label))
                 finally:
                     entry.loading -= 1
-                self._used["cpu"] -= nbytes
+                self._used["cpu"] -= freed
             else:  # a dropped record is read from the fact store when next needed
                 self._forget(victim)
         return True

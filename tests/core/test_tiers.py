@@ -368,3 +368,16 @@ def test_a_whole_read_checks_every_byte_of_the_file_once(tmp_path, data_checksum
     for read in (lambda f: f.read_all(L), lambda f: f.read_raw(L, buffer, 0)):
         with DiskFile(path) as file, pytest.raises(RecordCorruptError, match="checksum"):
             read(file)
+
+
+def test_host_memory_makes_room_for_an_entry_larger_than_the_ones_it_moves_down(tmp_path):
+    """Room is made for the incoming entry's bytes, however many smaller entries must go to disk for it."""
+    small = [(torch.randn(L, H, 2, D), torch.randn(L, H, 2, D)) for _ in range(3)]
+    small_bytes = 2 * L * H * 2 * D * 4
+    store = TieredStore("cpu", 3 * small_bytes, tmp_path, compress_lower=False)
+    for i, (k, v) in enumerate(small):
+        assert store.put(("t", f"s{i}"), k, v) == "cpu"
+    assert store.put(("t", "big"), torch.randn(L, H, 8, D), torch.randn(L, H, 8, D)) == "disk"  # over the budget
+    store.put(("t", "mid"), torch.randn(L, H, 5, D), torch.randn(L, H, 5, D))  # needs three small entries' room
+    assert store.tier_of(("t", "mid")) == "cpu" and store.used("cpu") <= 3 * small_bytes
+    assert [store.tier_of(("t", f"s{i}")) for i in range(3)] == ["disk", "disk", "disk"]
