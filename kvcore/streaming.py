@@ -65,8 +65,8 @@ class _Stream:
     cos: torch.Tensor  # [T, 1, dim/2]
     sin: torch.Tensor
     failed: bool = False
-    ahead: tuple[int, list[_Part], Future] | None = None  # (layer, parts, their read in flight on the reader thread)
-    batch: tuple[list[_Part], BatchedReads] | None = None  # the parts read ahead, and their batched reads
+    ahead: tuple[int, Future] | None = None  # (layer, the batch's read of it in flight on the reader thread)
+    batch: tuple[list[_Part], BatchedReads] | None = None  # the tier parts, and their joined reads
     ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # id(part) -> this layer
     joined: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # the batch's layers, for promotion
     starts: list[int] = field(default_factory=list)  # where each batch part's tokens start in them
@@ -160,7 +160,7 @@ class TierStreams:
             stream.batch = (parts, BatchedReads([p.reader for p in parts], self._tiers))
             stream.joined, stream.order = [], None
         if any(self._ahead.worth_it(p.reader) for p in parts):
-            stream.ahead = (index, parts, self._ahead.submit(stream.batch[1], index))
+            stream.ahead = (index, self._ahead.submit(stream.batch[1], index))
 
     def _joined_layer(self, stream: _Stream, index: int) -> Joined | None:
         """This layer of the stream's batch, joined: the read that ran ahead, else read now. None if the read
@@ -168,7 +168,7 @@ class TierStreams:
         stream.ready = {}
         try:
             if stream.ahead is not None and stream.ahead[0] == index:
-                future, stream.ahead = stream.ahead[2], None
+                future, stream.ahead = stream.ahead[1], None
                 return self._ahead.take(future)
             if stream.batch is not None:
                 return stream.batch[1].joined_layer(index)
@@ -320,7 +320,7 @@ class TierStreams:
     def _settle(self, stream: _Stream) -> None:
         """Wait out a read still in flight (a failed stream stops early) before its entries are unpinned."""
         if stream.ahead is not None:
-            stream.ahead[2].exception()
+            stream.ahead[1].exception()
             stream.ahead = None
         stream.ready = {}
 

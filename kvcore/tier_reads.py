@@ -141,13 +141,19 @@ class BatchedReads:
         return join([reader.layer(index) for reader in self.readers])
 
     def _upload(self) -> _Uploaded | None:
-        dtypes = {reader.dtype for reader in self.readers}
-        if len(dtypes) != 1:
-            return None
-        device = self._tiers.device
-        entries = self._tiers.read_raw(self.readers, pinned=device.type == "cuda")
-        packed = pack(entries, dtypes.pop(), device) if entries is not None else None
+        packed = upload(self._tiers, self.readers)
         return _Uploaded.of(packed) if packed is not None else None
+
+
+def upload(tiers: "TieredStore", readers: list[LayerReader]) -> PackedEntries | None:
+    """The readers' int8 entries on the store's device as one packed buffer (`read_raw`, then `pack`; through
+    page-locked memory on CUDA), or None when they cannot go so: an entry at full precision, or dtypes or
+    shapes that differ. `RecordCorruptError` for a damaged file."""
+    dtypes = {reader.dtype for reader in readers}
+    if len(dtypes) != 1:
+        return None
+    entries = tiers.read_raw(readers, pinned=tiers.device.type == "cuda")
+    return pack(entries, dtypes.pop(), tiers.device) if entries is not None else None
 
 
 def join(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Joined:

@@ -14,9 +14,9 @@ import logging
 
 from kvcore.arena import DeviceArena, long_tensor
 from kvcore.errors import ArenaFullError, KVCoreError
-from kvcore.packed import PackedInserter, pack
+from kvcore.packed import PackedInserter
 from kvcore.store import Stamp
-from kvcore.tier_reads import LayerReader
+from kvcore.tier_reads import LayerReader, upload
 from kvcore.tiers import TieredStore
 
 log = logging.getLogger(__name__)
@@ -32,15 +32,13 @@ def load_whole(
 ) -> bool:
     """Bring `parts` (record id, stamp, pinned reader) into the arena now: True, or False to stream them."""
     readers = [reader for _, _, reader in parts]
-    if not readers or sum(r.nbytes for r in readers) > whole_load_bytes or len({r.dtype for r in readers}) != 1:
+    if not readers or sum(r.nbytes for r in readers) > whole_load_bytes:
         return False
-    device = arena.device
     try:
-        entries = tiers.read_raw(readers, pinned=device.type == "cuda")
+        packed = upload(tiers, readers)
     except (KVCoreError, OSError) as exc:
         log.info("tier entries not loaded whole (%s); streaming them", exc)
         return False
-    packed = pack(entries, readers[0].dtype, device) if entries is not None else None
     if packed is None:
         return False
     arena.check_shape(packed.layers, packed.heads, packed.dim)
@@ -52,6 +50,7 @@ def load_whole(
     except ArenaFullError:
         return False
     index = long_tensor(rows)
+    device = arena.device
     if device.type == "cuda":
         index = index.pin_memory()
     insert(packed, index.to(device, non_blocking=True), arena.k, arena.v)
