@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 
 import redis
 
-from tenants.redis_scripts import LOG_MAXLEN, Scripts, as_json, commit_keys, error_of, t_key
+from tenants.redis_scripts import LOG_MAXLEN, Scripts, as_json, commit_keys, error_of, reserve_keys, t_key
 
 
 class FactRecords:
@@ -27,7 +27,7 @@ class FactRecords:
 
     def reserve_many(self, tenant_id: str, items: list[tuple[str, dict, bytes, int]]) -> list[Exception | None]:
         """`reserve` for (fact id, meta, embedding, bytes) items in one round trip; per item its error or None."""
-        keys = [t_key(tenant_id), t_key(tenant_id, "facts"), t_key(tenant_id, "emb"), t_key(tenant_id, "usage")]
+        keys = reserve_keys(tenant_id)
         pipe = self._redis.pipeline(transaction=False)
         for fact_id, meta, embedding, nbytes in items:
             self._scripts.queue(pipe, "reserve", keys, [fact_id, as_json(meta), embedding, nbytes])
@@ -53,7 +53,7 @@ class FactRecords:
         return {"facts": int(raw.get(b"facts", 0)), "bytes": int(raw.get(b"bytes", 0))}
 
     def reserve(self, tenant_id: str, fact_id: str, meta: dict, embedding: bytes, nbytes: int) -> None:
-        keys = [t_key(tenant_id), t_key(tenant_id, "facts"), t_key(tenant_id, "emb"), t_key(tenant_id, "usage")]
+        keys = reserve_keys(tenant_id)
         self._scripts.run("reserve", keys, [fact_id, as_json(meta), embedding, nbytes])
 
     def begin_update(

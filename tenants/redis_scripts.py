@@ -207,6 +207,11 @@ def t_key(tenant_id: str, part: str | None = None) -> str:
     return f"is:t:{{{tenant_id}}}" + (f":{part}" if part else "")
 
 
+def reserve_keys(tenant_id: str) -> list[str]:
+    """The keys the `reserve` script takes, in its order."""
+    return [t_key(tenant_id)] + [t_key(tenant_id, part) for part in ("facts", "emb", "usage")]
+
+
 def commit_keys(tenant_id: str) -> list[str]:
     """The keys the `commit` script takes, in its order."""
     return [t_key(tenant_id, part) for part in ("facts", "emb", "pemb", "usage", "version", "log")] + [t_key(tenant_id)]
