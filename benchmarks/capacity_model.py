@@ -138,7 +138,7 @@ class Tiers:
         return before
 
     def _add(self, fact: int, tier: int) -> None:
-        self.where[fact] = self.below if self.below == self.STORE else self.TEXT
+        self.where[fact] = self.below  # where it stays if no tier has room for it
         while tier < len(self.capacity):
             if self.size[tier] > self.capacity[tier]:
                 tier += 1
@@ -155,7 +155,7 @@ class Tiers:
                 if below < len(self.capacity):
                     self._add(victim, below)
                 else:
-                    self.where[victim] = self.TEXT if self.policy.residency else self.STORE
+                    self.where[victim] = self.below
             return
 
 
