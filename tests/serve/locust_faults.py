@@ -18,6 +18,17 @@ from tenants.redis_meta import RedisMeta
 from tests.serve.test_locust_smoke import LOCUSTFILE
 
 
+def llm_replicas() -> list[tuple[str, str]]:
+    """(name, namespace) of every live LLM server replica actor of the connected Ray cluster."""
+    import ray
+
+    return [
+        (a["name"], a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "LLMServer" in a["name"] and a["name"].startswith("SERVE_REPLICA")
+    ]
+
+
 def run_with_fault(cluster, folder: Path, seconds: int, fault: Callable[[], None]) -> dict:
     """Locust for `seconds`; `fault` runs once writes are being acknowledged. Returns what the run saw."""
     locust = shutil.which("locust", path=os.path.dirname(sys.executable))

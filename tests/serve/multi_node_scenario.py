@@ -29,7 +29,7 @@ from deployments.ray_serve.app import build_app
 from deployments.ray_serve.serve_mode import apply_serve_env
 from tenants.auth import new_admin_key
 from tests.serve.conftest import Cluster
-from tests.serve.locust_faults import assert_every_acknowledged_write_stored_once, run_with_fault
+from tests.serve.locust_faults import assert_every_acknowledged_write_stored_once, llm_replicas, run_with_fault
 
 NAMES = ("ana", "ben", "cal", "dee", "eli", "fay", "gus", "hal", "ivy", "jon", "kim", "lou", "max", "ned", "ola", "pia")
 
@@ -37,14 +37,6 @@ NAMES = ("ana", "ben", "cal", "dee", "eli", "fay", "gus", "hal", "ivy", "jon", "
 def facts_of(name: str) -> list[str]:
     person = name.capitalize()
     return [f"{person} keeps a bike in the blue shed.", f"{person}'s sister lives in Lyon."]
-
-
-def llm_replicas() -> list[tuple[str, str]]:
-    return [
-        (a["name"], a["namespace"])
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if "LLMServer" in a["name"] and a["name"].startswith("SERVE_REPLICA")
-    ]
 
 
 def placements(cluster: Cluster, auth: dict[str, str], fact_ids: list[str]) -> set[str]:

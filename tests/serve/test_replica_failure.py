@@ -12,6 +12,7 @@ import ray
 
 from tests.serve.locust_faults import (
     assert_every_acknowledged_write_stored_once,
+    llm_replicas,
     run_with_fault,
 )
 from tests.serve.test_http_api import PIXEL
@@ -19,18 +20,10 @@ from tests.serve.test_http_api import PIXEL
 pytestmark = [pytest.mark.slow, pytest.mark.late(3)]  # restarts the shared cluster's engine
 
 
-def _llm_replicas() -> list[tuple[str, str]]:
-    return [
-        (a["name"], a["namespace"])
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if "LLMServer" in a["name"] and a["name"].startswith("SERVE_REPLICA")
-    ]
-
-
 def test_killed_llm_replica_under_locust_load_is_replaced_and_loses_no_write(cluster, tmp_path):
     auth = cluster.new_tenant("henry")
     cluster.add_and_wait(auth, PIXEL)
-    (victim,) = _llm_replicas()
+    (victim,) = llm_replicas()
     run = run_with_fault(
         cluster, tmp_path, 45, lambda: ray.kill(ray.get_actor(victim[0], namespace=victim[1]), no_restart=True)
     )
@@ -39,8 +32,8 @@ def test_killed_llm_replica_under_locust_load_is_replaced_and_loses_no_write(clu
     assert_every_acknowledged_write_stored_once(cluster, run["acked"])
     deadline = time.monotonic() + 300
     while not (
-        _llm_replicas()
-        and _llm_replicas()[0] != victim
+        llm_replicas()
+        and llm_replicas()[0] != victim
         and cluster.chat(auth, "Where does Maya work?").status_code == 200
     ):
         assert time.monotonic() < deadline, "the replica was not replaced in time"
