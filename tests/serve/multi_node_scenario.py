@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -69,6 +71,7 @@ def main() -> None:
     parser.add_argument("--load-s", type=int, default=45)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ray-mn-", dir="/tmp"))
+    os.environ["RAY_TMPDIR"] = str(work)  # Ray's own files (the current cluster's address too) stay in the run's folder
     apply_serve_env(load_settings().serve.proxy, work / "serve")
     nodes = RayCluster(
         initialize_head=True,
@@ -136,6 +139,7 @@ def main() -> None:
         ray.shutdown()
         nodes.shutdown()
         redis.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
