@@ -76,6 +76,12 @@ class PendingFile:
 Held = HostKV | PendingFile | Path
 
 
+def in_hand(held: Held) -> HostKV | Path:
+    """Where an entry's bytes are to be read now: a pending file's host copy, else what it holds. The background
+    writer moves an entry from memory to its file at any moment, so a reader decides on one reading of this."""
+    return held.host if isinstance(held, PendingFile) else held
+
+
 def host_copy(
     k: Quantized | torch.Tensor, v: Quantized | torch.Tensor, pinned: bool, non_blocking: bool = False
 ) -> HostKV:

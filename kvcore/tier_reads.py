@@ -21,7 +21,7 @@ import torch
 from kvcore.packed import PackedEntries, RawEntry, aligned, pack, raw_entry
 from kvcore.quantize import Quantized, dequantize
 from kvcore.tier_disk import DiskFile, Key, advise_willneed
-from kvcore.tier_media import HostKV, PendingFile
+from kvcore.tier_media import HostKV, in_hand
 from kvcore.tier_policy import TierEntry
 
 if TYPE_CHECKING:
@@ -54,8 +54,7 @@ class LayerReader:
     def held(self) -> Path | HostKV:
         """Where the entry is now, read once: its disk file, or its K and V in host memory. A background write
         moves an entry from memory to its file at any moment, so callers decide on one reading."""
-        held = self.entry.held
-        return held.host if isinstance(held, PendingFile) else held
+        return in_hand(self.entry.held)
 
     def to_device(self, k: Quantized | torch.Tensor, v: Quantized | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(k, Quantized):

@@ -26,7 +26,7 @@ import torch
 from kvcore.packed import RawEntry
 from kvcore.quantize import quantize_many
 from kvcore.tier_disk import DiskFile, Key, advise_willneed
-from kvcore.tier_media import DiskMedium, HostKV, PendingFile, check_key, host_copy
+from kvcore.tier_media import DiskMedium, HostKV, PendingFile, check_key, host_copy, in_hand
 from kvcore.tier_policy import ScorePolicy, Tier, TierEntry
 from kvcore.tier_reads import LayerReader, read_raw
 
@@ -103,7 +103,7 @@ class TieredStore:
     def read(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole entry `[L, H, T, D]` in its original dtype (dequantized), on the host; a file in one read."""
         entry = self._entries[key]
-        held = entry.held.host if isinstance(entry.held, PendingFile) else entry.held
+        held = in_hand(entry.held)
         if isinstance(held, Path):
             with DiskFile(held) as file:
                 held = HostKV(*file.read_all(entry.layers))
