@@ -63,9 +63,18 @@ def start_local_serve(proxy: str, num_cpus: int) -> int:
     return port
 
 
-def start_cluster(state: Path, cuda: bool, shape: Path | None, proxy: str = "haproxy", embed_device: str = "cuda"):
+def start_cluster(
+    state: Path,
+    cuda: bool,
+    shape: Path | None,
+    proxy: str = "haproxy",
+    embed_device: str = "cuda",
+    engine_sm_percent: int | None = None,
+):
     """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
-    on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica)."""
+    on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
+    CUDA's multi-process service `engine_sm_percent` holds the engine to that share of the SMs (the rest stay
+    free for the ingress's query embeddings)."""
     import os
 
     from ray import serve
@@ -79,6 +88,7 @@ def start_cluster(state: Path, cuda: bool, shape: Path | None, proxy: str = "hap
     # a compile cache named in the environment outlives the run (a GPU machine's later calls start faster)
     env = {"VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(state / "vllm-cache")}
     env |= {} if cuda else {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    env |= {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(engine_sm_percent)} if engine_sm_percent else {}
     llm = {
         "dtype": "bfloat16" if cuda else "float32",
         "env": env,

@@ -342,6 +342,14 @@ def main() -> None:
         help="on a GPU, where the ingress embeds queries (cpu: two threads a replica, no GPU time-slicing)",
     )
     p.add_argument(
+        "--engine-sm-percent",
+        type=int,
+        choices=range(1, 101),
+        metavar="1..100",
+        help="under CUDA's multi-process service (gpu_suite.sh mps-on): the engine's share of the SMs "
+        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in the LLM replica's environment), the reference's too",
+    )
+    p.add_argument(
         "--locust-s",
         type=int,
         default=0,
@@ -355,7 +363,9 @@ def main() -> None:
     tenants_n, facts_n = args.tenants or tenants_n, args.facts or (100 if args.quick else 1000)
     clock = Phases()
     state = Path(scratch_dir(prefix="serve-bench-"))
-    base, admin, redis, app_args = start_cluster(state, cuda, args.config, args.proxy, args.embed_device)
+    base, admin, redis, app_args = start_cluster(
+        state, cuda, args.config, args.proxy, args.embed_device, args.engine_sm_percent
+    )
     probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
     clock.done("deploy")
     from models.minilm import MiniLMEmbedder
@@ -371,6 +381,7 @@ def main() -> None:
         "proxy": args.proxy,
         "cuda": cuda,
         "embed_device": app_args["ingress"].get("embed_device", "cpu"),
+        "engine_sm_percent": args.engine_sm_percent,
         "model": str(args.config) if args.config else "SmolLM2-135M",
         "phase_s": clock.seconds,
     }
