@@ -64,6 +64,43 @@ class TenantSettings(BaseModel):
     reconcile_after_s: float = Field(60.0, ge=0, description="Half-done changes older than this are repaired.")
 
 
+class ResidencySettings(BaseModel):
+    """Which facts keep their K/V (KV residency by use): a fact's K/V stays while it is retrieved often enough to
+    pay for its bytes and is dropped to text (served by pasting it) when its memory is over its K/V budget; a
+    dropped fact retrieved again `reencode_after_uses` times (decayed) is encoded again in the background."""
+
+    memory_kv_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="K/V bytes one memory (a tenant's own, or one end user's) keeps at most; None: all. A tenant "
+        "may set its own (`kv_budget_bytes` when created).",
+    )
+    node_kv_bytes: int | None = Field(
+        None, ge=0, description="K/V bytes all memories of the record store keep at most together; None: all."
+    )
+    half_life_s: float = Field(86_400.0, gt=0, description="A retrieval counts half as much after this long.")
+    reencode_after_uses: float = Field(
+        2.0,
+        gt=0,
+        description="The retrieval of a dropped fact at which it is encoded again, counting earlier ones within "
+        "about a half-life (the re-encode cost, in retrievals served by its text).",
+    )
+    reencode_margin: float = Field(
+        1.5,
+        ge=1,
+        description="Where a memory's budget is full, a dropped fact comes back only once its use is this many "
+        "times the coldest kept fact's (hysteresis: facts at the margin do not trade places on every sweep).",
+    )
+    min_resident_s: float = Field(
+        600.0, ge=0, description="A fact encoded or retrieved this recently keeps its K/V whatever the budget."
+    )
+    sweep_interval_s: float = Field(30.0, gt=0, description="How often one ingress replica applies the budgets.")
+    flush_interval_s: float = Field(5.0, gt=0, description="How often each ingress replica adds its counts to Redis.")
+    drop_grace_s: float = Field(
+        60.0, ge=0, description="A dropped record's files stay this long (chats in flight may still read them)."
+    )
+
+
 class ServeSettings(BaseModel):
     """How Ray Serve carries requests (read by whatever starts Ray: `inferscale up`, tests, benchmarks)."""
 
@@ -91,6 +128,7 @@ class Settings(BaseSettings):
     redis: RedisSettings = Field(default_factory=RedisSettings)
     tenants: TenantSettings = Field(default_factory=TenantSettings)
     serve: ServeSettings = Field(default_factory=ServeSettings)
+    residency: ResidencySettings = Field(default_factory=ResidencySettings)
     state_dir: Path = Field(
         default_factory=lambda: Path.home() / ".local" / "share" / "inferscale",
         description="Records, indexes and the local redis-server's data live here.",

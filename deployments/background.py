@@ -6,6 +6,8 @@ asyncio keeps only a weak reference to a task: one nobody holds may be collected
 from __future__ import annotations
 
 import asyncio
+import contextvars
+from typing import Coroutine
 
 
 class BackgroundTasks:
@@ -13,6 +15,14 @@ class BackgroundTasks:
 
     def __init__(self) -> None:
         self._running: set[asyncio.Future] = set()
+
+    def start(self, work: Coroutine) -> asyncio.Task:
+        """Run `work` on the running loop, apart from the request that starts it: in a context of its own, so
+        nothing of that request (Ray Serve's request context, which its handle calls would carry) ties its
+        calls to the request's end."""
+        task = asyncio.get_running_loop().create_task(work, context=contextvars.Context())
+        self.keep(task)
+        return task
 
     def keep(self, future: asyncio.Future) -> None:
         self._running.add(future)

@@ -65,4 +65,4 @@ class FactEncoder:
                 log.exception("background encoding failed")
                 self._metrics.encodings.labels(outcome="failed").inc(len(work))
 
-        self._background.keep(asyncio.ensure_future(encode()))
+        self._background.start(encode())

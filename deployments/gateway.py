@@ -9,6 +9,7 @@ K/V `fact_encoding` makes in the background), `jobs` (encoding jobs) and `admin`
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,11 @@ from deployments.schemas import GenerationRequest
 from deployments.tenant_admin import TenantAdmin
 from tenants.errors import InvalidInputError, RateLimitedError, TenantError
 from tenants.facts import Fact
+from tenants.residency import Residency
 from tenants.service import TenantService
 from tenants.tenant import Tenant
+
+log = logging.getLogger(__name__)
 
 
 class UnknownModelError(TenantError):
@@ -78,13 +82,16 @@ class Gateway:
         run_job: JobRunner | None = None,
         extraction_window: int | None = None,
         queries: QueryBatcher | None = None,
+        residency: Residency | None = None,
     ) -> None:
+        """`residency`: count retrievals and keep K/V by use (None: every fact keeps its K/V)."""
         self.service, self.llm, self.args, self.served_name, self.metrics = service, llm, args, served_name, metrics
+        self.residency = residency
         self.queries = queries or QueryBatcher(service.embedder)  # type: ignore[arg-type]
         self._limiter = RateLimiter(args.rate_per_s, args.burst)
         background = BackgroundTasks()
         self.jobs = JobQueue(jobs_dir, run_job, extraction_window, service.max_fact_chars, background)
-        self.memories = Memories(service, FactEncoder(llm, metrics, background), self.jobs)
+        self.memories = Memories(service, FactEncoder(llm, metrics, background), self.jobs, residency)
         self.admin = TenantAdmin(service)
 
     # ---- auth ----
@@ -98,10 +105,11 @@ class Gateway:
         return tenant
 
     # ---- chat ----
-    async def prepare_chat(self, tenant: Tenant, body: GenerationRequest) -> PreparedChat:
+    async def prepare_chat(self, tenant: Tenant, body: GenerationRequest, api_key: str = "") -> PreparedChat:
         """Validate, pick the memory (the tenant's, or an end user's scope), embed the question (batched with
         concurrent ones), retrieve from the in-process index (no Redis round trip while nothing changed) and
-        build the task the LLM replica serves."""
+        build the task the LLM replica serves; count the retrievals for KV residency, asking (with the caller's
+        `api_key`) for the K/V of dropped facts that are warm again."""
         if body.model != self.served_name:
             raise UnknownModelError(f"unknown model {body.model!r}; this server serves {self.served_name!r}")
         tenant = self.memories.in_scope(tenant, body.scope())
@@ -124,6 +132,8 @@ class Gateway:
             version = retrieved.version
             hits = order_facts(retrieved.hits, body.memory.order or self.args.default_order)
             facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in hits)
+            if self.residency is not None:
+                self._count_uses(tenant, [f for f, _ in hits], api_key)
         else:
             version = tenant.version()
         retrieval_ms = (time.perf_counter() - started) * 1000
@@ -150,6 +160,27 @@ class Gateway:
         if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
             tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, [f.fact_id for f in facts]))
         return PreparedChat(task, retrieval_ms, (embedded - started) * 1000, tiers)
+
+    def _count_uses(self, tenant: Tenant, facts: list[Fact], api_key: str) -> None:
+        assert self.residency is not None
+        self.metrics.retrievals.inc(len(facts))
+        warm = self.residency.observe(tenant.id, facts, time.time())
+        if warm and api_key:
+            self.metrics.kv_reencodes.inc(len(warm))
+            self.memories.encode_again(tenant, api_key, warm)
+
+    def residency_tick(self) -> None:
+        """Flush this replica's retrieval counts; apply the K/V budgets when due and this replica leads."""
+        if self.residency is None:
+            return
+        try:
+            report = self.residency.tick()
+        except Exception:  # noqa: BLE001 - Redis away: the counts wait for the next tick
+            log.warning("KV residency tick failed", exc_info=True)
+            return
+        if report is not None and report.led:
+            self.metrics.kv_drops.inc(report.dropped)
+            self.metrics.kv_resident_bytes.set(report.resident_bytes)
 
     @staticmethod
     def _tier_counts(tenant: Tenant, fact_ids: list[str]) -> dict[str, int]:

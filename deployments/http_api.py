@@ -223,9 +223,9 @@ def create_app(gateway: Gateway) -> FastAPI:
             "data": [{"id": gateway.served_name, "object": "model", "created": 0, "owned_by": "inferscale"}],
         }
 
-    async def generate(tenant: Tenant, body: GenerationRequest, shape: "_Shape"):
+    async def generate(tenant: Tenant, body: GenerationRequest, shape: "_Shape", api_key: str):
         received = time.perf_counter()
-        prepared = await gateway.prepare_chat(tenant, body)
+        prepared = await gateway.prepare_chat(tenant, body, api_key)
         prepared.dispatched = time.time()
         events = gateway.llm.chat(prepared.task)
         first = await _first_event(events)  # engine errors surface before any byte is sent
@@ -276,8 +276,8 @@ def create_app(gateway: Gateway) -> FastAPI:
             }
         },
     )
-    async def chat(tenant: TenantDep, body: ChatRequest):
-        return await generate(tenant, body, CHAT)
+    async def chat(tenant: TenantDep, body: ChatRequest, request: Request):
+        return await generate(tenant, body, CHAT, _key(request) or "")
 
     @app.post(
         "/v1/completions",
@@ -288,9 +288,9 @@ def create_app(gateway: Gateway) -> FastAPI:
             }
         },
     )
-    async def complete(tenant: TenantDep, body: CompletionRequest):
+    async def complete(tenant: TenantDep, body: CompletionRequest, request: Request):
         """The prompt continued as it is; the tenant's retrieved memory sits before it (injected or pasted)."""
-        return await generate(tenant, body, TEXT)
+        return await generate(tenant, body, TEXT, _key(request) or "")
 
     app.include_router(mem0_router(gateway, _tenant_auth, _key))  # Mem0's clients; their paths end in "/"
 

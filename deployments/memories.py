@@ -10,6 +10,7 @@ from deployments.job_queue import JobQueue
 from deployments.schemas import AddMemories, SearchMemories, UpdateMemory
 from tenants.errors import FactNotFoundError
 from tenants.facts import Fact
+from tenants.residency import Residency
 from tenants.scopes import Scope, scoped_id, split_located
 from tenants.service import TenantService
 from tenants.tenant import Tenant
@@ -18,8 +19,10 @@ from tenants.tenant import Tenant
 class Memories:
     """Memory routes' work, transport aside: pick the memory, write (encoding later), read, search, delete."""
 
-    def __init__(self, service: TenantService, encoder: FactEncoder, jobs: JobQueue) -> None:
-        self._service, self._encoder, self._jobs = service, encoder, jobs
+    def __init__(
+        self, service: TenantService, encoder: FactEncoder, jobs: JobQueue, residency: Residency | None = None
+    ) -> None:
+        self._service, self._encoder, self._jobs, self._residency = service, encoder, jobs, residency
 
     def in_scope(self, tenant: Tenant, scope: Scope | None, write: bool = False) -> Tenant:
         """The memory a request is about: an end user's scope of the tenant, or (None) the tenant's own. Only a
@@ -73,7 +76,15 @@ class Memories:
     def get_memory(self, tenant: Tenant, scope: Scope | None, memory_id: str) -> dict[str, Any]:
         """The fact, and where serving replicas hold its K/V ({replica: {tier, version, at}})."""
         holder, fact_id = self.locate(tenant, memory_id, scope)
-        return {**_memory(holder.get_fact(fact_id)), "placement": holder.placement(fact_id)}
+        fact = holder.get_fact(fact_id)
+        found = {**_memory(fact), "placement": holder.placement(fact_id)}
+        if self._residency is not None:
+            found["residency"] = self._residency.describe(holder.id, fact)
+        return found
+
+    def encode_again(self, holder: Tenant, api_key: str, facts: list[Fact]) -> None:
+        """Encode, in the background, facts whose K/V residency dropped and that are retrieved again."""
+        self._encoder.encode_later(api_key, holder.id, facts)
 
     def update_memory(
         self, tenant: Tenant, scope: Scope | None, api_key: str, memory_id: str, body: UpdateMemory

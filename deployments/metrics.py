@@ -44,6 +44,22 @@ class Metrics:
         self.encodings = Counter(
             "inferscale_fact_encodings", "Background fact encodings", ["outcome"], registry=self.registry
         )
+        self.retrievals = Counter(
+            "inferscale_fact_retrievals", "Facts retrieved for chats (KV residency counts them)", registry=self.registry
+        )
+        self.kv_drops = Counter(
+            "inferscale_kv_drops",
+            "Facts whose K/V residency dropped to text (cold, over a budget), by this replica's sweeps",
+            registry=self.registry,
+        )
+        self.kv_reencodes = Counter(
+            "inferscale_kv_reencodes", "Dropped facts asked to be encoded again (warm again)", registry=self.registry
+        )
+        self.kv_resident_bytes = Gauge(
+            "inferscale_kv_resident_bytes",
+            "K/V bytes kept by the memories under a residency budget, at this replica's last sweep",
+            registry=self.registry,
+        )
         self.llm_transport = Gauge(
             "inferscale_llm_transport",
             "1 for how this ingress calls the LLM servers (grpc in Serve's high-throughput mode, actor otherwise)",

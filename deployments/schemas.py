@@ -337,6 +337,12 @@ class CreateTenant(BaseModel):
         description="Nearest facts (by embedding) each of its facts is encoded "
         "behind in encoding jobs, after its window turns.",
     )
+    kv_budget_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="K/V bytes its memory and each end user's keep at most: past it the least retrieved facts "
+        "are served by their text until used again (None: the cluster's `residency.memory_kv_bytes`).",
+    )
 
 
 class ErrorDetail(BaseModel):

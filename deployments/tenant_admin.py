@@ -25,6 +25,7 @@ class TenantAdmin:
             neighbours=body.neighbours,
             scope_max_facts=body.scope_max_facts,
             scope_max_bytes=body.scope_max_bytes,
+            kv_budget_bytes=body.kv_budget_bytes,
         )
         return {"tenant": info, "api_key": key}
 

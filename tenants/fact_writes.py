@@ -6,6 +6,7 @@ acknowledged and lose nothing that was:
 - update: begin (`updating`: the committed version stays visible) -> write the new version's record ->
   commit (swap, logged) -> remove the old version's record.
 - delete: one atomic step (gone from metadata, quota and retrieval at once) -> remove its records.
+- K/V drop (residency): one atomic step (text only, bytes refunded) -> its records removed later by the caller.
 
 `Tenant` validates and embeds; `FactWriter` only orders the steps, so the ordering is read in one place.
 `tenants/reconcile.py` rolls back changes that never committed and removes record files nothing refers to.
@@ -60,6 +61,7 @@ class FactWriter:
                     "source_turn": source_turn,
                     "created": now,
                     "updated": now,
+                    "kv_at": now if kv is not None else None,
                     "started": now,
                     "pending": None,
                 }
@@ -141,6 +143,8 @@ class FactWriter:
                 "state": "active",
                 "pending": None,
                 "updated": now,
+                "kv_at": now if kv is not None else None,
+                "kv_dropped": False,
                 "previous": earlier,
             } | ({} if metadata is None else {"metadata": metadata})
             self._facts.commit(
@@ -168,8 +172,15 @@ class FactWriter:
     def attach_kv(self, current: dict, kv: FactKV) -> Fact:
         """Store the K/V of the active, not yet encoded version `current`; refused if it moved on meanwhile."""
         fact_id, version = current["id"], current["version"]
-        record_id = record_id_for(fact_id, version)
-        updated = {**current, "record_id": record_id, "encoding": _encoding(kv), "bytes": current["bytes"] + kv.nbytes}
+        record_id = record_id_for(fact_id, version, int(current.get("kv_gen") or 0))
+        updated = {
+            **current,
+            "record_id": record_id,
+            "encoding": _encoding(kv),
+            "bytes": current["bytes"] + kv.nbytes,
+            "kv_at": time.time(),
+            "kv_dropped": False,
+        }
         self._charge(0, kv.nbytes)
         try:
             self._write_records([(record_id, kv, version)])  # an orphan until committed; the reconciler removes it
@@ -179,6 +190,18 @@ class FactWriter:
             self._records.delete(self._id, record_id)
             raise
         return Fact.from_meta(updated)
+
+    def drop_kv(self, current: dict) -> str:
+        """Drop the K/V of the active, encoded version `current` (KV residency: the fact is served by its text
+        until encoded again); refused if it moved on meanwhile. Returns the record id, whose files the caller
+        removes once no chat in flight can still read them (an orphan left by a crash is the reconciler's)."""
+        record_id = current["record_id"]
+        kv_bytes = current["bytes"] - len(current["text"].encode())
+        dropped = {**current, "record_id": None, "encoding": None, "bytes": current["bytes"] - kv_bytes}
+        dropped |= {"kv_dropped": True, "kv_at": None, "kv_gen": int(current.get("kv_gen") or 0) + 1}
+        self._facts.commit(self._id, current["id"], "active", current["version"], dropped, "kv-drop", -kv_bytes)
+        self._refund(0, kv_bytes)
+        return record_id
 
     def delete(self, fact_id: str) -> None:
         """Gone from retrieval, listing and quota in one step; its records are removed after."""

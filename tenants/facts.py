@@ -14,7 +14,7 @@ from tenants.errors import InvalidInputError
 VISIBLE = ("active", "updating")  # an update in flight still shows the committed version
 MAX_METADATA_BYTES = 4096  # a fact's metadata, as JSON
 HISTORY_KEPT = 20  # earlier versions a fact remembers (text and time), for its history
-_FACT_RECORD = re.compile(r"\.v[0-9]+$")
+_FACT_RECORD = re.compile(r"\.v([0-9]+)(?:\.r[0-9]+)?$")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Fact:
     updated: float
     metadata: dict | None = None  # the caller's, as given (Mem0's `metadata`)
     previous: tuple[dict, ...] = field(default=())  # earlier versions, oldest first: {"version", "text", "at"}
+    kv_dropped: bool = False  # its K/V was dropped by KV residency (cold); encoded again once it warms up
 
     @property
     def kv_ready(self) -> bool:
@@ -49,6 +50,7 @@ class Fact:
             float(meta["updated"]),
             meta.get("metadata"),
             tuple(meta.get("previous") or ()),
+            bool(meta.get("kv_dropped")),
         )
 
 
@@ -88,15 +90,16 @@ def new_fact_id() -> str:
     return f"f-{uuid.uuid4().hex[:20]}"
 
 
-def record_id_for(fact_id: str, version: int) -> str:
-    """The K/V record of one version of a fact: a new version never overwrites the served one."""
-    return f"{fact_id}.v{version}"
+def record_id_for(fact_id: str, version: int, generation: int = 0) -> str:
+    """The K/V record of one version of a fact: a new version never overwrites the served one, and a version
+    encoded again after residency dropped its K/V (`generation` > 0) never reuses the dropped record's id."""
+    return f"{fact_id}.v{version}" + (f".r{generation}" if generation else "")
 
 
 def fact_of_record(record_id: str) -> tuple[str, int] | None:
     """(fact id, version) of a fact-version record id; None for the engine's own records."""
     match = _FACT_RECORD.search(record_id)
-    return (record_id[: match.start()], int(match.group(0)[2:])) if match else None
+    return (record_id[: match.start()], int(match.group(1))) if match else None
 
 
 def is_fact_record(record_id: str) -> bool:

@@ -16,11 +16,13 @@ Keys, all under one tenant's hash tag so a cluster keeps a tenant on one shard:
     is:t:{tid}:jobs               job id -> status JSON of the tenant's encoding jobs
     is:t:{tid}:scopes             ids of the tenant's end-user scopes (each a tenant entry of its own, `scopes.py`)
     is:t:{tid}:total              facts, bytes of the tenant's own memory and all its scopes' (its total quota)
+    is:t:{tid}:uses               fact id -> decayed retrievals (`tenants/redis_uses.py`, KV residency)
     is:registry                   pub/sub channel: the id of a tenant whose registry entry changed
     is:facts                      pub/sub channel: the change-log key of a tenant whose facts changed
 
 `RedisMeta` holds the connection and the registry (tenants, scopes, the admin key, jobs); its `records`,
-`log` and `places` are the facts, the change log and the placements (`tenants/redis_records.py`). Every
+`log` and `places` are the facts, the change log and the placements (`tenants/redis_records.py`), its `uses`
+the retrieval counts (`tenants/redis_uses.py`). Every
 multi-key change is one Lua script (`tenants/redis_scripts.py`); every registry write and change-log entry is
 announced on its channel in the same step, for the processes that hold state in memory (`tenants/redis_feed.py`).
 """
@@ -36,6 +38,7 @@ import redis
 from tenants.redis_feed import ANY, ChangeFeed, RegistryCache
 from tenants.redis_records import ChangeLog, FactRecords, PlacementRecords
 from tenants.redis_scripts import FACTS_CHANNEL, REGISTRY_CHANNEL, Scripts, as_json, t_key, tenant_of
+from tenants.redis_uses import FactUses
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class RedisMeta:
         self._scripts = Scripts(self._redis)
         self.records = FactRecords(self._redis, self._scripts)
         self.log = ChangeLog(self._redis)
+        self.uses = FactUses(self._redis)
         self.places = PlacementRecords(self._redis, self._scripts, self.tenant_ids)
 
     def ping(self) -> bool:
@@ -133,7 +137,21 @@ class RedisMeta:
 
     def delete_tenant(self, tenant_id: str) -> bool:
         """Drop the tenant and every key under its hash tag in one transaction (True if it existed)."""
-        parts = ("facts", "emb", "pemb", "usage", "place", "version", "seq", "log", "jobs", "scopes", "total")
+        parts = (
+            "facts",
+            "emb",
+            "pemb",
+            "usage",
+            "place",
+            "version",
+            "seq",
+            "log",
+            "jobs",
+            "scopes",
+            "total",
+            "uses",
+            "usefloor",
+        )
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.srem("is:tenants", tenant_id)
             pipe.delete(t_key(tenant_id), *(t_key(tenant_id, part) for part in parts))

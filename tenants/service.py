@@ -79,12 +79,15 @@ class TenantService:
         neighbours: int = 0,
         scope_max_facts: int | None = None,
         scope_max_bytes: int | None = None,
+        kv_budget_bytes: int | None = None,
     ) -> tuple[dict, str]:
         """Register a tenant; returns its registry entry and its API key (shown only this once). `max_facts` and
         `max_bytes` bound its own memory and all its end users' together; `scope_max_*` bound each end user's
         (None: the same as the tenant's). `recompute`:
         the facts its chats prefill after the injected ones when a chat does not say (None: the cluster's);
-        `window` turns and `neighbours` nearest facts: the context its facts are encoded behind."""
+        `window` turns and `neighbours` nearest facts: the context its facts are encoded behind;
+        `kv_budget_bytes`: the K/V bytes its memory and each end user's keep at most (KV residency, `residency.py`;
+        None: the cluster's)."""
         self.check_admin(admin_key)
         tenant_id = check_id("tenant id", tenant_id)
         if is_scoped(tenant_id):
@@ -103,6 +106,8 @@ class TenantService:
             raise InvalidInputError("recompute must be a non-negative integer")
         if not isinstance(neighbours, int) or neighbours < 0:
             raise InvalidInputError("neighbours must be a non-negative integer")
+        if kv_budget_bytes is not None and (not isinstance(kv_budget_bytes, int) or kv_budget_bytes < 0):
+            raise InvalidInputError("kv_budget_bytes must be a non-negative integer")
         key = new_tenant_key(tenant_id)
         fields = {
             "key_hash": hash_key(key),
@@ -112,6 +117,7 @@ class TenantService:
             "created": time.time(),
         } | ({} if recompute is None else {"recompute": recompute})
         fields |= {"neighbours": neighbours} if neighbours else {}
+        fields |= {} if kv_budget_bytes is None else {"kv_budget_bytes": kv_budget_bytes}
         self.meta.create_tenant(tenant_id, fields)
         return self.tenant_info(admin_key, tenant_id), key
 
@@ -253,4 +259,4 @@ def _public(info: dict[str, str]) -> dict:
         "model_fingerprint": info.get("model_fingerprint", ""),
         "neighbours": int(info.get("neighbours", 0)),
         "created": float(info["created"]),
-    } | ({"recompute": int(info["recompute"])} if "recompute" in info else {})
+    } | {key: int(info[key]) for key in ("recompute", "kv_budget_bytes") if key in info}

@@ -25,6 +25,7 @@ class TenantEntry:
     neighbours: int  # nearest facts each fact is encoded behind (after its window turns)
     recompute: int | None  # facts a chat prefills after the injected ones when it does not say; None: the cluster's
     model_fingerprint: str
+    kv_budget_bytes: int | None = None  # K/V bytes this memory keeps at most (KV residency); None: the cluster's
 
     @classmethod
     def parse(cls, tenant_id: str, info: Mapping[str, str]) -> TenantEntry:
@@ -38,4 +39,5 @@ class TenantEntry:
             neighbours=int(info.get("neighbours", 0)),
             recompute=int(info["recompute"]) if "recompute" in info else None,
             model_fingerprint=info.get("model_fingerprint", ""),
+            kv_budget_bytes=int(info["kv_budget_bytes"]) if "kv_budget_bytes" in info else None,
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -29,6 +31,7 @@ from deployments.ray_serve.loopback import bind_replica_grpc_to_node
 from deployments.ray_serve.transport import in_this_mode, uses_grpc
 from models.minilm import MiniLMEmbedder
 from tenants.connect import connect_service
+from tenants.residency import Residency
 
 log = logging.getLogger(__name__)
 # A replica killed, restarting or overloaded: the request can be retried against its replacement.
@@ -143,7 +146,21 @@ class Ingress:
             _job_runner(self.args),
             extraction_window=self.args.encoding_window,
             queries=queries,
+            residency=Residency(service, settings.residency, owner=f"ingress-{uuid.uuid4().hex[:12]}"),
         )
+        self._stop = threading.Event()
+        interval = settings.residency.flush_interval_s
+        threading.Thread(target=self._residency_loop, args=(interval,), name="kv-residency", daemon=True).start()
+
+    def _residency_loop(self, interval_s: float) -> None:
+        """Retrieval counts to Redis and the K/V budgets applied, off the event loop."""
+        while not self._stop.wait(interval_s):
+            self.gateway.residency_tick()
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
 
     def __serve_build_asgi_app__(self):
         return create_app(self.gateway)

@@ -62,6 +62,13 @@ def test_serve_config_names_the_builder_and_validates(helm):
     assert args.llm.autoscaling_config == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}
     assert args.llm.tiers.model_dump(mode="json") == {"disk_cache_dir": "/var/cache/inferscale/tiers", "host_cache_bytes": 32 << 30,
                                                       "disk_cache_bytes": 180 << 30, "compress_lower": True}
+    from config.settings import load_settings
+
+    residency = load_settings(**args.settings).residency  # KV residency: no budget by default, the knobs as given
+    assert (residency.memory_kv_bytes, residency.node_kv_bytes, residency.reencode_after_uses) == (None, None, 2)
+    service = one(render(helm, "--set", "serve.residency.nodeKvBytes=1000000000000"), "RayService")
+    args = AppArgs(**yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"])
+    assert load_settings(**args.settings).residency.node_kv_bytes == 10**12
 
 
 def test_the_offload_tier_gets_a_node_local_disk_on_gpu_workers_or_is_off(helm):
@@ -151,7 +158,8 @@ def test_external_redis_needs_its_url_secret(helm):
 
 @pytest.mark.parametrize("bad", ["gpuWorkers.gpus=0", "serve.llm.onLoadFailure=ignore", "redis.appendfsync=sometimes",
                                  "encodeJob.tenant=Bad_Name", "state.mountPath=relative",
-                                 "serve.llm.offload.diskSizeLimit=lots", "serve.proxy=nginx"])
+                                 "serve.llm.offload.diskSizeLimit=lots", "serve.proxy=nginx",
+                                 "serve.residency.memoryKvBytes=-1"])
 def test_schema_refuses_bad_values(helm, bad):
     done = subprocess.run([str(helm), "template", "rel", str(CHART), "--set", bad], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "values don't meet the specifications of the schema" in done.stderr

@@ -75,6 +75,10 @@ def cluster(ray_local, tmp_path_factory):
         "state_dir": str(state),
         "admin_key": admin,
         "encoding_window": 1,
+        # KV residency applies to tenants made with a budget only (test_residency.py); quick here, to watch it
+        "settings": {
+            "residency": {"sweep_interval_s": 1, "flush_interval_s": 0.5, "min_resident_s": 4, "drop_grace_s": 2}
+        },
         "llm": {
             "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CACHE_ROOT": str(state / "vllm-cache")},
             "engine_kwargs": {"kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16},

@@ -103,6 +103,18 @@ applications:
       state_dir: {{ .Values.state.mountPath | quote }}
       system_prompt: {{ .Values.serve.systemPrompt | quote }}
       encoding_window: {{ .Values.serve.encodingWindow }}
+      settings:
+        residency:
+          {{- $residency := .Values.serve.residency }}
+          {{- with $residency.memoryKvBytes }}
+          memory_kv_bytes: {{ . | int64 }}
+          {{- end }}
+          {{- with $residency.nodeKvBytes }}
+          node_kv_bytes: {{ . | int64 }}
+          {{- end }}
+          half_life_s: {{ $residency.halfLifeSeconds }}
+          reencode_after_uses: {{ $residency.reencodeAfterUses }}
+          min_resident_s: {{ $residency.minResidentSeconds }}
       llm:
         {{- with $llm.model }}
         model: {{ . | quote }}
