@@ -29,3 +29,12 @@ def test_the_tenant_is_read_from_the_call():
     assert tenant_of(({"tenant_id": "maya", "facts": []},), {}) == "maya"
     assert tenant_of((), {"tenant_id": "ravi"}) == "ravi"
     assert tenant_of(("text",), {}) is None
+
+
+def test_a_replica_added_takes_its_share_and_only_those_tenants_move():
+    tenants = [f"tenant-{i}" for i in range(1000)]
+    before = {t: rendezvous_order(t, ["r1", "r2", "r3", "r4"])[0] for t in tenants}
+    after = {t: rendezvous_order(t, ["r1", "r2", "r3", "r4", "r5"])[0] for t in tenants}
+    moved = [t for t in tenants if before[t] != after[t]]
+    assert all(after[t] == "r5" for t in moved)  # nobody moves between the replicas that stayed
+    assert 150 <= len(moved) <= 250  # about a fifth: the new replica's share
