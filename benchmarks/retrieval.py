@@ -12,15 +12,19 @@ replica) and by another stream of this process (one context), against the idle G
 the host's CPU by thread count (`embed_ms.cpu_threads`), the alternative that no GPU load can slow. Run with
 CUDA's multi-process service on (`gpu_suite.sh mps-on`), the other process's kernels may run beside the
 embedding's instead of in turns; `under_load` then also measures the load process at MPS's lower client
-priority and held to a share of the SMs (`CUDA_MPS_CLIENT_PRIORITY=1`, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`).
+priority and held to a share of the SMs (`CUDA_MPS_CLIENT_PRIORITY=1`, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`),
+with the load's own rate of products beside each (`load_products_per_s`: what the share costs a compute-bound
+engine).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -53,31 +57,56 @@ def timed(fn, repeats: int, device_sync: bool = True) -> dict[str, float]:
 
 # Another process keeping the GPU busy with back-to-back products of ~1 ms, as an engine's steps do.
 BUSY_PROCESS = """
-import sys, torch
+import os, sys, time, torch
 a = torch.randn(6144, 6144, device="cuda", dtype=torch.bfloat16)
 c = a @ a
 torch.cuda.synchronize()
 print("busy", flush=True)
+done = 0
 while True:
     for _ in range(8):
         c = a @ a
     torch.cuda.synchronize()
+    done += 8
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(f"{done} {time.time()}")
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 """
 
 
 @contextmanager
-def gpu_busy_elsewhere(env: dict[str, str] | None = None):
-    """The GPU kept busy by a separate process (its own CUDA context; `env` added to its environment)."""
+def gpu_busy_elsewhere(env: dict[str, str] | None = None, rates: dict[str, float] | None = None, name: str = ""):
+    """The GPU kept busy by a separate process (its own CUDA context; `env` added to its environment); its rate
+    of products over the block goes into `rates[name]` (what a share of the SMs costs a compute-bound load)."""
+    folder = tempfile.mkdtemp(prefix="busy-")
+    counter = os.path.join(folder, "done")
     child = subprocess.Popen(
-        [sys.executable, "-c", BUSY_PROCESS], stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+        [sys.executable, "-c", BUSY_PROCESS, counter],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
     try:
         if child.stdout.readline().strip() != "busy":
             raise RuntimeError("the GPU load process did not start")
+        time.sleep(0.5)  # a first count to measure from
+        first = _count(counter)
         yield
+        last = _count(counter)
+        if rates is not None and first and last and last[1] > first[1]:
+            rates[name] = round((last[0] - first[0]) / (last[1] - first[1]), 1)
     finally:
         child.kill()
         child.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _count(path: str) -> tuple[int, float] | None:
+    try:
+        done, at = open(path).read().split()
+    except (OSError, ValueError):
+        return None
+    return int(done), float(at)
 
 
 @contextmanager
@@ -102,19 +131,21 @@ def gpu_busy_here():
         worker.join()
 
 
-def under_load(embedder, query: str, repeats: int) -> dict[str, dict[str, float]]:
+def under_load(embedder, query: str, repeats: int) -> dict:
     """One query's embedding on an idle GPU, beside another process's load and beside this process's own."""
 
     def one() -> None:  # waits for its own result only (a device-wide sync would wait for the load too)
         embedder.embed_tensor([query]).cpu()
 
-    report = {"idle": timed(one, repeats, device_sync=False)}
-    with gpu_busy_elsewhere():
+    rates: dict[str, float] = {}
+    report: dict = {"idle": timed(one, repeats, device_sync=False)}
+    with gpu_busy_elsewhere(rates=rates, name="all_sms"):
         report["other_process_busy"] = timed(one, repeats, device_sync=False)
     if mps_active():
         for name, env in MPS_LOADS.items():
-            with gpu_busy_elsewhere(env):
+            with gpu_busy_elsewhere(env, rates, name):
                 report[f"other_process_busy_{name}"] = timed(one, repeats, device_sync=False)
+    report["load_products_per_s"] = rates  # the load's own rate beside the embeddings, by how it was held
     with gpu_busy_here():
         report["same_process_busy"] = timed(one, repeats, device_sync=False)
     return report
