@@ -1,0 +1,258 @@
+"""Query-aware selection of a long history's K/V chunks by sound bounds: does LeoAM's claim hold on real attention?
+
+A tenant's conversation history (the project's LoCoMo-format generator, several conversations one after the
+other) is prefilled once by SmolLM2 (transformers, CPU) with its pre-RoPE keys captured per layer, chunked
+(fixed 16-token chunks, or adaptive spans split where the keys' norms concentrate) and summarised with
+`kvcore/summaries.py` (boxes and pair norms, a bound on every key's score that holds wherever the history is
+placed). For each question the question's own pre-RoPE queries (every layer, captured in a pass over the
+question with the history cached) are scored against every chunk's bound, and chunks are taken in bound order
+until a budget of a tenth of the history's tokens, always with the first chunk (the attention sink) and the
+most recent one. Ground truth is the same pass's attention: per layer, the history tokens that take the top
+10 % of the question's attention (averaged over heads and question tokens).
+
+Reported per layer and overall, side by side in one run: the share of those top-10 % tokens inside the
+selected chunks (LeoAM's claim is that a small budget holds nearly all of them), the share of attention mass
+inside them, and whether each question's evidence turn (the dataset's `evidence`) was selected; for the
+bounds, for recency (the last tenth), for random chunks, and for an oracle that picks chunks by the true
+attention. Also: summary bytes against the history's K/V bytes, and the time spent scoring.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks._common import parser, target, wilson, write_report
+from benchmarks.quality.devset import conversation
+from config.settings import load_settings
+from kvcore.rope import RopeConfig
+from kvcore.summaries import adaptive_spans, summarize, upper_bound
+from models.loader import force_offline, model_path
+
+CHUNK = 16
+TOP_SHARE = 0.10
+
+
+@dataclass
+class History:
+    """Token ids of a history, and the token span of each dialogue turn (by `dia_id`)."""
+
+    ids: list[int]
+    turns: dict[str, tuple[int, int]]
+    questions: list[dict]
+
+
+def build_history(tokenizer, conversations: list[dict]) -> History:
+    """The conversations' turns one after the other, each `Speaker: text` on its own line."""
+    ids: list[int] = []
+    turns: dict[str, tuple[int, int]] = {}
+    questions = []
+    for c_index, sample in enumerate(conversations):
+        convo = sample["conversation"]
+        for n in range(1, 6):
+            header = tokenizer.encode(f"[{convo[f'session_{n}_date_time']}]\n", add_special_tokens=False)
+            ids += header
+            for turn in convo[f"session_{n}"]:
+                line = tokenizer.encode(f"{turn['speaker']}: {turn['text']}\n", add_special_tokens=False)
+                turns[f"{c_index}:{turn['dia_id']}"] = (len(ids), len(ids) + len(line))
+                ids += line
+        for qa in sample["qa"]:
+            if qa.get("evidence"):
+                questions.append({**qa, "evidence": [f"{c_index}:{e}" for e in qa["evidence"]]})
+    return History(ids, turns, questions)
+
+
+class Captured:
+    """Pre-RoPE keys and queries of every layer, caught at the projections."""
+
+    def __init__(self, model) -> None:
+        self.keys: list[torch.Tensor | None] = []
+        self.queries: list[torch.Tensor | None] = []
+        self._hooks = []
+        for index, layer in enumerate(model.model.layers):
+            self.keys.append(None)
+            self.queries.append(None)
+            attn = layer.self_attn
+            self._hooks.append(attn.k_proj.register_forward_hook(self._keep(self.keys, index)))
+            self._hooks.append(attn.q_proj.register_forward_hook(self._keep(self.queries, index)))
+
+    @staticmethod
+    def _keep(into: list, index: int):
+        def hook(_module, _inputs, output) -> None:
+            into[index] = output.detach()[0]
+
+        return hook
+
+
+def per_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """`[T, heads * D]` -> `[heads, T, D]`."""
+    return x.view(x.shape[0], heads, -1).transpose(0, 1)
+
+
+def chunk_scores(summaries, queries: torch.Tensor, first_position: int, rope: RopeConfig, group: int) -> torch.Tensor:
+    """Estimated attention mass per chunk `[L, C]`: each layer's bound, max over the question's tokens and each KV
+    head's query group, turned into a softmax over chunks (scaled as attention is), averaged over KV heads."""
+    layers, heads, tokens, dim = queries.shape
+    kv_heads = heads // group
+    best = None
+    for token in range(tokens):
+        for g in range(group):
+            query = queries[:, [kv * group + g for kv in range(kv_heads)], token]  # [L, KVH, D]
+            bound = upper_bound(summaries, query, first_position + token, 0, rope)  # [C, L, KVH]
+            best = bound if best is None else torch.maximum(best, bound)
+    mass = torch.softmax(best / math.sqrt(dim), dim=0)  # over chunks
+    return mass.mean(-1).transpose(0, 1)  # [L, C]
+
+
+def select(order: list[int], spans: list[tuple[int, int]], budget: int) -> set[int]:
+    """Chunks in `order` (the sink and the newest chunk first) until `budget` tokens."""
+    chosen, used = set(), 0
+    for c in order:
+        size = spans[c][1] - spans[c][0]
+        if c in chosen or used + size > budget and chosen:
+            continue
+        chosen.add(c)
+        used += size
+    return chosen
+
+
+def mask_of(chosen: set[int], spans: list[tuple[int, int]], length: int) -> torch.Tensor:
+    mask = torch.zeros(length, dtype=torch.bool)
+    for c in chosen:
+        mask[spans[c][0] : spans[c][1]] = True
+    return mask
+
+
+def judge(mask: torch.Tensor, importance: torch.Tensor, evidence: list[tuple[int, int]]) -> dict:
+    """Per layer: the top-10 % tokens' share inside `mask`, the attention mass inside it; the evidence turns."""
+    top = max(1, int(TOP_SHARE * importance.shape[1]))
+    recall, mass = [], []
+    for layer in importance:
+        best = torch.topk(layer, top).indices
+        recall.append(float(mask[best].float().mean()))
+        mass.append(float(layer[mask].sum() / layer.sum()))
+    found = all(bool(mask[s:e].any()) for s, e in evidence)
+    return {"recall": recall, "mass": mass, "evidence": found}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--budget", type=float, default=0.10, help="tokens selected, over the history's (the target's)")
+    p.add_argument("--more-budgets", default="0.2,0.4", help="other budgets measured beside it")
+    args = p.parse_args()
+    force_offline()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    settings = load_settings().model
+    path = model_path(settings)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = model.config
+    rope = RopeConfig.from_hf_config(config.to_dict())
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    n_conversations, n_questions = (2, 6) if args.quick else (6, 40)
+    history = build_history(tokenizer, [conversation(i, 7) for i in range(n_conversations)])
+    questions = random.Random(0).sample(history.questions, min(n_questions, len(history.questions)))
+    captured = Captured(model)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model(torch.tensor([history.ids]), use_cache=True)
+    prefill_s = time.perf_counter() - started
+    length = len(history.ids)
+    keys = torch.stack([per_head(k, kv_heads) for k in captured.keys])  # [L, KVH, T, D], pre-RoPE
+    kv_bytes = 2 * keys.numel() * 2  # K and V at bf16, as a GPU engine holds them
+    key_norms = keys.norm(dim=-1).mean(dim=(0, 1))  # [T]: where the keys' weight concentrates
+    chunkings = {
+        "fixed16": [(s, min(s + CHUNK, length)) for s in range(0, length, CHUNK)],
+        "adaptive": adaptive_spans(key_norms - key_norms.min(), min_size=8, max_size=32, share=0.02),
+    }
+    summaries = {name: summarize(keys, spans, rope) for name, spans in chunkings.items()}
+    budgets = {share: int(share * length) for share in [args.budget, *map(float, args.more_budgets.split(","))]}
+    rng = random.Random(1)
+    results: dict[str, list[dict]] = {}
+    score_ms: list[float] = []
+    for qa in questions:
+        q_ids = tokenizer.encode(f"Question: {qa['question']}\nAnswer:", add_special_tokens=False)
+        with torch.inference_mode():
+            asked = model(
+                torch.tensor([q_ids]), past_key_values=_copy_cache(out.past_key_values), output_attentions=True
+            )
+        queries = torch.stack([per_head(q, heads) for q in captured.queries])  # [L, H, Q, D]
+        importance = torch.stack([a[0, :, :, :length].mean(dim=(0, 1)) for a in asked.attentions])  # [L, T]
+        evidence = [history.turns[e] for e in qa["evidence"] if e in history.turns]
+        for name, spans in chunkings.items():
+            tick = time.perf_counter()
+            mass = chunk_scores(summaries[name], queries, length, rope, heads // kv_heads).mean(0)  # [C]
+            score_ms.append((time.perf_counter() - tick) * 1000)
+            must = [0, len(spans) - 1]
+            ways = {
+                f"bounds_{name}": must + mass.argsort(descending=True).tolist(),
+                f"oracle_{name}": must
+                + torch.tensor([importance.mean(0)[s:e].sum() for s, e in spans]).argsort(descending=True).tolist(),
+            }
+            if name == "fixed16":
+                ways["recency"] = must + list(range(len(spans) - 1, -1, -1))
+                ways["random"] = must + rng.sample(range(len(spans)), len(spans))
+            for way, order in ways.items():
+                for share, budget in budgets.items():
+                    chosen = select(order, spans, budget)
+                    row = judge(mask_of(chosen, spans, length), importance, evidence)
+                    results.setdefault(f"{way}@{share:g}", []).append(row)
+        del asked
+    report = {
+        "model": "SmolLM2-135M-Instruct, float32, CPU",
+        "history_tokens": length,
+        "questions": len(questions),
+        "budget_tokens": budgets,
+        "prefill_s": round(prefill_s, 2),
+        "score_ms_per_question_p50": round(sorted(score_ms)[len(score_ms) // 2], 2),
+        "summary_bytes_over_kv_bytes": {name: round(s.nbytes / kv_bytes, 4) for name, s in summaries.items()},
+        "chunks": {name: len(spans) for name, spans in chunkings.items()},
+        "ways": {way: summarise(rows) for way, rows in results.items()},
+    }
+    chosen = report["ways"][f"bounds_adaptive@{args.budget:g}"]
+    best_bytes = min(report["summary_bytes_over_kv_bytes"].values())
+    report["targets"] = [
+        target(
+            "top-10% attention tokens inside the selected chunks (bounds, mean over layers)",
+            chosen["recall"],
+            ">= 0.95",
+        ),
+        target(
+            "bytes read: (selected chunks + all summaries) / selected chunks", 1 + best_bytes / args.budget, "<= 1.3"
+        ),
+    ]
+    write_report(args.out, report)
+    for way, row in report["ways"].items():
+        print(way, {k: v for k, v in row.items() if k != "recall_per_layer"})
+    for t in report["targets"]:
+        print(t)
+
+
+def summarise(rows: list[dict]) -> dict:
+    layers = len(rows[0]["recall"])
+    per_layer = [sum(r["recall"][i] for r in rows) / len(rows) for i in range(layers)]
+    found = sum(r["evidence"] for r in rows)
+    return {
+        "recall": round(sum(per_layer) / layers, 4),
+        "recall_worst_layer": round(min(per_layer), 4),
+        "mass": round(sum(sum(r["mass"]) / layers for r in rows) / len(rows), 4),
+        "evidence_selected": round(found / len(rows), 4),
+        "evidence_interval": list(wilson(found, len(rows))),
+        "recall_per_layer": [round(x, 3) for x in per_layer],
+    }
+
+
+def _copy_cache(cache):
+    """The history's cache as a fresh object each question (a forward appends to the one it is given)."""
+    import copy
+
+    return copy.deepcopy(cache)
+
+
+if __name__ == "__main__":
+    main()

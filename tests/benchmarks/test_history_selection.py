@@ -1,0 +1,37 @@
+"""The history-selection benchmark's pieces: turn spans, budgeted chunk choice, and its judge of recall."""
+
+import pytest
+import torch
+
+from benchmarks.history_selection import build_history, judge, mask_of, select
+from benchmarks.quality.devset import conversation
+
+
+class Chars:
+    """A tokenizer of one id per character (enough to check spans)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+def test_each_turn_keeps_its_token_span_and_questions_name_their_conversation():
+    samples = [conversation(0, 7), conversation(1, 7)]
+    history = build_history(Chars(), samples)
+    turn = samples[1]["conversation"]["session_2"][0]
+    start, end = history.turns[f"1:{turn['dia_id']}"]
+    assert "".join(map(chr, history.ids[start:end])) == f"{turn['speaker']}: {turn['text']}\n"
+    assert all(e.split(":", 1)[0] in ("0", "1") for q in history.questions for e in q["evidence"])
+
+
+def test_chunks_are_taken_in_order_until_the_budget_and_the_first_always_fits():
+    spans = [(0, 4), (4, 8), (8, 16), (16, 20)]
+    assert select([0, 3, 2, 1], spans, budget=12) == {0, 3, 1}  # 2 (8 tokens) no longer fits after 0 and 3
+    assert select([2], spans, budget=1) == {2}  # something is always selected
+
+
+def test_the_judge_counts_top_tokens_mass_and_evidence_inside_the_mask():
+    importance = torch.tensor([[5.0, 0, 0, 0, 0, 0, 0, 0, 0, 5.0]]) + torch.tensor([0.1] + [0.0] * 9)  # top: 0
+    mask = mask_of({0}, [(0, 2), (2, 10)], 10)
+    row = judge(mask, importance, evidence=[(1, 3)])
+    assert row["recall"] == [1.0] and row["mass"] == [pytest.approx(5.1 / 10.1)] and row["evidence"]
+    assert not judge(mask, importance, evidence=[(4, 6)])["evidence"]
