@@ -57,6 +57,8 @@ def _zipf(n: int, s: float) -> np.ndarray:
 
 @dataclass
 class Outcome:
+    """What one replay counted after its warm-up."""
+
     hits: int = 0
     retrievals: int = 0
     reencodes: int = 0

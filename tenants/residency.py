@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from config.settings import ResidencySettings
 from tenants.errors import TenantError
@@ -22,6 +23,9 @@ from tenants.fact_writes import FactWriter, no_fault
 from tenants.facts import Fact
 from tenants.residency_policy import ResidencyPolicy, ResidentFact, decayed
 from tenants.tenant_entry import TenantEntry
+
+if TYPE_CHECKING:
+    from tenants.service import TenantService
 
 log = logging.getLogger(__name__)
 REASK_AFTER_S = 60.0  # a re-encode asked for and not landed is asked again after this long
@@ -51,7 +55,7 @@ class Residency:
     """One process's part in KV residency: counting uses, asking for re-encodes, and (while it holds the lease)
     applying the budgets."""
 
-    def __init__(self, service, settings: ResidencySettings, owner: str) -> None:  # service: TenantService
+    def __init__(self, service: TenantService, settings: ResidencySettings, owner: str) -> None:
         self._service, self.settings, self._owner = service, settings, owner
         self.policy = ResidencyPolicy(settings)
         self.counter = UseCounter(service.meta.uses, settings.half_life_s)
