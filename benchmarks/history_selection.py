@@ -13,8 +13,9 @@ most recent one. Ground truth is the same pass's attention: per layer, the histo
 Reported per layer and overall, side by side in one run: the share of those top-10 % tokens inside the
 selected chunks (LeoAM's claim is that a small budget holds nearly all of them), the share of attention mass
 inside them, and whether each question's evidence turn (the dataset's `evidence`) was selected; for the
-bounds, for recency (the last tenth), for random chunks, and for an oracle that picks chunks by the true
-attention. Also: summary bytes against the history's K/V bytes, and the time spent scoring.
+bounds, for recency (the last tenth), for random chunks, for an oracle that picks chunks by the true
+attention, for retrieval (chunks of the turns whose MiniLM embedding is nearest the question's, as facts are
+retrieved) and for retrieval taking half the budget and the bounds the rest. Also: summary bytes against the history's K/V bytes, and the time spent scoring.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ class History:
     ids: list[int]
     turns: dict[str, tuple[int, int]]
     questions: list[dict]
+    texts: dict[str, str]  # each turn's text, for retrieval by embedding
 
 
 def build_history(tokenizer, conversations: list[dict]) -> History:
     """The conversations' turns one after the other, each `Speaker: text` on its own line."""
     ids: list[int] = []
     turns: dict[str, tuple[int, int]] = {}
+    texts: dict[str, str] = {}
     questions = []
     for c_index, sample in enumerate(conversations):
         convo = sample["conversation"]
@@ -59,11 +62,36 @@ def build_history(tokenizer, conversations: list[dict]) -> History:
             for turn in convo[f"session_{n}"]:
                 line = tokenizer.encode(f"{turn['speaker']}: {turn['text']}\n", add_special_tokens=False)
                 turns[f"{c_index}:{turn['dia_id']}"] = (len(ids), len(ids) + len(line))
+                texts[f"{c_index}:{turn['dia_id']}"] = f"{turn['speaker']}: {turn['text']}"
                 ids += line
         for qa in sample["qa"]:
             if qa.get("evidence"):
                 questions.append({**qa, "evidence": [f"{c_index}:{e}" for e in qa["evidence"]]})
-    return History(ids, turns, questions)
+    return History(ids, turns, questions, texts)
+
+
+def retrieval_order(
+    spans: list[tuple[int, int]], turns: dict[str, tuple[int, int]], scores: dict[str, float]
+) -> list[int]:
+    """Chunks by the best retrieval score of a turn they hold part of (the facts' embedding search, per turn)."""
+    best = [float("-inf")] * len(spans)
+    for turn, (start, end) in turns.items():
+        for c, (s, e) in enumerate(spans):
+            if s < end and start < e:
+                best[c] = max(best[c], scores[turn])
+    return sorted(range(len(spans)), key=lambda c: -best[c])
+
+
+def retrieval_then_bounds(by_retrieval: list[int], by_bounds: list[int], spans, budget: int) -> list[int]:
+    """Half the budget to the best-retrieved turns' chunks, the rest by the bounds."""
+    first, used = [], 0
+    for c in by_retrieval:
+        size = spans[c][1] - spans[c][0]
+        if used + size > budget // 2:
+            break
+        first.append(c)
+        used += size
+    return first + [c for c in by_bounds if c not in set(first)]
 
 
 class Captured:
@@ -173,6 +201,11 @@ def main() -> None:
     summaries = {name: summarize(keys, spans, rope) for name, spans in chunkings.items()}
     budgets = {share: int(share * length) for share in [args.budget, *map(float, args.more_budgets.split(","))]}
     rng = random.Random(1)
+    from models.minilm import MiniLMEmbedder
+
+    embedder = MiniLMEmbedder(device="cpu")
+    turn_ids = list(history.texts)
+    turn_vectors = embedder.embed_tensor([history.texts[t] for t in turn_ids])
     results: dict[str, list[dict]] = {}
     score_ms: list[float] = []
     for qa in questions:
@@ -184,6 +217,8 @@ def main() -> None:
         queries = torch.stack([per_head(q, heads) for q in captured.queries])  # [L, H, Q, D]
         importance = torch.stack([a[0, :, :, :length].mean(dim=(0, 1)) for a in asked.attentions])  # [L, T]
         evidence = [history.turns[e] for e in qa["evidence"] if e in history.turns]
+        cosine = (turn_vectors @ embedder.embed_tensor([qa["question"]])[0]).tolist()
+        turn_scores = dict(zip(turn_ids, cosine))
         for name, spans in chunkings.items():
             tick = time.perf_counter()
             mass = chunk_scores(summaries[name], queries, length, rope, heads // kv_heads).mean(0)  # [C]
@@ -197,11 +232,19 @@ def main() -> None:
             if name == "fixed16":
                 ways["recency"] = must + list(range(len(spans) - 1, -1, -1))
                 ways["random"] = must + rng.sample(range(len(spans)), len(spans))
+                ways["retrieval"] = must + retrieval_order(spans, history.turns, turn_scores)
             for way, order in ways.items():
                 for share, budget in budgets.items():
                     chosen = select(order, spans, budget)
                     row = judge(mask_of(chosen, spans, length), importance, evidence)
                     results.setdefault(f"{way}@{share:g}", []).append(row)
+            if name == "fixed16":  # retrieval picks the turns for half of each budget, the bounds the rest
+                for share, budget in budgets.items():
+                    order = must + retrieval_then_bounds(
+                        ways["retrieval"][2:], ways["bounds_fixed16"][2:], spans, budget
+                    )
+                    row = judge(mask_of(select(order, spans, budget), spans, length), importance, evidence)
+                    results.setdefault(f"retrieval_then_bounds@{share:g}", []).append(row)
         del asked
     report = {
         "model": "SmolLM2-135M-Instruct, float32, CPU",
@@ -216,7 +259,16 @@ def main() -> None:
     }
     chosen = report["ways"][f"bounds_adaptive@{args.budget:g}"]
     best_bytes = min(report["summary_bytes_over_kv_bytes"].values())
+    hybrid = report["ways"][f"retrieval_then_bounds@{args.budget:g}"]
     report["targets"] = [
+        target(
+            "questions whose evidence turn is selected (retrieval, then bounds)", hybrid["evidence_selected"], ">= 0.9"
+        ),
+        target(
+            "attention mass held (retrieval, then bounds) over the bounds' alone",
+            hybrid["mass"] / report["ways"][f"bounds_fixed16@{args.budget:g}"]["mass"],
+            ">= 0.9",
+        ),
         target(
             "top-10% attention tokens inside the selected chunks (bounds, mean over layers)",
             chosen["recall"],

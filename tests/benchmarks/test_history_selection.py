@@ -35,3 +35,12 @@ def test_the_judge_counts_top_tokens_mass_and_evidence_inside_the_mask():
     row = judge(mask, importance, evidence=[(1, 3)])
     assert row["recall"] == [1.0] and row["mass"] == [pytest.approx(5.1 / 10.1)] and row["evidence"]
     assert not judge(mask, importance, evidence=[(4, 6)])["evidence"]
+
+
+def test_retrieval_orders_chunks_by_their_best_turn_and_shares_the_budget_with_the_bounds():
+    from benchmarks.history_selection import retrieval_order, retrieval_then_bounds
+
+    spans = [(0, 4), (4, 8), (8, 12)]
+    turns = {"a": (0, 6), "b": (6, 12)}  # a spans chunks 0 and 1, b chunks 1 and 2
+    assert retrieval_order(spans, turns, {"a": 0.2, "b": 0.9}) == [1, 2, 0]
+    assert retrieval_then_bounds([1, 2, 0], [0, 2, 1], spans, budget=8) == [1, 0, 2]  # half (4 tokens): chunk 1
