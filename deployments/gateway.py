@@ -133,7 +133,7 @@ class Gateway:
             hits = order_facts(retrieved.hits, body.memory.order or self.args.default_order)
             facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in hits)
             if self.residency is not None:
-                self._count_uses(tenant, [f for f, _ in hits], api_key)
+                self._count_uses(self.residency, tenant, [f for f, _ in hits], api_key)
         else:
             version = tenant.version()
         retrieval_ms = (time.perf_counter() - started) * 1000
@@ -161,10 +161,9 @@ class Gateway:
             tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, [f.fact_id for f in facts]))
         return PreparedChat(task, retrieval_ms, (embedded - started) * 1000, tiers)
 
-    def _count_uses(self, tenant: Tenant, facts: list[Fact], api_key: str) -> None:
-        assert self.residency is not None
+    def _count_uses(self, residency: Residency, tenant: Tenant, facts: list[Fact], api_key: str) -> None:
         self.metrics.retrievals.inc(len(facts))
-        warm = self.residency.observe(tenant.id, facts, time.time())
+        warm = residency.observe(tenant.id, facts, time.time())
         if warm and api_key:
             self.metrics.kv_reencodes.inc(len(warm))
             self.memories.encode_again(tenant, api_key, warm)
