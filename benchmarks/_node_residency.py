@@ -41,14 +41,28 @@ class ZipfTrace:
         return self.chats / self.rate_per_s
 
     def draw(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(arrival times, tenant of each chat, its k fact indices): a fixed draw per seed."""
+        """(arrival times, tenant of each chat, its k fact indices): a fixed draw per seed. A tenant's popularity
+        order is a bijection of its own (a stride coprime to the fact count, from an offset), so a trace over
+        100,000 tenants costs no per-tenant table."""
         rng = np.random.default_rng(self.seed)
         times = np.cumsum(rng.exponential(1 / self.rate_per_s, self.chats))
         tenant_of = rng.choice(self.tenants, size=self.chats, p=zipf(self.tenants, self.tenant_s))
-        order = np.argsort(rng.random((self.tenants, self.facts)), axis=1)  # each tenant's own popular facts
-        fact_p = zipf(self.facts, self.fact_s)
-        ranks = np.stack([rng.choice(self.facts, size=self.k, replace=False, p=fact_p) for _ in range(self.chats)])
-        return times, tenant_of, order[tenant_of[:, None], ranks]
+        ranks = np.stack(
+            [
+                rng.choice(self.facts, size=self.k, replace=False, p=zipf(self.facts, self.fact_s))
+                for _ in range(self.chats)
+            ]
+        )
+        stride = _coprime_stride(self.facts)
+        offset = (tenant_of.astype(np.int64) * 7_919 + self.seed) % self.facts
+        return times, tenant_of, (ranks * stride + offset[:, None]) % self.facts
+
+
+def _coprime_stride(n: int) -> int:
+    stride = max(1, int(n * 0.618))
+    while np.gcd(stride, n) != 1:
+        stride += 1
+    return stride
 
 
 def settings_for(trace: ZipfTrace, node_kv_bytes: int) -> ResidencySettings:
@@ -70,21 +84,25 @@ class Events:
     dropped: list[tuple[int, int]] = field(default_factory=list)
 
 
-class NodeResidency:
-    """The node's K/V state under the policy: which facts hold K/V, starting from none (every fact's K/V is
-    earned by use, the policy's steady state for a node that has been up longer than a half-life)."""
+@dataclass
+class _Use:
+    score: float = 0.0
+    at: float = 0.0
+    last: float = 0.0
+    encoded: float = 0.0
+    asked: bool = False
 
-    def __init__(self, trace: ZipfTrace, settings: ResidencySettings, fact_bytes: int, encode_s: float) -> None:
-        self.settings, self.policy, self.fact_bytes, self.encode_s = (
-            settings,
-            ResidencyPolicy(settings),
-            fact_bytes,
-            encode_s,
-        )
-        shape = (trace.tenants, trace.facts)
-        self.has_kv = np.zeros(shape, dtype=bool)
-        self.score, self.at, self.last, self.encoded = (np.zeros(shape) for _ in range(4))
-        self.asked = np.zeros(shape, dtype=bool)
+
+class NodeResidency:
+    """The node's K/V state under the policy: which (tenant, fact) pairs hold K/V, starting from none (every
+    fact's K/V is earned by use, the policy's steady state for a node that has been up longer than a
+    half-life). State is kept only for facts retrieved at least once."""
+
+    def __init__(self, settings: ResidencySettings, fact_bytes: int, encode_s: float) -> None:
+        self.settings, self.policy = settings, ResidencyPolicy(settings)
+        self.fact_bytes, self.encode_s = fact_bytes, encode_s
+        self.uses: dict[tuple[int, int], _Use] = {}
+        self.held: set[tuple[int, int]] = set()
         self.floor, self.floor_at = 0.0, 0.0
         self.landing: list[tuple[float, int, int]] = []
         self.next_sweep = settings.sweep_interval_s
@@ -93,7 +111,7 @@ class NodeResidency:
 
     @property
     def kept_bytes(self) -> int:
-        return int(self.has_kv.sum()) * self.fact_bytes
+        return len(self.held) * self.fact_bytes
 
     def advance(self, now: float) -> Events:
         """Apply the landings and sweeps due by `now`, in time order."""
@@ -107,19 +125,17 @@ class NodeResidency:
 
     def chat(self, now: float, tenant: int, facts: np.ndarray) -> np.ndarray:
         """Whether each retrieved fact has K/V now; counts the retrieval and asks for the re-encodes it earns."""
-        served = self.has_kv[tenant, facts].copy()
+        served = np.array([(tenant, int(f)) in self.held for f in facts], dtype=bool)
         half_life = self.settings.half_life_s
         bar = decayed(self.floor, self.floor_at, now, half_life)
-        for f in facts:
-            self.score[tenant, f] = decayed(self.score[tenant, f], self.at[tenant, f], now, half_life) + 1
-            self.at[tenant, f] = self.last[tenant, f] = now
-            if (
-                not self.has_kv[tenant, f]
-                and not self.asked[tenant, f]
-                and self.policy.wants_kv(self.score[tenant, f], bar)
-            ):
-                self.asked[tenant, f] = True
-                self.landing.append((now + self.encode_s, tenant, int(f)))
+        for f in facts.tolist():
+            key = (tenant, f)
+            use = self.uses.get(key) or self.uses.setdefault(key, _Use())
+            use.score = decayed(use.score, use.at, now, half_life) + 1
+            use.at = use.last = now
+            if key not in self.held and not use.asked and self.policy.wants_kv(use.score, bar):
+                use.asked = True
+                self.landing.append((now + self.encode_s, tenant, f))
                 self.reencodes += 1
         return served
 
@@ -127,29 +143,31 @@ class NodeResidency:
         waiting = []
         for when, tenant, f in self.landing:
             if when <= now:
-                self.has_kv[tenant, f], self.encoded[tenant, f], self.asked[tenant, f] = True, when, False
+                use = self.uses[tenant, f]
+                use.encoded, use.asked = when, False
+                self.held.add((tenant, f))
                 events.landed.append((tenant, f))
             else:
                 waiting.append((when, tenant, f))
         self.landing = waiting
 
     def _sweep(self, now: float, events: Events) -> None:
-        tenants, facts = np.nonzero(self.has_kv)
-        resident = [
-            ResidentFact(
-                f"{t}:{f}",
-                self.fact_bytes,
-                decayed(self.score[t, f], self.at[t, f], now, self.settings.half_life_s),
-                self.last[t, f],
-                self.encoded[t, f],
+        """As `tenants/residency.py` sweeps with only a node budget: the policy's drops over every fact of the
+        node (what `node_drops` does), then the node's floor."""
+        half_life, held = self.settings.half_life_s, list(self.held)
+        resident = []
+        for index, key in enumerate(held):
+            use = self.uses[key]
+            resident.append(
+                ResidentFact(
+                    str(index), self.fact_bytes, decayed(use.score, use.at, now, half_life), use.last, use.encoded
+                )
             )
-            for t, f in zip(tenants.tolist(), facts.tolist())
-        ]
         dropped = self.policy.drops(resident, self.settings.node_kv_bytes, now)
         for fact in dropped:
-            t, f = map(int, fact.fact_id.split(":"))
-            self.has_kv[t, f] = False
-            events.dropped.append((t, f))
+            key = held[int(fact.fact_id)]
+            self.held.discard(key)
+            events.dropped.append(key)
         self.drops += len(dropped)
         gone = {fact.fact_id for fact in dropped}
         kept = [fact for fact in resident if fact.fact_id not in gone]

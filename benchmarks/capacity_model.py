@@ -5,27 +5,31 @@ with its k facts in the device arena, the pinned host->device and cold disk rate
 fact token's prefill cost (idle, and in GPU time per request under a full batch), and the engine's GPU time
 per injected request under a full batch; a model shape and record dtype (a fact's bytes in HBM at full
 precision, and as int8 codes below it); a node type (per GPU: the HBM given to the arena, pinned host memory,
-disk and its read rate); a residency policy (a fact leaving host memory after fewer than `keep_min_hits`
-retrievals, or leaving the disk, drops to text only: its requests paste it, and its K/V is encoded again in
-the background when it is next retrieved, at a pasted request's GPU cost); and a popularity trace (each
-request's tenant by Zipf(s) over the tenants, its k facts by Zipf within the tenant).
+the disk tier, the record store's disk and its read rate); and a popularity trace (each chat's tenant by
+Zipf(s) over the tenants, its k facts by Zipf within the tenant).
 
-The tiers are replayed as exclusive LRU caches by bytes (HBM -> host -> disk -> text), a request's facts
-brought into HBM after it. A request's idle TTFT is the arena's, plus the bytes it reads from each lower tier
-over that tier's rate, plus its pasted tokens' prefill; under load (`--load`: the offered rate as a share of
-what the GPU serves with every fact in HBM) its GPU time is stretched as on a processor-sharing server,
-TTFT = idle + demand x rho / (1 - rho), rho = rate x the mean demand (re-encodes included); the reference is
-the same load with every fact in HBM. For each node type the tenant count is raised until the p95 passes 2x
-that reference; the report gives it against the tenants HBM alone holds (their whole K/V resident). A model,
-not a measurement: `--measured-tenants N` (an H200 run of the same trace) checks it within 20 %.
+Which facts hold K/V is decided by inferscale's own residency rules (`_node_residency.py` runs
+`tenants/residency_policy.py` on a simulated clock, the node's K/V budget being what its record store holds):
+a fact without K/V is pasted, and its re-encode, once it has earned one, costs a prefill of its tokens. The
+facts with K/V are replayed through the tiers as exclusive LRU caches by bytes (HBM -> host -> disk, then the
+record store), a request's facts brought into HBM after it. A request's idle TTFT is the arena's, plus the bytes
+it reads from each lower tier over that tier's rate, plus its pasted tokens' prefill; under load (`--load`: the
+offered rate as a share of what the GPU serves with every fact in HBM) its GPU time is stretched as on a
+processor-sharing server, TTFT = idle + demand x rho / (1 - rho), rho = rate x the mean demand (re-encodes
+included); the reference is the same load with every fact in HBM. Beside it, every fact keeping K/V (its record
+read from the store when no tier holds it; every record must fit the store). For each node type the tenant
+count is raised until the p95 passes 2x that reference. A model, not a measurement: `--measured PATH` (a
+`tenants_per_gpu.py` report) replays that run's own trace, budgets and reference figures at no load, and
+compares its p95 per tenant count and its tenant count with what the engine measured (goal within 20 %).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._node_residency import NodeResidency, ZipfTrace, settings_for  # noqa: E402
 
 GIB = 1 << 30
 
@@ -86,127 +91,116 @@ NODES = (
 )
 
 
-@dataclass(frozen=True)
-class Trace:
-    """Who asks: tenants by Zipf(tenant_s), a request's k facts by Zipf(fact_s) within its tenant."""
-
-    facts_per_tenant: int = 1000
-    k: int = 50
-    tenant_s: float = 1.0
-    fact_s: float = 1.0
-    requests: int = 20_000
-    warmup: int = 20_000
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class Policy:
-    """What keeps K/V. Without `residency` every fact keeps it forever: one that no tier holds is read from the
-    fact store (its full-precision record on disk). With it, a fact leaving the disk tier, or leaving host memory
-    after fewer than `keep_min_hits` retrievals, drops to text only, and so is a fact not retrieved yet (the
-    policy's steady state: the rarely asked are cold)."""
-
-    residency: bool = True
-    keep_min_hits: int = 2
-
-
 class Tiers:
-    """Exclusive LRU tiers by bytes (HBM, host, disk); below them the fact store (unbounded) or text only.
+    """Exclusive LRU tiers by bytes (HBM, host, disk) of the facts that hold K/V; below them the record store.
 
-    `touch` returns, per fact, the index of where it was: a tier, `STORE` or `TEXT`."""
+    `touch` returns, per fact, the index of where it was: a tier or `STORE`."""
 
     STORE, TEXT = 3, 4
 
-    def __init__(self, capacities: list[int], sizes: list[int], policy: Policy) -> None:
-        self.capacity, self.size, self.policy = capacities, sizes, policy
+    def __init__(self, capacities: list[int], sizes: list[int]) -> None:
+        self.capacity, self.size = capacities, sizes
         self.held: list[OrderedDict] = [OrderedDict() for _ in capacities]
         self.used = [0] * len(capacities)
-        self.below = self.TEXT if policy.residency else self.STORE  # where a fact no tier holds is
-        self.where: dict[int, int] = {}  # fact -> tier index (absent: `below`, or TEXT once dropped)
-        self.hits: dict[int, int] = {}
+        self.where: dict[object, int] = {}  # fact -> tier index (absent: the store)
 
-    def touch(self, facts: list[int]) -> list[int]:
+    def touch(self, facts: list) -> list[int]:
         """Where each fact was before this request; then all of them into HBM."""
-        before = [self.where.get(f, self.below) for f in facts]
+        before = [self.where.get(f, self.STORE) for f in facts]
         for fact in facts:  # where it is now: bringing an earlier fact up may have pushed this one down
-            self.hits[fact] = self.hits.get(fact, 0) + 1
-            tier = self.where.pop(fact, self.below)
-            if tier < len(self.capacity):
-                del self.held[tier][fact]
-                self.used[tier] -= self.size[tier]
+            self.remove(fact)
             self._add(fact, 0)
         return before
 
-    def _add(self, fact: int, tier: int) -> None:
-        self.where[fact] = self.below  # where it stays if no tier has room for it
-        while tier < len(self.capacity):
-            if self.size[tier] > self.capacity[tier]:
-                tier += 1
-                continue
-            self.held[tier][fact] = None
-            self.used[tier] += self.size[tier]
-            self.where[fact] = tier
-            while self.used[tier] > self.capacity[tier]:
-                victim, _ = self.held[tier].popitem(last=False)
-                self.used[tier] -= self.size[tier]
-                below = tier + 1
-                if self.policy.residency and tier == 1 and self.hits.get(victim, 0) < self.policy.keep_min_hits:
-                    below = self.TEXT  # cold: dropped to text only
-                if below < len(self.capacity):
-                    self._add(victim, below)
-                else:
-                    self.where[victim] = self.below
+    def remove(self, fact) -> None:
+        """Out of every tier (its K/V dropped, or about to move up)."""
+        tier = self.where.pop(fact, self.STORE)
+        if tier < len(self.capacity):
+            del self.held[tier][fact]
+            self.used[tier] -= self.size[tier]
+
+    def _add(self, fact, tier: int) -> None:
+        while tier < len(self.capacity) and self.size[tier] > self.capacity[tier]:
+            tier += 1
+        if tier == len(self.capacity):
             return
+        self.held[tier][fact] = None
+        self.used[tier] += self.size[tier]
+        self.where[fact] = tier
+        while self.used[tier] > self.capacity[tier]:
+            victim, _ = self.held[tier].popitem(last=False)
+            self.used[tier] -= self.size[tier]
+            del self.where[victim]
+            self._add(victim, tier + 1)
 
 
-def zipf_weights(n: int, s: float) -> np.ndarray:
-    weights = 1.0 / np.arange(1, n + 1) ** s
-    return weights / weights.sum()
+@dataclass(frozen=True)
+class Run:
+    """One simulated run: the trace, whether the residency policy decides K/V, and the offered load."""
+
+    trace: ZipfTrace
+    residency: bool
+    load: float
+    timed: int  # chats counted: `timed` of them, ending `after` chats before the trace's end
+    after: int = 0
 
 
-def simulate(
-    tenants: int, node: Node, shape: Shape, measured: Measured, trace: Trace, policy: Policy, load: float
-) -> dict:
-    """p50 / p95 TTFT (ms) under `load` and where facts came from, for `tenants` tenants on one GPU of `node`."""
-    rng = np.random.default_rng(trace.seed)
+def simulate(run: Run, node: Node, shape: Shape, measured: Measured) -> dict:
+    """p50 / p95 TTFT (ms) under the run's load and where facts came from, for its tenants on one GPU of `node`."""
+    trace = run.trace
     sizes = [shape.full_bytes, shape.int8_bytes, shape.int8_bytes]
     capacities = [int(node.hbm_arena_gib * GIB), int(node.host_gib * GIB), int(node.disk_gib * GIB)]
-    tiers = Tiers(capacities, sizes, policy)
+    tiers = Tiers(capacities, sizes)
     rates = [math.inf, measured.host_gbs, node.disk_gbs or measured.disk_gbs]
-    tenant_of = rng.choice(tenants, size=trace.warmup + trace.requests, p=zipf_weights(tenants, trace.tenant_s))
-    fact_p = zipf_weights(trace.facts_per_tenant, trace.fact_s)
+    times, tenant_of, facts_of = trace.draw()
+    state = (
+        NodeResidency(settings_for(trace, int(node.store_gib * GIB)), shape.full_bytes, 0.5) if run.residency else None
+    )
+    first, last = trace.chats - run.after - run.timed, trace.chats - run.after
     counts = [0, 0, 0, 0, 0]
     idle, demand = [], []
-    for index, tenant in enumerate(tenant_of):
-        ranks = _distinct(rng, fact_p, trace.k)
-        facts = [int(tenant) * trace.facts_per_tenant + int(r) for r in ranks]
-        before = tiers.touch(facts)
-        if index < trace.warmup:
+    reencodes_before = reencodes_after = 0
+    for index, (now, tenant) in enumerate(zip(times.tolist(), tenant_of.tolist())):
+        facts = facts_of[index]
+        if state is not None:
+            for key in state.advance(now).dropped:
+                tiers.remove(key)
+            mask = state.chat(now, tenant, facts)
+        else:
+            mask = np.ones(len(facts), dtype=bool)
+        before = tiers.touch([(tenant, f) for f in facts[mask].tolist()])
+        if index == first and state is not None:
+            reencodes_before = state.reencodes
+        if index == last and state is not None:
+            reencodes_after = state.reencodes
+        if not first <= index < last:
             continue
-        ms, pasted = measured.arena_ttft_ms, 0
+        ms, pasted = measured.arena_ttft_ms, int((~mask).sum()) * shape.fact_tokens
+        counts[Tiers.TEXT] += int((~mask).sum())
         for tier in before:
             counts[tier] += 1
             if tier in (1, 2):
                 ms += sizes[tier] / (rates[tier] * 1e9) * 1e3
             elif tier == Tiers.STORE:  # its full-precision record, read from the store's disk
                 ms += shape.full_bytes / (rates[2] * 1e9) * 1e3
-            elif tier == Tiers.TEXT:
-                pasted += shape.fact_tokens
         idle.append(ms + pasted * measured.paste_ms_per_token)
-        # its own GPU time, and the background re-encode of its pasted facts (a pasted prefill's cost again)
-        demand.append(measured.inject_gpu_ms + 2 * pasted * measured.paste_gpu_ms_per_token)
-    rate = load / measured.inject_gpu_ms  # requests per ms
-    rho = rate * float(np.mean(demand))
-    if rho >= 1:
-        ttft = np.full(len(idle), math.inf)
-    else:
-        ttft = np.array(idle) + np.array(demand) * rho / (1 - rho)
+        demand.append(measured.inject_gpu_ms + pasted * measured.paste_gpu_ms_per_token)
+    if state is not None and last == trace.chats:
+        reencodes_after = state.reencodes
+    reencodes = reencodes_after - reencodes_before
+    # each re-encode prefills the fact's tokens once (w = 0), spread over the counted chats
+    demand_mean = float(np.mean(demand)) + reencodes * shape.fact_tokens * measured.paste_gpu_ms_per_token / len(demand)
+    rate = run.load / measured.inject_gpu_ms  # requests per ms
+    rho = rate * demand_mean
+    ttft = np.array(idle) + np.array(demand) * rho / max(1 - rho, 1e-9)
     total = sum(counts)
+    saturated = rho >= 1  # the GPU cannot keep up: TTFT grows without bound
     return {
-        "tenants": tenants,
-        "p50_ms": float(np.percentile(ttft, 50)),
-        "p95_ms": float(np.percentile(ttft, 95)),
+        "tenants": trace.tenants,
+        "p50_ms": math.inf if saturated else float(np.percentile(ttft, 50)),
+        "p95_ms": math.inf if saturated else float(np.percentile(ttft, 95)),
         "gpu_utilization": rho,
+        "reencodes_per_1000": 1000 * reencodes / (run.timed * trace.k),
         "facts_from": {name: n / total for name, n in zip(("hbm", "host", "disk", "store", "text"), counts)},
     }
 
@@ -216,43 +210,96 @@ def reference_ms(measured: Measured, load: float) -> float:
     return measured.arena_ttft_ms + measured.inject_gpu_ms * load / (1 - load)
 
 
-def _distinct(rng: np.random.Generator, p: np.ndarray, k: int) -> np.ndarray:
-    """k distinct fact ranks drawn by popularity (what a retrieval of k facts from one tenant returns)."""
-    return rng.choice(len(p), size=k, replace=False, p=p)
-
-
-def capacity(node: Node, shape: Shape, measured: Measured, trace: Trace, policy: Policy, load: float) -> dict:
+def capacity(
+    node: Node, shape: Shape, measured: Measured, trace: ZipfTrace, residency: bool, load: float, timed: int
+) -> dict:
     """The most tenants whose p95 stays within 2x the all-in-HBM TTFT at the same load (doubling, then bisection)."""
     goal = 2 * reference_ms(measured, load)
-    hbm_alone = max(1, int(node.hbm_arena_gib * GIB // (shape.full_bytes * trace.facts_per_tenant)))
-    low, high, runs = hbm_alone, None, []
+    hbm_alone = max(1, int(node.hbm_arena_gib * GIB // (shape.full_bytes * trace.facts)))
+    runs: dict[int, dict] = {}
+
+    def at(tenants: int) -> dict:
+        if tenants not in runs:
+            runs[tenants] = simulate(
+                Run(replace(trace, tenants=tenants), residency, load, timed), node, shape, measured
+            )
+        return runs[tenants]
+
+    low, high = hbm_alone, None
     while high is None:
-        run = simulate(2 * low, node, shape, measured, trace, policy, load)
-        runs.append(run)
-        if run["p95_ms"] > goal or 2 * low > 100_000:
+        if at(2 * low)["p95_ms"] > goal or 2 * low > 100_000:
             high = 2 * low
         else:
             low *= 2
     while high - low > max(1, low // 20):
         middle = (low + high) // 2
-        run = simulate(middle, node, shape, measured, trace, policy, load)
-        runs.append(run)
-        low, high = (middle, high) if run["p95_ms"] <= goal else (low, middle)
+        low, high = (middle, high) if at(middle)["p95_ms"] <= goal else (low, middle)
     limited_by = "p95"
-    if not policy.residency:  # every fact's full-precision record must fit the fact store
-        stored = int(node.store_gib * GIB // (shape.full_bytes * trace.facts_per_tenant))
+    if not residency:  # every fact's full-precision record must fit the fact store
+        stored = int(node.store_gib * GIB // (shape.full_bytes * trace.facts))
         if stored < low:
             low, limited_by = max(stored, 1), "the fact store's disk"
-    at = next(r for r in runs if r["tenants"] == low) if any(r["tenants"] == low for r in runs) else None
     return {
         "node": asdict(node),
         "tenants_hbm_alone": hbm_alone,
         "tenants": low,
         "limited_by": limited_by,
         "over_hbm_alone": low / hbm_alone,
-        "at_capacity": at or simulate(low, node, shape, measured, trace, policy, load),
+        "at_capacity": at(low),
         "goal_p95_ms": goal,
     }
+
+
+def check_measured(path: Path, shape: Shape) -> dict:
+    """The model over a `tenants_per_gpu.py` run: the same trace, budgets and reference figures, no load."""
+    report = json.loads(path.read_text())
+    budgets = report["budgets_gib"]
+    node = Node("measured run", budgets["arena"], budgets["host"], budgets["disk_tier"], budgets["node_kv"])
+    ref = report["reference"]
+    measured = replace(
+        Measured(),
+        arena_ttft_ms=ref["hbm_ttft_ms"]["p50"],
+        paste_ms_per_token=report["paste_ms_per_token"],
+    )
+    shape = replace(shape, record_bytes_per_value=2 if report["record_dtype"] == "bfloat16" else 4)
+    rows = []
+    for row in report["runs"]:
+        trace = ZipfTrace(
+            tenants=row["tenants"],
+            facts=report["facts_per_tenant"],
+            k=report["k"],
+            chats=report["chats"],
+            rate_per_s=report["rate_per_s"],
+        )
+        # the chats the run timed one at a time (its batched ones follow them)
+        run = simulate(Run(trace, True, 0.0, report["timed"], after=report["timed"]), node, shape, measured)
+        within = run["p95_ms"] <= report["goal_p95_ms"]
+        rows.append(
+            {
+                "tenants": row["tenants"],
+                "measured_p95_ms": row["p95_ms"],
+                "model_p95_ms": run["p95_ms"],
+                "p95_relative_error": abs(run["p95_ms"] - row["p95_ms"]) / row["p95_ms"],
+                "model_within_goal": within,
+                "model": run,
+            }
+        )
+    return {
+        "report": str(path),
+        "rows": rows,
+        "measured_tenants": report["measured_tenants"],
+        "model_tenants": rows_passed(rows),
+    }
+
+
+def rows_passed(rows: list[dict]) -> int:
+    """The largest count of `rows` the model put within the goal, every smaller one too (0: none)."""
+    passed = 0
+    for row in rows:
+        if not row["model_within_goal"]:
+            break
+        passed = row["tenants"]
+    return passed
 
 
 def main() -> None:
@@ -260,18 +307,16 @@ def main() -> None:
     p.add_argument("--tenant-s", type=float, default=1.0, help="Zipf exponent of tenant popularity")
     p.add_argument("--fact-s", type=float, default=1.0, help="Zipf exponent of fact popularity within a tenant")
     p.add_argument("--record-bytes", type=int, default=2, choices=[2, 4], help="bytes a record value takes")
-    p.add_argument("--keep-min-hits", type=int, default=2, help="retrievals a fact needs to keep K/V on disk")
     p.add_argument("--load", type=float, default=0.5, help="offered rate / what the GPU serves with all in HBM")
-    p.add_argument("--measured-tenants", type=int, default=None, help="an H200 run's tenants for the same trace")
+    p.add_argument("--measured", type=Path, default=None, help="a tenants_per_gpu.py report to check the model against")
     args = p.parse_args()
-    requests = 3_000 if args.quick else 20_000
-    trace = Trace(tenant_s=args.tenant_s, fact_s=args.fact_s, requests=requests, warmup=requests)
+    chats, timed = (3_000, 1_000) if args.quick else (12_000, 2_000)
+    trace = ZipfTrace(tenants=1, chats=chats, rate_per_s=2.0, tenant_s=args.tenant_s, fact_s=args.fact_s)
     shape, measured = Shape(record_bytes_per_value=args.record_bytes), Measured()
-    policies = {"residency": Policy(True, args.keep_min_hits), "every fact keeps K/V": Policy(False)}
     rows = []
     for node in NODES:  # both policies side by side, each node
-        for name, policy in policies.items():
-            row = capacity(node, shape, measured, trace, policy, args.load) | {"policy": name}
+        for name, residency in (("residency", True), ("every fact keeps K/V", False)):
+            row = capacity(node, shape, measured, trace, residency, args.load, timed) | {"policy": name}
             rows.append(row)
             print(
                 f"{node.name}, {name}: {row['tenants']} tenants ({row['over_hbm_alone']:.1f}x the "
@@ -281,9 +326,19 @@ def main() -> None:
             )
     box = max((r for r in rows if r["node"]["name"] == NODES[0].name), key=lambda r: r["tenants"])
     targets = [target("h200 box, best policy: tenants over HBM alone at p95 <= 2x", box["over_hbm_alone"], ">= 10")]
-    if args.measured_tenants:
-        error = abs(box["tenants"] - args.measured_tenants) / args.measured_tenants
-        targets.append(target("model vs measured tenants on the H200 box, relative error", error, "<= 0.2"))
+    check = None
+    if args.measured:
+        check = check_measured(args.measured, shape)
+        for row in check["rows"]:
+            print(
+                f"measured run, {row['tenants']} tenants: p95 {row['measured_p95_ms']:.1f} ms measured, "
+                f"{row['model_p95_ms']:.1f} modelled",
+                flush=True,
+            )
+        worst = max(row["p95_relative_error"] for row in check["rows"])
+        targets.append(target("model vs measured p95 per tenant count, worst relative error", worst, "<= 0.2"))
+        error = abs(check["model_tenants"] - check["measured_tenants"]) / max(check["measured_tenants"], 1)
+        targets.append(target("model vs measured tenants within 2x, relative error", error, "<= 0.2"))
     write_report(
         args.out,
         {
@@ -291,11 +346,11 @@ def main() -> None:
             "quick": args.quick,
             "measured": asdict(measured),
             "shape": asdict(shape) | {"fact_full_bytes": shape.full_bytes, "fact_int8_bytes": shape.int8_bytes},
-            "trace": asdict(trace),
-            "policies": {name: asdict(policy) for name, policy in policies.items()},
+            "trace": asdict(trace) | {"timed": timed},
             "load": args.load,
             "reference_ms": reference_ms(measured, args.load),
             "nodes": rows,
+            "measured_check": check,
             "targets": targets,
         },
     )
