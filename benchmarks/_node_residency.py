@@ -9,6 +9,7 @@ and which it pastes) and `capacity_model.py` (the same, modelled), so both follo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,15 +95,21 @@ class _Use:
 
 
 class NodeResidency:
-    """The node's K/V state under the policy: which (tenant, fact) pairs hold K/V, starting from none (every
-    fact's K/V is earned by use, the policy's steady state for a node that has been up longer than a
-    half-life). State is kept only for facts retrieved at least once."""
+    """The node's K/V state under the policy: which (tenant, fact) pairs hold K/V. Every fact starts with K/V (the
+    encoder encodes a fact when it is written) and unused (the coldest there is), so the first sweep over budget
+    drops never-retrieved facts first. Those are alike, so they are kept as a count, not one by one: a fact's first
+    retrieval finds K/V with the share of never-retrieved facts still holding it, and from then on it is tracked
+    (a node of 100,000 tenants costs no per-fact state for facts nobody asks for)."""
 
-    def __init__(self, settings: ResidencySettings, fact_bytes: int, encode_s: float) -> None:
+    def __init__(
+        self, settings: ResidencySettings, fact_bytes: int, encode_s: float, facts_total: int, seed: int = 0
+    ) -> None:
         self.settings, self.policy = settings, ResidencyPolicy(settings)
         self.fact_bytes, self.encode_s = fact_bytes, encode_s
         self.uses: dict[tuple[int, int], _Use] = {}
-        self.held: set[tuple[int, int]] = set()
+        self.held: set[tuple[int, int]] = set()  # retrieved facts holding K/V
+        self.unseen, self.unseen_held = facts_total, facts_total  # never-retrieved facts, and those holding K/V
+        self.rng = np.random.default_rng(seed)
         self.floor, self.floor_at = 0.0, 0.0
         self.landing: list[tuple[float, int, int]] = []
         self.next_sweep = settings.sweep_interval_s
@@ -111,7 +118,7 @@ class NodeResidency:
 
     @property
     def kept_bytes(self) -> int:
-        return len(self.held) * self.fact_bytes
+        return (len(self.held) + self.unseen_held) * self.fact_bytes
 
     def advance(self, now: float) -> Events:
         """Apply the landings and sweeps due by `now`, in time order."""
@@ -125,12 +132,15 @@ class NodeResidency:
 
     def chat(self, now: float, tenant: int, facts: np.ndarray) -> np.ndarray:
         """Whether each retrieved fact has K/V now; counts the retrieval and asks for the re-encodes it earns."""
+        for f in facts.tolist():
+            if (tenant, f) not in self.uses:
+                self._first_retrieval((tenant, f))
         served = np.array([(tenant, int(f)) in self.held for f in facts], dtype=bool)
         half_life = self.settings.half_life_s
         bar = decayed(self.floor, self.floor_at, now, half_life)
         for f in facts.tolist():
             key = (tenant, f)
-            use = self.uses.get(key) or self.uses.setdefault(key, _Use())
+            use = self.uses[key]
             use.score = decayed(use.score, use.at, now, half_life) + 1
             use.at = use.last = now
             if key not in self.held and not use.asked and self.policy.wants_kv(use.score, bar):
@@ -138,6 +148,16 @@ class NodeResidency:
                 self.landing.append((now + self.encode_s, tenant, f))
                 self.reencodes += 1
         return served
+
+    def _first_retrieval(self, key: tuple[int, int]) -> None:
+        """Track a fact from its first retrieval: it holds the K/V it was written with unless a sweep dropped it
+        (one of the never-retrieved facts, which are alike, drawn by the share still holding K/V)."""
+        holds = self.unseen_held > 0 and self.rng.random() * self.unseen < self.unseen_held
+        self.unseen = max(0, self.unseen - 1)
+        self.uses[key] = _Use(encoded=-math.inf)
+        if holds:
+            self.unseen_held -= 1
+            self.held.add(key)
 
     def _land(self, now: float, events: Events) -> None:
         waiting = []
@@ -163,7 +183,14 @@ class NodeResidency:
                     str(index), self.fact_bytes, decayed(use.score, use.at, now, half_life), use.last, use.encoded
                 )
             )
-        dropped = self.policy.drops(resident, self.settings.node_kv_bytes, now)
+        budget = self.settings.node_kv_bytes
+        if budget is not None:  # never-retrieved facts are the coldest: they go first
+            over = (len(self.held) + self.unseen_held) * self.fact_bytes - budget
+            cut = min(self.unseen_held, max(0, -(-over // self.fact_bytes)))
+            self.unseen_held -= cut
+            self.drops += cut
+            budget -= self.unseen_held * self.fact_bytes
+        dropped = self.policy.drops(resident, budget, now)
         for fact in dropped:
             key = held[int(fact.fact_id)]
             self.held.discard(key)
@@ -171,4 +198,6 @@ class NodeResidency:
         self.drops += len(dropped)
         gone = {fact.fact_id for fact in dropped}
         kept = [fact for fact in resident if fact.fact_id not in gone]
-        self.floor, self.floor_at = self.policy.floor(kept, self.settings.node_kv_bytes, now), now
+        # a kept never-retrieved fact has no use at all: while one is kept, nothing is colder
+        self.floor = 0.0 if self.unseen_held else self.policy.floor(kept, budget, now)
+        self.floor_at = now

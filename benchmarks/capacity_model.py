@@ -143,6 +143,11 @@ class Run:
     load: float
     timed: int  # chats counted: `timed` of them, ending `after` chats before the trace's end
     after: int = 0
+    tiers_from: int = 0  # the chat from which facts go through the tiers (before it, only the residency replay)
+    written_with_kv: bool = True  # every fact starts with K/V (as the encoder writes it); else none does
+
+    def facts_with_kv(self, trace: ZipfTrace) -> int:
+        return trace.tenants * trace.facts if self.written_with_kv else 0
 
 
 def simulate(run: Run, node: Node, shape: Shape, measured: Measured) -> dict:
@@ -153,9 +158,8 @@ def simulate(run: Run, node: Node, shape: Shape, measured: Measured) -> dict:
     tiers = Tiers(capacities, sizes)
     rates = [math.inf, measured.host_gbs, node.disk_gbs or measured.disk_gbs]
     times, tenant_of, facts_of = trace.draw()
-    state = (
-        NodeResidency(settings_for(trace, int(node.store_gib * GIB)), shape.full_bytes, 0.5) if run.residency else None
-    )
+    settings = settings_for(trace, int(node.store_gib * GIB))
+    state = NodeResidency(settings, shape.full_bytes, 0.5, run.facts_with_kv(trace)) if run.residency else None
     first, last = trace.chats - run.after - run.timed, trace.chats - run.after
     counts = [0, 0, 0, 0, 0]
     idle, demand = [], []
@@ -168,6 +172,8 @@ def simulate(run: Run, node: Node, shape: Shape, measured: Measured) -> dict:
             mask = state.chat(now, tenant, facts)
         else:
             mask = np.ones(len(facts), dtype=bool)
+        if index < run.tiers_from:
+            continue
         before = tiers.touch([(tenant, f) for f in facts[mask].tolist()])
         if index == first and state is not None:
             reencodes_before = state.reencodes
@@ -271,8 +277,23 @@ def check_measured(path: Path, shape: Shape) -> dict:
             chats=report["chats"],
             rate_per_s=report["rate_per_s"],
         )
-        # the chats the run timed one at a time (its batched ones follow them)
-        run = simulate(Run(trace, True, 0.0, report["timed"], after=report["timed"]), node, shape, measured)
+        # the chats the run timed one at a time (its batched ones follow them); the tiers empty where the
+        # engine's part began (its first `warm` chats untimed), unless it loaded every fact holding K/V first
+        engine_from = 0 if report.get("preloaded") else trace.chats - report["warm"] - 2 * report["timed"]
+        run = simulate(
+            Run(
+                trace,
+                True,
+                0.0,
+                report["timed"],
+                after=report["timed"],
+                tiers_from=engine_from,
+                written_with_kv=report.get("written_with_kv", False),  # runs before 2026-12-03 13:00 started with none
+            ),
+            node,
+            shape,
+            measured,
+        )
         within = run["p95_ms"] <= report["goal_p95_ms"]
         rows.append(
             {

@@ -6,9 +6,10 @@ the arena over one tenant's K/V), a Zipf trace of chats (tenants by Zipf(1.0), e
 within its tenant) runs through inferscale's own residency rules (`_node_residency.py`: the node's K/V budget
 is what the record store's disk holds; a fact keeps K/V while it is used enough, dropped facts are pasted as
 text and encoded again once warm). The chats before the engine's part are only replayed; then the records of
-every fact holding K/V are written, and the last chats go through the engine in order, each injecting its facts
-that hold K/V and pasting the rest, the re-encodes that land and the drops applied to the store between chats
-(their records written with the K/V of a real fact: the bytes matter here, the tests prove values). The first
+every fact holding K/V are written (and evicted from the page cache, as records written long ago are) and each
+injected once (the tiers as on a node that has served them), and the last chats go through the engine in order,
+each injecting its facts that hold K/V and pasting the rest, the re-encodes that land and the drops applied to
+the store between chats (every record carries the same K/V: the bytes matter here, the tests prove values). The first
 part of them warms the tiers, the rest is timed. The reference, same engine, same run: a request with its k
 facts in the arena (asked twice, the second timed), and beside it one with all k pasted.
 
@@ -64,13 +65,15 @@ class Records:
         self.queries = rng.integers(100, vocab - 1, size=(64, QUERY_TOKENS)).tolist()
         self.fact_bytes = self.k.numel() * 2 * self.k.element_size()
         self.written = 0
+        self.present: set[tuple[int, int]] = set()
         self.run = "ref"  # named in every tenant id: no run reads another's records or cached headers
 
     def tenant_id(self, tenant: int) -> str:
         return f"{self.run}-t{tenant}"
 
-    def write(self, pairs: list[tuple[int, int]]) -> None:
-        """Records of these (tenant, fact) pairs, grouped by tenant (one version bump each); a tenant's frame first."""
+    def write(self, pairs: list[tuple[int, int]], cold: bool = False) -> None:
+        """Records of these (tenant, fact) pairs, grouped by tenant (one version bump each); a tenant's frame first.
+        `cold`: then out of the page cache, as records written long ago are (the first read goes to the disk)."""
         by_tenant: dict[int, list[int]] = {}
         for tenant, fact in pairs:
             by_tenant.setdefault(tenant, []).append(fact)
@@ -81,6 +84,10 @@ class Records:
                 records.append(FactKV(name, "frame", tuple(self.frames[tenant]), *self.frame_kv, self.params))
             self.store.put_many(records)
             self.written += len(facts)
+            self.present.update((tenant, f) for f in facts)
+            if cold:
+                for f in facts:
+                    evict_from_page_cache(self.store.path(name, f"f{f}"))
 
     def write_frames(self, tenants: int) -> None:
         """Every tenant's frame record (a request injects it even when all its facts are pasted)."""
@@ -92,6 +99,17 @@ class Records:
     def drop(self, pairs: list[tuple[int, int]]) -> None:
         for tenant, fact in pairs:
             self.store.delete(self.tenant_id(tenant), f"f{fact}")
+            self.present.discard((tenant, fact))
+
+
+def evict_from_page_cache(path: Path) -> None:
+    """Write the file back and drop its pages (clean pages: no privilege needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
     def request(self, tenant: int, injected: list[int], pasted: list[int], query: int):
         """(prompt ids, plan): the frame and the injected facts' records, then the pasted facts' text, then a query."""
@@ -190,7 +208,8 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
     one at a time, `timed` in batches of `args.batch` sent together (a loaded engine's TTFT)."""
     warm, timed, batch = args.warm, args.timed, args.batch
     times, tenant_of, facts_of = trace.draw()
-    residency = NodeResidency(settings_for(trace, int(args.node_kv_gib * GIB)), records.fact_bytes, 0.5)
+    settings = settings_for(trace, int(args.node_kv_gib * GIB))
+    residency = NodeResidency(settings, records.fact_bytes, 0.5, trace.tenants * trace.facts)
     first = trace.chats - warm - 2 * timed
     started = time.perf_counter()
     for i in range(first):
@@ -199,9 +218,12 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
     replay_s = time.perf_counter() - started
     started = time.perf_counter()
     records.write_frames(trace.tenants)
-    records.write(sorted(residency.held))
+    records.write(sorted(residency.held), cold=True)
     write_s = time.perf_counter() - started
-    ttft, batches, served, reencodes_before = [], [], [], residency.reencodes
+    started = time.perf_counter()
+    preload(engine, records, sorted(residency.held), trace.k)
+    preload_s = time.perf_counter() - started
+    samples, batches, served, reencodes_before = [], [], [], residency.reencodes
 
     def next_request(i: int):
         events = residency.advance(times[i])
@@ -209,13 +231,19 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
         records.write(events.landed)
         tenant, facts = int(tenant_of[i]), facts_of[i]
         mask = residency.chat(times[i], tenant, facts)
+        injected, pasted = facts[mask].tolist(), facts[~mask].tolist()
+        # a fact retrieved for the first time still holding the K/V it was written with: its record, old
+        records.write([(tenant, f) for f in injected if (tenant, f) not in records.present], cold=True)
         if i >= first + warm:
-            served.append(int(mask.sum()))
-        return records.request(tenant, facts[mask].tolist(), facts[~mask].tolist(), i)
+            served.append(len(injected))
+        return records.request(tenant, injected, pasted, i)
 
     for i in range(first, first + warm + timed):
-        ms = engine.ask(*next_request(i))
-        ttft += [ms] if i >= first + warm else []
+        request = next_request(i)
+        ms = engine.ask(*request)
+        if i >= first + warm:
+            samples.append((round(ms, 2), len(request[1].record_ids) - 1))
+    ttft = [ms for ms, _ in samples]
     for start in range(first + warm + timed, trace.chats, batch):
         batches.append(engine.ask_many([next_request(i) for i in range(start, min(start + batch, trace.chats))]))
     return {
@@ -232,7 +260,19 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
         "reencodes_per_1000": 1000 * (residency.reencodes - reencodes_before) / ((warm + 2 * timed) * trace.k),
         "replay_s": round(replay_s, 1),
         "records_write_s": round(write_s, 1),
+        "preload_s": round(preload_s, 1),
+        "samples": samples,  # (TTFT ms, facts injected) of each request timed alone
     }
+
+
+def preload(engine: Engine, records: Records, held: list[tuple[int, int]], k: int) -> None:
+    """Inject every fact holding K/V once, k at a time (untimed): the tiers as on a node that has served them."""
+    by_tenant: dict[int, list[int]] = {}
+    for tenant, fact in held:
+        by_tenant.setdefault(tenant, []).append(fact)
+    for tenant, facts in by_tenant.items():
+        for first in range(0, len(facts), k):
+            engine.ask(*records.request(tenant, facts[first : first + k], [], first))
 
 
 def main() -> None:
@@ -342,6 +382,8 @@ def report(args, rows, ref, goal, hbm_alone, fact_bytes, records, engine, facts,
             "paste_ms_per_token": (pasted - hbm) / (k * FACT_TOKENS),
             "goal_p95_ms": goal,
             "runs": rows,
+            "preloaded": True,
+            "written_with_kv": True,
             "measured_tenants": measured,
             "measured_tenants_batched": loaded,
             "batch": args.batch,
