@@ -9,6 +9,7 @@ from the serving model's is refused rather than injected.
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from kvcore.conversation import check_identifier
 from kvcore.errors import FingerprintMismatchError, IncompatibleRecordsError, RecordCorruptError
 from kvcore.rope import RopeConfig
-from kvcore.safetensors_io import read_header, read_tensor, write_many_atomic
+from kvcore.safetensors_io import dtype_of, read_header, read_tensor, write_many_atomic
 
 FORMAT = "inferscale.factkv/1"
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -141,16 +142,21 @@ def read_record(handle: BinaryIO, path: Path, expected_fingerprint: str | None =
     header, start = read_header(handle, path)
     meta = _metadata(header, path)
     params = _check_fingerprint(meta, path, expected_fingerprint)
-    layers = range(int(meta["num_layers"]))
-    ks = [_read_checked(handle, path, header, start, f"k.{i:03d}", meta) for i in layers]
-    vs = [_read_checked(handle, path, header, start, f"v.{i:03d}", meta) for i in layers]
+    crcs = _checksums(meta, path)
+    layers = int(meta["num_layers"])
+    data = bytearray(os.fstat(handle.fileno()).st_size - start)  # the whole data section in one read
+    handle.seek(start)
+    if handle.readinto(data) != len(data):
+        raise RecordCorruptError(f"{path}: the file is truncated")
+    view = memoryview(data)
+    k, v = (_stacked(view, path, header, crcs, side, layers) for side in ("k", "v"))
     try:
         return FactKV(
             tenant_id=meta["tenant_id"],
             fact_id=meta["fact_id"],
             token_ids=tuple(json.loads(meta["token_ids"])),
-            k=torch.stack(ks),
-            v=torch.stack(vs),
+            k=k,
+            v=v,
             params=params,
             version=int(meta["version"]),
             meta=json.loads(meta.get("meta", "{}")),
@@ -251,7 +257,49 @@ def _check_fingerprint(meta: dict[str, str], path: Path, expected: str | None) -
 
 def _read_checked(handle, path: Path, header: dict, start: int, name: str, meta: dict[str, str]) -> torch.Tensor:
     tensor, raw = read_tensor(handle, path, header, start, name)
-    expected = json.loads(meta["crc32"]).get(name)
+    _check_crc(raw, _checksums(meta, path).get(name), path, name)
+    return tensor
+
+
+def _checksums(meta: dict[str, str], path: Path) -> dict[str, int]:
+    try:
+        crcs = json.loads(meta["crc32"])
+    except (TypeError, ValueError) as exc:
+        raise RecordCorruptError(f"{path}: checksums are unreadable ({exc})") from None
+    if not isinstance(crcs, dict):
+        raise RecordCorruptError(f"{path}: checksums are not a table")
+    return crcs
+
+
+def _check_crc(raw, expected: int | None, path: Path, name: str) -> None:
     if expected is None or zlib.crc32(raw) != expected:
         raise RecordCorruptError(f"{path}: checksum of {name!r} does not match; the file is damaged")
-    return tensor
+
+
+def _stacked(view: memoryview, path: Path, header: dict, crcs: dict[str, int], side: str, layers: int) -> torch.Tensor:
+    """`[layers, ...]` of the tensors `{side}.000`, `{side}.001`, ... of a data section read whole, each checked.
+    Written back to back in layer order (as `save_records` lays them out), they are one view of the buffer;
+    otherwise they are copied into one tensor."""
+    names = [f"{side}.{i:03d}" for i in range(layers)]
+    infos = [header.get(name) for name in names]
+    if None in infos:
+        raise RecordCorruptError(f"{path}: tensor {names[infos.index(None)]!r} is missing")
+    dtype_name_, shape = infos[0]["dtype"], infos[0]["shape"]
+    dtype = dtype_of(dtype_name_)
+    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    spans = []
+    for name, info in zip(names, infos):
+        begin, end = info["data_offsets"]
+        if info["dtype"] != dtype_name_ or info["shape"] != shape or end - begin != size:
+            raise RecordCorruptError(f"{path}: tensor {name!r} differs from layer 0 in dtype, shape or byte count")
+        _check_crc(view[begin:end], crcs.get(name), path, name)
+        spans.append((begin, end))
+    if size == 0:
+        return torch.empty((layers, *shape), dtype=dtype)
+    first, last = spans[0][0], spans[-1][1]
+    if last - first == layers * size and all(b == first + i * size for i, (b, _) in enumerate(spans)):
+        return torch.frombuffer(view[first:last], dtype=torch.uint8).view(dtype).reshape(layers, *shape)
+    out = torch.empty((layers, *shape), dtype=dtype)
+    for i, (begin, end) in enumerate(spans):
+        out[i] = torch.frombuffer(view[begin:end], dtype=torch.uint8).view(dtype).reshape(shape)
+    return out

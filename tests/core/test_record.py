@@ -26,6 +26,25 @@ def test_round_trip_is_bit_exact(tmp_path, dtype):
     assert back.params == rec.params
 
 
+def test_layers_stored_out_of_order_load_as_written(tmp_path):
+    """A file whose layers are not back to back in layer order (another writer's layout) is read by copying."""
+    rec = make_record(layers=3)
+    path = tmp_path / "r.safetensors"
+    save_record(rec, path)
+    raw = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", raw[:8])
+    header, start = json.loads(raw[8 : 8 + length]), 8 + length
+    first, second = header["k.000"]["data_offsets"], header["k.001"]["data_offsets"]
+    a, b = raw[start + first[0] : start + first[1]], raw[start + second[0] : start + second[1]]
+    raw[start + first[0] : start + first[1]], raw[start + second[0] : start + second[1]] = b, a  # bytes swapped
+    header["k.000"]["data_offsets"], header["k.001"]["data_offsets"] = second, first  # and where each lives
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    path.write_bytes(bytes(raw[:8]) + text + b" " * (length - len(text)) + bytes(raw[start:]))
+    back = load_record(path)
+    assert torch.equal(back.k, rec.k) and torch.equal(back.v, rec.v)
+
+
 def test_one_layer_loads_alone_and_layers_are_contiguous(tmp_path):
     rec = make_record(layers=4)
     path = tmp_path / "r.safetensors"
