@@ -173,7 +173,19 @@ class NodeResidency:
 
     def _sweep(self, now: float, events: Events) -> None:
         """As `tenants/residency.py` sweeps with only a node budget: the policy's drops over every fact of the
-        node (what `node_drops` does), then the node's floor."""
+        node (what `node_drops` does), then the node's floor. Never-retrieved facts are the coldest (no use at
+        all), so they go first, and while one is kept nothing is colder: no floor."""
+        budget = self.settings.node_kv_bytes
+        if budget is None or (len(self.held) + self.unseen_held + 1) * self.fact_bytes <= budget:
+            self.floor, self.floor_at = 0.0, now  # room for one more: nothing to drop, no floor (the policy's rule)
+            return
+        over = (len(self.held) + self.unseen_held) * self.fact_bytes - budget
+        cut = min(self.unseen_held, max(0, -(-over // self.fact_bytes)))
+        self.unseen_held -= cut
+        self.drops += cut
+        if self.unseen_held:
+            self.floor, self.floor_at = 0.0, now
+            return
         half_life, held = self.settings.half_life_s, list(self.held)
         resident = []
         for index, key in enumerate(held):
@@ -183,13 +195,6 @@ class NodeResidency:
                     str(index), self.fact_bytes, decayed(use.score, use.at, now, half_life), use.last, use.encoded
                 )
             )
-        budget = self.settings.node_kv_bytes
-        if budget is not None:  # never-retrieved facts are the coldest: they go first
-            over = (len(self.held) + self.unseen_held) * self.fact_bytes - budget
-            cut = min(self.unseen_held, max(0, -(-over // self.fact_bytes)))
-            self.unseen_held -= cut
-            self.drops += cut
-            budget -= self.unseen_held * self.fact_bytes
         dropped = self.policy.drops(resident, budget, now)
         for fact in dropped:
             key = held[int(fact.fact_id)]
@@ -198,6 +203,4 @@ class NodeResidency:
         self.drops += len(dropped)
         gone = {fact.fact_id for fact in dropped}
         kept = [fact for fact in resident if fact.fact_id not in gone]
-        # a kept never-retrieved fact has no use at all: while one is kept, nothing is colder
-        self.floor = 0.0 if self.unseen_held else self.policy.floor(kept, budget, now)
-        self.floor_at = now
+        self.floor, self.floor_at = self.policy.floor(kept, budget, now), now

@@ -46,10 +46,10 @@ GIB = 1 << 30
 class Measured:
     """Figures measured on the H200 (Llama-3.1-8B shape, bf16 engine, k = 50 facts of 30 tokens)."""
 
-    arena_ttft_ms: float = 12.6  # offload_tiers.py, 2026-11-30 (arena p50, one-checksum run)
+    arena_ttft_ms: float = 14.9  # tenants_per_gpu.py, 2026-12-03 (k = 50 in the arena, p50; 12.6 in offload_tiers.py)
     host_gbs: float = 52.0  # offload_tiers.py floor: 106 MiB pinned host->device in 2.03-2.17 ms
     disk_gbs: float = 1.0  # offload_tiers.py / profile_tiers.py: the tier reads cold files at 0.84x of a 1.0 GB/s floor
-    paste_ms_per_token: float = 0.0088  # serve_http.py engine TTFT, prompt 29.4 - inject 16.2 ms over 1,500 tokens
+    paste_ms_per_token: float = 0.0168  # tenants_per_gpu.py, same run: all 50 pasted 40.1 ms, over 1,500 more tokens
     inject_gpu_ms: float = 3.97  # ttft_vs_k.py, 100 concurrent k=50 requests: injection 252.0 req/s (2026-12-02)
     paste_gpu_ms_per_token: float = 0.0224  # same run: pasted 26.6 req/s = 37.6 ms each, over 1,500 more tokens
 
