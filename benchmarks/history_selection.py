@@ -31,10 +31,12 @@ from benchmarks._common import parser, target, wilson, write_report
 from benchmarks.quality.devset import conversation
 from config.settings import load_settings
 from kvcore.rope import RopeConfig
-from kvcore.summaries import adaptive_spans, summarize, upper_bound
+from kvcore.summaries import ChunkSummaries, adaptive_spans, compact, summarize, upper_bounds
 from models.loader import force_offline, model_path
 
-CHUNK = 16
+FIXED_SIZES = (16, 32, 64)  # tokens a chunk, fixed chunkings side by side
+TURN_MAX = 64  # a turn longer than this is split (chunks along turns)
+SCORING_LAYERS = 4  # layers scored (evenly spaced) in the few-layer variant: summaries of those layers only
 TOP_SHARE = 0.10
 
 
@@ -82,6 +84,25 @@ def retrieval_order(
     return sorted(range(len(spans)), key=lambda c: -best[c])
 
 
+def layers_of(summaries: ChunkSummaries, layers: torch.Tensor) -> ChunkSummaries:
+    """The summaries of some layers only (what a node keeps when it scores those)."""
+    return ChunkSummaries(
+        summaries.spans, summaries.norms[:, layers], summaries.low[:, layers], summaries.high[:, layers]
+    )
+
+
+def turn_spans(turns: dict[str, tuple[int, int]], length: int, longest: int) -> list[tuple[int, int]]:
+    """Chunks along the dialogue's turns (what retrieval picks is then whole chunks), a turn longer than `longest`
+    split evenly; the tokens between turns (session headers) go with the turn after them."""
+    starts = sorted({0, *(start for start, _ in turns.values() if 0 < start < length)})
+    spans = []
+    for start, end in zip(starts, [*starts[1:], length]):
+        pieces = -(-(end - start) // longest)
+        cuts = [start + (end - start) * i // pieces for i in range(pieces + 1)]
+        spans += list(zip(cuts, cuts[1:]))
+    return spans
+
+
 def retrieval_then_bounds(by_retrieval: list[int], by_bounds: list[int], spans, budget: int) -> list[int]:
     """Half the budget to the best-retrieved turns' chunks, the rest by the bounds."""
     first, used = [], 0
@@ -126,12 +147,12 @@ def chunk_scores(summaries, queries: torch.Tensor, first_position: int, rope: Ro
     head's query group, turned into a softmax over chunks (scaled as attention is), averaged over KV heads."""
     layers, heads, tokens, dim = queries.shape
     kv_heads = heads // group
-    best = None
-    for token in range(tokens):
-        for g in range(group):
-            query = queries[:, [kv * group + g for kv in range(kv_heads)], token]  # [L, KVH, D]
-            bound = upper_bound(summaries, query, first_position + token, 0, rope)  # [C, L, KVH]
-            best = bound if best is None else torch.maximum(best, bound)
+    # every (question token, member of the group) as one query per KV head: [tokens * group, L, KVH, D]
+    grouped = (
+        queries.view(layers, kv_heads, group, tokens, dim).permute(3, 2, 0, 1, 4).reshape(-1, layers, kv_heads, dim)
+    )
+    positions = (first_position + torch.arange(tokens)).repeat_interleave(group)
+    best = upper_bounds(summaries, grouped, positions, 0, rope).amax(0)  # [C, L, KVH]
     mass = torch.softmax(best / math.sqrt(dim), dim=0)  # over chunks
     return mass.mean(-1).transpose(0, 1)  # [L, C]
 
@@ -195,10 +216,15 @@ def main() -> None:
     kv_bytes = 2 * keys.numel() * 2  # K and V at bf16, as a GPU engine holds them
     key_norms = keys.norm(dim=-1).mean(dim=(0, 1))  # [T]: where the keys' weight concentrates
     chunkings = {
-        "fixed16": [(s, min(s + CHUNK, length)) for s in range(0, length, CHUNK)],
+        f"fixed{size}": [(s, min(s + size, length)) for s in range(0, length, size)] for size in FIXED_SIZES
+    } | {
         "adaptive": adaptive_spans(key_norms - key_norms.min(), min_size=8, max_size=32, share=0.02),
+        "turns": turn_spans(history.turns, length, TURN_MAX),
     }
-    summaries = {name: summarize(keys, spans, rope) for name, spans in chunkings.items()}
+    full_summaries = {name: summarize(keys, spans, rope) for name, spans in chunkings.items()}
+    summaries = {name: compact(full) for name, full in full_summaries.items()}  # bf16, rounded outwards: as kept
+    scoring_layers = torch.linspace(0, config.num_hidden_layers - 1, SCORING_LAYERS).round().long()
+    few = {name: layers_of(summaries[name], scoring_layers) for name in chunkings}  # what scoring a few layers keeps
     budgets = {share: int(share * length) for share in [args.budget, *map(float, args.more_budgets.split(","))]}
     rng = random.Random(1)
     from models.minilm import MiniLMEmbedder
@@ -208,6 +234,7 @@ def main() -> None:
     turn_vectors = embedder.embed_tensor([history.texts[t] for t in turn_ids])
     results: dict[str, list[dict]] = {}
     score_ms: list[float] = []
+    score_few_ms: list[float] = []
     for qa in questions:
         q_ids = tokenizer.encode(f"Question: {qa['question']}\nAnswer:", add_special_tokens=False)
         with torch.inference_mode():
@@ -223,28 +250,34 @@ def main() -> None:
             tick = time.perf_counter()
             mass = chunk_scores(summaries[name], queries, length, rope, heads // kv_heads).mean(0)  # [C]
             score_ms.append((time.perf_counter() - tick) * 1000)
+            tick = time.perf_counter()
+            few_mass = chunk_scores(few[name], queries[scoring_layers], length, rope, heads // kv_heads).mean(0)
+            score_few_ms.append((time.perf_counter() - tick) * 1000)
             must = [0, len(spans) - 1]
             ways = {
                 f"bounds_{name}": must + mass.argsort(descending=True).tolist(),
+                f"bounds_{name}_l{SCORING_LAYERS}": must + few_mass.argsort(descending=True).tolist(),
                 f"oracle_{name}": must
                 + torch.tensor([importance.mean(0)[s:e].sum() for s, e in spans]).argsort(descending=True).tolist(),
             }
+            by_retrieval = retrieval_order(spans, history.turns, turn_scores)
             if name == "fixed16":
                 ways["recency"] = must + list(range(len(spans) - 1, -1, -1))
                 ways["random"] = must + rng.sample(range(len(spans)), len(spans))
-                ways["retrieval"] = must + retrieval_order(spans, history.turns, turn_scores)
+                ways["retrieval"] = must + by_retrieval
             for way, order in ways.items():
                 for share, budget in budgets.items():
                     chosen = select(order, spans, budget)
                     row = judge(mask_of(chosen, spans, length), importance, evidence)
                     results.setdefault(f"{way}@{share:g}", []).append(row)
-            if name == "fixed16":  # retrieval picks the turns for half of each budget, the bounds the rest
+            if name != "adaptive":  # retrieval picks the turns for half of each budget, the bounds the rest
                 for share, budget in budgets.items():
-                    order = must + retrieval_then_bounds(
-                        ways["retrieval"][2:], ways["bounds_fixed16"][2:], spans, budget
-                    )
-                    row = judge(mask_of(select(order, spans, budget), spans, length), importance, evidence)
-                    results.setdefault(f"retrieval_then_bounds@{share:g}", []).append(row)
+                    for tag in ("", f"_l{SCORING_LAYERS}"):
+                        by_bounds = ways[f"bounds_{name}{tag}"][2:]
+                        order = must + retrieval_then_bounds(by_retrieval, by_bounds, spans, budget)
+                        row = judge(mask_of(select(order, spans, budget), spans, length), importance, evidence)
+                        key = "retrieval_then_bounds" + ("" if name == "fixed16" and not tag else f"_{name}") + tag
+                        results.setdefault(f"{key}@{share:g}", []).append(row)
         del asked
     report = {
         "model": "SmolLM2-135M-Instruct, float32, CPU",
@@ -253,13 +286,29 @@ def main() -> None:
         "budget_tokens": budgets,
         "prefill_s": round(prefill_s, 2),
         "score_ms_per_question_p50": round(sorted(score_ms)[len(score_ms) // 2], 2),
-        "summary_bytes_over_kv_bytes": {name: round(s.nbytes / kv_bytes, 4) for name, s in summaries.items()},
+        "summary_bytes_over_kv_bytes": {name: round(s.nbytes / kv_bytes, 4) for name, s in summaries.items()}
+        | {f"{name}_l{SCORING_LAYERS}": round(s.nbytes / kv_bytes, 4) for name, s in few.items()},
+        "scoring_layers": scoring_layers.tolist(),
+        f"score_ms_per_question_p50_l{SCORING_LAYERS}": round(sorted(score_few_ms)[len(score_few_ms) // 2], 2),
+        "summary_bytes_over_kv_bytes_float32": {
+            name: round(s.nbytes / kv_bytes, 4) for name, s in full_summaries.items()
+        },
         "chunks": {name: len(spans) for name, spans in chunkings.items()},
         "ways": {way: summarise(rows) for way, rows in results.items()},
     }
     chosen = report["ways"][f"bounds_adaptive@{args.budget:g}"]
-    best_bytes = min(report["summary_bytes_over_kv_bytes"].values())
     hybrid = report["ways"][f"retrieval_then_bounds@{args.budget:g}"]
+    # the design's chunking: the largest fixed size whose retrieval-then-bounds holds the evidence and the mass
+    design, reference_mass = "fixed16", report["ways"][f"bounds_fixed16@{args.budget:g}"]["mass"]
+    candidates = [f"fixed{size}" for size in FIXED_SIZES[1:]] + ["turns"]
+    candidates += [f"{name}_l{SCORING_LAYERS}" for name in ["fixed16", *candidates]]
+    for name in candidates:  # the smaller summaries, if they hold the evidence and the mass
+        row = report["ways"][f"retrieval_then_bounds_{name}@{args.budget:g}"]
+        if row["evidence_selected"] >= 0.9 and row["mass"] >= 0.9 * reference_mass:
+            if report["summary_bytes_over_kv_bytes"][name] < report["summary_bytes_over_kv_bytes"][design]:
+                design = name
+    report["design_chunking"] = design
+    best_bytes = report["summary_bytes_over_kv_bytes"][design]
     report["targets"] = [
         target(
             "questions whose evidence turn is selected (retrieval, then bounds)", hybrid["evidence_selected"], ">= 0.9"
@@ -275,7 +324,9 @@ def main() -> None:
             ">= 0.95",
         ),
         target(
-            "bytes read: (selected chunks + all summaries) / selected chunks", 1 + best_bytes / args.budget, "<= 1.3"
+            f"bytes read: (selected chunks + all summaries) / selected chunks ({design}, bf16 summaries)",
+            1 + best_bytes / args.budget,
+            "<= 1.3",
         ),
     ]
     write_report(args.out, report)

@@ -75,20 +75,62 @@ def upper_bound(
 
     `query` `[L, H, D]` is the pre-RoPE query (one per KV head: take the max over a GQA group outside).
     """
+    return upper_bounds(summaries, query[None], torch.tensor([query_position]), fact_start, rope)[0]
+
+
+def upper_bounds(
+    summaries: ChunkSummaries,
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    fact_start: int,
+    rope: RopeConfig,
+    batch: int = 8,
+) -> torch.Tensor:
+    """`upper_bound` of Q queries `[Q, L, H, D]` at `query_positions` `[Q]` at once: `[Q, C, L, H]`, computed
+    `batch` queries at a time (the work is `[batch, C, L, H, D]` in float64)."""
     first, second = pair_index(rope)
-    q = query.double()
-    q_rel = rotate(q[..., None, :], torch.tensor([query_position - fact_start], device=q.device), rope)[..., 0, :]
-    low, high = summaries.low.double(), summaries.high.double()
-    channel = torch.maximum(q_rel * low, q_rel * high)  # [C, L, H, D]: the box bound, channel by channel
-    q_norm = torch.sqrt(q[..., first] ** 2 + q[..., second] ** 2)  # [L, H, P]
-    norm_bound = q_norm * summaries.norms.double()  # [C, L, H, P]
-    pairs = torch.minimum(norm_bound, channel[..., first] + channel[..., second]).sum(-1)
-    passthrough = channel[..., rope.dim :].sum(-1)
-    # float32 angles p*theta in the engine: a few ulps of the largest angle, times each pair's norm bound
-    inv = inverse_frequencies(rope).double().to(q.device)
-    reach = abs(fact_start) + int(summaries.spans[:, 1].max()) + abs(query_position)
-    rounding = (4 * 2.0**-23 * reach * inv + 1e-7) * norm_bound  # [C, L, H, P]
-    return (pairs + passthrough + rounding.sum(-1)).float()
+    low, high, norms = summaries.low.double(), summaries.high.double(), summaries.norms.double()
+    inv = inverse_frequencies(rope).double().to(queries.device)
+    span_end = int(summaries.spans[:, 1].max())
+    out = []
+    for at in range(0, queries.shape[0], batch):
+        q = queries[at : at + batch].double()  # [B, L, H, D]
+        positions = query_positions[at : at + batch].to(q.device)
+        relative = (positions - fact_start).view(-1, 1, 1).expand(*q.shape[:-1])  # one angle per query
+        q_rel = rotate(q[..., None, :], relative[..., None], rope)[..., 0, :]
+        q_rel = q_rel[:, None]  # [B, 1, L, H, D] against the chunks' [C, L, H, D]
+        channel = torch.maximum(q_rel * low, q_rel * high)  # the box bound, channel by channel
+        q_norm = torch.sqrt(q[..., first] ** 2 + q[..., second] ** 2)[:, None]  # [B, 1, L, H, P]
+        norm_bound = q_norm * norms  # [B, C, L, H, P]
+        pairs = torch.minimum(norm_bound, channel[..., first] + channel[..., second]).sum(-1)
+        passthrough = channel[..., rope.dim :].sum(-1)
+        # float32 angles p*theta in the engine: a few ulps of the largest angle, times each pair's norm bound
+        reach = (abs(fact_start) + span_end + positions.abs()).double().view(-1, 1, 1, 1, 1)
+        rounding = (4 * 2.0**-23 * reach * inv + 1e-7) * norm_bound
+        out.append((pairs + passthrough + rounding.sum(-1)).float())
+    return torch.cat(out)
+
+
+def compact(summaries: ChunkSummaries, dtype: torch.dtype = torch.bfloat16) -> ChunkSummaries:
+    """The same summaries in a narrower float type, rounded outwards so every bound stays sound: box minima
+    down, maxima and norms up (half the bytes at bf16; the bounds loosen by under 1 %)."""
+    return ChunkSummaries(
+        summaries.spans.to(torch.int32),
+        _rounded(summaries.norms, dtype, up=True),
+        _rounded(summaries.low, dtype, up=False),
+        _rounded(summaries.high, dtype, up=True),
+    )
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """`x` in `dtype`, moved one step of `dtype` outwards wherever rounding to nearest went the wrong way (the
+    step, eps times the value's power of two, lands exactly on a `dtype` value)."""
+    narrow = x.to(dtype)
+    wide = narrow.float()
+    wrong = wide < x if up else wide > x
+    info = torch.finfo(dtype)
+    step = info.eps * torch.exp2(torch.floor(torch.log2(wide.abs().clamp(min=info.tiny))))
+    return torch.where(wrong, (wide + step if up else wide - step).to(dtype), narrow)
 
 
 def exact_max_scores(

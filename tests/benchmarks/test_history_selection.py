@@ -44,3 +44,28 @@ def test_retrieval_orders_chunks_by_their_best_turn_and_shares_the_budget_with_t
     turns = {"a": (0, 6), "b": (6, 12)}  # a spans chunks 0 and 1, b chunks 1 and 2
     assert retrieval_order(spans, turns, {"a": 0.2, "b": 0.9}) == [1, 2, 0]
     assert retrieval_then_bounds([1, 2, 0], [0, 2, 1], spans, budget=8) == [1, 0, 2]  # half (4 tokens): chunk 1
+
+
+def test_turn_chunks_follow_the_turns_and_split_the_long_ones():
+    from benchmarks.history_selection import turn_spans
+
+    turns = {"a": (3, 10), "b": (10, 150), "c": (152, 160)}  # 0-3 a header, 150-152 one between b and c
+    spans = turn_spans(turns, 165, longest=64)
+    assert spans[0] == (0, 3) and spans[-1] == (152, 165)  # the header alone; the tail joins the last turn
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, the whole history
+    assert {s for s, _ in spans} >= {3, 10, 152}  # every turn starts a chunk
+    assert [e - s for s, e in spans if 10 <= s < 152] == [47, 47, 48]  # b and its gap (142 tokens) in 3 even parts
+
+
+def test_the_few_layer_summaries_are_those_layers_of_the_whole():
+    from benchmarks.history_selection import layers_of
+    from kvcore.rope import RopeConfig
+    from kvcore.summaries import summarize
+
+    rope = RopeConfig(head_dim=16, theta=10000.0)
+    keys = torch.randn(6, 2, 40, 16)
+    whole = summarize(keys, [(0, 20), (20, 40)], rope)
+    some = layers_of(whole, torch.tensor([1, 4]))
+    assert torch.equal(some.high, whole.high[:, [1, 4]]) and torch.equal(some.norms, whole.norms[:, [1, 4]])
+    assert torch.equal(some.high, summarize(keys[[1, 4]], [(0, 20), (20, 40)], rope).high)
+    assert some.nbytes < whole.nbytes / 2

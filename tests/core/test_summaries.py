@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvcore.rope import RopeConfig, rotate
-from kvcore.summaries import adaptive_spans, exact_max_scores, summarize, upper_bound
+from kvcore.summaries import adaptive_spans, compact, exact_max_scores, summarize, upper_bound, upper_bounds
 
 ROPES = [
     RopeConfig(head_dim=64, theta=100000.0),  # SmolLM2
@@ -92,3 +92,41 @@ def test_summaries_are_small_and_refuse_bad_spans():
     assert summaries.nbytes < keys.numel() * 4 / 4  # under a quarter of the keys they stand for
     with pytest.raises(ValueError, match="outside"):
         summarize(keys, [(30, 40)], rope)
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=["smollm2", "llama31", "gptj-partial"])
+def test_many_queries_at_once_give_each_querys_own_bound(rope):
+    keys, gen = sample(rope, 7)
+    summaries = summarize(keys, adaptive_spans(torch.rand(32, generator=gen), min_size=2, max_size=8), rope)
+    queries = torch.randn(11, keys.shape[0], keys.shape[1], rope.head_dim, generator=gen)
+    positions = torch.randint(40, 9000, (11,), generator=gen)
+    together = upper_bounds(summaries, queries, positions, 17, rope, batch=4)  # batches of 4, 4 and 3
+    alone = torch.stack([upper_bound(summaries, q, int(p), 17, rope) for q, p in zip(queries, positions)])
+    assert together.shape == (11, len(summaries.spans), keys.shape[0], keys.shape[1])
+    assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=["smollm2", "llama31", "gptj-partial"])
+def test_compact_summaries_take_half_the_bytes_and_stay_bounds(rope):
+    violations = checks = 0
+    loosened = []
+    for seed in range(10):
+        keys, gen = sample(rope, 100 + seed)
+        spans = adaptive_spans(torch.rand(keys.shape[2], generator=gen), min_size=2, max_size=8)
+        full = summarize(keys, spans, rope)
+        small = compact(full)
+        assert small.low.dtype == torch.bfloat16 and small.nbytes < 0.55 * full.nbytes
+        assert bool((small.low.float() <= full.low).all() and (small.high.float() >= full.high).all())
+        assert bool((small.norms.float() >= full.norms).all())
+        for _ in range(32):
+            query = torch.randn(keys.shape[0], keys.shape[1], rope.head_dim, generator=gen) * 2
+            start = int(torch.randint(0, 60000, (1,), generator=gen))
+            position = start + keys.shape[2] + int(torch.randint(0, 4000, (1,), generator=gen))
+            exact = exact_max_scores(keys, spans, query, position, start, rope)
+            bound = upper_bound(small, query, position, start, rope)
+            checks += exact.numel()
+            violations += int((exact > bound + 1e-3 * (1 + exact.abs())).sum())
+            wide = upper_bound(full, query, position, start, rope)
+            loosened.append(float(((bound - exact).mean() / (wide - exact).mean())))
+    assert checks > 10**4 and violations == 0
+    assert sum(loosened) / len(loosened) < 1.05  # the outward rounding loosens the bound a little only
