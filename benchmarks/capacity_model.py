@@ -163,9 +163,11 @@ def simulate(run: Run, node: Node, shape: Shape, measured: Measured) -> dict:
     first, last = trace.chats - run.after - run.timed, trace.chats - run.after
     counts = [0, 0, 0, 0, 0]
     idle, demand = [], []
-    reencodes_before = reencodes_after = 0
+    reencodes = {}  # the policy's count of re-encodes asked for, as the counted chats begin and end
     for index, (now, tenant) in enumerate(zip(times.tolist(), tenant_of.tolist())):
         facts = facts_of[index]
+        if state is not None and index in (first, last):
+            reencodes[index] = state.reencodes
         if state is not None:
             for key in state.advance(now).dropped:
                 tiers.remove(key)
@@ -175,10 +177,6 @@ def simulate(run: Run, node: Node, shape: Shape, measured: Measured) -> dict:
         if index < run.tiers_from:
             continue
         before = tiers.touch([(tenant, f) for f in facts[mask].tolist()])
-        if index == first and state is not None:
-            reencodes_before = state.reencodes
-        if index == last and state is not None:
-            reencodes_after = state.reencodes
         if not first <= index < last:
             continue
         ms, pasted = measured.arena_ttft_ms, int((~mask).sum()) * shape.fact_tokens
@@ -191,11 +189,11 @@ def simulate(run: Run, node: Node, shape: Shape, measured: Measured) -> dict:
                 ms += shape.full_bytes / (rates[2] * 1e9) * 1e3
         idle.append(ms + pasted * measured.paste_ms_per_token)
         demand.append(measured.inject_gpu_ms + pasted * measured.paste_gpu_ms_per_token)
-    if state is not None and last == trace.chats:
-        reencodes_after = state.reencodes
-    reencodes = reencodes_after - reencodes_before
+    if state is not None:
+        reencodes[last] = reencodes.get(last, state.reencodes)
+    asked = reencodes[last] - reencodes[first] if state is not None else 0
     # each re-encode prefills the fact's tokens once (w = 0), spread over the counted chats
-    demand_mean = float(np.mean(demand)) + reencodes * shape.fact_tokens * measured.paste_gpu_ms_per_token / len(demand)
+    demand_mean = float(np.mean(demand)) + asked * shape.fact_tokens * measured.paste_gpu_ms_per_token / len(demand)
     rate = run.load / measured.inject_gpu_ms  # requests per ms
     rho = rate * demand_mean
     ttft = np.array(idle) + np.array(demand) * rho / max(1 - rho, 1e-9)
@@ -206,7 +204,7 @@ def simulate(run: Run, node: Node, shape: Shape, measured: Measured) -> dict:
         "p50_ms": math.inf if saturated else float(np.percentile(ttft, 50)),
         "p95_ms": math.inf if saturated else float(np.percentile(ttft, 95)),
         "gpu_utilization": rho,
-        "reencodes_per_1000": 1000 * reencodes / (run.timed * trace.k),
+        "reencodes_per_1000": 1000 * asked / (run.timed * trace.k),
         "facts_from": {name: n / total for name, n in zip(("hbm", "host", "disk", "store", "text"), counts)},
     }
 

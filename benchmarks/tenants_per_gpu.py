@@ -101,6 +101,14 @@ class Records:
             self.store.delete(self.tenant_id(tenant), f"f{fact}")
             self.present.discard((tenant, fact))
 
+    def request(self, tenant: int, injected: list[int], pasted: list[int], query: int):
+        """(prompt ids, plan): the frame and the injected facts' records, then the pasted facts' text, then a query."""
+        tokens = self.frames[tenant] + [t for f in injected for t in self.tokens[tenant][f]]
+        tokens += [t for f in pasted for t in self.tokens[tenant][f]] + self.queries[query % len(self.queries)]
+        name = self.tenant_id(tenant)
+        plan = MemoryPlan(name, ("frame", *(f"f{f}" for f in injected)), self.store.version(name))
+        return tokens, plan
+
 
 def evict_from_page_cache(path: Path) -> None:
     """Write the file back and drop its pages (clean pages: no privilege needed)."""
@@ -110,14 +118,6 @@ def evict_from_page_cache(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-    def request(self, tenant: int, injected: list[int], pasted: list[int], query: int):
-        """(prompt ids, plan): the frame and the injected facts' records, then the pasted facts' text, then a query."""
-        tokens = self.frames[tenant] + [t for f in injected for t in self.tokens[tenant][f]]
-        tokens += [t for f in pasted for t in self.tokens[tenant][f]] + self.queries[query % len(self.queries)]
-        name = self.tenant_id(tenant)
-        plan = MemoryPlan(name, ("frame", *(f"f{f}" for f in injected)), self.store.version(name))
-        return tokens, plan
 
 
 class Engine:
