@@ -41,6 +41,19 @@ def shape_folder(config_path: Path) -> tuple[str, dict, str]:
     return str(folder), config, "dummy-" + str(abs(hash(json.dumps(config, sort_keys=True))))[:12]
 
 
+def engine_shape_defaults(args: argparse.Namespace, configs: Path) -> bool:
+    """Defaults of a benchmark that runs vLLM engines on a model shape with dummy weights: `args.config` the
+    Llama-3.1-8B shape served in bf16 on a GPU (a tiny Llama in float32 on CPU or with --quick), `args.dtype`,
+    spawned workers. Returns whether a GPU is there."""
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    gpu = torch.cuda.is_available()
+    args.config = args.config or configs / (
+        "llama31-8b-shape.json" if gpu and not args.quick else "tiny-llama-shape.json"
+    )
+    args.dtype = "bfloat16" if gpu else "float32"
+    return gpu
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, scratch_dir, shape_folder, sync, target, write_report  # noqa: E402
+from benchmarks._common import engine_shape_defaults, parser, scratch_dir, shape_folder, sync, target, write_report  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.quantize import quantize  # noqa: E402
 from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
@@ -251,12 +251,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, help="asks of each set per tier (default 15; 4 with --quick)")
     p.add_argument("--traffic", type=int, help="requests of the random traffic (default 200; 24 with --quick)")
     args = p.parse_args()
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    gpu = torch.cuda.is_available()
-    args.config = args.config or CONFIGS / (
-        "llama31-8b-shape.json" if gpu and not args.quick else "tiny-llama-shape.json"
-    )
-    args.dtype = "bfloat16" if gpu else "float32"
+    gpu = engine_shape_defaults(args, CONFIGS)
     k = args.k or (20 if args.quick else 50)
     repeats, traffic, overflow = (4, 24, 10) if args.quick else (15, 200, 10)
     repeats, traffic = args.repeats or repeats, args.traffic or traffic

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks._common import parser, target, wilson, write_report
+from benchmarks._node_residency import zipf
 from config.settings import ResidencySettings
 from tenants.residency_policy import ResidencyPolicy, ResidentFact, decayed
 
@@ -39,20 +40,15 @@ class Trace:
         """(arrival times, tenant of each chat, its k distinct fact indices): a fixed draw per seed."""
         rng = np.random.default_rng(self.seed)
         times = np.cumsum(rng.exponential(1 / self.rate_per_s, self.chats))
-        tenant_p = _zipf(self.tenants, self.zipf)
+        tenant_p = zipf(self.tenants, self.zipf)
         tenant_of = rng.choice(self.tenants, size=self.chats, p=tenant_p)
-        fact_p = _zipf(self.facts, self.zipf)
+        fact_p = zipf(self.facts, self.zipf)
         ranks = [rng.permutation(self.facts) for _ in range(self.tenants)]  # each tenant's popular facts differ
         later = [rng.permutation(self.facts) for _ in range(self.tenants)] if self.drift else ranks
         picks = np.stack([rng.choice(self.facts, size=self.k, replace=False, p=fact_p) for _ in range(self.chats)])
         half = self.chats // 2
         facts = np.stack([(ranks if i < half else later)[t][p] for i, (t, p) in enumerate(zip(tenant_of, picks))])
         return times, tenant_of, facts
-
-
-def _zipf(n: int, s: float) -> np.ndarray:
-    weights = 1.0 / np.arange(1, n + 1) ** s
-    return weights / weights.sum()
 
 
 @dataclass

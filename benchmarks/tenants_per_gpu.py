@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, scratch_dir, shape_folder, target, write_report  # noqa: E402
+from benchmarks._common import engine_shape_defaults, parser, scratch_dir, shape_folder, target, write_report  # noqa: E402
 from benchmarks._node_residency import NodeResidency, ZipfTrace, settings_for  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
@@ -297,12 +297,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, help="requests sent together in the batched part (default 16; 4 with --quick)")
     p.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = p.parse_args()
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    gpu = torch.cuda.is_available()
-    args.config = args.config or CONFIGS / (
-        "llama31-8b-shape.json" if gpu and not args.quick else "tiny-llama-shape.json"
-    )
-    args.dtype = "bfloat16" if gpu else "float32"
+    engine_shape_defaults(args, CONFIGS)
     quick = args.quick
     facts, k = args.facts or (100 if quick else 1000), args.k or (10 if quick else 50)
     multiples = [int(m) for m in (args.multiples or ("10,20" if quick else "10,20,40")).split(",")]
