@@ -158,7 +158,7 @@ class Gateway:
         )
         tiers = None
         if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
-            tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, [f.fact_id for f in facts]))
+            tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, facts))
         return PreparedChat(task, retrieval_ms, (embedded - started) * 1000, tiers)
 
     def _count_uses(self, residency: Residency, tenant: Tenant, facts: list[Fact], api_key: str) -> None:
@@ -182,9 +182,12 @@ class Gateway:
             self.metrics.kv_resident_bytes.set(report.resident_bytes)
 
     @staticmethod
-    def _tier_counts(tenant: Tenant, fact_ids: list[str]) -> dict[str, int]:
+    def _tier_counts(tenant: Tenant, facts: tuple[RetrievedFact, ...]) -> dict[str, int]:
+        """Where each retrieved fact's K/V sat (`Tenant.best_tiers`), `text` for a fact pasted for want of K/V
+        (not encoded yet, or dropped by KV residency: its replicas' placement may still name a tier)."""
+        with_kv = [f.fact_id for f in facts if f.record_id is not None]
         counts: dict[str, int] = {}
-        for tier in tenant.best_tiers(fact_ids):
+        for tier in tenant.best_tiers(with_kv) + ["text"] * (len(facts) - len(with_kv)):
             counts[tier] = counts.get(tier, 0) + 1
         return counts
 

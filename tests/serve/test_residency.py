@@ -47,6 +47,7 @@ def test_cold_facts_are_served_by_text_and_get_their_k_v_back_once_warm(cluster)
     assert first.status_code == 200, first.text
     usage = first.json()["usage"]
     assert usage["memory_tokens"] > 0 and usage["prefilled_tokens"] >= usage["memory_tokens"]  # pasted as text
+    assert usage["memory_tiers"] == {"text": 2}  # not where their dropped K/V last sat
     reencodes_before = _metric(cluster, "inferscale_kv_reencodes_total")
     assert cluster.chat(ivy, "Does Ivy have a cat?", memory={"k": 2}).status_code == 200  # the second use
     for state in _wait(cluster, ivy, ids, "kept"):
