@@ -225,6 +225,8 @@ def main() -> None:
     summaries = {name: compact(full) for name, full in full_summaries.items()}  # bf16, rounded outwards: as kept
     scoring_layers = torch.linspace(0, config.num_hidden_layers - 1, SCORING_LAYERS).round().long()
     few = {name: layers_of(summaries[name], scoring_layers) for name in chunkings}  # what scoring a few layers keeps
+    early_layers = torch.arange(SCORING_LAYERS)  # the first layers: the question's own pass needs only those
+    early = layers_of(summaries["fixed16"], early_layers)
     budgets = {share: int(share * length) for share in [args.budget, *map(float, args.more_budgets.split(","))]}
     rng = random.Random(1)
     from models.minilm import MiniLMEmbedder
@@ -235,8 +237,14 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     score_ms: list[float] = []
     score_few_ms: list[float] = []
+    alone_ms: list[float] = []
     for qa in questions:
         q_ids = tokenizer.encode(f"Question: {qa['question']}\nAnswer:", add_special_tokens=False)
+        with torch.inference_mode():  # the question alone, as a replica can run it before loading any history
+            tick = time.perf_counter()
+            model(torch.tensor([q_ids]))
+            alone_ms.append((time.perf_counter() - tick) * 1000)
+        alone = torch.stack([per_head(q, heads) for q in captured.queries])  # [L, H, Q, D], no history seen
         with torch.inference_mode():
             asked = model(
                 torch.tensor([q_ids]), past_key_values=_copy_cache(out.past_key_values), output_attentions=True
@@ -262,6 +270,12 @@ def main() -> None:
             }
             by_retrieval = retrieval_order(spans, history.turns, turn_scores)
             if name == "fixed16":
+                group = heads // kv_heads
+                for tag, kept, layers in (("l", few[name], scoring_layers), ("e", early, early_layers)):
+                    alone_mass = chunk_scores(kept, alone[layers], length, rope, group).mean(0)
+                    ways[f"bounds_{name}_{tag}{SCORING_LAYERS}_alone"] = (
+                        must + alone_mass.argsort(descending=True).tolist()
+                    )
                 ways["recency"] = must + list(range(len(spans) - 1, -1, -1))
                 ways["random"] = must + rng.sample(range(len(spans)), len(spans))
                 ways["retrieval"] = must + by_retrieval
@@ -272,7 +286,9 @@ def main() -> None:
                     results.setdefault(f"{way}@{share:g}", []).append(row)
             if name != "adaptive":  # retrieval picks the turns for half of each budget, the bounds the rest
                 for share, budget in budgets.items():
-                    for tag in ("", f"_l{SCORING_LAYERS}"):
+                    tags = ["", f"_l{SCORING_LAYERS}"]
+                    tags += [f"_{t}{SCORING_LAYERS}_alone" for t in "le"] if name == "fixed16" else []
+                    for tag in tags:
                         by_bounds = ways[f"bounds_{name}{tag}"][2:]
                         order = must + retrieval_then_bounds(by_retrieval, by_bounds, spans, budget)
                         row = judge(mask_of(select(order, spans, budget), spans, length), importance, evidence)
@@ -287,8 +303,13 @@ def main() -> None:
         "prefill_s": round(prefill_s, 2),
         "score_ms_per_question_p50": round(sorted(score_ms)[len(score_ms) // 2], 2),
         "summary_bytes_over_kv_bytes": {name: round(s.nbytes / kv_bytes, 4) for name, s in summaries.items()}
-        | {f"{name}_l{SCORING_LAYERS}": round(s.nbytes / kv_bytes, 4) for name, s in few.items()},
+        | {f"{name}_l{SCORING_LAYERS}": round(s.nbytes / kv_bytes, 4) for name, s in few.items()}
+        | {
+            f"fixed16_l{SCORING_LAYERS}_alone": round(few["fixed16"].nbytes / kv_bytes, 4),
+            f"fixed16_e{SCORING_LAYERS}_alone": round(early.nbytes / kv_bytes, 4),
+        },
         "scoring_layers": scoring_layers.tolist(),
+        "question_alone_pass_ms_p50": round(sorted(alone_ms)[len(alone_ms) // 2], 2),
         f"score_ms_per_question_p50_l{SCORING_LAYERS}": round(sorted(score_few_ms)[len(score_few_ms) // 2], 2),
         "summary_bytes_over_kv_bytes_float32": {
             name: round(s.nbytes / kv_bytes, 4) for name, s in full_summaries.items()
@@ -300,8 +321,11 @@ def main() -> None:
     hybrid = report["ways"][f"retrieval_then_bounds@{args.budget:g}"]
     # the design's chunking: the largest fixed size whose retrieval-then-bounds holds the evidence and the mass
     design, reference_mass = "fixed16", report["ways"][f"bounds_fixed16@{args.budget:g}"]["mass"]
-    candidates = [f"fixed{size}" for size in FIXED_SIZES[1:]] + ["turns"]
-    candidates += [f"{name}_l{SCORING_LAYERS}" for name in ["fixed16", *candidates]]
+    # what a replica can do first: the question's own pass (no history), four layers; then the rest
+    candidates = (
+        [f"fixed16_{t}{SCORING_LAYERS}_alone" for t in "el"] + [f"fixed{n}" for n in FIXED_SIZES[1:]] + ["turns"]
+    )
+    candidates += [f"{name}_l{SCORING_LAYERS}" for name in ["fixed16", *candidates[2:]]]
     for name in candidates:  # the smaller summaries, if they hold the evidence and the mass
         row = report["ways"][f"retrieval_then_bounds_{name}@{args.budget:g}"]
         if row["evidence_selected"] >= 0.9 and row["mass"] >= 0.9 * reference_mass:
