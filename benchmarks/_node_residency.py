@@ -172,8 +172,8 @@ class NodeResidency:
         self.landing = waiting
 
     def _sweep(self, now: float, events: Events) -> None:
-        """As `tenants/residency.py` sweeps with only a node budget: the policy's drops over every fact of the
-        node (what `node_drops` does), then the node's floor. Never-retrieved facts are the coldest (no use at
+        """As `tenants/residency.py` sweeps with only a node budget: the policy's own `plan` over every fact of
+        the node. Never-retrieved facts are the coldest (no use at
         all), so they go first, and while one is kept nothing is colder: no floor."""
         budget = self.settings.node_kv_bytes
         if budget is None or (len(self.held) + self.unseen_held + 1) * self.fact_bytes <= budget:
@@ -195,12 +195,10 @@ class NodeResidency:
                     str(index), self.fact_bytes, decayed(use.score, use.at, now, half_life), use.last, use.encoded
                 )
             )
-        dropped = self.policy.drops(resident, budget, now)
-        for fact in dropped:
+        dropped, floors = self.policy.plan({"node": resident}, {"node": None}, now)  # only the node's budget
+        for _, fact in dropped:
             key = held[int(fact.fact_id)]
             self.held.discard(key)
             events.dropped.append(key)
         self.drops += len(dropped)
-        gone = {fact.fact_id for fact in dropped}
-        kept = [fact for fact in resident if fact.fact_id not in gone]
-        self.floor, self.floor_at = self.policy.floor(kept, budget, now), now
+        self.floor, self.floor_at = floors["node"], now

@@ -106,19 +106,9 @@ class Residency:
         report.files_removed = self._remove_due(now)
         memories = self._memories(now)
         report.memories = len(memories)
-        drops: list[tuple[str, ResidentFact]] = []
         budgets = {memory_id: self._budget(memory.entry) for memory_id, memory in memories.items()}
-        for memory_id, memory in memories.items():
-            drops += [(memory_id, f) for f in self.policy.drops(memory.resident, budgets[memory_id], now)]
-        gone = {(m, f.fact_id) for m, f in drops}
-        left = {m: [f for f in mem.resident if (m, f.fact_id) not in gone] for m, mem in memories.items()}
-        node_drops = self.policy.node_drops(left, self.settings.node_kv_bytes, now)
-        drops += node_drops
-        gone |= {(m, f.fact_id) for m, f in node_drops}
-        kept = {m: [f for f in mem.resident if (m, f.fact_id) not in gone] for m, mem in memories.items()}
-        node_floor = self.policy.floor([f for fs in kept.values() for f in fs], self.settings.node_kv_bytes, now)
-        for memory_id in memories:  # what a dropped fact must beat to come back: its memory's and the node's
-            floor = max(self.policy.floor(kept[memory_id], budgets[memory_id], now), node_floor)
+        drops, floors = self.policy.plan({m: mem.resident for m, mem in memories.items()}, budgets, now)
+        for memory_id, floor in floors.items():  # what a dropped fact must beat to come back
             self._service.meta.uses.set_floor(memory_id, floor, now)
         for memory_id, fact in drops:
             if self._drop(memory_id, memories[memory_id], fact, now):

@@ -64,6 +64,23 @@ class ResidencyPolicy:
         order = {id(fact): rank for rank, fact in enumerate(chosen)}
         return sorted(((m, f) for m, f in flat if id(f) in picked), key=lambda pair: order[id(pair[1])])
 
+    def plan(
+        self, memories: dict[str, list[ResidentFact]], budgets: dict[str, int | None], now: float
+    ) -> tuple[list[tuple[str, ResidentFact]], dict[str, float]]:
+        """One sweep's decisions: the (memory id, fact) pairs to drop, each memory's budget first, then the node's
+        (`node_kv_bytes`) over what is left; and per memory the use a dropped fact must beat to come back (the
+        larger of its memory's floor and the node's)."""
+        drops = [(m, f) for m, facts in memories.items() for f in self.drops(facts, budgets.get(m), now)]
+        gone = {(m, f.fact_id) for m, f in drops}
+        left = {m: [f for f in facts if (m, f.fact_id) not in gone] for m, facts in memories.items()}
+        node_drops = self.node_drops(left, self.settings.node_kv_bytes, now)
+        drops += node_drops
+        gone |= {(m, f.fact_id) for m, f in node_drops}
+        kept = {m: [f for f in facts if (m, f.fact_id) not in gone] for m, facts in memories.items()}
+        node_floor = self.floor([f for facts in kept.values() for f in facts], self.settings.node_kv_bytes, now)
+        floors = {m: max(self.floor(kept[m], budgets.get(m), now), node_floor) for m in memories}
+        return drops, floors
+
     def floor(self, kept: list[ResidentFact], budget: int | None, now: float) -> float:
         """The use a dropped fact must beat to be encoded again: the coldest kept (unprotected) fact's, once the
         budget has no room for one more fact; 0 while it has. Without it a fact at the margin would be dropped

@@ -58,6 +58,19 @@ def test_the_node_budget_drops_the_coldest_of_all_memories():
     assert policy().node_drops(memories, None, DAY) == []
 
 
+def test_a_sweep_plan_applies_each_memorys_budget_then_the_nodes_and_sets_the_floors():
+    memories = {
+        "a": [fact("a1", score=3), fact("a2", score=0.5), fact("a3", score=2)],
+        "b": [fact("b1", score=1), fact("b2", score=4)],
+    }
+    drops, floors = policy(node_kv_bytes=300).plan(memories, {"a": 200, "b": None}, DAY)
+    # a's own budget drops a2; the node's (300 of the 400 left) then the coldest of all, b1
+    assert [(m, f.fact_id) for m, f in drops] == [("a", "a2"), ("b", "b1")]
+    assert floors == {"a": 2.0, "b": 2.0}  # a full: its coldest kept (a3); the node full: 2 (a3) for both
+    drops, floors = policy().plan(memories, {"a": None, "b": None}, DAY)
+    assert drops == [] and floors == {"a": 0.0, "b": 0.0}  # no budget: nothing dropped, no floor
+
+
 def test_a_dropped_fact_is_encoded_again_at_the_configured_use():
     second = policy(reencode_after_uses=2)
     assert second.wants_kv(1 + decayed(1.0, 0.0, 60.0, DAY))  # this use and one a minute ago
