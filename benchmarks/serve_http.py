@@ -133,6 +133,7 @@ def sample_rounds(
                 {
                     "ttft_ms": ms,
                     "hop_ms": usage.get("hop_ms", {}),
+                    "embed_legs_ms": usage.get("retrieval_embed_legs_ms", {}),
                     **{
                         key: usage[key]
                         for key in (
@@ -486,6 +487,11 @@ def http_figures(
             "p99": pct(retrieval, 0.99),
             "embed_p50": statistics.median(embed),
             "embed_p99": pct(embed, 0.99),
+            **{  # the embedding's legs: waiting for the thread, the forward, the way back through the event loop
+                f"embed_{leg}_p50": statistics.median(s["embed_legs_ms"][leg] for s in inject)
+                for leg in ("wait", "forward", "resume")
+                if all(leg in s["embed_legs_ms"] for s in inject)
+            },
         },
         "hop_ms_p50": {
             leg: statistics.median(s["hop_ms"][leg] for s in inject if leg in s["hop_ms"])

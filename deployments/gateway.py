@@ -24,7 +24,7 @@ from deployments.llm_backend import LLMBackend
 from deployments.memories import Memories
 from deployments.memory_prompt import FactOrder
 from deployments.metrics import Metrics
-from deployments.query_batcher import QueryBatcher
+from deployments.query_batcher import Embedded, QueryBatcher
 from deployments.rate_limit import RateLimiter
 from deployments.schemas import GenerationRequest
 from deployments.tenant_admin import TenantAdmin
@@ -50,10 +50,15 @@ class PreparedChat:
 
     task: ChatTask
     retrieval_ms: float
-    embed_ms: float = 0.0  # of retrieval_ms, the question's embedding (the rest: the change log and the search)
+    embedded: Embedded | None = None  # the question's embedding, timed (None: no retrieval)
     tiers: "asyncio.Future[dict[str, int]] | None" = None
     dispatched: float | None = None  # wall clock when the task left for the replica
     first_event: float | None = None  # wall clock when the replica's first event came back
+
+    @property
+    def embed_ms(self) -> float:
+        """Of `retrieval_ms`, the question's embedding (the rest: the change log and the search)."""
+        return self.embedded.total_ms if self.embedded is not None else 0.0
 
     async def memory_tiers(self) -> dict[str, int]:
         return await self.tiers if self.tiers is not None else {}
@@ -122,13 +127,12 @@ class Gateway:
         if self.args.max_tokens is not None and max_tokens > self.args.max_tokens:
             raise InvalidInputError(f"max_tokens must be at most {self.args.max_tokens}")
         started = time.perf_counter()
-        embedded = started
+        embedded: Embedded | None = None
         facts: tuple[RetrievedFact, ...] = ()
         if body.memory.mode != "off" and k > 0:
             query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
-            vector = await self.queries.embed(query)
-            embedded = time.perf_counter()
-            retrieved = tenant.retrieve(vector, k)
+            embedded = await self.queries.embed(query)
+            retrieved = tenant.retrieve(embedded.vector, k)
             version = retrieved.version
             hits = order_facts(retrieved.hits, body.memory.order or self.args.default_order)
             facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in hits)
@@ -159,7 +163,7 @@ class Gateway:
         tiers = None
         if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
             tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, facts))
-        return PreparedChat(task, retrieval_ms, (embedded - started) * 1000, tiers)
+        return PreparedChat(task, retrieval_ms, embedded, tiers)
 
     def _count_uses(self, residency: Residency, tenant: Tenant, facts: list[Fact], api_key: str) -> None:
         self.metrics.retrievals.inc(len(facts))

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.gateway import Gateway, PreparedChat
 from deployments.mem0_api import mem0_router
+from deployments.query_batcher import Embedded
 from deployments.schemas import (
     UNSUPPORTED,
     AddMemories,
@@ -368,6 +369,17 @@ async def _chain(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> 
         yield event
 
 
+def _embed_legs(embedded: Embedded | None) -> dict[str, float]:
+    """The embedding's time by leg: waiting for the embedding thread, the forward, the way back to the request."""
+    if embedded is None:
+        return {}
+    return {
+        "wait": round(embedded.wait_ms, 3),
+        "forward": round(embedded.forward_ms, 3),
+        "resume": round(embedded.resume_ms, 3),
+    }
+
+
 def _usage(
     final: dict[str, Any] | None, prepared: PreparedChat, ttft_ms: float, tiers: dict[str, int]
 ) -> dict[str, Any]:
@@ -383,6 +395,7 @@ def _usage(
         "recomputed_tokens": engine.get("recomputed_tokens", 0),
         "retrieval_ms": round(prepared.retrieval_ms, 3),
         "retrieval_embed_ms": round(prepared.embed_ms, 3),
+        "retrieval_embed_legs_ms": _embed_legs(prepared.embedded),
         "ttft_ms": round(ttft_ms, 3),
         "engine_ttft_ms": engine.get("engine_ttft_ms", 0.0),
         "memory_fallback": engine.get("memory_fallback"),

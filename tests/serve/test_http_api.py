@@ -150,6 +150,8 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
     for usage in (injected, pasted):
         assert usage["ttft_ms"] > 0 and usage["retrieval_ms"] > 0 and usage["completion_tokens"] > 0
         assert 0 < usage["retrieval_embed_ms"] < usage["retrieval_ms"], usage  # the embedding, then the search
+        legs = usage["retrieval_embed_legs_ms"]  # waiting for the thread, the forward, the way back to the request
+        assert legs["forward"] > 0 and abs(sum(legs.values()) - usage["retrieval_embed_ms"]) < 0.01, usage
         hop = usage["hop_ms"]  # the legs between the ingress and the engine, each inside the request's own TTFT
         assert set(hop) == {"to_replica", "layout", "first_token_back"} and all(v >= 0 for v in hop.values())
         assert sum(hop.values()) + usage["engine_ttft_ms"] + usage["retrieval_ms"] < usage["ttft_ms"] + 1, usage

@@ -1,7 +1,9 @@
-"""Concurrent queries are embedded together; a lone one is not held back; failures reach every waiter."""
+"""Concurrent queries are embedded together; a lone one is not held back; failures reach every waiter; each
+query's time is split into its legs."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -35,7 +37,44 @@ def test_queries_arriving_during_a_forward_share_the_next_one():
 
     first, rest, batches = asyncio.run(main())
     assert embedder.calls == [["a"], ["bb", "bbb", "bbbb", "bbbbb", "bbbbbb"]] and batches == 2
-    assert first.tolist() == [1.0, 1.0] and [v[0].item() for v in rest] == [2, 3, 4, 5, 6]
+    assert first.vector.tolist() == [1.0, 1.0] and [e.vector[0].item() for e in rest] == [2, 3, 4, 5, 6]
+    # the first forward held the thread ~0.1 s: the others waited for it, the first's own forward took it
+    assert first.wait_ms < 50 and first.forward_ms > 80, first
+    assert all(e.wait_ms > 30 and e.forward_ms < 50 for e in rest), rest
+
+
+def test_the_legs_add_up_and_the_way_back_is_short_on_an_idle_loop():
+    class _Timed:
+        def embed_tensor(self, texts):
+            time.sleep(0.02)
+            return torch.zeros((len(texts), 2))
+
+    async def main():
+        batcher = QueryBatcher(_Timed())
+        started = time.perf_counter()
+        embedded = await batcher.embed("q")
+        return embedded, (time.perf_counter() - started) * 1000
+
+    embedded, whole_ms = asyncio.run(main())
+    assert 20 <= embedded.forward_ms < 40 and embedded.resume_ms < 5 and embedded.wait_ms < 5, embedded
+    assert abs(embedded.total_ms - whole_ms) < 1, (embedded, whole_ms)
+
+
+def test_a_caller_that_gave_up_does_not_stop_the_others():
+    embedder = _Slow()
+
+    async def main():
+        batcher = QueryBatcher(embedder)
+        first = asyncio.ensure_future(batcher.embed("a"))
+        await asyncio.sleep(0.05)
+        gone, kept = asyncio.ensure_future(batcher.embed("bb")), asyncio.ensure_future(batcher.embed("ccc"))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        embedder.release.set()
+        return await first, await kept, gone.cancelled()
+
+    first, kept, cancelled = asyncio.run(main())
+    assert cancelled and first.vector[0].item() == 1 and kept.vector[0].item() == 3
 
 
 def test_a_failed_forward_fails_its_waiters_and_the_next_batch_runs():
@@ -54,4 +93,4 @@ def test_a_failed_forward_fails_its_waiters_and_the_next_batch_runs():
             await batcher.embed("x")
         return await batcher.embed("y")
 
-    assert asyncio.run(main()).tolist() == [1.0, 1.0]
+    assert asyncio.run(main()).vector.tolist() == [1.0, 1.0]
