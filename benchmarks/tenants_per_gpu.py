@@ -224,8 +224,11 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
     preload(engine, records, sorted(residency.held), trace.k)
     preload_s = time.perf_counter() - started
     samples, batches, served, reencodes_before = [], [], [], residency.reencodes
+    versions: dict[int, int] = {}  # each tenant's store version at its last request through the engine
 
-    def next_request(i: int):
+    def next_request(i: int) -> tuple[tuple, int, bool]:
+        """(the request, how many of its injected facts were first read now from an old record, whether its
+        tenant's store changed since the tenant's last request): what a request's excess over the model comes from."""
         events = residency.advance(times[i])
         records.drop(events.dropped)
         records.write(events.landed)
@@ -233,19 +236,23 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
         mask = residency.chat(times[i], tenant, facts)
         injected, pasted = facts[mask].tolist(), facts[~mask].tolist()
         # a fact retrieved for the first time still holding the K/V it was written with: its record, old
-        records.write([(tenant, f) for f in injected if (tenant, f) not in records.present], cold=True)
+        fresh = [(tenant, f) for f in injected if (tenant, f) not in records.present]
+        records.write(fresh, cold=True)
+        version = records.store.version(records.tenant_id(tenant))
+        changed = versions.get(tenant, version) != version
+        versions[tenant] = version
         if i >= first + warm:
             served.append(len(injected))
-        return records.request(tenant, injected, pasted, i)
+        return records.request(tenant, injected, pasted, i), len(fresh), changed
 
     for i in range(first, first + warm + timed):
-        request = next_request(i)
+        request, fresh, changed = next_request(i)
         ms = engine.ask(*request)
         if i >= first + warm:
-            samples.append((round(ms, 2), len(request[1].record_ids) - 1))
-    ttft = [ms for ms, _ in samples]
+            samples.append((round(ms, 2), len(request[1].record_ids) - 1, fresh, int(changed)))
+    ttft = [sample[0] for sample in samples]
     for start in range(first + warm + timed, trace.chats, batch):
-        batches.append(engine.ask_many([next_request(i) for i in range(start, min(start + batch, trace.chats))]))
+        batches.append(engine.ask_many([next_request(i)[0] for i in range(start, min(start + batch, trace.chats))]))
     return {
         "tenants": trace.tenants,
         "p50_ms": statistics.median(ttft),
@@ -261,7 +268,9 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
         "replay_s": round(replay_s, 1),
         "records_write_s": round(write_s, 1),
         "preload_s": round(preload_s, 1),
-        "samples": samples,  # (TTFT ms, facts injected) of each request timed alone
+        # each request timed alone: (TTFT ms, facts injected, of them first read from an old record, its tenant's
+        # store changed since the tenant's last request: 1)
+        "samples": samples,
     }
 
 

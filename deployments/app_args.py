@@ -82,6 +82,11 @@ class IngressArgs(Strict):
     embed_device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where retrieval embeds queries (cuda needs num_gpus in ray_actor_options)."
     )
+    query_embedding: Literal["process", "thread"] = Field(
+        "process",
+        description="Where the ingress embeds questions: a child process of its own (its forward never waits "
+        "for the event loop's GIL) or a thread of the replica.",
+    )
     index_device: Literal["cpu", "cuda"] = Field(
         "cpu",
         description="Where each tenant's retrieval vectors are "

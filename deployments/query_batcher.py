@@ -1,26 +1,37 @@
-"""Queries that arrive together are embedded in one forward pass.
+"""Queries that arrive together are embedded in one forward pass, in a thread or in a process of its own.
 
 Each chat needs its question embedded before retrieval. One forward per request would queue requests
 behind each other's launches; here, a request that finds the embedder idle starts a forward at once,
 and the requests that arrive while it runs are embedded together by the next one (up to `max_batch`).
 Nothing waits for a batch to fill, so a lone request pays no delay.
 
-Under load the event loop, not the forward, is what a query waits for: every pass through the loop's ready
-queue serves every other request's callbacks first. So a forward is handed to the embedding thread from the
-caller's own step, and the thread hands the vectors back in one callback that resolves the callers' futures
-and starts the next batch: the caller resumes two loop passes after its forward ends (three, and one more
-before it started, through an asyncio task that drove the executor). `Embedded` reports the three legs.
+Under load the event loop, not the model, is what a query waits for. Every pass through the loop's ready
+queue serves other requests' callbacks first, so a forward is handed over from the caller's own step and
+comes back in one callback that resolves its callers and starts the next batch. And a forward in a thread of
+the serving process takes the GIL back after every torch call: with the loop holding it in pieces of a
+millisecond, a 0.55 ms GPU forward took 1.44 ms inside the H200 serving run (`Embedded` reports the legs).
+`ProcessForwarder` runs the forward in a child process, whose interpreter nothing else uses; the loop sees
+only a pipe becoming readable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import multiprocessing
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from multiprocessing.connection import Connection
+from typing import Callable, Protocol, Sequence
 
+import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+_HEADER = struct.Struct("<?ddI")  # a reply from the embedder's process: ok, started, ended, rows; then the vectors
+Done = Callable[["torch.Tensor | BaseException", float, float], None]  # (vectors or failure, started, ended)
 
 
 class TensorEmbedder(Protocol):
@@ -29,11 +40,20 @@ class TensorEmbedder(Protocol):
     def embed_tensor(self, texts: Sequence[str]) -> torch.Tensor: ...
 
 
+class Forwarder(Protocol):
+    """Runs one forward off the event loop and calls `done` on the loop with its outcome and its clock
+    (`time.perf_counter`, which is the system's monotonic clock in every process)."""
+
+    def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Embedded:
-    """A query's vector and where the time to it went (ms): waiting for the embedding thread (a forward of
-    earlier queries running), the forward itself (tokenizer, model, the GPU's answer), and the way back to
-    the caller through the event loop."""
+    """A query's vector and where the time to it went (ms): waiting for the forwarder (a forward of earlier
+    queries running), the forward itself (tokenizer, model, the device's answer), and the way back to the
+    caller through the event loop."""
 
     vector: torch.Tensor
     wait_ms: float
@@ -45,6 +65,136 @@ class Embedded:
         return self.wait_ms + self.forward_ms + self.resume_ms
 
 
+def _vectors(embedder: TensorEmbedder, texts: list[str], device: torch.device | None = None) -> torch.Tensor:
+    vectors = embedder.embed_tensor(texts)
+    if device is not None:
+        vectors = vectors.to(device)
+    if vectors.is_cuda:  # wait for the device here, off the event loop, not in the search that follows on it
+        torch.cuda.current_stream(vectors.device).synchronize()
+    return vectors
+
+
+class ThreadForwarder:
+    """The forward in one thread of this process (its Python steps share this process's GIL)."""
+
+    def __init__(self, embedder: TensorEmbedder, device: torch.device | None = None) -> None:
+        self._embedder, self._device = embedder, device
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed")
+
+    def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None:
+        self._pool.submit(self._run, loop, texts, done)
+
+    def _run(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None:
+        started = time.perf_counter()
+        try:
+            outcome: torch.Tensor | BaseException = _vectors(self._embedder, texts, self._device)
+        except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
+            outcome = exc
+        loop.call_soon_threadsafe(done, outcome, started, time.perf_counter())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+class EmbedderProcessError(RuntimeError):
+    """The query embedder's process failed to start or exited."""
+
+
+class ProcessForwarder:
+    """The forward in a child process (spawned, so it holds its own CUDA context), fed over a pipe.
+
+    `factory` (picklable: a module-level function or a partial of one) builds the embedder in the child. The
+    child exits when the pipe closes; if it dies, the batch in flight and every later one fail with
+    `EmbedderProcessError` and `alive` turns false (the replica's health check reports it)."""
+
+    def __init__(self, factory: Callable[[], TensorEmbedder], start_timeout_s: float = 300.0) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._done: Done | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, factory), name="query-embed", daemon=True)
+        self._process.start()
+        child.close()
+        if not self._conn.poll(start_timeout_s):
+            self.close()
+            raise EmbedderProcessError(f"the query embedder's process did not start within {start_timeout_s:g} s")
+        try:
+            kind, detail = self._conn.recv()
+        except EOFError:
+            kind, detail = "error", f"exited with code {self._process.join(5) or self._process.exitcode}"
+        if kind != "ready":
+            self.close()
+            raise EmbedderProcessError(f"the query embedder's process failed to start: {detail}")
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None:
+        now = time.perf_counter()
+        if not self.alive:
+            loop.call_soon(
+                done, EmbedderProcessError(f"the query embedder's process exited ({self._process.exitcode})"), now, now
+            )
+            return
+        if self._loop is not loop:
+            if self._loop is not None:
+                self._loop.remove_reader(self._conn.fileno())
+            loop.add_reader(self._conn.fileno(), self._on_readable)
+            self._loop = loop
+        self._done = done
+        self._conn.send(texts)
+
+    def _on_readable(self) -> None:
+        done, self._done = self._done, None
+        try:
+            message = self._conn.recv_bytes()
+        except (EOFError, OSError):
+            assert self._loop is not None
+            self._loop.remove_reader(self._conn.fileno())
+            self._process.join(5)
+            now = time.perf_counter()
+            log.error("the query embedder's process exited (code %s)", self._process.exitcode)
+            if done is not None:
+                done(EmbedderProcessError(f"the query embedder's process exited ({self._process.exitcode})"), now, now)
+            return
+        ok, started, ended, rows = _HEADER.unpack_from(message)
+        body = memoryview(message)[_HEADER.size :]
+        if done is not None:
+            vectors = torch.frombuffer(bytearray(body), dtype=torch.float32).view(rows, -1) if ok else None
+            done(vectors if vectors is not None else RuntimeError(bytes(body).decode()), started, ended)
+
+    def close(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._conn.fileno())
+        self._conn.close()
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def _serve(conn: Connection, factory: Callable[[], TensorEmbedder]) -> None:
+    """The child: build the embedder, then answer each list of texts with their vectors (float32, host)."""
+    try:
+        embedder = factory()
+    except Exception as exc:  # noqa: BLE001 - the parent raises it
+        conn.send(("error", repr(exc)))
+        return
+    conn.send(("ready", ""))
+    while True:
+        try:
+            texts = conn.recv()
+        except (EOFError, OSError):  # the parent closed the pipe or exited
+            return
+        started = time.perf_counter()
+        try:
+            vectors = np.ascontiguousarray(_vectors(embedder, texts).float().cpu().numpy())
+            header = _HEADER.pack(True, started, time.perf_counter(), len(vectors))
+            conn.send_bytes(header + vectors.tobytes())
+        except Exception as exc:  # noqa: BLE001 - the callers get it
+            conn.send_bytes(_HEADER.pack(False, started, time.perf_counter(), 0) + repr(exc).encode())
+
+
 @dataclass
 class _Waiting:
     text: str
@@ -53,16 +203,28 @@ class _Waiting:
 
 
 class QueryBatcher:
-    """`await embed(text)` -> the text's vector on `device` (the search's; None: the embedder's), batched with
-    concurrent callers, with its timing."""
+    """`await embed(text)` -> the text's vector on `device` (the search's; None: where the forward left it),
+    batched with concurrent callers, with its timing. `forwarder`: a `TensorEmbedder` runs in a thread."""
 
-    def __init__(self, embedder: TensorEmbedder, max_batch: int = 32, device: str | torch.device | None = None) -> None:
-        self._embedder, self.max_batch = embedder, max_batch
+    def __init__(
+        self,
+        forwarder: Forwarder | TensorEmbedder,
+        max_batch: int = 32,
+        device: str | torch.device | None = None,
+    ) -> None:
         self._device = torch.device(device) if device is not None else None
+        if not hasattr(forwarder, "submit"):
+            forwarder = ThreadForwarder(forwarder, self._device)  # type: ignore[arg-type]
+        self._forwarder: Forwarder = forwarder  # type: ignore[assignment]
+        self.max_batch = max_batch
         self._pending: list[_Waiting] = []
         self._running = False
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed")  # forwards leave the event loop free
         self.batches = 0  # forwards run so far (tests and metrics read it)
+
+    @property
+    def alive(self) -> bool:
+        """False once the forwarder can no longer embed (its process died)."""
+        return getattr(self._forwarder, "alive", True)
 
     async def embed(self, text: str) -> Embedded:
         loop = asyncio.get_running_loop()
@@ -74,29 +236,22 @@ class QueryBatcher:
         resumed = time.perf_counter()
         return Embedded(vector, (started - waiting.since) * 1000, (ended - started) * 1000, (resumed - ended) * 1000)
 
+    def close(self) -> None:
+        self._forwarder.close()
+
     def _start_next(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the loop: hand the next batch to the embedding thread, or mark the embedder idle."""
+        """On the loop: hand the next batch to the forwarder, or mark the embedder idle."""
         if not self._pending:
             self._running = False
             return
         self._running = True
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
         self.batches += 1
-        self._pool.submit(self._forward, loop, batch)
-
-    def _forward(self, loop: asyncio.AbstractEventLoop, batch: list[_Waiting]) -> None:
-        """In the embedding thread: one forward, then one callback on the loop with its outcome."""
-        started = time.perf_counter()
-        try:
-            vectors = self._embedder.embed_tensor([w.text for w in batch])
-            if self._device is not None:
-                vectors = vectors.to(self._device)
-            if vectors.is_cuda:  # wait for the GPU here, off the event loop, not in the search that follows on it
-                torch.cuda.current_stream(vectors.device).synchronize()
-            outcome: torch.Tensor | BaseException = vectors
-        except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
-            outcome = exc
-        loop.call_soon_threadsafe(self._finish, loop, batch, outcome, started, time.perf_counter())
+        self._forwarder.submit(
+            loop,
+            [w.text for w in batch],
+            lambda outcome, started, ended: self._finish(loop, batch, outcome, started, ended),
+        )
 
     def _finish(
         self,
@@ -107,6 +262,8 @@ class QueryBatcher:
         ended: float,
     ) -> None:
         """On the loop: resolve the batch's callers, then start the batch that gathered meanwhile."""
+        if isinstance(outcome, torch.Tensor) and self._device is not None and outcome.device != self._device:
+            outcome = outcome.to(self._device)  # a process's vectors arrive on the host
         for i, waiting in enumerate(batch):
             if waiting.future.done():  # the caller gave up (its request was cancelled)
                 continue

@@ -204,3 +204,13 @@ class MiniLMEmbedder:
                 self._graphs = None
                 return encode(self._weights, ids, mask)
         return graph.run(ids, mask)
+
+
+def query_embedder(device: str, max_batch: int, threads: int | None = None) -> MiniLMEmbedder:
+    """An embedder ready for queries (its CUDA graphs captured up to `max_batch`): what a query embedder's
+    process builds (`deployments/query_batcher.py`); `threads`: torch's CPU threads in that process."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    embedder = MiniLMEmbedder(device=device)
+    embedder.prepare(max_batch)
+    return embedder

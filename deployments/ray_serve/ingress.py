@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -26,14 +27,15 @@ from deployments.chat_task import ChatTask
 from deployments.gateway import Gateway
 from deployments.http_api import create_app
 from deployments.metrics import Metrics
-from deployments.query_batcher import QueryBatcher
+from deployments.query_batcher import Forwarder, ProcessForwarder, QueryBatcher
 from deployments.ray_serve.loopback import bind_replica_grpc_to_node
 from deployments.ray_serve.transport import in_this_mode, uses_grpc
-from models.minilm import MiniLMEmbedder
+from models.minilm import MiniLMEmbedder, query_embedder
 from tenants.connect import connect_service
 from tenants.residency import Residency
 
 log = logging.getLogger(__name__)
+QUERY_BATCH = 32  # most questions embedded in one forward
 # A replica killed, restarting or overloaded: the request can be retried against its replacement.
 REPLICA_GONE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
 
@@ -119,9 +121,14 @@ class Ingress:
         bind_replica_grpc_to_node()
         self.args = AppArgs(**args)
         settings = load_settings(**self.args.settings)
-        embedder = MiniLMEmbedder(device=self.args.ingress.embed_device)
-        queries = QueryBatcher(embedder, device=self.args.ingress.index_device)
-        embedder.prepare(queries.max_batch)
+        device = self.args.ingress.embed_device
+        embedder = MiniLMEmbedder(device=device)  # facts written through this replica
+        if self.args.ingress.query_embedding == "process":
+            forwarder: Forwarder | MiniLMEmbedder = ProcessForwarder(partial(query_embedder, device, QUERY_BATCH))
+        else:
+            embedder.prepare(QUERY_BATCH)
+            forwarder = embedder
+        queries = QueryBatcher(forwarder, QUERY_BATCH, device=self.args.ingress.index_device)
         service = connect_service(
             self.args.redis(settings),
             self.args.state_dir,
@@ -157,10 +164,18 @@ class Ingress:
         while not self._stop.wait(interval_s):
             self.gateway.residency_tick()
 
+    def check_health(self) -> None:
+        """Serve restarts a replica whose query embedder's process has died."""
+        if not self.gateway.queries.alive:
+            raise RuntimeError("the query embedder's process exited")
+
     def __del__(self) -> None:
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+        gateway = getattr(self, "gateway", None)
+        if gateway is not None:
+            gateway.queries.close()
 
     def __serve_build_asgi_app__(self):
         return create_app(self.gateway)

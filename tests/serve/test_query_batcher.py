@@ -2,13 +2,14 @@
 query's time is split into its legs."""
 
 import asyncio
+import os
 import threading
 import time
 
 import pytest
 import torch
 
-from deployments.query_batcher import QueryBatcher
+from deployments.query_batcher import EmbedderProcessError, ProcessForwarder, QueryBatcher
 
 
 class _Slow:
@@ -94,3 +95,66 @@ def test_a_failed_forward_fails_its_waiters_and_the_next_batch_runs():
         return await batcher.embed("y")
 
     assert asyncio.run(main()).vector.tolist() == [1.0, 1.0]
+
+
+class _Lengths:
+    """Built in the child process: each text's length and the process that embedded it."""
+
+    def embed_tensor(self, texts):
+        if "boom" in texts:
+            raise ValueError("bad text")
+        if "slow" in texts:
+            time.sleep(30)
+        return torch.tensor([[float(len(t)), float(os.getpid())] for t in texts])
+
+
+def _lengths() -> _Lengths:
+    return _Lengths()
+
+
+def _broken() -> _Lengths:
+    raise RuntimeError("no model here")
+
+
+def test_a_process_embeds_apart_and_serves_on_after_a_failed_forward():
+    forwarder = ProcessForwarder(_lengths)
+    try:
+
+        async def main():
+            batcher = QueryBatcher(forwarder)
+            first, second = await asyncio.gather(batcher.embed("ab"), batcher.embed("abcd"))
+            with pytest.raises(RuntimeError, match="bad text"):
+                await batcher.embed("boom")
+            return first, second, await batcher.embed("abc"), batcher.batches
+
+        first, second, third, batches = asyncio.run(main())
+    finally:
+        forwarder.close()
+    assert [e.vector[0].item() for e in (first, second, third)] == [2, 4, 3] and batches == 4
+    assert first.vector[1].item() != os.getpid() and first.vector[1].item() == third.vector[1].item()
+    assert second.wait_ms > 0 and all(e.forward_ms >= 0 and e.resume_ms >= 0 for e in (first, second, third))
+
+
+def test_a_process_that_dies_fails_its_callers_clearly_and_reports_it():
+    forwarder = ProcessForwarder(_lengths)
+    batcher = QueryBatcher(forwarder)
+
+    async def main():
+        in_flight = asyncio.ensure_future(batcher.embed("slow"))
+        await asyncio.sleep(0.5)
+        forwarder._process.kill()
+        with pytest.raises(EmbedderProcessError, match="exited"):
+            await in_flight
+        with pytest.raises(EmbedderProcessError, match="exited"):
+            await batcher.embed("next")
+
+    try:
+        asyncio.run(main())
+        assert not batcher.alive
+    finally:
+        forwarder.close()
+
+
+def test_a_factory_that_fails_fails_the_start_with_its_cause():
+    with pytest.raises(EmbedderProcessError, match="no model here"):
+        ProcessForwarder(_broken)
