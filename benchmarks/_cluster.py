@@ -70,11 +70,13 @@ def start_cluster(
     proxy: str = "haproxy",
     embed_device: str = "cuda",
     engine_sm_percent: int | None = None,
+    query_embedding: str = "process",
 ):
     """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
     on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
     CUDA's multi-process service `engine_sm_percent` holds the engine to that share of the SMs (the rest stay
-    free for the ingress's query embeddings)."""
+    free for the ingress's query embeddings); `query_embedding`: the ingress embeds questions in a process of
+    its own or in a thread."""
     import os
 
     from ray import serve
@@ -100,6 +102,7 @@ def start_cluster(
         "burst": 10_000,
         "max_ongoing_requests": 512,
         "first_event_timeout_s": 900,
+        "query_embedding": query_embedding,
     }  # a cold start of 100 tenants reads ~40 GB of records: not a lost replica
     if cuda:  # the GPU also embeds queries (a sliver of it per ingress replica), as a GPU deployment would
         llm["engine_kwargs"] = {"gpu_memory_utilization": 0.45, "max_model_len": 4096}

@@ -343,6 +343,12 @@ def main() -> None:
         help="on a GPU, where the ingress embeds queries (cpu: two threads a replica, no GPU time-slicing)",
     )
     p.add_argument(
+        "--query-embedding",
+        choices=["process", "thread"],
+        default="process",
+        help="the ingress embeds questions in a process of its own (default) or in a thread of the replica",
+    )
+    p.add_argument(
         "--engine-sm-percent",
         type=int,
         choices=range(1, 101),
@@ -365,7 +371,7 @@ def main() -> None:
     clock = Phases()
     state = Path(scratch_dir(prefix="serve-bench-"))
     base, admin, redis, app_args = start_cluster(
-        state, cuda, args.config, args.proxy, args.embed_device, args.engine_sm_percent
+        state, cuda, args.config, args.proxy, args.embed_device, args.engine_sm_percent, args.query_embedding
     )
     probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
     clock.done("deploy")
@@ -382,6 +388,7 @@ def main() -> None:
         "proxy": args.proxy,
         "cuda": cuda,
         "embed_device": app_args["ingress"].get("embed_device", "cpu"),
+        "query_embedding": app_args["ingress"]["query_embedding"],
         "engine_sm_percent": args.engine_sm_percent,
         "model": str(args.config) if args.config else "SmolLM2-135M",
         "phase_s": clock.seconds,
