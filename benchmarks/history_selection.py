@@ -20,7 +20,6 @@ retrieved) and for retrieval taking half the budget and the bounds the rest. Als
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -30,8 +29,16 @@ import torch
 from benchmarks._common import parser, target, wilson, write_report
 from benchmarks.quality.devset import conversation
 from config.settings import load_settings
+from kvcore.history import (
+    chunk_mass,
+    chunks_by_turn_score,
+    fixed_spans,
+    layers_of,
+    retrieval_then_mass,
+    take_in_order,
+)
 from kvcore.rope import RopeConfig
-from kvcore.summaries import ChunkSummaries, adaptive_spans, compact, summarize, upper_bounds
+from kvcore.summaries import adaptive_spans, compact, summarize
 from models.loader import force_offline, model_path
 
 FIXED_SIZES = (16, 32, 64)  # tokens a chunk, fixed chunkings side by side
@@ -72,25 +79,6 @@ def build_history(tokenizer, conversations: list[dict]) -> History:
     return History(ids, turns, questions, texts)
 
 
-def retrieval_order(
-    spans: list[tuple[int, int]], turns: dict[str, tuple[int, int]], scores: dict[str, float]
-) -> list[int]:
-    """Chunks by the best retrieval score of a turn they hold part of (the facts' embedding search, per turn)."""
-    best = [float("-inf")] * len(spans)
-    for turn, (start, end) in turns.items():
-        for c, (s, e) in enumerate(spans):
-            if s < end and start < e:
-                best[c] = max(best[c], scores[turn])
-    return sorted(range(len(spans)), key=lambda c: -best[c])
-
-
-def layers_of(summaries: ChunkSummaries, layers: torch.Tensor) -> ChunkSummaries:
-    """The summaries of some layers only (what a node keeps when it scores those)."""
-    return ChunkSummaries(
-        summaries.spans, summaries.norms[:, layers], summaries.low[:, layers], summaries.high[:, layers]
-    )
-
-
 def turn_spans(turns: dict[str, tuple[int, int]], length: int, longest: int) -> list[tuple[int, int]]:
     """Chunks along the dialogue's turns (what retrieval picks is then whole chunks), a turn longer than `longest`
     split evenly; the tokens between turns (session headers) go with the turn after them."""
@@ -101,18 +89,6 @@ def turn_spans(turns: dict[str, tuple[int, int]], length: int, longest: int) -> 
         cuts = [start + (end - start) * i // pieces for i in range(pieces + 1)]
         spans += list(zip(cuts, cuts[1:]))
     return spans
-
-
-def retrieval_then_bounds(by_retrieval: list[int], by_bounds: list[int], spans, budget: int) -> list[int]:
-    """Half the budget to the best-retrieved turns' chunks, the rest by the bounds."""
-    first, used = [], 0
-    for c in by_retrieval:
-        size = spans[c][1] - spans[c][0]
-        if used + size > budget // 2:
-            break
-        first.append(c)
-        used += size
-    return first + [c for c in by_bounds if c not in set(first)]
 
 
 class Captured:
@@ -140,33 +116,6 @@ class Captured:
 def per_head(x: torch.Tensor, heads: int) -> torch.Tensor:
     """`[T, heads * D]` -> `[heads, T, D]`."""
     return x.view(x.shape[0], heads, -1).transpose(0, 1)
-
-
-def chunk_scores(summaries, queries: torch.Tensor, first_position: int, rope: RopeConfig, group: int) -> torch.Tensor:
-    """Estimated attention mass per chunk `[L, C]`: each layer's bound, max over the question's tokens and each KV
-    head's query group, turned into a softmax over chunks (scaled as attention is), averaged over KV heads."""
-    layers, heads, tokens, dim = queries.shape
-    kv_heads = heads // group
-    # every (question token, member of the group) as one query per KV head: [tokens * group, L, KVH, D]
-    grouped = (
-        queries.view(layers, kv_heads, group, tokens, dim).permute(3, 2, 0, 1, 4).reshape(-1, layers, kv_heads, dim)
-    )
-    positions = (first_position + torch.arange(tokens)).repeat_interleave(group)
-    best = upper_bounds(summaries, grouped, positions, 0, rope).amax(0)  # [C, L, KVH]
-    mass = torch.softmax(best / math.sqrt(dim), dim=0)  # over chunks
-    return mass.mean(-1).transpose(0, 1)  # [L, C]
-
-
-def select(order: list[int], spans: list[tuple[int, int]], budget: int) -> set[int]:
-    """Chunks in `order` (the sink and the newest chunk first) until `budget` tokens."""
-    chosen, used = set(), 0
-    for c in order:
-        size = spans[c][1] - spans[c][0]
-        if c in chosen or used + size > budget and chosen:
-            continue
-        chosen.add(c)
-        used += size
-    return chosen
 
 
 def mask_of(chosen: set[int], spans: list[tuple[int, int]], length: int) -> torch.Tensor:
@@ -215,9 +164,7 @@ def main() -> None:
     keys = torch.stack([per_head(k, kv_heads) for k in captured.keys])  # [L, KVH, T, D], pre-RoPE
     kv_bytes = 2 * keys.numel() * 2  # K and V at bf16, as a GPU engine holds them
     key_norms = keys.norm(dim=-1).mean(dim=(0, 1))  # [T]: where the keys' weight concentrates
-    chunkings = {
-        f"fixed{size}": [(s, min(s + size, length)) for s in range(0, length, size)] for size in FIXED_SIZES
-    } | {
+    chunkings = {f"fixed{size}": fixed_spans(length, size) for size in FIXED_SIZES} | {
         "adaptive": adaptive_spans(key_norms - key_norms.min(), min_size=8, max_size=32, share=0.02),
         "turns": turn_spans(history.turns, length, TURN_MAX),
     }
@@ -256,10 +203,10 @@ def main() -> None:
         turn_scores = dict(zip(turn_ids, cosine))
         for name, spans in chunkings.items():
             tick = time.perf_counter()
-            mass = chunk_scores(summaries[name], queries, length, rope, heads // kv_heads).mean(0)  # [C]
+            mass = chunk_mass(summaries[name], queries, length, rope, heads // kv_heads).mean(0)  # [C]
             score_ms.append((time.perf_counter() - tick) * 1000)
             tick = time.perf_counter()
-            few_mass = chunk_scores(few[name], queries[scoring_layers], length, rope, heads // kv_heads).mean(0)
+            few_mass = chunk_mass(few[name], queries[scoring_layers], length, rope, heads // kv_heads).mean(0)
             score_few_ms.append((time.perf_counter() - tick) * 1000)
             must = [0, len(spans) - 1]
             ways = {
@@ -268,11 +215,11 @@ def main() -> None:
                 f"oracle_{name}": must
                 + torch.tensor([importance.mean(0)[s:e].sum() for s, e in spans]).argsort(descending=True).tolist(),
             }
-            by_retrieval = retrieval_order(spans, history.turns, turn_scores)
+            by_retrieval = chunks_by_turn_score(spans, history.turns, turn_scores)
             if name == "fixed16":
                 group = heads // kv_heads
                 for tag, kept, layers in (("l", few[name], scoring_layers), ("e", early, early_layers)):
-                    alone_mass = chunk_scores(kept, alone[layers], length, rope, group).mean(0)
+                    alone_mass = chunk_mass(kept, alone[layers], length, rope, group).mean(0)
                     ways[f"bounds_{name}_{tag}{SCORING_LAYERS}_alone"] = (
                         must + alone_mass.argsort(descending=True).tolist()
                     )
@@ -281,7 +228,7 @@ def main() -> None:
                 ways["retrieval"] = must + by_retrieval
             for way, order in ways.items():
                 for share, budget in budgets.items():
-                    chosen = select(order, spans, budget)
+                    chosen = take_in_order(order, spans, budget)
                     row = judge(mask_of(chosen, spans, length), importance, evidence)
                     results.setdefault(f"{way}@{share:g}", []).append(row)
             if name != "adaptive":  # retrieval picks the turns for half of each budget, the bounds the rest
@@ -290,8 +237,8 @@ def main() -> None:
                     tags += [f"_{t}{SCORING_LAYERS}_alone" for t in "le"] if name == "fixed16" else []
                     for tag in tags:
                         by_bounds = ways[f"bounds_{name}{tag}"][2:]
-                        order = must + retrieval_then_bounds(by_retrieval, by_bounds, spans, budget)
-                        row = judge(mask_of(select(order, spans, budget), spans, length), importance, evidence)
+                        order = must + retrieval_then_mass(by_retrieval, by_bounds, spans, budget)
+                        row = judge(mask_of(take_in_order(order, spans, budget), spans, length), importance, evidence)
                         key = "retrieval_then_bounds" + ("" if name == "fixed16" and not tag else f"_{name}") + tag
                         results.setdefault(f"{key}@{share:g}", []).append(row)
         del asked

@@ -170,11 +170,14 @@ def mps_active() -> bool:
     return found.returncode == 0 and found.stdout.strip() != ""
 
 
-def beside_busy_loop(device: str, query: str, repeats: int, piece_ms: float = 1.0, busy: float = 0.6) -> dict:
+def beside_busy_loop(
+    device: str, query: str, repeats: int, piece_ms: float = 1.0, busy: float = 0.6, spaced_ms: float = 30.0
+) -> dict:
     """A question's embedding through the ingress's `QueryBatcher`, its forward in a thread of this process and in
-    a process of its own, on an idle event loop and on one that serves other work `busy` of the time in pieces
-    of `piece_ms` (as a serving replica's loop does): the thread's every torch call takes the GIL back from
-    the loop, the process's never does. p50 of each leg (ms)."""
+    a process of its own: on an idle event loop back to back (2 ms apart), on an idle loop `spaced_ms` apart (as
+    the serving benchmark's sequential chats arrive: the devices and threads idle in between), and on a loop
+    that serves other work `busy` of the time in pieces of `piece_ms` (a loaded replica: the thread's every
+    torch call takes the GIL back from the loop, the process's never does). p50 of each leg (ms)."""
     import asyncio
     from functools import partial
 
@@ -191,14 +194,14 @@ def beside_busy_loop(device: str, query: str, repeats: int, piece_ms: float = 1.
             asyncio.ensure_future(piece())
             await asyncio.sleep(piece_ms / 1000 / busy)
 
-    async def measure(batcher: QueryBatcher, loaded: bool) -> dict[str, float]:
+    async def measure(batcher: QueryBatcher, loaded: bool, gap_ms: float = 2.0) -> dict[str, float]:
         stop = asyncio.Event()
         if loaded:
             asyncio.ensure_future(other_work(stop))
         runs = []
         for _ in range(repeats):
             runs.append(await batcher.embed(query))
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(gap_ms / 1000)
         stop.set()
         return {
             leg: round(statistics.median(getattr(e, f"{leg}_ms") for e in runs), 3)
@@ -210,12 +213,13 @@ def beside_busy_loop(device: str, query: str, repeats: int, piece_ms: float = 1.
         "thread": query_embedder(device, 8, threads),
         "process": ProcessForwarder(partial(query_embedder, device, 8, threads)),
     }
-    out: dict = {"piece_ms": piece_ms, "busy": busy}
+    out: dict = {"piece_ms": piece_ms, "busy": busy, "spaced_ms": spaced_ms}
     try:
         for name, forwarder in embedders.items():
             batcher = QueryBatcher(forwarder, 8, device="cpu")
             out[name] = {
                 "idle": asyncio.run(measure(batcher, False)),
+                "spaced": asyncio.run(measure(batcher, False, spaced_ms)),
                 "busy_loop": asyncio.run(measure(batcher, True)),
             }
     finally:

@@ -15,9 +15,9 @@ bound once the fact moves; LeoAM's element-wise q·max is not one even in place 
 mixed. Engines compute angles p·θ in float32: a slack term of a few ulps of the largest angle per pair
 covers that rounding.
 
-Not on the serving path yet: its tests prove the bound, and `benchmarks/history_selection.py` measures
-choosing a long history's chunks by it against SmolLM2's real attention (`docs/history-selection.md`); the
-"LeoAM at work" issue builds the serving mode on it.
+Not on the serving path yet: its tests prove the bound, `kvcore/history.py` chooses a long history's chunks
+by it, and `benchmarks/history_selection.py` measures that choice against SmolLM2's real attention
+(`docs/history-selection.md`); the "LeoAM at work" issue builds the serving mode on it.
 """
 
 from __future__ import annotations

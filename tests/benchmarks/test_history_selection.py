@@ -1,9 +1,10 @@
-"""The history-selection benchmark's pieces: turn spans, budgeted chunk choice, and its judge of recall."""
+"""The history-selection benchmark's own pieces: the history's turn spans and its judge of recall (the choice of
+chunks is the core's, tests/core/test_history.py)."""
 
 import pytest
 import torch
 
-from benchmarks.history_selection import build_history, judge, mask_of, select
+from benchmarks.history_selection import build_history, judge, mask_of
 from benchmarks.quality.devset import conversation
 
 
@@ -23,27 +24,12 @@ def test_each_turn_keeps_its_token_span_and_questions_name_their_conversation():
     assert all(e.split(":", 1)[0] in ("0", "1") for q in history.questions for e in q["evidence"])
 
 
-def test_chunks_are_taken_in_order_until_the_budget_and_the_first_always_fits():
-    spans = [(0, 4), (4, 8), (8, 16), (16, 20)]
-    assert select([0, 3, 2, 1], spans, budget=12) == {0, 3, 1}  # 2 (8 tokens) no longer fits after 0 and 3
-    assert select([2], spans, budget=1) == {2}  # something is always selected
-
-
 def test_the_judge_counts_top_tokens_mass_and_evidence_inside_the_mask():
     importance = torch.tensor([[5.0, 0, 0, 0, 0, 0, 0, 0, 0, 5.0]]) + torch.tensor([0.1] + [0.0] * 9)  # top: 0
     mask = mask_of({0}, [(0, 2), (2, 10)], 10)
     row = judge(mask, importance, evidence=[(1, 3)])
     assert row["recall"] == [1.0] and row["mass"] == [pytest.approx(5.1 / 10.1)] and row["evidence"]
     assert not judge(mask, importance, evidence=[(4, 6)])["evidence"]
-
-
-def test_retrieval_orders_chunks_by_their_best_turn_and_shares_the_budget_with_the_bounds():
-    from benchmarks.history_selection import retrieval_order, retrieval_then_bounds
-
-    spans = [(0, 4), (4, 8), (8, 12)]
-    turns = {"a": (0, 6), "b": (6, 12)}  # a spans chunks 0 and 1, b chunks 1 and 2
-    assert retrieval_order(spans, turns, {"a": 0.2, "b": 0.9}) == [1, 2, 0]
-    assert retrieval_then_bounds([1, 2, 0], [0, 2, 1], spans, budget=8) == [1, 0, 2]  # half (4 tokens): chunk 1
 
 
 def test_turn_chunks_follow_the_turns_and_split_the_long_ones():

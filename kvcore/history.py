@@ -1,0 +1,110 @@
+"""Choosing which chunks of a long conversation history a request attends to (LeoAM's idea, with sound bounds).
+
+A tenant's history is cut into chunks (`fixed_spans`: 16 tokens measured best, `docs/history-selection.md`),
+each summarised over a few early layers (`kvcore/summaries.py`, kept in bf16 by `compact`). For a question,
+its own queries at those layers (the question alone through the model's first layers: no history needed)
+give every chunk an estimated attention mass (`chunk_mass`: each layer's bound over the chunk's keys, as a
+softmax over chunks). `select_chunks` then keeps the attention sink and the newest turns, gives up to half the
+token budget to the chunks of the turns retrieval ranks best, and the rest to the chunks by mass; the chosen
+chunks come back in position order, as they are injected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+
+from kvcore.rope import RopeConfig
+from kvcore.summaries import ChunkSummaries, upper_bounds
+
+Span = tuple[int, int]  # [start, end) in the history's tokens
+
+
+def fixed_spans(length: int, size: int) -> list[Span]:
+    """Chunks of `size` tokens over a history of `length` (the last one shorter)."""
+    if size <= 0:
+        raise ValueError(f"chunk size must be positive, got {size}")
+    return [(start, min(start + size, length)) for start in range(0, length, size)]
+
+
+def layers_of(summaries: ChunkSummaries, layers: torch.Tensor) -> ChunkSummaries:
+    """The summaries of some layers only (what a node keeps when it scores those)."""
+    return ChunkSummaries(
+        summaries.spans, summaries.norms[:, layers], summaries.low[:, layers], summaries.high[:, layers]
+    )
+
+
+def chunk_mass(
+    summaries: ChunkSummaries, queries: torch.Tensor, first_position: int, rope: RopeConfig, group: int
+) -> torch.Tensor:
+    """Estimated attention mass per chunk `[L, C]` for queries `[L, H, Q, D]` (pre-RoPE, the question's tokens
+    at `first_position` onwards): each layer's bound, max over the question's tokens and each KV head's query
+    group, turned into a softmax over chunks (scaled as attention is), averaged over KV heads."""
+    layers, heads, tokens, dim = queries.shape
+    kv_heads = heads // group
+    # every (question token, member of the group) as one query per KV head: [tokens * group, L, KVH, D]
+    grouped = (
+        queries.view(layers, kv_heads, group, tokens, dim).permute(3, 2, 0, 1, 4).reshape(-1, layers, kv_heads, dim)
+    )
+    positions = (first_position + torch.arange(tokens)).repeat_interleave(group)
+    best = upper_bounds(summaries, grouped, positions, 0, rope).amax(0)  # [C, L, KVH]
+    mass = torch.softmax(best / math.sqrt(dim), dim=0)  # over chunks
+    return mass.mean(-1).transpose(0, 1)  # [L, C]
+
+
+def chunks_by_turn_score(spans: Sequence[Span], turns: Mapping[str, Span], scores: Mapping[str, float]) -> list[int]:
+    """Chunks by the best retrieval score of a turn they hold part of (best first; chunks of no scored turn last)."""
+    best = [float("-inf")] * len(spans)
+    for turn, (start, end) in turns.items():
+        if turn not in scores:
+            continue
+        for c, (s, e) in enumerate(spans):
+            if s < end and start < e:
+                best[c] = max(best[c], scores[turn])
+    return sorted(range(len(spans)), key=lambda c: -best[c])
+
+
+def retrieval_then_mass(
+    by_retrieval: Sequence[int], by_mass: Sequence[int], spans: Sequence[Span], budget: int
+) -> list[int]:
+    """The order chunks are taken in: the best-retrieved turns' chunks while they fit half the budget, then the
+    rest by mass."""
+    first, used = [], 0
+    for c in by_retrieval:
+        size = spans[c][1] - spans[c][0]
+        if used + size > budget // 2:
+            break
+        first.append(c)
+        used += size
+    taken = set(first)
+    return first + [c for c in by_mass if c not in taken]
+
+
+def take_in_order(order: Sequence[int], spans: Sequence[Span], budget: int) -> set[int]:
+    """Chunks in `order` while they fit `budget` tokens (the first always does; a chunk too big is skipped)."""
+    chosen: set[int] = set()
+    used = 0
+    for c in order:
+        size = spans[c][1] - spans[c][0]
+        if c in chosen or used + size > budget and chosen:
+            continue
+        chosen.add(c)
+        used += size
+    return chosen
+
+
+def select_chunks(
+    spans: Sequence[Span],
+    budget: int,
+    by_mass: Sequence[int],
+    by_retrieval: Sequence[int] = (),
+    recent: int = 1,
+) -> list[int]:
+    """The chunks a request attends to, in position order: the first (the attention sink) and the `recent` newest
+    always, then `retrieval_then_mass` while `budget` tokens last."""
+    if not spans:
+        return []
+    must = [0, *range(max(len(spans) - recent, 1), len(spans))]
+    return sorted(take_in_order(must + retrieval_then_mass(by_retrieval, by_mass, spans, budget), spans, budget))

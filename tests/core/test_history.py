@@ -1,0 +1,66 @@
+"""Choosing a history's chunks: fixed spans, budgeted choice in position order, retrieval's half, and the mass
+estimate's agreement with the exact scores it bounds."""
+
+import pytest
+import torch
+
+from kvcore.history import (
+    chunk_mass,
+    chunks_by_turn_score,
+    fixed_spans,
+    retrieval_then_mass,
+    select_chunks,
+    take_in_order,
+)
+from kvcore.rope import RopeConfig, rotate
+from kvcore.summaries import summarize
+
+
+def test_fixed_spans_cover_the_history_once():
+    assert fixed_spans(40, 16) == [(0, 16), (16, 32), (32, 40)]
+    assert fixed_spans(0, 16) == []
+    with pytest.raises(ValueError, match="positive"):
+        fixed_spans(10, 0)
+
+
+def test_chunks_are_taken_in_order_until_the_budget_and_the_first_always_fits():
+    spans = [(0, 4), (4, 8), (8, 16), (16, 20)]
+    assert take_in_order([0, 3, 2, 1], spans, budget=12) == {0, 3, 1}  # 2 (8 tokens) no longer fits after 0 and 3
+    assert take_in_order([2], spans, budget=1) == {2}  # something is always selected
+
+
+def test_retrieval_orders_chunks_by_their_best_turn_and_takes_half_the_budget():
+    spans = [(0, 4), (4, 8), (8, 12)]
+    turns = {"a": (0, 6), "b": (6, 12), "unscored": (0, 12)}  # a spans chunks 0 and 1, b chunks 1 and 2
+    assert chunks_by_turn_score(spans, turns, {"a": 0.2, "b": 0.9}) == [1, 2, 0]
+    assert retrieval_then_mass([1, 2, 0], [0, 2, 1], spans, budget=8) == [1, 0, 2]  # half (4 tokens): chunk 1
+
+
+def test_the_sink_and_the_newest_chunks_are_always_kept_and_come_back_in_position_order():
+    spans = fixed_spans(160, 16)  # ten chunks
+    by_mass = [5, 4, 3, 2, 1, 8, 7, 6, 9, 0]
+    chosen = select_chunks(spans, budget=64, by_mass=by_mass, recent=2)
+    assert chosen == [0, 5, 8, 9]  # sink, the two newest, then the best by mass while 64 tokens last
+    assert select_chunks(spans, budget=64, by_mass=by_mass, by_retrieval=[2, 3], recent=1) == [0, 2, 3, 9]
+    assert select_chunks([], 10, []) == [] and select_chunks([(0, 5)], 10, [0], recent=3) == [0]
+
+
+def test_the_mass_puts_the_chunk_holding_the_best_key_first():
+    """A chunk whose key matches the query strongly must rank first by its bound, as by the exact scores."""
+    torch.manual_seed(0)
+    rope = RopeConfig(head_dim=16)
+    layers, kv_heads, group, length = 2, 2, 2, 64
+    keys = torch.randn(layers, kv_heads, length, 16) * 0.1
+    queries = torch.randn(layers, kv_heads * group, 1, 16)
+    target = 37  # inside chunk 2 of 16-token chunks
+    for layer in range(layers):
+        for head in range(kv_heads):
+            keys[layer, head, target] = 4 * queries[layer, head * group, 0]
+    spans = fixed_spans(length, 16)
+    mass = chunk_mass(summarize(keys, spans, rope), queries, length, rope, group)
+    assert mass.shape == (layers, len(spans)) and torch.allclose(mass.sum(-1), torch.ones(layers))
+    assert int(mass.mean(0).argmax()) == 2
+    # the exact scores at serving positions agree (the query at `length`, the keys where they sit)
+    q = rotate(queries[:, ::group, :, :], torch.tensor([length]), rope)
+    k = rotate(keys, torch.arange(length), rope)
+    assert int((q @ k.transpose(-1, -2)).amax(dim=(0, 1, 2)).argmax()) == target
