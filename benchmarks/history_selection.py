@@ -37,8 +37,10 @@ from kvcore.history import (
     retrieval_then_mass,
     take_in_order,
 )
+from kvcore.query_pass import question_queries
 from kvcore.rope import RopeConfig
 from kvcore.summaries import adaptive_spans, compact, summarize
+from models.early_layers import load_early_layers
 from models.loader import force_offline, model_path
 
 FIXED_SIZES = (16, 32, 64)  # tokens a chunk, fixed chunkings side by side
@@ -172,8 +174,7 @@ def main() -> None:
     summaries = {name: compact(full) for name, full in full_summaries.items()}  # bf16, rounded outwards: as kept
     scoring_layers = torch.linspace(0, config.num_hidden_layers - 1, SCORING_LAYERS).round().long()
     few = {name: layers_of(summaries[name], scoring_layers) for name in chunkings}  # what scoring a few layers keeps
-    early_layers = torch.arange(SCORING_LAYERS)  # the first layers: the question's own pass needs only those
-    early = layers_of(summaries["fixed16"], early_layers)
+    early = layers_of(summaries["fixed16"], torch.arange(SCORING_LAYERS))  # the first layers: the question's pass
     budgets = {share: int(share * length) for share in [args.budget, *map(float, args.more_budgets.split(","))]}
     rng = random.Random(1)
     from models.minilm import MiniLMEmbedder
@@ -185,6 +186,8 @@ def main() -> None:
     score_ms: list[float] = []
     score_few_ms: list[float] = []
     alone_ms: list[float] = []
+    pass_ms: list[float] = []
+    early_weights = load_early_layers(path, SCORING_LAYERS)  # what the LLM replica reads of the checkpoint
     for qa in questions:
         q_ids = tokenizer.encode(f"Question: {qa['question']}\nAnswer:", add_special_tokens=False)
         with torch.inference_mode():  # the question alone, as a replica can run it before loading any history
@@ -192,6 +195,9 @@ def main() -> None:
             model(torch.tensor([q_ids]))
             alone_ms.append((time.perf_counter() - tick) * 1000)
         alone = torch.stack([per_head(q, heads) for q in captured.queries])  # [L, H, Q, D], no history seen
+        tick = time.perf_counter()
+        early_queries = question_queries(early_weights, q_ids)  # the replica's own pass: layers 0-3 only
+        pass_ms.append((time.perf_counter() - tick) * 1000)
         with torch.inference_mode():
             asked = model(
                 torch.tensor([q_ids]), past_key_values=_copy_cache(out.past_key_values), output_attentions=True
@@ -218,8 +224,8 @@ def main() -> None:
             by_retrieval = chunks_by_turn_score(spans, history.turns, turn_scores)
             if name == "fixed16":
                 group = heads // kv_heads
-                for tag, kept, layers in (("l", few[name], scoring_layers), ("e", early, early_layers)):
-                    alone_mass = chunk_mass(kept, alone[layers], length, rope, group).mean(0)
+                for tag, kept, asked_alone in (("l", few[name], alone[scoring_layers]), ("e", early, early_queries)):
+                    alone_mass = chunk_mass(kept, asked_alone, length, rope, group).mean(0)
                     ways[f"bounds_{name}_{tag}{SCORING_LAYERS}_alone"] = (
                         must + alone_mass.argsort(descending=True).tolist()
                     )
@@ -257,6 +263,8 @@ def main() -> None:
         },
         "scoring_layers": scoring_layers.tolist(),
         "question_alone_pass_ms_p50": round(sorted(alone_ms)[len(alone_ms) // 2], 2),
+        # the question through layers 0-3 only, from the checkpoint's tensors (`kvcore/query_pass.py`): the e4 queries
+        "query_pass_ms_p50": round(sorted(pass_ms)[len(pass_ms) // 2], 2),
         f"score_ms_per_question_p50_l{SCORING_LAYERS}": round(sorted(score_few_ms)[len(score_few_ms) // 2], 2),
         "summary_bytes_over_kv_bytes_float32": {
             name: round(s.nbytes / kv_bytes, 4) for name, s in full_summaries.items()
