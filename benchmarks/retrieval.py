@@ -205,7 +205,7 @@ def beside_busy_loop(
         stop.set()
         return {
             leg: round(statistics.median(getattr(e, f"{leg}_ms") for e in runs), 3)
-            for leg in ("wait", "forward", "resume", "total")
+            for leg in ("wait", "forward", "resume", "total", "forward_cpu")
         }
 
     threads = 1 if device == "cpu" else None

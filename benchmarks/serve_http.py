@@ -134,6 +134,7 @@ def sample_rounds(
                     "ttft_ms": ms,
                     "hop_ms": usage.get("hop_ms", {}),
                     "embed_legs_ms": usage.get("retrieval_embed_legs_ms", {}),
+                    "cpu_ms": usage.get("cpu_ms", {}),
                     **{
                         key: usage[key]
                         for key in (
@@ -504,6 +505,12 @@ def http_figures(
             leg: statistics.median(s["hop_ms"][leg] for s in inject if leg in s["hop_ms"])
             for leg in ("to_replica", "layout", "first_token_back")
             if any(leg in s["hop_ms"] for s in inject)
+        },
+        # of the layout's and the embedding forward's wall time, their threads' own CPU time (the rest: waiting)
+        "cpu_ms_p50": {
+            leg: statistics.median(s["cpu_ms"][leg] for s in inject)
+            for leg in ("layout", "embed_forward")
+            if all(leg in s["cpu_ms"] for s in inject)
         },
         "ingress_floor_ms": {"p50": statistics.median(floor), "p99": pct(floor, 0.99)},
         "mode_floor_ms": {

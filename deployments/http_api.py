@@ -401,6 +401,7 @@ def _usage(
         "memory_fallback": engine.get("memory_fallback"),
         "memory_tiers": tiers,
         "hop_ms": _hop(prepared, engine.get("timeline")),
+        "cpu_ms": _cpu(prepared, engine.get("timeline")),
         # OpenAI's meaning: prompt tokens not computed for this request (injected, or from the prefix cache)
         "prompt_tokens_details": {"cached_tokens": engine.get("prompt_tokens", 0) - engine.get("prefilled_tokens", 0)},
     }
@@ -416,6 +417,17 @@ def _hop(prepared: PreparedChat, timeline: dict[str, float] | None) -> dict[str,
         "layout": round((timeline["engine_start"] - timeline["arrived"]) * 1000, 3),
         "first_token_back": round((prepared.first_event - timeline["first_token"]) * 1000, 3),
     }
+
+
+def _cpu(prepared: PreparedChat, timeline: dict[str, float] | None) -> dict[str, float]:
+    """Of two legs' wall time, the CPU time of the thread that ran them: the replica's layout and the question's
+    embedding forward (what is left of each was waiting: for the GIL, a core or the device)."""
+    out = {}
+    if timeline and "layout_cpu_s" in timeline:
+        out["layout"] = round(timeline["layout_cpu_s"] * 1000, 3)
+    if prepared.embedded is not None:
+        out["embed_forward"] = round(prepared.embedded.forward_cpu_ms, 3)
+    return out
 
 
 def _chat_logprobs(entries: list | None, offset: int = 0) -> dict[str, Any] | None:

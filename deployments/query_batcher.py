@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
-_HEADER = struct.Struct("<?ddI")  # a reply from the embedder's process: ok, started, ended, rows; then the vectors
-Done = Callable[["torch.Tensor | BaseException", float, float], None]  # (vectors or failure, started, ended)
+_HEADER = struct.Struct("<?dddI")  # a reply from the embedder's process: ok, started, ended, cpu s, rows; vectors
+# (vectors or failure, started, ended, the forward's CPU time in its thread, s)
+Done = Callable[["torch.Tensor | BaseException", float, float, float], None]
 
 
 class TensorEmbedder(Protocol):
@@ -41,8 +42,8 @@ class TensorEmbedder(Protocol):
 
 
 class Forwarder(Protocol):
-    """Runs one forward off the event loop and calls `done` on the loop with its outcome and its clock
-    (`time.perf_counter`, which is the system's monotonic clock in every process)."""
+    """Runs one forward off the event loop and calls `done` on the loop with its outcome, its clock
+    (`time.perf_counter`, which is the system's monotonic clock in every process) and its thread's CPU time."""
 
     def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None: ...
 
@@ -53,12 +54,13 @@ class Forwarder(Protocol):
 class Embedded:
     """A query's vector and where the time to it went (ms): waiting for the forwarder (a forward of earlier
     queries running), the forward itself (tokenizer, model, the device's answer), and the way back to the
-    caller through the event loop."""
+    caller through the event loop; and how much of the forward was CPU time of its thread."""
 
     vector: torch.Tensor
     wait_ms: float
     forward_ms: float
     resume_ms: float
+    forward_cpu_ms: float = 0.0  # of forward_ms, the forward thread's own CPU time (the rest: waiting)
 
     @property
     def total_ms(self) -> float:
@@ -85,12 +87,12 @@ class ThreadForwarder:
         self._pool.submit(self._run, loop, texts, done)
 
     def _run(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             outcome: torch.Tensor | BaseException = _vectors(self._embedder, texts, self._device)
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
             outcome = exc
-        loop.call_soon_threadsafe(done, outcome, started, time.perf_counter())
+        loop.call_soon_threadsafe(done, outcome, started, time.perf_counter(), time.thread_time() - cpu)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -133,9 +135,8 @@ class ProcessForwarder:
     def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None:
         now = time.perf_counter()
         if not self.alive:
-            loop.call_soon(
-                done, EmbedderProcessError(f"the query embedder's process exited ({self._process.exitcode})"), now, now
-            )
+            gone = EmbedderProcessError(f"the query embedder's process exited ({self._process.exitcode})")
+            loop.call_soon(done, gone, now, now, 0.0)
             return
         if self._loop is not loop:
             if self._loop is not None:
@@ -156,13 +157,18 @@ class ProcessForwarder:
             now = time.perf_counter()
             log.error("the query embedder's process exited (code %s)", self._process.exitcode)
             if done is not None:
-                done(EmbedderProcessError(f"the query embedder's process exited ({self._process.exitcode})"), now, now)
+                done(
+                    EmbedderProcessError(f"the query embedder's process exited ({self._process.exitcode})"),
+                    now,
+                    now,
+                    0.0,
+                )
             return
-        ok, started, ended, rows = _HEADER.unpack_from(message)
+        ok, started, ended, cpu, rows = _HEADER.unpack_from(message)
         body = memoryview(message)[_HEADER.size :]
         if done is not None:
             vectors = torch.frombuffer(bytearray(body), dtype=torch.float32).view(rows, -1) if ok else None
-            done(vectors if vectors is not None else RuntimeError(bytes(body).decode()), started, ended)
+            done(vectors if vectors is not None else RuntimeError(bytes(body).decode()), started, ended, cpu)
 
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -186,13 +192,14 @@ def _serve(conn: Connection, factory: Callable[[], TensorEmbedder]) -> None:
             texts = conn.recv()
         except (EOFError, OSError):  # the parent closed the pipe or exited
             return
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             vectors = np.ascontiguousarray(_vectors(embedder, texts).float().cpu().numpy())
-            header = _HEADER.pack(True, started, time.perf_counter(), len(vectors))
+            header = _HEADER.pack(True, started, time.perf_counter(), time.thread_time() - cpu, len(vectors))
             conn.send_bytes(header + vectors.tobytes())
         except Exception as exc:  # noqa: BLE001 - the callers get it
-            conn.send_bytes(_HEADER.pack(False, started, time.perf_counter(), 0) + repr(exc).encode())
+            failed = _HEADER.pack(False, started, time.perf_counter(), time.thread_time() - cpu, 0)
+            conn.send_bytes(failed + repr(exc).encode())
 
 
 @dataclass
@@ -232,9 +239,11 @@ class QueryBatcher:
         self._pending.append(waiting)
         if not self._running:
             self._start_next(loop)
-        vector, started, ended = await waiting.future
+        vector, started, ended, cpu = await waiting.future
         resumed = time.perf_counter()
-        return Embedded(vector, (started - waiting.since) * 1000, (ended - started) * 1000, (resumed - ended) * 1000)
+        return Embedded(
+            vector, (started - waiting.since) * 1000, (ended - started) * 1000, (resumed - ended) * 1000, cpu * 1000
+        )
 
     def close(self) -> None:
         self._forwarder.close()
@@ -250,7 +259,7 @@ class QueryBatcher:
         self._forwarder.submit(
             loop,
             [w.text for w in batch],
-            lambda outcome, started, ended: self._finish(loop, batch, outcome, started, ended),
+            lambda outcome, started, ended, cpu: self._finish(loop, batch, outcome, started, ended, cpu),
         )
 
     def _finish(
@@ -260,6 +269,7 @@ class QueryBatcher:
         outcome: torch.Tensor | BaseException,
         started: float,
         ended: float,
+        cpu: float,
     ) -> None:
         """On the loop: resolve the batch's callers, then start the batch that gathered meanwhile."""
         if isinstance(outcome, torch.Tensor) and self._device is not None and outcome.device != self._device:
@@ -270,5 +280,5 @@ class QueryBatcher:
             if isinstance(outcome, BaseException):
                 waiting.future.set_exception(outcome)
             else:
-                waiting.future.set_result((outcome[i], started, ended))
+                waiting.future.set_result((outcome[i], started, ended, cpu))
         self._start_next(loop)

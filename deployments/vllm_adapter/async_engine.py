@@ -148,8 +148,9 @@ class MemoryEngine:
     async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
         """Text deltas (`{"delta": ...}`) then one final `{"done": True, "finish_reason", "usage"}`; the usage's
         `timeline` holds wall-clock times (s) of the task's arrival, the engine's start and its first token, so the
-        ingress can split what lies between its own clock and the engine's (one host, one clock)."""
-        arrived = time.time()
+        ingress can split what lies between its own clock and the engine's (one host, one clock), and the CPU time
+        the layout took (against its wall time: what it spent computing, not waiting for the GIL or a core)."""
+        arrived, arrived_cpu = time.time(), time.thread_time()
         if (
             task.mode == "inject" and self._tier_root is not None
         ):  # disk-tier facts start loading before the engine sees them
@@ -180,7 +181,7 @@ class MemoryEngine:
         if laid.plan is not None:
             params.extra_args = {"kv_transfer_params": laid.plan.to_params()}
         prompt = TokensPrompt(prompt_token_ids=laid.token_ids, cache_salt=laid.cache_salt)
-        engine_start = time.time()
+        engine_start, layout_cpu = time.time(), time.thread_time() - arrived_cpu
         started, ttft, completion, cached, report, finish = time.perf_counter(), None, 0, 0, None, None
         async for out in self._engine.generate(prompt, params, f"chat-{uuid.uuid4().hex}"):
             piece = out.outputs[0]
@@ -214,6 +215,7 @@ class MemoryEngine:
                     "arrived": arrived,
                     "engine_start": engine_start,
                     "first_token": engine_start + (ttft or 0.0) / 1000,
+                    "layout_cpu_s": layout_cpu,  # of the layout's wall time, this thread's own CPU time
                 },
             },
         }

@@ -154,6 +154,8 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
         assert legs["forward"] > 0 and abs(sum(legs.values()) - usage["retrieval_embed_ms"]) < 0.01, usage
         hop = usage["hop_ms"]  # the legs between the ingress and the engine, each inside the request's own TTFT
         assert set(hop) == {"to_replica", "layout", "first_token_back"} and all(v >= 0 for v in hop.values())
+        cpu = usage["cpu_ms"]  # of the layout's and the embedding forward's wall time, their threads' CPU time
+        assert 0 < cpu["layout"] <= hop["layout"] + 0.05 and 0 < cpu["embed_forward"], usage
         assert sum(hop.values()) + usage["engine_ttft_ms"] + usage["retrieval_ms"] < usage["ttft_ms"] + 1, usage
 
 

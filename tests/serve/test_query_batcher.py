@@ -58,6 +58,7 @@ def test_the_legs_add_up_and_the_way_back_is_short_on_an_idle_loop():
 
     embedded, whole_ms = asyncio.run(main())
     assert 20 <= embedded.forward_ms < 40 and embedded.resume_ms < 5 and embedded.wait_ms < 5, embedded
+    assert embedded.forward_cpu_ms < 5, embedded  # the forward slept: wall time, not its thread's CPU time
     assert abs(embedded.total_ms - whole_ms) < 1, (embedded, whole_ms)
 
 
@@ -105,6 +106,10 @@ class _Lengths:
             raise ValueError("bad text")
         if "slow" in texts:
             time.sleep(30)
+        if "busy" in texts:
+            until = time.perf_counter() + 0.03
+            while time.perf_counter() < until:
+                pass
         return torch.tensor([[float(len(t)), float(os.getpid())] for t in texts])
 
 
@@ -133,6 +138,15 @@ def test_a_process_embeds_apart_and_serves_on_after_a_failed_forward():
     assert [e.vector[0].item() for e in (first, second, third)] == [2, 4, 3] and batches == 4
     assert first.vector[1].item() != os.getpid() and first.vector[1].item() == third.vector[1].item()
     assert second.wait_ms > 0 and all(e.forward_ms >= 0 and e.resume_ms >= 0 for e in (first, second, third))
+
+
+def test_a_process_reports_its_forwards_cpu_time():
+    forwarder = ProcessForwarder(_lengths)
+    try:
+        busy = asyncio.run(QueryBatcher(forwarder).embed("busy"))
+    finally:
+        forwarder.close()
+    assert busy.forward_ms >= 30 and busy.forward_cpu_ms >= 25, busy  # it computed: its thread's CPU time
 
 
 def test_a_process_that_dies_fails_its_callers_clearly_and_reports_it():
