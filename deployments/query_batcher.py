@@ -110,23 +110,42 @@ class ProcessForwarder:
     `EmbedderProcessError` and `alive` turns false (the replica's health check reports it)."""
 
     def __init__(self, factory: Callable[[], TensorEmbedder], start_timeout_s: float = 300.0) -> None:
+        """Spawns the process and returns: its start (loading the model, capturing graphs) overlaps the caller's
+        own; `wait_ready` (or the first forward) waits for it."""
         context = multiprocessing.get_context("spawn")
         self._done: Done | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready, self._start_timeout_s = False, start_timeout_s
+        self._failed: EmbedderProcessError | None = None  # why it did not start (raised again to every caller)
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_serve, args=(child, factory), name="query-embed", daemon=True)
         self._process.start()
         child.close()
-        if not self._conn.poll(start_timeout_s):
+
+    def wait_ready(self) -> None:
+        """Block until the process has built its embedder; `EmbedderProcessError` with the cause if it failed."""
+        if self._ready:
+            return
+        if self._failed is None:
+            self._failed = self._start_failure()
+            if self._failed is None:
+                self._ready = True
+                return
             self.close()
-            raise EmbedderProcessError(f"the query embedder's process did not start within {start_timeout_s:g} s")
+        raise self._failed
+
+    def _start_failure(self) -> EmbedderProcessError | None:
+        if not self._conn.poll(self._start_timeout_s):
+            return EmbedderProcessError(
+                f"the query embedder's process did not start within {self._start_timeout_s:g} s"
+            )
         try:
             kind, detail = self._conn.recv()
         except EOFError:
             kind, detail = "error", f"exited with code {self._process.join(5) or self._process.exitcode}"
         if kind != "ready":
-            self.close()
-            raise EmbedderProcessError(f"the query embedder's process failed to start: {detail}")
+            return EmbedderProcessError(f"the query embedder's process failed to start: {detail}")
+        return None
 
     @property
     def alive(self) -> bool:
@@ -134,6 +153,12 @@ class ProcessForwarder:
 
     def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None:
         now = time.perf_counter()
+        if not self._ready:
+            try:
+                self.wait_ready()
+            except EmbedderProcessError as exc:
+                loop.call_soon(done, exc, now, now, 0.0)
+                return
         if not self.alive:
             gone = EmbedderProcessError(f"the query embedder's process exited ({self._process.exitcode})")
             loop.call_soon(done, gone, now, now, 0.0)

@@ -122,10 +122,10 @@ class Ingress:
         self.args = AppArgs(**args)
         settings = load_settings(**self.args.settings)
         device = self.args.ingress.embed_device
-        embedder = MiniLMEmbedder(device=device)  # facts written through this replica
-        if self.args.ingress.query_embedding == "process":
+        if self.args.ingress.query_embedding == "process":  # it starts while this replica does the rest
             forwarder: Forwarder | MiniLMEmbedder = ProcessForwarder(partial(query_embedder, device, QUERY_BATCH))
-        else:
+        embedder = MiniLMEmbedder(device=device)  # facts written through this replica
+        if self.args.ingress.query_embedding == "thread":
             embedder.prepare(QUERY_BATCH)
             forwarder = embedder
         queries = QueryBatcher(forwarder, QUERY_BATCH, device=self.args.ingress.index_device)
@@ -158,6 +158,8 @@ class Ingress:
         self._stop = threading.Event()
         interval = settings.residency.flush_interval_s
         threading.Thread(target=self._residency_loop, args=(interval,), name="kv-residency", daemon=True).start()
+        if isinstance(forwarder, ProcessForwarder):
+            forwarder.wait_ready()  # serve no chat before questions can be embedded
 
     def _residency_loop(self, interval_s: float) -> None:
         """Retrieval counts to Redis and the K/V budgets applied, off the event loop."""

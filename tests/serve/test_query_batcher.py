@@ -169,6 +169,14 @@ def test_a_process_that_dies_fails_its_callers_clearly_and_reports_it():
         forwarder.close()
 
 
-def test_a_factory_that_fails_fails_the_start_with_its_cause():
+def test_a_factory_that_fails_fails_the_start_and_every_caller_with_its_cause():
     with pytest.raises(EmbedderProcessError, match="no model here"):
-        ProcessForwarder(_broken)
+        ProcessForwarder(_broken).wait_ready()
+    batcher = QueryBatcher(ProcessForwarder(_broken))  # not waited for: the first forward finds out
+
+    async def main():
+        for _ in range(2):  # the batcher is not left stuck by the failed start
+            with pytest.raises(EmbedderProcessError, match="no model here|exited"):
+                await batcher.embed("x")
+
+    asyncio.run(main())
