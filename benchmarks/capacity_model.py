@@ -301,6 +301,7 @@ def check_measured(path: Path, shape: Shape) -> dict:
                 "p95_relative_error": abs(run["p95_ms"] - row["p95_ms"]) / row["p95_ms"],
                 "model_within_goal": within,
                 "model": run,
+                "excess_ms": excess_by_cause(row.get("samples", []), measured, report["k"], shape.fact_tokens),
             }
         )
     return {
@@ -308,6 +309,29 @@ def check_measured(path: Path, shape: Shape) -> dict:
         "rows": rows,
         "measured_tenants": report["measured_tenants"],
         "model_tenants": rows_passed(rows),
+    }
+
+
+def excess_by_cause(samples: list, measured: "Measured", k: int, fact_tokens: int) -> dict:
+    """How far each timed request of a `tenants_per_gpu` run lies above the arena's TTFT plus its pasted facts'
+    prefill, grouped by what the run recorded of it (samples of five fields: TTFT, injected, facts first read
+    from an old record, tenant's store changed, tenant's first request): count, share, p50 and p95 of the excess."""
+    groups: dict[str, list[float]] = {}
+    for sample in samples:
+        if len(sample) < 5:
+            return {}  # a run from before these fields
+        ms, injected, fresh, changed, new_tenant = sample[:5]
+        excess = ms - measured.arena_ttft_ms - (k - injected) * fact_tokens * measured.paste_ms_per_token
+        cause = "new tenant" if new_tenant else "old record read" if fresh else "store changed" if changed else "none"
+        groups.setdefault(cause, []).append(excess)
+    return {
+        cause: {
+            "count": len(values),
+            "share": round(len(values) / len(samples), 4),
+            "p50": round(float(np.percentile(values, 50)), 2),
+            "p95": round(float(np.percentile(values, 95)), 2),
+        }
+        for cause, values in sorted(groups.items())
     }
 
 

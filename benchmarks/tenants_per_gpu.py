@@ -225,10 +225,12 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
     preload_s = time.perf_counter() - started
     samples, batches, served, reencodes_before = [], [], [], residency.reencodes
     versions: dict[int, int] = {}  # each tenant's store version at its last request through the engine
+    seen = {tenant for tenant, _ in residency.held}  # tenants whose frame the preload injected
 
-    def next_request(i: int) -> tuple[tuple, int, bool]:
+    def next_request(i: int) -> tuple[tuple, int, bool, bool]:
         """(the request, how many of its injected facts were first read now from an old record, whether its
-        tenant's store changed since the tenant's last request): what a request's excess over the model comes from."""
+        tenant's store changed since the tenant's last request, whether it is the tenant's first request through
+        the engine, its frame read from the store): what a request's excess over the model comes from."""
         events = residency.advance(times[i])
         records.drop(events.dropped)
         records.write(events.landed)
@@ -241,15 +243,17 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
         version = records.store.version(records.tenant_id(tenant))
         changed = versions.get(tenant, version) != version
         versions[tenant] = version
+        new_tenant = tenant not in seen
+        seen.add(tenant)
         if i >= first + warm:
             served.append(len(injected))
-        return records.request(tenant, injected, pasted, i), len(fresh), changed
+        return records.request(tenant, injected, pasted, i), len(fresh), changed, new_tenant
 
     for i in range(first, first + warm + timed):
-        request, fresh, changed = next_request(i)
+        request, fresh, changed, new_tenant = next_request(i)
         ms = engine.ask(*request)
         if i >= first + warm:
-            samples.append((round(ms, 2), len(request[1].record_ids) - 1, fresh, int(changed)))
+            samples.append((round(ms, 2), len(request[1].record_ids) - 1, fresh, int(changed), int(new_tenant)))
     ttft = [sample[0] for sample in samples]
     for start in range(first + warm + timed, trace.chats, batch):
         batches.append(engine.ask_many([next_request(i)[0] for i in range(start, min(start + batch, trace.chats))]))
@@ -269,7 +273,7 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
         "records_write_s": round(write_s, 1),
         "preload_s": round(preload_s, 1),
         # each request timed alone: (TTFT ms, facts injected, of them first read from an old record, its tenant's
-        # store changed since the tenant's last request: 1)
+        # store changed since the tenant's last request: 1, its tenant's first request through the engine: 1)
         "samples": samples,
     }
 

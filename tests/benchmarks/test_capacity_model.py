@@ -1,10 +1,10 @@
-"""The capacity model's tier replay (exclusive LRU by bytes, a request's sources) and its runs with and without
-the residency policy deciding which facts hold K/V."""
+"""The capacity model's tier replay (exclusive LRU by bytes, a request's sources), its runs with and without
+the residency policy deciding which facts hold K/V, and its reading of a measured run's excess."""
 
 import math
 
 from benchmarks._node_residency import ZipfTrace
-from benchmarks.capacity_model import Measured, Node, Run, Shape, Tiers, reference_ms, simulate
+from benchmarks.capacity_model import Measured, Node, Run, Shape, Tiers, excess_by_cause, reference_ms, simulate
 
 
 def test_tiers_are_exclusive_lru_by_bytes():
@@ -54,3 +54,19 @@ def test_a_saturated_gpu_has_no_finite_ttft():
     trace = ZipfTrace(tenants=4, facts=200, k=10, chats=600, rate_per_s=2.0)
     run = simulate(Run(trace, residency=True, load=0.99, timed=300), Node("tiny", 64, 0, 0, 0.0), Shape(), Measured())
     assert run["gpu_utilization"] >= 1 and math.isinf(run["p95_ms"])
+
+
+def test_a_runs_excess_over_the_model_is_grouped_by_its_recorded_cause():
+    measured = Measured(arena_ttft_ms=10.0, paste_ms_per_token=0.1)  # 3 ms a pasted 30-token fact
+    samples = [
+        (10.0, 50, 0, 0, 0),  # all injected, on time
+        (16.0, 48, 0, 0, 0),  # two pasted: 6 ms, as modelled
+        (30.0, 50, 2, 0, 0),  # 20 ms more: two old records read
+        (25.0, 50, 0, 1, 0),
+        (40.0, 40, 0, 0, 1),  # ten pasted (30 ms): on time despite being new
+    ]
+    groups = excess_by_cause(samples, measured, k=50, fact_tokens=30)
+    assert groups["none"] == {"count": 2, "share": 0.4, "p50": 0.0, "p95": 0.0}
+    assert groups["old record read"]["p50"] == 20.0 and groups["store changed"]["p50"] == 15.0
+    assert groups["new tenant"]["p50"] == 0.0
+    assert excess_by_cause([(10.0, 50)], measured, 50, 30) == {}  # an older run's samples
