@@ -28,6 +28,7 @@ import torch
 
 from benchmarks._common import parser, target, wilson, write_report
 from benchmarks.quality.devset import conversation
+from benchmarks.quality.scoring import mean_interval, ratio_interval, score
 from config.settings import load_settings
 from kvcore.history import (
     chunk_mass,
@@ -35,10 +36,11 @@ from kvcore.history import (
     fixed_spans,
     layers_of,
     retrieval_then_mass,
+    select_chunks,
     take_in_order,
 )
 from kvcore.query_pass import question_queries
-from kvcore.rope import RopeConfig
+from kvcore.rope import RopeConfig, rotate
 from kvcore.summaries import adaptive_spans, compact, summarize
 from models.early_layers import load_early_layers
 from models.loader import force_offline, model_path
@@ -47,6 +49,7 @@ FIXED_SIZES = (16, 32, 64)  # tokens a chunk, fixed chunkings side by side
 TURN_MAX = 64  # a turn longer than this is split (chunks along turns)
 SCORING_LAYERS = 4  # layers scored (evenly spaced) in the few-layer variant: summaries of those layers only
 TOP_SHARE = 0.10
+ANSWER_TOKENS = 12  # greedy tokens of each answer (the dev set's answers are a few words)
 
 
 @dataclass
@@ -187,6 +190,7 @@ def main() -> None:
     score_few_ms: list[float] = []
     alone_ms: list[float] = []
     pass_ms: list[float] = []
+    answers: dict[str, list[float]] = {}  # way -> each question's answer F1
     early_weights = load_early_layers(path, SCORING_LAYERS)  # what the LLM replica reads of the checkpoint
     for qa in questions:
         q_ids = tokenizer.encode(f"Question: {qa['question']}\nAnswer:", add_special_tokens=False)
@@ -248,6 +252,30 @@ def main() -> None:
                         key = "retrieval_then_bounds" + ("" if name == "fixed16" and not tag else f"_{name}") + tag
                         results.setdefault(f"{key}@{share:g}", []).append(row)
         del asked
+        # answers: the whole history against history mode's choice (the design: fixed 16-token chunks, the
+        # question's own four-layer pass, retrieval's turns first) and against the most recent tokens, same budget
+        spans16 = chunkings["fixed16"]
+        budget = budgets[args.budget]
+        with torch.inference_mode():
+            alone_mass = chunk_mass(early, early_queries, length, rope, heads // kv_heads).mean(0)
+            chosen = select_chunks(
+                spans16,
+                budget,
+                alone_mass.argsort(descending=True).tolist(),
+                chunks_by_turn_score(spans16, history.turns, turn_scores),
+            )
+            kept = torch.cat([torch.arange(*spans16[c]) for c in chosen])
+            gold = qa.get("answer", qa.get("adversarial_answer", ""))
+            for way, cache in (
+                ("full_history", _copy_cache(out.past_key_values)),
+                ("history_mode", compact_cache(keys, out.past_key_values, kept, rope)),
+                (
+                    "recent_tokens",
+                    compact_cache(keys, out.past_key_values, torch.arange(length - len(kept), length), rope),
+                ),
+            ):
+                said = greedy_answer(model, tokenizer, cache, q_ids)
+                answers.setdefault(way, []).append(score(said, str(gold), qa["category"]))
     report = {
         "model": "SmolLM2-135M-Instruct, float32, CPU",
         "history_tokens": length,
@@ -271,6 +299,17 @@ def main() -> None:
         },
         "chunks": {name: len(spans) for name, spans in chunkings.items()},
         "ways": {way: summarise(rows) for way, rows in results.items()},
+        "answer_f1": {
+            way: {"mean": round(sum(v) / len(v), 4), "interval": [round(x, 4) for x in mean_interval(v)]}
+            for way, v in answers.items()
+        },
+        "answer_f1_over_full_history": {
+            way: {
+                "ratio": round(sum(answers[way]) / max(sum(answers["full_history"]), 1e-9), 4),
+                "interval": [round(x, 4) for x in ratio_interval(answers[way], answers["full_history"])],
+            }
+            for way in ("history_mode", "recent_tokens")
+        },
     }
     chosen = report["ways"][f"bounds_adaptive@{args.budget:g}"]
     hybrid = report["ways"][f"retrieval_then_bounds@{args.budget:g}"]
@@ -303,6 +342,11 @@ def main() -> None:
             ">= 0.95",
         ),
         target(
+            f"answer F1, history mode at {args.budget:g} of the history / the whole history prefilled",
+            report["answer_f1_over_full_history"]["history_mode"]["ratio"],
+            ">= 0.97",
+        ),
+        target(
             f"bytes read: (selected chunks + all summaries) / selected chunks ({design}, bf16 summaries)",
             1 + best_bytes / args.budget,
             "<= 1.3",
@@ -327,6 +371,31 @@ def summarise(rows: list[dict]) -> dict:
         "evidence_interval": list(wilson(found, len(rows))),
         "recall_per_layer": [round(x, 3) for x in per_layer],
     }
+
+
+def compact_cache(keys: torch.Tensor, full_cache, tokens: torch.Tensor, rope: RopeConfig):
+    """The chosen history tokens' K/V laid out contiguously from position 0, as history mode injects its chunks:
+    the pre-RoPE keys `[L, KVH, T, D]` rotated to their new positions, the values as the prefill left them."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    positions = torch.arange(len(tokens))
+    for layer, held in enumerate(full_cache.layers):
+        cache.update(rotate(keys[layer][:, tokens], positions, rope)[None], held.values[:, :, tokens], layer)
+    return cache
+
+
+def greedy_answer(model, tokenizer, cache, question_ids: list[int], max_new: int = ANSWER_TOKENS) -> str:
+    """The model's greedy answer to the question after whatever `cache` holds (the cache grows with it)."""
+    logits = model(torch.tensor([question_ids]), past_key_values=cache).logits
+    answer: list[int] = []
+    for _ in range(max_new):
+        token = int(logits[0, -1].argmax())
+        if token == tokenizer.eos_token_id or "\n" in tokenizer.decode([token]):
+            break
+        answer.append(token)
+        logits = model(torch.tensor([[token]]), past_key_values=cache).logits
+    return tokenizer.decode(answer).strip()
 
 
 def _copy_cache(cache):
