@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -35,9 +36,7 @@ from kvcore.history import (
     chunks_by_turn_score,
     fixed_spans,
     layers_of,
-    retrieval_then_mass,
     select_chunks,
-    take_in_order,
 )
 from kvcore.query_pass import question_queries
 from kvcore.rope import RopeConfig, rotate
@@ -123,7 +122,7 @@ def per_head(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.view(x.shape[0], heads, -1).transpose(0, 1)
 
 
-def mask_of(chosen: set[int], spans: list[tuple[int, int]], length: int) -> torch.Tensor:
+def mask_of(chosen: Iterable[int], spans: list[tuple[int, int]], length: int) -> torch.Tensor:
     mask = torch.zeros(length, dtype=torch.bool)
     for c in chosen:
         mask[spans[c][0] : spans[c][1]] = True
@@ -218,27 +217,30 @@ def main() -> None:
             tick = time.perf_counter()
             few_mass = chunk_mass(few[name], queries[scoring_layers], length, rope, heads // kv_heads).mean(0)
             score_few_ms.append((time.perf_counter() - tick) * 1000)
-            must = [0, len(spans) - 1]
+            # each way's ranking of the chunks; `select_chunks` keeps the sink and the newest chunk first
             ways = {
-                f"bounds_{name}": must + mass.argsort(descending=True).tolist(),
-                f"bounds_{name}_l{SCORING_LAYERS}": must + few_mass.argsort(descending=True).tolist(),
-                f"oracle_{name}": must
-                + torch.tensor([importance.mean(0)[s:e].sum() for s, e in spans]).argsort(descending=True).tolist(),
+                f"bounds_{name}": mass.argsort(descending=True).tolist(),
+                f"bounds_{name}_l{SCORING_LAYERS}": few_mass.argsort(descending=True).tolist(),
+                f"oracle_{name}": torch.tensor([importance.mean(0)[s:e].sum() for s, e in spans])
+                .argsort(descending=True)
+                .tolist(),
             }
             by_retrieval = chunks_by_turn_score(spans, history.turns, turn_scores)
             if name == "fixed16":
                 group = heads // kv_heads
                 for tag, kept, asked_alone in (("l", few[name], alone[scoring_layers]), ("e", early, early_queries)):
                     alone_mass = chunk_mass(kept, asked_alone, length, rope, group).mean(0)
-                    ways[f"bounds_{name}_{tag}{SCORING_LAYERS}_alone"] = (
-                        must + alone_mass.argsort(descending=True).tolist()
-                    )
-                ways["recency"] = must + list(range(len(spans) - 1, -1, -1))
-                ways["random"] = must + rng.sample(range(len(spans)), len(spans))
-                ways["retrieval"] = must + by_retrieval
-            for way, order in ways.items():
+                    ways[f"bounds_{name}_{tag}{SCORING_LAYERS}_alone"] = alone_mass.argsort(descending=True).tolist()
+                ways["recency"] = list(range(len(spans) - 1, -1, -1))
+                ways["random"] = rng.sample(range(len(spans)), len(spans))
+                ways["retrieval"] = by_retrieval
+                # history mode's own choice (the design), for the answers below
+                design_chunks = select_chunks(
+                    spans, budgets[args.budget], ways[f"bounds_{name}_e{SCORING_LAYERS}_alone"], by_retrieval
+                )
+            for way, ranking in ways.items():
                 for share, budget in budgets.items():
-                    chosen = take_in_order(order, spans, budget)
+                    chosen = select_chunks(spans, budget, ranking)
                     row = judge(mask_of(chosen, spans, length), importance, evidence)
                     results.setdefault(f"{way}@{share:g}", []).append(row)
             if name != "adaptive":  # retrieval picks the turns for half of each budget, the bounds the rest
@@ -246,25 +248,15 @@ def main() -> None:
                     tags = ["", f"_l{SCORING_LAYERS}"]
                     tags += [f"_{t}{SCORING_LAYERS}_alone" for t in "le"] if name == "fixed16" else []
                     for tag in tags:
-                        by_bounds = ways[f"bounds_{name}{tag}"][2:]
-                        order = must + retrieval_then_mass(by_retrieval, by_bounds, spans, budget)
-                        row = judge(mask_of(take_in_order(order, spans, budget), spans, length), importance, evidence)
+                        chosen = select_chunks(spans, budget, ways[f"bounds_{name}{tag}"], by_retrieval)
+                        row = judge(mask_of(chosen, spans, length), importance, evidence)
                         key = "retrieval_then_bounds" + ("" if name == "fixed16" and not tag else f"_{name}") + tag
                         results.setdefault(f"{key}@{share:g}", []).append(row)
         del asked
-        # answers: the whole history against history mode's choice (the design: fixed 16-token chunks, the
-        # question's own four-layer pass, retrieval's turns first) and against the most recent tokens, same budget
+        # answers: the whole history against history mode's choice and against the most recent tokens, same budget
         spans16 = chunkings["fixed16"]
-        budget = budgets[args.budget]
         with torch.inference_mode():
-            alone_mass = chunk_mass(early, early_queries, length, rope, heads // kv_heads).mean(0)
-            chosen = select_chunks(
-                spans16,
-                budget,
-                alone_mass.argsort(descending=True).tolist(),
-                chunks_by_turn_score(spans16, history.turns, turn_scores),
-            )
-            kept = torch.cat([torch.arange(*spans16[c]) for c in chosen])
+            kept = torch.cat([torch.arange(*spans16[c]) for c in design_chunks])
             gold = qa.get("answer", qa.get("adversarial_answer", ""))
             for way, cache in (
                 ("full_history", _copy_cache(out.past_key_values)),
