@@ -160,8 +160,7 @@ class ProcessForwarder:
                 loop.call_soon(done, exc, now, now, 0.0)
                 return
         if not self.alive:
-            gone = EmbedderProcessError(f"the query embedder's process exited ({self._process.exitcode})")
-            loop.call_soon(done, gone, now, now, 0.0)
+            loop.call_soon(done, self._exited(), now, now, 0.0)
             return
         if self._loop is not loop:
             if self._loop is not None:
@@ -178,16 +177,11 @@ class ProcessForwarder:
         except (EOFError, OSError):
             assert self._loop is not None
             self._loop.remove_reader(self._conn.fileno())
-            self._process.join(5)
-            now = time.perf_counter()
+            self._process.join(0.1)  # the pipe closed as it exited: its code, without holding the event loop
             log.error("the query embedder's process exited (code %s)", self._process.exitcode)
             if done is not None:
-                done(
-                    EmbedderProcessError(f"the query embedder's process exited ({self._process.exitcode})"),
-                    now,
-                    now,
-                    0.0,
-                )
+                now = time.perf_counter()
+                done(self._exited(), now, now, 0.0)
             return
         ok, started, ended, cpu, rows = _HEADER.unpack_from(message)
         body = memoryview(message)[_HEADER.size :]
@@ -195,9 +189,14 @@ class ProcessForwarder:
             vectors = torch.frombuffer(bytearray(body), dtype=torch.float32).view(rows, -1) if ok else None
             done(vectors if vectors is not None else RuntimeError(bytes(body).decode()), started, ended, cpu)
 
+    def _exited(self) -> EmbedderProcessError:
+        return EmbedderProcessError(f"the query embedder's process exited ({self._process.exitcode})")
+
     def close(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
+        """Close the pipe (the process exits on it) and reap the process; safe to call twice."""
+        if self._loop is not None and not self._loop.is_closed() and not self._conn.closed:
             self._loop.remove_reader(self._conn.fileno())
+        self._loop = None
         self._conn.close()
         self._process.join(5)
         if self._process.is_alive():

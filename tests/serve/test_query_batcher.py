@@ -167,6 +167,7 @@ def test_a_process_that_dies_fails_its_callers_clearly_and_reports_it():
         assert not batcher.alive
     finally:
         forwarder.close()
+    forwarder.close()  # closing again is harmless
 
 
 def test_a_factory_that_fails_fails_the_start_and_every_caller_with_its_cause():
