@@ -41,10 +41,11 @@ def closed_loop(
     calls: list[tuple[str, dict | None]],
     users: int,
     processes: int | None = None,
-    timeout_s: float = 900.0,
+    timeout_s: float = 120.0,
 ) -> LoadResult:
     """Run `calls` ((API key, JSON body or None for a GET) each) against `base + path` from `users` concurrent
-    users spread over `processes` workers; raises with the first error any call got (any status but 200)."""
+    users spread over `processes` workers; raises with the first error any call got (any status but 200, or no
+    answer within `timeout_s`: a server that stops answering ends the run with that, not the caller's limit)."""
     processes = max(1, min(processes or max(1, (os.cpu_count() or 2) // 4), users, len(calls)))
     start_at = time.time() + START_DELAY_S
     workers = []

@@ -51,8 +51,10 @@ for step in "$@"; do
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
     serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json" \
             --embed-device "${EMBED_DEVICE:-cuda}" --query-embedding "${QUERY_EMBEDDING:-process}" ${ENGINE_SM_PERCENT:+--engine-sm-percent "$ENGINE_SM_PERCENT"}
-        grep -h -B2 -A25 -e Traceback -e "device arena" /tmp/ray-*/session_latest/logs/*.err \
-            /tmp/ray-*/session_latest/logs/serve/*.log 2>/dev/null | tail -300 >"$out/serve-errors.log" ;;
+        { grep -h -B2 -A40 -e "Fatal Python error" -e "terminate called" -e "query embedder" \
+            /tmp/ray-*/session_latest/logs/*.err 2>/dev/null | head -300  # a dying child's own words come first
+          grep -h -B2 -A25 -e Traceback -e "device arena" /tmp/ray-*/session_latest/logs/*.err \
+            /tmp/ray-*/session_latest/logs/serve/*.log 2>/dev/null | tail -300; } >"$out/serve-errors.log" ;;
     quality)  # the answer-quality dev set (SmolLM2 in bf16): windows, recomputation, prompt and off at k = 10, 50
         # (QUALITY_MODES, QUALITY_KS, QUALITY_LIMIT and QUALITY_CONCURRENCY narrow a run to one device call)
         python3 -m benchmarks.quality.devset --out /tmp/devset.json

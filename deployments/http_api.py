@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.gateway import Gateway, PreparedChat
 from deployments.mem0_api import mem0_router
-from deployments.query_batcher import Embedded
+from deployments.query_batcher import Embedded, EmbedderProcessError
 from deployments.schemas import (
     UNSUPPORTED,
     AddMemories,
@@ -198,6 +198,11 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(EngineRefusal)
     async def refused(request: Request, exc: EngineRefusal) -> JSONResponse:
         return error(exc.status, str(exc))
+
+    @app.exception_handler(EmbedderProcessError)
+    async def embedder_down(request: Request, exc: EmbedderProcessError) -> JSONResponse:
+        log.warning("question embedding failed on %s: %s", request.url.path, exc)
+        return error(503, "the question could not be embedded (the embedder is restarting); retry shortly")
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:

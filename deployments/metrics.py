@@ -67,5 +67,11 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.query_embedder_restarts = Gauge(
+            "inferscale_query_embedder_restarts",
+            "Times this replica's query embedder process died and was started again",
+            registry=self.registry,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

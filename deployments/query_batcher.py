@@ -17,10 +17,15 @@ each query's legs and the forward's CPU time.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import multiprocessing
+import multiprocessing.process
+import signal
 import struct
+import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -30,6 +35,7 @@ import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
+_READY = b"R"  # the child's first message once its embedder is built (else b"E" and why)
 _HEADER = struct.Struct("<?dddI")  # a reply from the embedder's process: ok, started, ended, cpu s, rows; vectors
 # (vectors or failure, started, ended, the forward's CPU time in its thread, s)
 Done = Callable[["torch.Tensor | BaseException", float, float, float], None]
@@ -99,26 +105,39 @@ class ThreadForwarder:
 
 
 class EmbedderProcessError(RuntimeError):
-    """The query embedder's process failed to start or exited."""
+    """The query embedder's process failed to start, exited, or was restarted too often."""
 
 
 class ProcessForwarder:
     """The forward in a child process (spawned, so it holds its own CUDA context), fed over a pipe.
 
     `factory` (picklable: a module-level function or a partial of one) builds the embedder in the child. The
-    child exits when the pipe closes; if it dies, the batch in flight and every later one fail with
-    `EmbedderProcessError` and `alive` turns false (the replica's health check reports it)."""
+    child exits when the pipe closes. If it dies, the batch in flight fails with `EmbedderProcessError` (the
+    HTTP layer answers 503) and a new process is started at once; later batches wait for its start. After
+    `max_restarts` deaths with no batch served in between, it gives up: every caller fails and `alive` turns
+    false (the replica's health check reports it, so Serve replaces the replica). The child writes a dying
+    traceback (Python's and, for a crash, faulthandler's) to its stderr, which is the replica's log."""
 
-    def __init__(self, factory: Callable[[], TensorEmbedder], start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, factory: Callable[[], TensorEmbedder], start_timeout_s: float = 300.0, max_restarts: int = 3
+    ) -> None:
         """Spawns the process and returns: its start (loading the model, capturing graphs) overlaps the caller's
         own; `wait_ready` (or the first forward) waits for it."""
-        context = multiprocessing.get_context("spawn")
+        self._factory, self._start_timeout_s, self._max_restarts = factory, start_timeout_s, max_restarts
+        self._context = multiprocessing.get_context("spawn")
         self._done: Done | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready, self._start_timeout_s = False, start_timeout_s
-        self._failed: EmbedderProcessError | None = None  # why it did not start (raised again to every caller)
-        self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve, args=(child, factory), name="query-embed", daemon=True)
+        self._failed: EmbedderProcessError | None = None  # given up: raised to every caller
+        self._deaths = 0  # since the last batch served
+        self.restarts = 0  # processes started after the first (metrics and tests read it)
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self._ready = False
+        self._conn, child = self._context.Pipe()
+        self._process = self._context.Process(
+            target=_serve, args=(child, self._factory), name="query-embed", daemon=True
+        )
         self._process.start()
         child.close()
 
@@ -127,70 +146,116 @@ class ProcessForwarder:
         if self._ready:
             return
         if self._failed is None:
-            self._failed = self._start_failure()
+            if not self._conn.poll(self._start_timeout_s):
+                self._failed = EmbedderProcessError(
+                    f"the query embedder's process did not start within {self._start_timeout_s:g} s"
+                )
+            else:
+                try:
+                    self._failed = self._started(self._conn.recv_bytes())
+                except (EOFError, OSError):
+                    self._process.join(5)
+                    self._failed = EmbedderProcessError(
+                        f"the query embedder's process exited with code {self._process.exitcode} as it started"
+                    )
             if self._failed is None:
-                self._ready = True
                 return
             self.close()
         raise self._failed
 
-    def _start_failure(self) -> EmbedderProcessError | None:
-        if not self._conn.poll(self._start_timeout_s):
-            return EmbedderProcessError(
-                f"the query embedder's process did not start within {self._start_timeout_s:g} s"
-            )
-        try:
-            kind, detail = self._conn.recv()
-        except EOFError:
-            kind, detail = "error", f"exited with code {self._process.join(5) or self._process.exitcode}"
-        if kind != "ready":
-            return EmbedderProcessError(f"the query embedder's process failed to start: {detail}")
-        return None
+    def _started(self, message: bytes) -> EmbedderProcessError | None:
+        """The child's first message: ready, or why its embedder could not be built."""
+        if message == _READY:
+            self._ready = True
+            return None
+        return EmbedderProcessError(f"the query embedder's process failed to start: {message[1:].decode()}")
 
     @property
     def alive(self) -> bool:
-        return self._process.is_alive()
+        """False once it has given up (a failed start, or too many deaths in a row)."""
+        return self._failed is None
 
     def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None:
-        now = time.perf_counter()
-        if not self._ready:
-            try:
-                self.wait_ready()
-            except EmbedderProcessError as exc:
-                loop.call_soon(done, exc, now, now, 0.0)
-                return
-        if not self.alive:
-            loop.call_soon(done, self._exited(), now, now, 0.0)
+        if self._failed is None and not self._process.is_alive():  # died while idle: start another first
+            self._died(loop, in_flight=None)
+        if self._failed is not None:
+            now = time.perf_counter()
+            loop.call_soon(done, self._failed, now, now, 0.0)
             return
-        if self._loop is not loop:
-            if self._loop is not None:
-                self._loop.remove_reader(self._conn.fileno())
-            loop.add_reader(self._conn.fileno(), self._on_readable)
-            self._loop = loop
+        self._watch(loop)
         self._done = done
-        self._conn.send(texts)
+        try:
+            self._conn.send(texts)  # before the process is ready it waits in the pipe
+        except OSError:
+            self._died(loop, in_flight=self._take_done())
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is loop:
+            return
+        if self._loop is not None and not self._conn.closed:
+            self._loop.remove_reader(self._conn.fileno())
+        loop.add_reader(self._conn.fileno(), self._on_readable)
+        self._loop = loop
+
+    def _take_done(self) -> Done | None:
+        done, self._done = self._done, None
+        return done
 
     def _on_readable(self) -> None:
-        done, self._done = self._done, None
+        assert self._loop is not None
         try:
             message = self._conn.recv_bytes()
         except (EOFError, OSError):
-            assert self._loop is not None
-            self._loop.remove_reader(self._conn.fileno())
-            self._process.join(0.1)  # the pipe closed as it exited: its code, without holding the event loop
-            log.error("the query embedder's process exited (code %s)", self._process.exitcode)
-            if done is not None:
-                now = time.perf_counter()
-                done(self._exited(), now, now, 0.0)
+            self._died(self._loop, in_flight=self._take_done())
             return
+        if not self._ready:
+            self._failed = self._started(message)
+            if self._failed is not None:
+                log.error("%s", self._failed)
+                self._fail(self._take_done(), self._failed)
+            return
+        done = self._take_done()
         ok, started, ended, cpu, rows = _HEADER.unpack_from(message)
         body = memoryview(message)[_HEADER.size :]
+        if ok:
+            self._deaths = 0
         if done is not None:
             vectors = torch.frombuffer(bytearray(body), dtype=torch.float32).view(rows, -1) if ok else None
             done(vectors if vectors is not None else RuntimeError(bytes(body).decode()), started, ended, cpu)
 
-    def _exited(self) -> EmbedderProcessError:
-        return EmbedderProcessError(f"the query embedder's process exited ({self._process.exitcode})")
+    def _died(self, loop: asyncio.AbstractEventLoop, in_flight: Done | None) -> None:
+        """On the loop: the process is gone. Fail the batch it held, log its exit code once it is known (off
+        the loop), and start another unless too many died in a row."""
+        process = self._process
+        if self._loop is not None:
+            self._loop.remove_reader(self._conn.fileno())
+        self._conn.close()
+        self._loop = None
+        threading.Thread(target=_log_exit, args=(process,), name="query-embed-reaper", daemon=True).start()
+        self._deaths += 1
+        if self._deaths > self._max_restarts:
+            self._failed = EmbedderProcessError(
+                f"the query embedder's process exited {self._deaths} times in a row; not restarted again"
+            )
+        else:
+            self._spawn()
+            self.restarts += 1
+            self._watch(loop)
+            loop.call_later(self._start_timeout_s, self._overdue, self._process)
+        self._fail(
+            in_flight, self._failed or EmbedderProcessError("the query embedder's process exited; restarting it")
+        )
+
+    def _overdue(self, process: multiprocessing.process.BaseProcess) -> None:
+        if process is self._process and not self._ready and process.is_alive():
+            log.error("the query embedder's process did not start within %g s; killing it", self._start_timeout_s)
+            process.kill()  # its pipe closes: the loop sees a death
+
+    @staticmethod
+    def _fail(done: Done | None, error: EmbedderProcessError) -> None:
+        if done is not None:
+            now = time.perf_counter()
+            done(error, now, now, 0.0)
 
     def close(self) -> None:
         """Close the pipe (the process exits on it) and reap the process; safe to call twice."""
@@ -203,14 +268,32 @@ class ProcessForwarder:
             self._process.kill()
 
 
+def _log_exit(process: multiprocessing.process.BaseProcess) -> None:
+    process.join(60)
+    code = process.exitcode
+    how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"code {code}"
+    log.error(
+        "the query embedder's process (pid %s) exited with %s; its stderr is in this replica's log", process.pid, how
+    )
+
+
 def _serve(conn: Connection, factory: Callable[[], TensorEmbedder]) -> None:
     """The child: build the embedder, then answer each list of texts with their vectors (float32, host)."""
+    faulthandler.enable()  # a crash in native code leaves its Python stack in the replica's log
     try:
         embedder = factory()
     except Exception as exc:  # noqa: BLE001 - the parent raises it
-        conn.send(("error", repr(exc)))
+        conn.send_bytes(b"E" + repr(exc).encode())
         return
-    conn.send(("ready", ""))
+    conn.send_bytes(_READY)
+    try:
+        _answer(conn, embedder)
+    except BaseException:
+        traceback.print_exc()  # whatever ends the process besides its pipe closing
+        raise
+
+
+def _answer(conn: Connection, embedder: TensorEmbedder) -> None:
     while True:
         try:
             texts = conn.recv()

@@ -143,6 +143,7 @@ class Ingress:
             log.warning("admin key created (shown once; keep it, set INFERSCALE_ADMIN_KEY): %s", created)
         backend, metrics = ServeLLMBackend(llm, self.args.ingress.first_event_timeout_s), Metrics()
         metrics.llm_transport.labels(transport=backend.transport).set(1)
+        metrics.query_embedder_restarts.set_function(lambda: getattr(forwarder, "restarts", 0))
         self.gateway = Gateway(
             service,
             backend,
@@ -167,9 +168,10 @@ class Ingress:
             self.gateway.residency_tick()
 
     def check_health(self) -> None:
-        """Serve restarts a replica whose query embedder's process has died."""
+        """Serve replaces a replica whose query embedder gave up (it failed to start, or its process died
+        several times in a row; a single death is answered by a new process)."""
         if not self.gateway.queries.alive:
-            raise RuntimeError("the query embedder's process exited")
+            raise RuntimeError("the query embedder's process cannot be started")
 
     def __del__(self) -> None:
         stop = getattr(self, "_stop", None)

@@ -149,25 +149,58 @@ def test_a_process_reports_its_forwards_cpu_time():
     assert busy.forward_ms >= 30 and busy.forward_cpu_ms >= 25, busy  # it computed: its thread's CPU time
 
 
-def test_a_process_that_dies_fails_its_callers_clearly_and_reports_it():
+def test_a_process_that_dies_fails_its_batch_and_a_new_one_serves_the_next():
     forwarder = ProcessForwarder(_lengths)
     batcher = QueryBatcher(forwarder)
 
     async def main():
+        first = await batcher.embed("ab")
         in_flight = asyncio.ensure_future(batcher.embed("slow"))
         await asyncio.sleep(0.5)
         forwarder._process.kill()
-        with pytest.raises(EmbedderProcessError, match="exited"):
+        with pytest.raises(EmbedderProcessError, match="exited; restarting"):
             await in_flight
-        with pytest.raises(EmbedderProcessError, match="exited"):
-            await batcher.embed("next")
+        after = await batcher.embed("abc")  # waits for the new process's start
+        forwarder._process.kill()  # dead while idle: the next batch starts another before it is sent
+        forwarder._process.join(5)
+        return first, after, await batcher.embed("abcd")
 
     try:
-        asyncio.run(main())
-        assert not batcher.alive
+        first, after, idle = asyncio.run(main())
+        assert batcher.alive and forwarder.restarts == 2
     finally:
         forwarder.close()
     forwarder.close()  # closing again is harmless
+    assert [after.vector[0].item(), idle.vector[0].item()] == [3, 4]
+    pids = {first.vector[1].item(), after.vector[1].item(), idle.vector[1].item()}
+    assert len(pids) == 3 and os.getpid() not in pids
+
+
+def _dies() -> _Lengths:
+    class Dying(_Lengths):
+        def embed_tensor(self, texts):
+            os._exit(3)
+
+    return Dying()
+
+
+def test_a_process_that_keeps_dying_is_given_up_and_reported():
+    forwarder = ProcessForwarder(_dies, max_restarts=2)
+    forwarder.wait_ready()
+    batcher = QueryBatcher(forwarder)
+
+    async def main():
+        for _ in range(3):
+            with pytest.raises(EmbedderProcessError, match="exited"):
+                await batcher.embed("x")
+        with pytest.raises(EmbedderProcessError, match="3 times in a row"):
+            await batcher.embed("y")
+
+    try:
+        asyncio.run(main())
+        assert not batcher.alive and forwarder.restarts == 2
+    finally:
+        forwarder.close()
 
 
 def test_a_factory_that_fails_fails_the_start_and_every_caller_with_its_cause():
