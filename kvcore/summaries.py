@@ -15,9 +15,10 @@ bound once the fact moves; LeoAM's element-wise q·max is not one even in place 
 mixed. Engines compute angles p·θ in float32: a slack term of a few ulps of the largest angle per pair
 covers that rounding.
 
-Not on the serving path yet: its tests prove the bound, `kvcore/history.py` chooses a long history's chunks
-by it, and `benchmarks/history_selection.py` measures that choice against SmolLM2's real attention
-(`docs/history-selection.md`); the "LeoAM at work" issue builds the serving mode on it.
+Its tests prove the bound; `kvcore/history.py` chooses a long history's chunks by it,
+`benchmarks/history_selection.py` measures that choice against SmolLM2's real attention
+(`docs/history-selection.md`), and `kvcore/history_index.py` keeps it for a history captured as chunk records
+(the real engine injects the chosen chunks: `tests/vllm/test_history_mode.py`). Not yet behind the HTTP API.
 """
 
 from __future__ import annotations

@@ -64,3 +64,42 @@ def test_the_mass_puts_the_chunk_holding_the_best_key_first():
     q = rotate(queries[:, ::group, :, :], torch.tensor([length]), rope)
     k = rotate(keys, torch.arange(length), rope)
     assert int((q @ k.transpose(-1, -2)).amax(dim=(0, 1, 2)).argmax()) == target
+
+
+def _chunk_records(keys: torch.Tensor, size: int) -> list:
+    """A history's keys `[L, KVH, T, D]` cut into chunk records, as the engine's capture writes them."""
+    from dataclasses import replace
+
+    from kvcore.history_index import chunk_record_id
+    from tests.core.factories import make_record
+
+    records = []
+    for c, (start, end) in enumerate(fixed_spans(keys.shape[2], size)):
+        record = make_record(chunk_record_id("h", c), end - start, seed=c, layers=keys.shape[0])
+        chunk = keys[:, :, start:end].clone()
+        records.append(replace(record, k=chunk, v=chunk.clone()))
+    return records
+
+
+def test_a_history_index_from_chunk_records_finds_the_chunk_a_question_points_at():
+    from kvcore.history_index import HistoryIndex, capture_spans, chunk_record_id
+    from tests.core.factories import ROPE
+
+    torch.manual_seed(1)
+    layers, kv_heads, group, length = 3, 2, 2, 70
+    keys = torch.randn(layers, kv_heads, length, 8) * 0.1
+    queries = torch.randn(2, kv_heads * group, 3, 8)  # the question's first two layers
+    for layer in range(2):
+        for head in range(kv_heads):
+            keys[layer, head, 41] = 5 * queries[layer, head * group, 0]  # chunk 2 of 16-token chunks
+    index = HistoryIndex.of_records(_chunk_records(keys, 16), ROPE, scoring_layers=2)
+    assert index.spans == tuple(fixed_spans(length, 16)) and index.record_ids[4] == chunk_record_id("h", 4)
+    assert index.summaries.norms.dtype == torch.bfloat16 and index.scoring_layers == 2
+    assert index.ranking(queries)[0] == 2 and sorted(index.ranking(queries)) == list(range(5))
+    assert index.choose(queries, budget=40) == [0, 2, 4]  # the sink, the pointed-at chunk, the newest (6 tokens)
+    assert index.choose(queries, budget=40, by_retrieval=[1]) == [0, 1, 4]  # retrieval's half first
+    with pytest.raises(ValueError, match="need 2"):
+        index.ranking(queries[:1])
+    spans = capture_spans("h", 30, length, 16)
+    assert [(s.begin, s.end) for s in spans] == [(30 + a, 30 + b) for a, b in fixed_spans(length, 16)]
+    assert spans[2].fact_id == chunk_record_id("h", 2)

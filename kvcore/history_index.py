@@ -1,0 +1,90 @@
+"""A tenant's history as chunk records, and the choice of chunks for one question: history mode's serving half.
+
+The history (its turns rendered one after another) is prefilled once behind the chat frame and each fixed-size
+chunk of it kept as a record (`capture_spans`: the engine's own capture, values as that prefill left them, keys
+before RoPE). `HistoryIndex.of_records` keeps what choosing needs in host memory: every chunk's span and record
+id and the summaries of its keys at the first few layers, in bf16 (`kvcore/summaries.py`, rounded outwards so the
+bounds stay sound). For a question, `choose` scores the summaries against the question's own queries at those
+layers (`kvcore/query_pass.py`: no history needed) and returns the chunks within a token budget in position
+order; injected at contiguous positions after the frame, each chunk's keys rotated to where it lands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvcore.history import Span, chunk_mass, fixed_spans, select_chunks
+from kvcore.plan import CaptureSpan
+from kvcore.record import FactKV
+from kvcore.rope import RopeConfig
+from kvcore.summaries import ChunkSummaries, compact, summarize
+
+
+def chunk_record_id(history_id: str, chunk: int) -> str:
+    return f"{history_id}.c{chunk:05d}"
+
+
+def capture_spans(history_id: str, start: int, length: int, size: int) -> tuple[CaptureSpan, ...]:
+    """One capture span a chunk for a history of `length` tokens that starts at prompt position `start`."""
+    return tuple(
+        CaptureSpan(chunk_record_id(history_id, c), start + begin, start + end)
+        for c, (begin, end) in enumerate(fixed_spans(length, size))
+    )
+
+
+@dataclass(frozen=True)
+class HistoryIndex:
+    """A history's chunks: their record ids, spans in the history's tokens, tokens and early-layer summaries."""
+
+    record_ids: tuple[str, ...]
+    spans: tuple[Span, ...]
+    token_ids: tuple[int, ...]
+    summaries: ChunkSummaries  # layers 0 .. scoring_layers - 1, bf16
+    rope: RopeConfig
+
+    @classmethod
+    def of_records(cls, records: Sequence[FactKV], rope: RopeConfig, scoring_layers: int) -> "HistoryIndex":
+        """From a history's chunk records, in order (their keys concatenated are the history's keys)."""
+        if not records:
+            raise ValueError("a history needs at least one chunk")
+        keys = torch.cat([r.k[:scoring_layers].float() for r in records], dim=2)  # [l, KVH, T, D]
+        spans, at = [], 0
+        for r in records:
+            spans.append((at, at + len(r.token_ids)))
+            at += len(r.token_ids)
+        return cls(
+            tuple(r.fact_id for r in records),
+            tuple(spans),
+            tuple(t for r in records for t in r.token_ids),
+            compact(summarize(keys, spans, rope)),
+            rope,
+        )
+
+    @property
+    def scoring_layers(self) -> int:
+        return self.summaries.norms.shape[1]
+
+    def chunk_tokens(self, chunk: int) -> tuple[int, ...]:
+        start, end = self.spans[chunk]
+        return self.token_ids[start:end]
+
+    def ranking(self, queries: torch.Tensor) -> list[int]:
+        """Chunks by estimated attention mass, highest first, for the question's pre-RoPE queries `[l, H, Q, D]`
+        (its first `scoring_layers` layers), as if it followed the whole history."""
+        if queries.shape[0] < self.scoring_layers:
+            raise ValueError(f"queries of {queries.shape[0]} layers; the summaries need {self.scoring_layers}")
+        queries = queries[: self.scoring_layers]
+        group = queries.shape[1] // self.summaries.norms.shape[2]
+        mass = chunk_mass(self.summaries, queries, len(self.token_ids), self.rope, group).mean(0)
+        return mass.argsort(descending=True).tolist()
+
+    def choose(
+        self, queries: torch.Tensor, budget: int, by_retrieval: Sequence[int] = (), recent: int = 1
+    ) -> list[int]:
+        """The chunks a question attends to within `budget` tokens, in position order: the first chunk and the
+        `recent` newest always, up to half the budget to `by_retrieval` (chunks of the turns retrieval ranks
+        best, `chunks_by_turn_score`), the rest by the bounds."""
+        return select_chunks(self.spans, budget, self.ranking(queries), by_retrieval, recent=recent)
