@@ -31,6 +31,7 @@ from benchmarks._common import parser, target, wilson, write_report
 from benchmarks.quality.devset import conversation
 from benchmarks.quality.scoring import mean_interval, ratio_interval, score
 from config.settings import load_settings
+from kvcore.chunk_precision import LayerLoadCosts, choose_precision
 from kvcore.history import (
     chunk_mass,
     chunks_by_turn_score,
@@ -38,6 +39,7 @@ from kvcore.history import (
     layers_of,
     select_chunks,
 )
+from kvcore.quantize import dequantize, quantize
 from kvcore.query_pass import question_queries
 from kvcore.rope import RopeConfig, rotate
 from kvcore.summaries import adaptive_spans, compact, summarize
@@ -166,6 +168,7 @@ def main() -> None:
     prefill_s = time.perf_counter() - started
     length = len(history.ids)
     keys = torch.stack([per_head(k, kv_heads) for k in captured.keys])  # [L, KVH, T, D], pre-RoPE
+    values = torch.stack([held.values[0] for held in out.past_key_values.layers])  # [L, KVH, T, D], as prefilled
     kv_bytes = 2 * keys.numel() * 2  # K and V at bf16, as a GPU engine holds them
     key_norms = keys.norm(dim=-1).mean(dim=(0, 1))  # [T]: where the keys' weight concentrates
     chunkings = {f"fixed{size}": fixed_spans(length, size) for size in FIXED_SIZES} | {
@@ -235,9 +238,8 @@ def main() -> None:
                 ways["random"] = rng.sample(range(len(spans)), len(spans))
                 ways["retrieval"] = by_retrieval
                 # history mode's own choice (the design), for the answers below
-                design_chunks = select_chunks(
-                    spans, budgets[args.budget], ways[f"bounds_{name}_e{SCORING_LAYERS}_alone"], by_retrieval
-                )
+                design_ranking, design_retrieval = ways[f"bounds_{name}_e{SCORING_LAYERS}_alone"], by_retrieval
+                design_chunks = select_chunks(spans, budgets[args.budget], design_ranking, design_retrieval)
             for way, ranking in ways.items():
                 for share, budget in budgets.items():
                     chosen = select_chunks(spans, budget, ranking)
@@ -253,18 +255,29 @@ def main() -> None:
                         key = "retrieval_then_bounds" + ("" if name == "fixed16" and not tag else f"_{name}") + tag
                         results.setdefault(f"{key}@{share:g}", []).append(row)
         del asked
-        # answers: the whole history against history mode's choice and against the most recent tokens, same budget
+        # answers: the whole history against history mode's choice and against the most recent tokens, same budget;
+        # the choice with every chunk but the sink at int8 (the most a tight pipeline demotes), and the choice plus
+        # the next-ranked chunks at int8 for another budget of tokens (the low-ranked chunks that still fit)
         spans16 = chunkings["fixed16"]
+        unbounded = _unbounded_costs()
+        demoted = choose_precision(design_chunks, design_ranking, spans16, _unfit_costs())
+        extended = choose_precision(design_chunks, design_ranking, spans16, unbounded, budgets[args.budget])
+        double = select_chunks(spans16, 2 * budgets[args.budget], design_ranking, design_retrieval)
         with torch.inference_mode():
-            kept = torch.cat([torch.arange(*spans16[c]) for c in design_chunks])
+            kept = _tokens(design_chunks, spans16)
             gold = qa.get("answer", qa.get("adversarial_answer", ""))
             for way, cache in (
                 ("full_history", _copy_cache(out.past_key_values)),
-                ("history_mode", compact_cache(keys, out.past_key_values, kept, rope)),
+                ("history_mode", compact_cache(keys, values, kept, rope)),
+                ("recent_tokens", compact_cache(keys, values, torch.arange(length - len(kept), length), rope)),
+                ("history_mode_int8", compact_cache(*int8_round_trip(keys, values, demoted.int8, spans16), kept, rope)),
                 (
-                    "recent_tokens",
-                    compact_cache(keys, out.past_key_values, torch.arange(length - len(kept), length), rope),
+                    "history_mode_plus_int8",
+                    compact_cache(
+                        *int8_round_trip(keys, values, extended.int8, spans16), _tokens(extended.chunks, spans16), rope
+                    ),
                 ),
+                ("history_mode_double_budget", compact_cache(keys, values, _tokens(double, spans16), rope)),
             ):
                 said = greedy_answer(model, tokenizer, cache, q_ids)
                 answers.setdefault(way, []).append(score(said, str(gold), qa["category"]))
@@ -300,8 +313,10 @@ def main() -> None:
                 "ratio": round(sum(answers[way]) / max(sum(answers["full_history"]), 1e-9), 4),
                 "interval": [round(x, 4) for x in ratio_interval(answers[way], answers["full_history"])],
             }
-            for way in ("history_mode", "recent_tokens")
+            for way in answers
+            if way != "full_history"
         },
+        "precision_plan_8b": precision_plan_8b(),
     }
     chosen = report["ways"][f"bounds_adaptive@{args.budget:g}"]
     hybrid = report["ways"][f"retrieval_then_bounds@{args.budget:g}"]
@@ -365,16 +380,81 @@ def summarise(rows: list[dict]) -> dict:
     }
 
 
-def compact_cache(keys: torch.Tensor, full_cache, tokens: torch.Tensor, rope: RopeConfig):
+def compact_cache(keys: torch.Tensor, values: torch.Tensor, tokens: torch.Tensor, rope: RopeConfig):
     """The chosen history tokens' K/V laid out contiguously from position 0, as history mode injects its chunks:
-    the pre-RoPE keys `[L, KVH, T, D]` rotated to their new positions, the values as the prefill left them."""
+    the pre-RoPE keys `[L, KVH, T, D]` rotated to their new positions, the values `[L, KVH, T, D]` as prefilled."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
     positions = torch.arange(len(tokens))
-    for layer, held in enumerate(full_cache.layers):
-        cache.update(rotate(keys[layer][:, tokens], positions, rope)[None], held.values[:, :, tokens], layer)
+    for layer in range(keys.shape[0]):
+        cache.update(rotate(keys[layer][:, tokens], positions, rope)[None], values[layer][None][:, :, tokens], layer)
     return cache
+
+
+def int8_round_trip(
+    keys: torch.Tensor, values: torch.Tensor, chunks: list[int], spans: list[tuple[int, int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the history's K/V with `chunks` through int8 and back, each chunk with its own scales (per layer,
+    head and channel, `kvcore/quantize.py`), keys before RoPE: what a chunk loaded at int8 gives the engine."""
+    keys, values = keys.clone(), values.clone()
+    for c in chunks:
+        start, end = spans[c]
+        for x in (keys, values):
+            x[:, :, start:end] = dequantize(quantize(x[:, :, start:end]), x.dtype)
+    return keys, values
+
+
+def _tokens(chunks: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([torch.arange(*spans[c]) for c in chunks])
+
+
+def _unbounded_costs() -> LayerLoadCosts:
+    """Loads that always hide: the extension is bounded by its tokens alone."""
+    return LayerLoadCosts(1.0, 0.0, 0.0, 0.0, 0.0, 0.0, float("inf"))
+
+
+def _unfit_costs() -> LayerLoadCosts:
+    """Loads that never hide: every chunk but the sink is demoted."""
+    return LayerLoadCosts(1.0, 1.0, 1.0, 0.0, 0.0, 0.0, -1.0)
+
+
+# The served shape's layer and the H200 box's measured rates (capacity_model.py's `measured`, 2026-12-03):
+# Llama-3.1-8B (8 K/V heads of 128 channels, bf16), host 52 GB/s and disk 1.0 GB/s reads into the GPU, and one
+# layer's compute taken as the arena's TTFT (14.9 ms at k = 50) over its 32 layers.
+SHAPE_8B = {"kv_heads": 8, "head_dim": 128, "layers": 32, "arena_ttft_s": 14.9e-3}
+READ_RATES = {"host": 52e9, "disk": 1.0e9, "nvme_7gbs": 7e9}
+
+
+def precision_plan_8b(budget_tokens: int = 2048, chunk: int = 16, history_tokens: int = 32768) -> dict:
+    """LeoAM's inequality on the served shape: for a 2k-token budget out of a 32k history, from each tier, how many
+    of the budget's chunks stay at full precision, how many go to int8, whether the loads hide under compute, and
+    how many further int8 chunks (up to another budget) would still fit. Summaries are host-resident (not read)."""
+    channels = SHAPE_8B["kv_heads"] * SHAPE_8B["head_dim"]
+    spans = fixed_spans(history_tokens, chunk)
+    selected = range(budget_tokens // chunk)
+    ranking = list(range(len(spans)))
+    plan = {}
+    for tier, rate in READ_RATES.items():
+        costs = LayerLoadCosts(
+            read_bytes_per_s=rate,
+            full_bytes_per_token=2 * channels * 2,
+            int8_bytes_per_token=2 * channels,
+            scale_bytes_per_chunk=2 * channels * 4,
+            dequantize_s_per_token=0.0,  # fused into the copy on the GPU (an assumption: not measured here)
+            summaries_s=0.0,
+            compute_s=SHAPE_8B["arena_ttft_s"] / SHAPE_8B["layers"],
+        )
+        chosen = choose_precision(selected, ranking, spans, costs, extra_tokens=budget_tokens)
+        plan[tier] = {
+            "full_chunks": len([c for c in chosen.full if c in selected]),
+            "int8_chunks": len([c for c in chosen.int8 if c in selected]),
+            "extra_int8_chunks": len([c for c in chosen.int8 if c not in selected]),
+            "layer_load_ms": round(chosen.load_s * 1000, 3),
+            "layer_compute_ms": round(costs.compute_s * 1000, 3),
+            "hidden": chosen.hidden,
+        }
+    return plan
 
 
 def greedy_answer(model, tokenizer, cache, question_ids: list[int], max_new: int = ANSWER_TOKENS) -> str:
