@@ -98,6 +98,9 @@ class IngressArgs(Strict):
     burst: int = Field(100, ge=1, description="Requests a tenant may send at once before the rate applies.")
     max_k: int = Field(100, ge=1, le=1000, description="Most facts one chat request may retrieve.")
     default_k: int = Field(10, ge=0)
+    default_history_budget: int = Field(
+        2048, ge=1, description="History mode: tokens of a tenant's history a chat attends to when it does not say."
+    )
     default_recompute: int = Field(
         0,
         ge=0,

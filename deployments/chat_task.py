@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deployments.memory_prompt import Mode
+from deployments.memory_prompt import ChatMode
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class ChatTask:
     version: int  # the tenant's store version: salts the engine's prefix cache
     messages: tuple[tuple[str, str], ...]  # (role, content), the caller's conversation
     facts: tuple[RetrievedFact, ...] = ()
-    mode: Mode = "inject"
+    mode: ChatMode = "inject"
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -40,9 +40,17 @@ class ChatTask:
     recompute: int = 0  # inject mode: this many of the best-scored facts are pasted and prefilled, not injected
     prompt: str | None = None  # a text completion's prompt (then `messages` is empty): continued as it is
     logprobs: int | None = None  # report each token's log probability with this many alternatives; None: not
+    history_id: str | None = None  # history mode: the tenant's captured history
+    history_budget: int = 0  # history mode: tokens of it a request attends to at most
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": role, "content": content} for role, content in self.messages]
+
+    def question(self) -> str:
+        """The text a question's own pass reads: the last user message (or a completion's prompt)."""
+        if self.prompt is not None:
+            return self.prompt
+        return next((content for role, content in reversed(self.messages) if role == "user"), "")
 
     def single_question(self) -> str | None:
         """The question when the conversation is one user message (the frame then tokenizes only it)."""

@@ -126,10 +126,11 @@ class Gateway:
         max_tokens = body.token_budget()
         if self.args.max_tokens is not None and max_tokens > self.args.max_tokens:
             raise InvalidInputError(f"max_tokens must be at most {self.args.max_tokens}")
+        history_id, budget = self._history_of(tenant, body)
         started = time.perf_counter()
         embedded: Embedded | None = None
         facts: tuple[RetrievedFact, ...] = ()
-        if body.memory.mode != "off" and k > 0:
+        if body.memory.mode not in ("off", "history") and k > 0:
             query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
             embedded = await self.queries.embed(query)
             retrieved = tenant.retrieve(embedded.vector, k)
@@ -159,11 +160,32 @@ class Gateway:
             min(recompute, len(facts)),
             body.raw_prompt(),
             body.logprob_count(),
+            history_id,
+            budget,
         )
         tiers = None
         if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
             tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, facts))
         return PreparedChat(task, retrieval_ms, embedded, tiers)
+
+    def _history_of(self, tenant: Tenant, body: GenerationRequest) -> tuple[str | None, int]:
+        """History mode's history id and token budget for this chat (None, 0 in the other modes)."""
+        if body.memory.mode != "history":
+            return None, 0
+        if body.raw_prompt() is not None:
+            raise InvalidInputError("history mode serves chat completions only")
+        if tenant.entry.scope is not None:
+            raise InvalidInputError("history mode serves a tenant's own history; end users' memories have none")
+        if tenant.entry.history is None:
+            raise InvalidInputError("this memory has no history yet: write one with PUT /v1/history")
+        return tenant.entry.history, body.memory.budget or self.args.default_history_budget
+
+    async def write_history(self, tenant: Tenant, text: str, api_key: str) -> dict[str, Any]:
+        """Capture the tenant's conversation history for history mode (replacing the one before): its id, tokens
+        and chunks, or an `error` with the status the LLM replica gave."""
+        if tenant.entry.scope is not None:
+            raise InvalidInputError("a history belongs to a tenant, not to an end user's memory")
+        return await self.llm.encode_history(api_key, tenant.id, text)
 
     def _count_uses(self, residency: Residency, tenant: Tenant, facts: list[Fact], api_key: str) -> None:
         self.metrics.retrievals.inc(len(facts))

@@ -36,6 +36,7 @@ from deployments.schemas import (
     SearchMemories,
     SubmitJob,
     UpdateMemory,
+    WriteHistory,
     scope_input,
 )
 from tenants.errors import TenantError
@@ -330,6 +331,20 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def delete_memory(tenant: TenantDep, scope: ScopeQuery, fact_id: str) -> dict[str, Any]:
         return gateway.memories.delete_memory(tenant, scope, fact_id)
 
+    # ---- history mode ----
+    @app.put("/v1/history")
+    async def write_history(request: Request, tenant: TenantDep, body: WriteHistory) -> dict[str, Any]:
+        written = await gateway.write_history(tenant, body.text, _key(request) or "")
+        if "error" in written:
+            raise EngineRefusal(int(written["error"]["status"]), str(written["error"]["message"]))
+        return written
+
+    @app.get("/v1/history", response_model=None)
+    async def read_history(tenant: TenantDep) -> dict[str, Any] | JSONResponse:
+        if tenant.entry.history is None:
+            return error(404, "this memory has no history yet: write one with PUT /v1/history")
+        return {"history_id": tenant.entry.history, "tokens": tenant.entry.history_tokens}
+
     @app.post("/v1/jobs", status_code=202)
     async def submit_job(request: Request, tenant: TenantDep, body: SubmitJob) -> dict[str, Any]:
         return gateway.jobs.submit(tenant, _key(request) or "", body)
@@ -398,6 +413,7 @@ def _usage(
         "prefix_cached_tokens": engine.get("prefix_cached_tokens", 0),
         "memory_tokens": engine.get("memory_tokens", 0),
         "recomputed_tokens": engine.get("recomputed_tokens", 0),
+        "history_chunks": engine.get("history_chunks", 0),
         "retrieval_ms": round(prepared.retrieval_ms, 3),
         "retrieval_embed_ms": round(prepared.embed_ms, 3),
         "retrieval_embed_legs_ms": _embed_legs(prepared.embedded),

@@ -9,8 +9,10 @@ from deployments.chat_task import ChatTask
 
 
 class LLMBackend(Protocol):
-    """What the gateway needs of the LLM deployment: chats streamed, facts encoded."""
+    """What the gateway needs of the LLM deployment: chats streamed, facts and histories encoded."""
 
     def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]: ...
 
     async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]: ...
+
+    async def encode_history(self, api_key: str, tenant_id: str, text: str) -> dict[str, Any]: ...

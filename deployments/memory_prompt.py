@@ -22,6 +22,9 @@ from kvcore.plan import MemoryPlan, cache_salt
 
 Mode = Literal["inject", "prompt", "off"]
 MODES: tuple[Mode, ...] = ("inject", "prompt", "off")
+# A chat request's modes: the layouts above, and history mode (a tenant's captured conversation history, of which
+# the LLM replica chooses the chunks a question attends to and injects them; laid out as `inject`).
+ChatMode = Literal["inject", "prompt", "off", "history"]
 # The order of a chat's facts in its prompt: best-scored first (retrieval's order), best-scored last (nearest
 # the question), or as they were said (source turn, then time written), which temporal questions read.
 FactOrder = Literal["best_first", "best_last", "time"]

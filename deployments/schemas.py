@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from deployments.memory_prompt import FactOrder, Mode
+from deployments.memory_prompt import ChatMode, FactOrder
 from tenants.errors import InvalidInputError
 from tenants.scopes import Scope
 
@@ -84,7 +84,13 @@ class MemoryOptions(ScopeFields):
     model_config = ConfigDict(extra="forbid")
 
     k: int | None = Field(None, ge=0, le=1000, description="Facts to retrieve (0: none).")
-    mode: Mode = "inject"
+    mode: ChatMode = "inject"
+    budget: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="history mode: tokens of the tenant's history a request attends to at most (default: the server's).",
+    )
     recompute: int | None = Field(
         None,
         ge=0,
@@ -302,6 +308,15 @@ class SearchMemories(ScopeFields):
 
     query: str = Field(..., min_length=1)
     limit: int = Field(10, ge=1, le=1000)
+
+
+class WriteHistory(BaseModel):
+    """The body of a history write: the tenant's conversation history as text (turns one after another), which
+    history mode serves from; it replaces the history written before."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(..., min_length=1, max_length=4_000_000)
 
 
 class UpdateMemory(BaseModel):

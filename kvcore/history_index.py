@@ -24,7 +24,12 @@ from kvcore.summaries import ChunkSummaries, compact, summarize
 
 
 def chunk_record_id(history_id: str, chunk: int) -> str:
-    return f"{history_id}.c{chunk:05d}"
+    return f"{chunk_prefix(history_id)}{chunk:05d}"
+
+
+def chunk_prefix(history_id: str) -> str:
+    """What every chunk record id of the history starts with (they sort in chunk order)."""
+    return f"{history_id}.c"
 
 
 def capture_spans(history_id: str, start: int, length: int, size: int) -> tuple[CaptureSpan, ...]:

@@ -18,7 +18,8 @@ covers that rounding.
 Its tests prove the bound; `kvcore/history.py` chooses a long history's chunks by it,
 `benchmarks/history_selection.py` measures that choice against SmolLM2's real attention
 (`docs/history-selection.md`), and `kvcore/history_index.py` keeps it for a history captured as chunk records
-(the real engine injects the chosen chunks: `tests/vllm/test_history_mode.py`). Not yet behind the HTTP API.
+(history mode: `deployments/history_mode.py`; the real engine injects the chosen chunks,
+`tests/vllm/test_history_mode.py`).
 """
 
 from __future__ import annotations

@@ -44,6 +44,12 @@ class Tenant:
         """Bumped by every committed change (salts the engine's prefix cache)."""
         return self._s.meta.records.version(self.id)
 
+    def set_history(self, history_id: str, tokens: int) -> str | None:
+        """Name the history that history mode serves (its chunk records are written); returns the one it replaces."""
+        before = self.entry.history
+        self._s.meta.update_tenant(self.id, {"history": history_id, "history_tokens": tokens})
+        return before
+
     # ---- writes ----
     def add_fact(
         self,

@@ -26,6 +26,8 @@ class TenantEntry:
     recompute: int | None  # facts a chat prefills after the injected ones when it does not say; None: the cluster's
     model_fingerprint: str
     kv_budget_bytes: int | None = None  # K/V bytes this memory keeps at most (KV residency); None: the cluster's
+    history: str | None = None  # the conversation history captured in chunks for history mode (its id), if any
+    history_tokens: int = 0
 
     @classmethod
     def parse(cls, tenant_id: str, info: Mapping[str, str]) -> TenantEntry:
@@ -40,4 +42,6 @@ class TenantEntry:
             recompute=int(info["recompute"]) if "recompute" in info else None,
             model_fingerprint=info.get("model_fingerprint", ""),
             kv_budget_bytes=int(info["kv_budget_bytes"]) if "kv_budget_bytes" in info else None,
+            history=info.get("history") or None,
+            history_tokens=int(info.get("history_tokens", 0)),
         )

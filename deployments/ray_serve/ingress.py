@@ -81,6 +81,13 @@ class ServeLLMBackend:
     async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]:
         return await self._handle.encode.remote({"api_key": api_key, "tenant_id": tenant_id, "facts": facts})
 
+    async def encode_history(self, api_key: str, tenant_id: str, text: str) -> dict[str, Any]:
+        try:
+            return await self._handle.encode_history.remote({"api_key": api_key, "tenant_id": tenant_id, "text": text})
+        except REPLICA_GONE as exc:
+            log.warning("history encoding ended by an unavailable model replica: %s", type(exc).__name__)
+            return {"error": {"status": 503, "message": "the model replica became unavailable; retry the request"}}
+
 
 def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Callable[[dict], None]], dict]:
     """An encoding job (explicit facts, or extraction from a conversation) on this Ray cluster."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
 
@@ -91,6 +92,24 @@ class LLMServer:
             return {fact_id: f"refused: {exc}" for fact_id, _, _ in request["facts"]}
         facts = [(str(f), int(v), str(t)) for f, v, t in request["facts"]]
         return await self.engine.encode_facts(tenant.id, facts, tenant.attach_kv)
+
+    async def encode_history(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Capture a tenant's conversation history in chunks with this replica's engine and make it the one history
+        mode serves (the history it replaces is deleted); an `error` with a status when it cannot."""
+        try:
+            tenant = self.service.open_tenant(request["api_key"], request["tenant_id"])
+        except TenantError as exc:
+            return {"error": {"status": exc.http_status, "message": str(exc)}}
+        history_id = f"history-{uuid.uuid4().hex[:12]}"
+        try:
+            counts = await self.engine.encode_history(tenant.id, history_id, str(request["text"]))
+        except ValueError as exc:  # empty, or longer than the model's context
+            self.engine.drop_history(tenant.id, history_id)
+            return {"error": {"status": 422, "message": str(exc)}}
+        replaced = tenant.set_history(history_id, counts["tokens"])
+        if replaced is not None and replaced != history_id:
+            self.engine.drop_history(tenant.id, replaced)
+        return {"history_id": history_id, **counts}
 
     async def check_health(self) -> None:
         await self.engine.check_health()

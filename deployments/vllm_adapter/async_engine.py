@@ -23,10 +23,12 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from config.connector import ConnectorConfig
 from deployments.chat_task import ChatTask, RetrievedFact
+from deployments.history_mode import HISTORY_CHUNK, HistoryChooser
 from deployments.memory_prompt import MemoryItem, lay_out
 from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
 from kvcore.conversation import Fact
 from kvcore.errors import KVCoreError
+from kvcore.history_index import capture_spans
 from kvcore.plan import CapturePlan, CaptureSpan
 from kvcore.record import FactKV
 from kvcore.spills import tier_key
@@ -88,6 +90,7 @@ class MemoryEngine:
         self._frame_locks: dict[str, asyncio.Lock] = {}
         self._encode_slots = EncodeSlots(max_encodes_in_flight)
         self.max_model_len = self._engine.model_config.max_model_len
+        self._histories = HistoryChooser(Path(model), self._store, self.tokenizer)
 
     async def warm_up(self) -> None:
         """One short generation, so the first real request does not pay for lazy initialisation."""
@@ -145,6 +148,29 @@ class MemoryEngine:
 
         return dict(await asyncio.gather(*(one(*fact) for fact in facts)))
 
+    async def encode_history(self, tenant_id: str, history_id: str, text: str) -> dict[str, int]:
+        """Prefill a conversation history once behind the chat frame and keep each chunk of it as a record (the
+        engine's own capture), indexed for history mode; returns its token and chunk counts."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        start = len(self.prefix_ids)
+        room = self.max_model_len - start - 1
+        if not ids:
+            raise ValueError("the history is empty")
+        if len(ids) > room:
+            raise ValueError(f"the history has {len(ids)} tokens; this model holds {room} after the chat frame")
+        spans = capture_spans(history_id, start, len(ids), HISTORY_CHUNK)
+        prompt, params = capture_request([*self.prefix_ids, *ids, ids[-1]], CapturePlan(tenant_id, spans, window=0))
+        async with self._encode_slots:
+            async for _ in self._engine.generate(prompt, params, f"history-{uuid.uuid4().hex}"):
+                pass
+        records = [await self._written_record(tenant_id, span.fact_id) for span in spans]
+        await asyncio.to_thread(self._histories.index_records, tenant_id, history_id, records)
+        return {"tokens": len(ids), "chunks": len(spans)}
+
+    def drop_history(self, tenant_id: str, history_id: str) -> int:
+        """Delete a history's chunk records (one replaced by a newer history)."""
+        return self._histories.drop(tenant_id, history_id)
+
     async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
         """Text deltas (`{"delta": ...}`) then one final `{"done": True, "finish_reason", "usage"}`; the usage's
         `timeline` holds wall-clock times (s) of the task's arrival, the engine's start and its first token, so the
@@ -155,14 +181,20 @@ class MemoryEngine:
             task.mode == "inject" and self._tier_root is not None
         ):  # disk-tier facts start loading before the engine sees them
             self._prefetch(task.tenant_id, [f.record_id for f in task.facts if f.record_id])
+        mode = "inject" if task.mode == "history" else task.mode  # history mode injects its chosen chunks
         frame = (
-            (self.frame_id, self.prefix_ids)
-            if task.mode == "inject" and await self.ensure_frame(task.tenant_id)
-            else None
+            (self.frame_id, self.prefix_ids) if mode == "inject" and await self.ensure_frame(task.tenant_id) else None
         )
         prefix_ids, query_ids = self._split(task)
-        items = self._items(task.tenant_id, task.facts)
-        laid = lay_out(task.mode, task.tenant_id, task.version, prefix_ids, items, query_ids, frame, task.recompute)
+        if task.mode == "history":
+            if task.history_id is None:
+                raise ValueError("history mode needs a history: none is written for this memory")
+            items = await asyncio.to_thread(
+                self._histories.choose, task.tenant_id, task.history_id, task.question(), task.history_budget
+            )
+        else:
+            items = self._items(task.tenant_id, task.facts)
+        laid = lay_out(mode, task.tenant_id, task.version, prefix_ids, items, query_ids, frame, task.recompute)
         if len(laid.token_ids) + task.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt of {len(laid.token_ids)} tokens plus max_tokens {task.max_tokens} exceeds "
@@ -205,6 +237,7 @@ class MemoryEngine:
                 "completion_tokens": completion,
                 "total_tokens": len(laid.token_ids) + completion,
                 "memory_tokens": laid.memory_tokens,
+                "history_chunks": len(items) if task.mode == "history" else 0,
                 "recomputed_tokens": laid.recomputed_tokens,
                 "injected_tokens": injected,
                 "prefix_cached_tokens": max(0, cached - injected),

@@ -1,0 +1,94 @@
+"""History mode in an LLM replica: a tenant's captured history, and the chunks one question attends to.
+
+The engine captures a history as chunk records (`kvcore/history_index.py`); this keeps each history's index (chunk
+spans, record ids, early-layer summaries) in memory, rebuilt from the record store when a replica first meets it,
+and runs the question's own pass through the model's first layers from the served checkpoint
+(`models/early_layers.py`, loaded on first use) to choose the chunks within a request's budget. The chosen chunks
+become memory items in position order, injected at contiguous positions after the chat frame.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from deployments.memory_prompt import MemoryItem
+from kvcore.history_index import HistoryIndex, chunk_prefix
+from kvcore.query_pass import EarlyLayers, question_queries
+from kvcore.record import FactKV
+from kvcore.store import LocalFactStore
+from models.early_layers import load_early_layers
+
+log = logging.getLogger(__name__)
+
+HISTORY_CHUNK = 16  # tokens a chunk (docs/history-selection.md: the best of 16, 32 and 64)
+SCORING_LAYERS = 4  # the question's own pass: layers 0-3
+CACHED_HISTORIES = 256  # indexes a replica keeps (a few hundred KB each for a 32k-token history)
+
+
+class HistoryError(ValueError):
+    """A history that cannot be served (none written, or its chunks are gone)."""
+
+
+class HistoryChooser:
+    """Histories' indexes by (tenant, history id), and the choice of chunks for a question."""
+
+    def __init__(self, model_dir: Path, store: LocalFactStore, tokenizer) -> None:
+        self._model_dir, self._store, self._tokenizer = model_dir, store, tokenizer
+        self._early: EarlyLayers | None = None
+        self._indexes: OrderedDict[tuple[str, str], HistoryIndex] = OrderedDict()
+        self._lock = threading.Lock()  # the choice runs in worker threads
+
+    @property
+    def early(self) -> EarlyLayers:
+        with self._lock:
+            if self._early is None:
+                self._early = load_early_layers(self._model_dir, SCORING_LAYERS)
+            return self._early
+
+    def index_records(self, tenant_id: str, history_id: str, records: list[FactKV]) -> HistoryIndex:
+        """Index a history just captured (its records in chunk order) and keep it."""
+        index = HistoryIndex.of_records(records, self.early.rope, SCORING_LAYERS)
+        self._keep((tenant_id, history_id), index)
+        return index
+
+    def index(self, tenant_id: str, history_id: str) -> HistoryIndex:
+        """The history's index, from memory or rebuilt from its chunk records."""
+        key = (tenant_id, history_id)
+        with self._lock:
+            if key in self._indexes:
+                self._indexes.move_to_end(key)
+                return self._indexes[key]
+        ids = self.chunk_ids(tenant_id, history_id)
+        if not ids:
+            raise HistoryError(f"the history {history_id} has no chunks in the record store")
+        records = [self._store.get(tenant_id, r) for r in ids]
+        index = HistoryIndex.of_records(records, self.early.rope, SCORING_LAYERS)
+        self._keep(key, index)
+        return index
+
+    def choose(self, tenant_id: str, history_id: str, question: str, budget: int) -> list[MemoryItem]:
+        """The chunks `question` attends to within `budget` tokens, as memory items in position order."""
+        index = self.index(tenant_id, history_id)
+        ids = self._tokenizer.encode(question, add_special_tokens=False) or [self._tokenizer.eos_token_id]
+        chosen = index.choose(question_queries(self.early, ids), budget)
+        return [MemoryItem(index.record_ids[c], index.chunk_tokens(c), index.record_ids[c]) for c in chosen]
+
+    def chunk_ids(self, tenant_id: str, history_id: str) -> list[str]:
+        prefix = chunk_prefix(history_id)
+        return sorted(r for r in self._store.record_ids(tenant_id) if r.startswith(prefix))
+
+    def drop(self, tenant_id: str, history_id: str) -> int:
+        """Forget a history and delete its chunk records; returns how many were deleted."""
+        with self._lock:
+            self._indexes.pop((tenant_id, history_id), None)
+        return sum(self._store.delete(tenant_id, r) for r in self.chunk_ids(tenant_id, history_id))
+
+    def _keep(self, key: tuple[str, str], index: HistoryIndex) -> None:
+        with self._lock:
+            self._indexes[key] = index
+            self._indexes.move_to_end(key)
+            while len(self._indexes) > CACHED_HISTORIES:
+                self._indexes.popitem(last=False)

@@ -1,0 +1,71 @@
+"""History mode through the HTTP API of the real cluster: a tenant writes its conversation history, the LLM replica
+captures it in chunks; a chat in history mode injects the chunks its question's own pass chooses within the budget
+(only the question is prefilled), the whole history when the budget holds it; bad requests get clear 4xx."""
+
+from __future__ import annotations
+
+import requests
+
+from kvcore.conversation import Turn
+from tests.conversations import MAYA
+
+FILLER = [
+    Turn("Maya", "The weather in Porto was grey all week, so I mostly stayed in and read."),
+    Turn("Assistant", "Reading sounds like a good way to spend grey days. Any good books?"),
+]
+HISTORY = "".join(t.render() for t in MAYA + FILLER * 3)
+
+
+def _history_chat(cluster, auth, question: str, **memory) -> requests.Response:
+    return cluster.chat(auth, question, memory={"mode": "history", **memory})
+
+
+def test_a_history_is_written_once_and_chats_attend_to_the_chunks_within_their_budget(cluster):
+    auth = cluster.new_tenant("history-http")
+    refused = _history_chat(cluster, auth, "What is the name of Maya's cat?")
+    assert refused.status_code == 400 and "PUT /v1/history" in refused.json()["error"]["message"]
+    assert requests.get(f"{cluster.base}/v1/history", headers=auth, timeout=30).status_code == 404
+
+    written = requests.put(f"{cluster.base}/v1/history", json={"text": HISTORY}, headers=auth, timeout=120)
+    assert written.status_code == 200, written.text
+    history = written.json()
+    assert history["chunks"] == -(-history["tokens"] // 16) and history["tokens"] > 100
+    read = requests.get(f"{cluster.base}/v1/history", headers=auth, timeout=30).json()
+    assert read == {"history_id": history["history_id"], "tokens": history["tokens"]}
+
+    whole = _history_chat(cluster, auth, "What is the name of Maya's cat?", budget=100_000)
+    assert whole.status_code == 200, whole.text
+    usage = whole.json()["usage"]
+    assert usage["memory_tokens"] == history["tokens"] and usage["history_chunks"] == history["chunks"]
+    assert usage["injected_tokens"] + usage["prefix_cached_tokens"] >= history["tokens"]
+    assert usage["prefilled_tokens"] < usage["prompt_tokens"] - history["tokens"] + 16  # the question, not the history
+    assert "Pixel" in whole.json()["choices"][0]["message"]["content"]
+
+    part = _history_chat(cluster, auth, "What does Maya do at the weekend?", budget=64)
+    assert part.status_code == 200, part.text
+    usage = part.json()["usage"]
+    assert 16 <= usage["memory_tokens"] <= 64 and usage["history_chunks"] == -(-usage["memory_tokens"] // 16)
+
+
+def test_a_new_history_replaces_the_old_and_bad_writes_are_refused(cluster):
+    auth = cluster.new_tenant("history-replace")
+    first = requests.put(f"{cluster.base}/v1/history", json={"text": HISTORY}, headers=auth, timeout=120).json()
+    second = requests.put(
+        f"{cluster.base}/v1/history", json={"text": "Maya: I now live in Lisbon.\n"}, headers=auth, timeout=120
+    )
+    assert second.status_code == 200, second.text
+    assert second.json()["history_id"] != first["history_id"] and second.json()["tokens"] < first["tokens"]
+    chat = _history_chat(cluster, auth, "Where does Maya live?", budget=100_000)
+    assert chat.status_code == 200 and chat.json()["usage"]["memory_tokens"] == second.json()["tokens"]
+
+    empty = requests.put(f"{cluster.base}/v1/history", json={"text": ""}, headers=auth, timeout=30)
+    too_long = requests.put(f"{cluster.base}/v1/history", json={"text": "a " * 20_000}, headers=auth, timeout=120)
+    assert empty.status_code == 422 and too_long.status_code == 422, (empty.text, too_long.text)
+    assert "holds" in too_long.json()["error"]["message"]
+    still = requests.get(f"{cluster.base}/v1/history", headers=auth, timeout=30).json()
+    assert still["history_id"] == second.json()["history_id"]  # a refused write changed nothing
+
+    scoped = _history_chat(cluster, auth, "Where does Maya live?", user_id="someone")
+    assert scoped.status_code == 400 and "end users" in scoped.json()["error"]["message"]
+    other = cluster.new_tenant("history-other")
+    assert _history_chat(cluster, other, "Where does Maya live?").status_code == 400  # no history of its own
