@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from kvcore.history import Span, chunk_mass, fixed_spans, select_chunks
+from kvcore.history import Span, chunk_mass, chunks_by_turn_score, fixed_spans, select_chunks
 from kvcore.plan import CaptureSpan
 from kvcore.record import FactKV
 from kvcore.rope import RopeConfig
@@ -49,6 +49,8 @@ class HistoryIndex:
     token_ids: tuple[int, ...]
     summaries: ChunkSummaries  # layers 0 .. scoring_layers - 1, bf16
     rope: RopeConfig
+    turns: tuple[Span, ...] = ()  # the history's turns (token spans), for retrieval's half of the budget
+    turn_vectors: torch.Tensor | None = None  # [turns, dim], unit vectors: the turns' retrieval embeddings
 
     @classmethod
     def of_records(cls, records: Sequence[FactKV], rope: RopeConfig, scoring_layers: int) -> "HistoryIndex":
@@ -85,6 +87,23 @@ class HistoryIndex:
         group = queries.shape[1] // self.summaries.norms.shape[2]
         mass = chunk_mass(self.summaries, queries, len(self.token_ids), self.rope, group).mean(0)
         return mass.argsort(descending=True).tolist()
+
+    def with_turns(self, turns: Sequence[Span], vectors: torch.Tensor) -> "HistoryIndex":
+        """The same index with its turns' spans and retrieval embeddings (one row a turn)."""
+        if len(turns) != vectors.shape[0]:
+            raise ValueError(f"{len(turns)} turns but {vectors.shape[0]} vectors")
+        return HistoryIndex(
+            self.record_ids, self.spans, self.token_ids, self.summaries, self.rope, tuple(turns), vectors
+        )
+
+    def by_retrieval(self, question_vector: torch.Tensor) -> list[int]:
+        """Chunks by the best similarity of a turn they hold part of to the question's vector (none: no turns)."""
+        if self.turn_vectors is None or not self.turns:
+            return []
+        scores = (self.turn_vectors.float() @ question_vector.float()).tolist()
+        return chunks_by_turn_score(
+            self.spans, {str(t): span for t, span in enumerate(self.turns)}, {str(t): x for t, x in enumerate(scores)}
+        )
 
     def choose(
         self, queries: torch.Tensor, budget: int, by_retrieval: Sequence[int] = (), recent: int = 1

@@ -103,3 +103,23 @@ def test_a_history_index_from_chunk_records_finds_the_chunk_a_question_points_at
     spans = capture_spans("h", 30, length, 16)
     assert [(s.begin, s.end) for s in spans] == [(30 + a, 30 + b) for a, b in fixed_spans(length, 16)]
     assert spans[2].fact_id == chunk_record_id("h", 2)
+
+
+def test_retrievals_half_goes_to_the_chunks_of_the_turn_nearest_the_question():
+    from kvcore.history_index import HistoryIndex
+    from tests.core.factories import ROPE
+
+    torch.manual_seed(2)
+    keys = torch.randn(2, 2, 80, 8) * 0.1
+    queries = torch.randn(2, 4, 2, 8)
+    index = HistoryIndex.of_records(_chunk_records(keys, 16), ROPE, scoring_layers=2)
+    assert index.by_retrieval(torch.ones(3)) == []  # no turns known: retrieval has nothing to say
+    turns = [(0, 10), (10, 40), (40, 70), (70, 80)]  # turn 2 spans chunks 2, 3 and 4
+    vectors = torch.nn.functional.normalize(torch.eye(4, 3), dim=-1)
+    with_turns = index.with_turns(turns, vectors)
+    question = torch.tensor([0.0, 0.0, 1.0])  # nearest turn 2 (the third row)
+    assert with_turns.by_retrieval(question)[:3] == [2, 3, 4]
+    chosen = with_turns.choose(queries, budget=64, by_retrieval=with_turns.by_retrieval(question))
+    assert {0, 2, 4} <= set(chosen) and chosen == sorted(chosen)  # the sink, turn 2's first chunks, the newest
+    with pytest.raises(ValueError, match="4 turns but 3 vectors"):
+        index.with_turns(turns, vectors[:3])

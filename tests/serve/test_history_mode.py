@@ -41,10 +41,12 @@ def test_a_history_is_written_once_and_chats_attend_to_the_chunks_within_their_b
     assert usage["prefilled_tokens"] < usage["prompt_tokens"] - history["tokens"] + 16  # the question, not the history
     assert "Pixel" in whole.json()["choices"][0]["message"]["content"]
 
-    part = _history_chat(cluster, auth, "What does Maya do at the weekend?", budget=64)
+    # a third of the history: the sink, the newest chunk, the chunks of the turn retrieval ranks best, the bounds
+    part = _history_chat(cluster, auth, "What is the name of Maya's cat?", budget=64)
     assert part.status_code == 200, part.text
     usage = part.json()["usage"]
     assert 16 <= usage["memory_tokens"] <= 64 and usage["history_chunks"] == -(-usage["memory_tokens"] // 16)
+    assert "Pixel" in part.json()["choices"][0]["message"]["content"]  # retrieval's half found the cat's turn
 
 
 def test_a_new_history_replaces_the_old_and_bad_writes_are_refused(cluster):
