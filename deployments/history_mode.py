@@ -63,9 +63,7 @@ class HistoryChooser:
 
     def index_records(self, tenant_id: str, history_id: str, records: list[FactKV]) -> HistoryIndex:
         """Index a history just captured (its records in chunk order), its turns embedded, and keep it."""
-        index = self._with_turns(HistoryIndex.of_records(records, self.early.rope, SCORING_LAYERS))
-        self._keep((tenant_id, history_id), index)
-        return index
+        return self._keep((tenant_id, history_id), self._build(records))
 
     def index(self, tenant_id: str, history_id: str) -> HistoryIndex:
         """The history's index, from memory or rebuilt from its chunk records."""
@@ -77,10 +75,8 @@ class HistoryChooser:
         ids = self.chunk_ids(tenant_id, history_id)
         if not ids:
             raise HistoryError(f"the history {history_id} has no chunks in the record store")
-        records = [self._store.get(tenant_id, r) for r in ids]
-        index = self._with_turns(HistoryIndex.of_records(records, self.early.rope, SCORING_LAYERS))
-        self._keep(key, index)
-        return index
+        log.info("rebuilding the index of history %s from its %d chunk records", history_id, len(ids))
+        return self._keep(key, self._build([self._store.get(tenant_id, r) for r in ids]))
 
     def choose(self, tenant_id: str, history_id: str, question: str, budget: int) -> list[MemoryItem]:
         """The chunks `question` attends to within `budget` tokens, as memory items in position order."""
@@ -101,7 +97,9 @@ class HistoryChooser:
             spans.append((start, len(token_ids)))
         return spans
 
-    def _with_turns(self, index: HistoryIndex) -> HistoryIndex:
+    def _build(self, records: list[FactKV]) -> HistoryIndex:
+        """A history's index from its chunk records in order: summaries, then its turns embedded."""
+        index = HistoryIndex.of_records(records, self.early.rope, SCORING_LAYERS)
         turns = [span for span in self.turn_spans(index.token_ids) if span[1] - span[0] > 1]  # not blank lines
         if not turns:
             return index
@@ -118,9 +116,10 @@ class HistoryChooser:
             self._indexes.pop((tenant_id, history_id), None)
         return sum(self._store.delete(tenant_id, r) for r in self.chunk_ids(tenant_id, history_id))
 
-    def _keep(self, key: tuple[str, str], index: HistoryIndex) -> None:
+    def _keep(self, key: tuple[str, str], index: HistoryIndex) -> HistoryIndex:
         with self._lock:
             self._indexes[key] = index
             self._indexes.move_to_end(key)
             while len(self._indexes) > CACHED_HISTORIES:
                 self._indexes.popitem(last=False)
+        return index

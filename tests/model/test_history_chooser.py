@@ -1,0 +1,62 @@
+"""A replica that meets a history it did not capture rebuilds its index from the chunk records in the store, the
+same as the one built at capture; a replaced history's records are deleted."""
+
+import pytest
+import torch
+
+from benchmarks.history_selection import Captured, per_head
+from deployments.history_mode import HISTORY_CHUNK, HistoryChooser
+from kvcore.history import fixed_spans
+from kvcore.history_index import chunk_record_id
+from kvcore.record import EncodingParams, FactKV
+from kvcore.store import LocalFactStore
+from tests.conversations import MAYA
+
+pytestmark = pytest.mark.model
+
+
+def _chunk_records(loaded, tenant: str, history_id: str) -> list[FactKV]:
+    """The history's chunks as records, K and V from one transformers prefill (as the engine's capture keeps them)."""
+    ids = loaded.tokenizer.encode("".join(t.render() for t in MAYA), add_special_tokens=False)
+    captured = Captured(loaded.model)
+    try:
+        with torch.inference_mode():
+            out = loaded.model(torch.tensor([ids]), use_cache=True)
+    finally:
+        for hook in captured._hooks:
+            hook.remove()
+    keys = torch.stack([per_head(k, loaded.model.config.num_key_value_heads) for k in captured.keys])
+    values = torch.stack([held.values[0] for held in out.past_key_values.layers])
+    params = EncodingParams(window=0, model_fingerprint=loaded.spec.fingerprint, rope=loaded.spec.rope, dtype="float32")
+    return [
+        FactKV(
+            tenant,
+            chunk_record_id(history_id, c),
+            tuple(ids[s:e]),
+            keys[:, :, s:e].clone(),
+            values[:, :, s:e].clone(),
+            params,
+        )
+        for c, (s, e) in enumerate(fixed_spans(len(ids), HISTORY_CHUNK))
+    ]
+
+
+def test_an_index_rebuilt_from_the_store_equals_the_captured_one_and_a_dropped_history_is_gone(loaded, tmp_path):
+    store = LocalFactStore(tmp_path)
+    records = _chunk_records(loaded, "t1", "history-a")
+    store.put_many(records)
+    built = HistoryChooser(loaded.path, store, loaded.tokenizer).index_records("t1", "history-a", records)
+    rebuilt = HistoryChooser(loaded.path, store, loaded.tokenizer).index("t1", "history-a")  # another replica
+    assert rebuilt.record_ids == built.record_ids and rebuilt.spans == built.spans and len(built.spans) > 3
+    assert rebuilt.turns == built.turns and len(built.turns) == len(MAYA)
+    assert torch.allclose(rebuilt.turn_vectors, built.turn_vectors, atol=1e-6)
+    assert torch.equal(rebuilt.summaries.high, built.summaries.high)
+
+    chooser = HistoryChooser(loaded.path, store, loaded.tokenizer)
+    items = chooser.choose("t1", "history-a", "What is the name of Maya's cat?", budget=48)
+    cat_turn = next(i for i, t in enumerate(MAYA) if "Pixel" in t.text)
+    start, end = built.turns[cat_turn]
+    assert any(s < end and start < e for s, e in (built.spans[built.record_ids.index(i.record_id)] for i in items))
+    assert chooser.drop("t1", "history-a") == len(records) and store.record_ids("t1") == []
+    with pytest.raises(ValueError, match="no chunks"):
+        chooser.index("t1", "history-a")
