@@ -10,7 +10,7 @@ first, so a forward is handed over from the caller's own step and comes back in 
 callers and starts the next batch. And a forward in a thread of the serving process takes the GIL back after every
 torch call while the loop holds it in long pieces (on a CPU, with the loop 60 % busy in 1 ms pieces, MiniLM's
 forward went from 8.9 to 16.3 ms: `benchmarks/retrieval.py`). `ProcessForwarder` runs the forward in a child
-process, whose interpreter nothing else uses; the loop sees only a pipe becoming readable. `Embedded` reports
+process, whose interpreter nothing else uses; the loop sees only a socket becoming readable. `Embedded` reports
 each query's legs and the forward's CPU time.
 """
 
@@ -18,21 +18,25 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import json
 import logging
 import multiprocessing
 import multiprocessing.process
+import select
 import signal
+import socket
 import struct
 import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
+
+from deployments.message_socket import BlockingSide, LoopSide, socket_pair
 
 log = logging.getLogger(__name__)
 _READY = b"R"  # the child's first message once its embedder is built (else b"E" and why)
@@ -109,14 +113,15 @@ class EmbedderProcessError(RuntimeError):
 
 
 class ProcessForwarder:
-    """The forward in a child process (spawned, so it holds its own CUDA context), fed over a pipe.
+    """The forward in a child process (spawned, so it holds its own CUDA context), fed over a socket.
 
     `factory` (picklable: a module-level function or a partial of one) builds the embedder in the child. The
-    child exits when the pipe closes. If it dies, the batch in flight fails with `EmbedderProcessError` (the
+    child exits when the socket closes. If it dies, the batch in flight fails with `EmbedderProcessError` (the
     HTTP layer answers 503) and a new process is started at once; later batches wait for its start. After
     `max_restarts` deaths with no batch served in between, it gives up: every caller fails and `alive` turns
     false (the replica's health check reports it, so Serve replaces the replica). The child writes a dying
-    traceback (Python's and, for a crash, faulthandler's) to its stderr, which is the replica's log."""
+    traceback (Python's and, for a crash, faulthandler's) to its stderr, which is the replica's log. Messages go
+    through `message_socket`, which reads a reply that arrives in pieces whole on any event loop."""
 
     def __init__(
         self, factory: Callable[[], TensorEmbedder], start_timeout_s: float = 300.0, max_restarts: int = 3
@@ -134,34 +139,43 @@ class ProcessForwarder:
 
     def _spawn(self) -> None:
         self._ready = False
-        self._conn, child = self._context.Pipe()
+        ours, child = socket_pair()
         self._process = self._context.Process(
             target=_serve, args=(child, self._factory), name="query-embed", daemon=True
         )
         self._process.start()
         child.close()
+        self._side = LoopSide(ours)
 
     def wait_ready(self) -> None:
         """Block until the process has built its embedder; `EmbedderProcessError` with the cause if it failed."""
         if self._ready:
             return
         if self._failed is None:
-            if not self._conn.poll(self._start_timeout_s):
-                self._failed = EmbedderProcessError(
-                    f"the query embedder's process did not start within {self._start_timeout_s:g} s"
-                )
-            else:
-                try:
-                    self._failed = self._started(self._conn.recv_bytes())
-                except (EOFError, OSError):
-                    self._process.join(5)
-                    self._failed = EmbedderProcessError(
-                        f"the query embedder's process exited with code {self._process.exitcode} as it started"
-                    )
+            self._failed = self._wait_start()
             if self._failed is None:
                 return
             self.close()
         raise self._failed
+
+    def _wait_start(self) -> EmbedderProcessError | None:
+        deadline = time.monotonic() + self._start_timeout_s
+        while True:
+            try:
+                messages = self._side.read()
+            except (EOFError, OSError):
+                self._process.join(5)
+                return EmbedderProcessError(
+                    f"the query embedder's process exited with code {self._process.exitcode} as it started"
+                )
+            if messages:
+                return self._started(messages[0])
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return EmbedderProcessError(
+                    f"the query embedder's process did not start within {self._start_timeout_s:g} s"
+                )
+            select.select([self._side], [], [], remaining)
 
     def _started(self, message: bytes) -> EmbedderProcessError | None:
         """The child's first message: ready, or why its embedder could not be built."""
@@ -184,18 +198,32 @@ class ProcessForwarder:
             return
         self._watch(loop)
         self._done = done
-        try:
-            self._conn.send(texts)  # before the process is ready it waits in the pipe
+        try:  # before the process is ready it waits in the socket
+            if not self._side.write(json.dumps(texts).encode()):
+                loop.add_writer(self._side.fileno(), self._flush)
         except OSError:
             self._died(loop, in_flight=self._take_done())
+
+    def _flush(self) -> None:
+        assert self._loop is not None
+        try:
+            if self._side.flush():
+                self._loop.remove_writer(self._side.fileno())
+        except OSError:
+            self._died(self._loop, in_flight=self._take_done())
 
     def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is loop:
             return
-        if self._loop is not None and not self._conn.closed:
-            self._loop.remove_reader(self._conn.fileno())
-        loop.add_reader(self._conn.fileno(), self._on_readable)
+        self._unwatch()
+        loop.add_reader(self._side.fileno(), self._on_readable)
         self._loop = loop
+
+    def _unwatch(self) -> None:
+        if self._loop is not None and not self._loop.is_closed() and not self._side.closed:
+            self._loop.remove_reader(self._side.fileno())
+            self._loop.remove_writer(self._side.fileno())
+        self._loop = None
 
     def _take_done(self) -> Done | None:
         done, self._done = self._done, None
@@ -204,10 +232,14 @@ class ProcessForwarder:
     def _on_readable(self) -> None:
         assert self._loop is not None
         try:
-            message = self._conn.recv_bytes()
+            messages = self._side.read()
         except (EOFError, OSError):
             self._died(self._loop, in_flight=self._take_done())
             return
+        for message in messages:
+            self._received(message)
+
+    def _received(self, message: bytes) -> None:
         if not self._ready:
             self._failed = self._started(message)
             if self._failed is not None:
@@ -227,10 +259,8 @@ class ProcessForwarder:
         """On the loop: the process is gone. Fail the batch it held, log its exit code once it is known (off
         the loop), and start another unless too many died in a row."""
         process = self._process
-        if self._loop is not None:
-            self._loop.remove_reader(self._conn.fileno())
-        self._conn.close()
-        self._loop = None
+        self._unwatch()
+        self._side.close()
         threading.Thread(target=_log_exit, args=(process,), name="query-embed-reaper", daemon=True).start()
         self._deaths += 1
         if self._deaths > self._max_restarts:
@@ -249,7 +279,7 @@ class ProcessForwarder:
     def _overdue(self, process: multiprocessing.process.BaseProcess) -> None:
         if process is self._process and not self._ready and process.is_alive():
             log.error("the query embedder's process did not start within %g s; killing it", self._start_timeout_s)
-            process.kill()  # its pipe closes: the loop sees a death
+            process.kill()  # its socket closes: the loop sees a death
 
     @staticmethod
     def _fail(done: Done | None, error: EmbedderProcessError) -> None:
@@ -258,11 +288,9 @@ class ProcessForwarder:
             done(error, now, now, 0.0)
 
     def close(self) -> None:
-        """Close the pipe (the process exits on it) and reap the process; safe to call twice."""
-        if self._loop is not None and not self._loop.is_closed() and not self._conn.closed:
-            self._loop.remove_reader(self._conn.fileno())
-        self._loop = None
-        self._conn.close()
+        """Close the socket (the process exits on it) and reap the process; safe to call twice."""
+        self._unwatch()
+        self._side.close()
         self._process.join(5)
         if self._process.is_alive():
             self._process.kill()
@@ -277,36 +305,37 @@ def _log_exit(process: multiprocessing.process.BaseProcess) -> None:
     )
 
 
-def _serve(conn: Connection, factory: Callable[[], TensorEmbedder]) -> None:
+def _serve(sock: socket.socket, factory: Callable[[], TensorEmbedder]) -> None:
     """The child: build the embedder, then answer each list of texts with their vectors (float32, host)."""
     faulthandler.enable()  # a crash in native code leaves its Python stack in the replica's log
+    side = BlockingSide(sock)
     try:
         embedder = factory()
     except Exception as exc:  # noqa: BLE001 - the parent raises it
-        conn.send_bytes(b"E" + repr(exc).encode())
+        side.send(b"E" + repr(exc).encode())
         return
-    conn.send_bytes(_READY)
+    side.send(_READY)
     try:
-        _answer(conn, embedder)
+        _answer(side, embedder)
     except BaseException:
-        traceback.print_exc()  # whatever ends the process besides its pipe closing
+        traceback.print_exc()  # whatever ends the process besides its socket closing
         raise
 
 
-def _answer(conn: Connection, embedder: TensorEmbedder) -> None:
+def _answer(side: BlockingSide, embedder: TensorEmbedder) -> None:
     while True:
         try:
-            texts = conn.recv()
-        except (EOFError, OSError):  # the parent closed the pipe or exited
+            texts = json.loads(side.recv())
+        except (EOFError, OSError):  # the parent closed its end or exited
             return
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             vectors = np.ascontiguousarray(_vectors(embedder, texts).float().cpu().numpy())
             header = _HEADER.pack(True, started, time.perf_counter(), time.thread_time() - cpu, len(vectors))
-            conn.send_bytes(header + vectors.tobytes())
+            side.send(header + vectors.tobytes())
         except Exception as exc:  # noqa: BLE001 - the callers get it
             failed = _HEADER.pack(False, started, time.perf_counter(), time.thread_time() - cpu, 0)
-            conn.send_bytes(failed + repr(exc).encode())
+            side.send(failed + repr(exc).encode())
 
 
 @dataclass

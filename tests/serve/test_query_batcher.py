@@ -214,3 +214,34 @@ def test_a_factory_that_fails_fails_the_start_and_every_caller_with_its_cause():
                 await batcher.embed("x")
 
     asyncio.run(main())
+
+
+class _Wide(_Lengths):
+    """Replies larger than a socket's buffer (32 rows of 8,192 floats: 1 MiB), so they arrive in pieces."""
+
+    def embed_tensor(self, texts):
+        return torch.full((len(texts), 8192), float(len(texts)))
+
+
+def _wide() -> _Wide:
+    return _Wide()
+
+
+def test_replies_that_arrive_in_pieces_are_read_whole_under_rays_event_loop():
+    """Ray runs replicas on uvloop, which makes a watched pipe non-blocking: a reply read while its rest is still
+    on the way must be waited for, not taken for the process's death (the H200 serving run, 2026-12-03)."""
+    uvloop = pytest.importorskip("uvloop")
+    forwarder = ProcessForwarder(_wide)
+    batcher = QueryBatcher(forwarder)
+
+    async def main():
+        for _ in range(5):
+            vectors = await asyncio.gather(*(batcher.embed(str(i)) for i in range(33)))
+            assert [tuple(v.vector.shape) for v in vectors] == [(8192,)] * 33
+            assert {v.vector[0].item() for v in vectors[1:]} == {32.0}  # the 32 that waited went together
+
+    try:
+        uvloop.run(main())
+        assert forwarder.restarts == 0
+    finally:
+        forwarder.close()
