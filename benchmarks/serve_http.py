@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._cluster import start_cluster  # noqa: E402
 from benchmarks._common import parser, sampled, scratch_dir, target, write_report  # noqa: E402
 from benchmarks._http_load import closed_loop  # noqa: E402
+from benchmarks._process_cpu import PhaseCpu  # noqa: E402
 from benchmarks.proxy_floor import deploy_probe  # noqa: E402
 from benchmarks.proxy_floor import measure as floor_ms
 
@@ -266,10 +267,11 @@ def engine_alone(app_args: dict, tasks: list, rounds: list, concurrency: int) ->
             async with gate:
                 return await serve(task)
 
-        with sampled("alone-qps-inject"):
+        with sampled("alone-qps-inject"), PhaseCpu(own_role="engine_alone") as phase:
             started = time.perf_counter()
             await asyncio.gather(*(gated(t) for t in tasks))
-        return {"ttft_ms_p50": statistics.median(ttft), "qps": len(tasks) / (time.perf_counter() - started)}
+            qps = len(tasks) / (time.perf_counter() - started)
+        return {"ttft_ms_p50": statistics.median(ttft), "qps": qps, "process_cpu": phase.report(len(tasks))}
 
     try:
         return asyncio.run(run())
@@ -428,14 +430,16 @@ def main() -> None:
         for _ in range(3):  # interleaved, so drift of the machine falls on both
             floor += floor_ms(base, tenants[0][1], calls=100)
             mode_floor += floor_ms(base, tenants[0][1], calls=100, path=probe)
-        total = 2 * tenants_n if args.quick else 4 * tenants_n
-        qps = {"ceiling": http_ceiling(base, tenants, 20 * tenants_n)}
-        for mode in ("prompt", "inject"):
-            with sampled(f"http-qps-{mode}"):
-                qps[mode] = http_qps(base, tenants, k, mode, total)
+        total = 2 * tenants_n if args.quick else 20 * tenants_n  # inject's; prompt's: a fifth (5x slower)
+        qps, cpu = {"ceiling": http_ceiling(base, tenants, 20 * tenants_n)}, {}
+        for mode, count in (("prompt", max(total // 5, tenants_n)), ("inject", total)):
+            with sampled(f"http-qps-{mode}"), PhaseCpu() as phase:
+                qps[mode] = http_qps(base, tenants, k, mode, count)
+            cpu[mode] = phase.report(count, seconds=count / qps[mode])  # not the load generator's start
         clock.done("http_measured")
         report["arena_warnings"] = arena_warnings()
         report |= http_figures(samples, floor, mode_floor, qps, rounds_n)
+        report["qps_process_cpu"] = cpu  # per part of the cluster: CPU ms a request, cores, the busiest thread
         finish(report, args.out, k, tenants_n, facts_n)  # written now too: the reference below may run out of time
     finally:
         stop_cluster()
