@@ -71,12 +71,13 @@ def start_cluster(
     embed_device: str = "cuda",
     engine_sm_percent: int | None = None,
     query_embedding: str = "process",
+    engine_kwargs: dict | None = None,
 ):
     """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
     on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
     CUDA's multi-process service `engine_sm_percent` holds the engine to that share of the SMs (the rest stay
     free for the ingress's query embeddings); `query_embedding`: the ingress embeds questions in a process of
-    its own or in a thread."""
+    its own or in a thread; `engine_kwargs` go to vLLM over the defaults (a longer context, say)."""
     import os
 
     from ray import serve
@@ -119,6 +120,8 @@ def start_cluster(
         path, fingerprint = shaped_model(shape, state / "model")
         llm |= {"model": path, "fingerprint": fingerprint}
         llm["engine_kwargs"] = {**llm.get("engine_kwargs", {}), "load_format": "dummy", "dtype": llm["dtype"]}
+    if engine_kwargs:
+        llm["engine_kwargs"] = {**llm.get("engine_kwargs", {}), **engine_kwargs}
     args = {"redis_url": redis.url, "state_dir": str(state), "admin_key": admin, "llm": llm, "ingress": ingress}
     serve.run(build_app(args), name="inferscale", route_prefix="/")
     return f"http://127.0.0.1:{port}", admin, redis, args
@@ -126,7 +129,7 @@ def start_cluster(
 
 @contextmanager
 def cluster_for(
-    base_url: str | None, admin_key: str | None, name: str, cuda: bool = False
+    base_url: str | None, admin_key: str | None, name: str, cuda: bool = False, engine_kwargs: dict | None = None
 ) -> Iterator[tuple[str, str]]:
     """(base URL, admin key) of the given cluster, or of one started here for the duration (then stopped)."""
     if base_url:
@@ -138,7 +141,9 @@ def cluster_for(
             raise SystemExit("an admin key is needed with --base-url (--admin-key or INFERSCALE_ADMIN_KEY)")
         yield base_url.rstrip("/"), admin_key
         return
-    base, admin, redis, _ = start_cluster(Path(scratch_dir(prefix=f"{name}-")), cuda=cuda, shape=None)
+    base, admin, redis, _ = start_cluster(
+        Path(scratch_dir(prefix=f"{name}-")), cuda=cuda, shape=None, engine_kwargs=engine_kwargs
+    )
     try:
         yield base, admin
     finally:

@@ -63,26 +63,43 @@ class History:
     texts: dict[str, str]  # each turn's text, for retrieval by embedding
 
 
-def build_history(tokenizer, conversations: list[dict]) -> History:
-    """The conversations' turns one after the other, each `Speaker: text` on its own line."""
-    ids: list[int] = []
-    turns: dict[str, tuple[int, int]] = {}
-    texts: dict[str, str] = {}
-    questions = []
+def history_lines(conversations: list[dict]) -> list[tuple[str | None, str]]:
+    """The conversations' sessions one after the other: a `[date]` line before each session, then each turn as
+    `Speaker: text`, one line each; with each turn's id (`<conversation>:<dia_id>`; None for a date line)."""
+    lines: list[tuple[str | None, str]] = []
     for c_index, sample in enumerate(conversations):
         convo = sample["conversation"]
         for n in range(1, 6):
-            header = tokenizer.encode(f"[{convo[f'session_{n}_date_time']}]\n", add_special_tokens=False)
-            ids += header
-            for turn in convo[f"session_{n}"]:
-                line = tokenizer.encode(f"{turn['speaker']}: {turn['text']}\n", add_special_tokens=False)
-                turns[f"{c_index}:{turn['dia_id']}"] = (len(ids), len(ids) + len(line))
-                texts[f"{c_index}:{turn['dia_id']}"] = f"{turn['speaker']}: {turn['text']}"
-                ids += line
-        for qa in sample["qa"]:
-            if qa.get("evidence"):
-                questions.append({**qa, "evidence": [f"{c_index}:{e}" for e in qa["evidence"]]})
-    return History(ids, turns, questions, texts)
+            lines.append((None, f"[{convo[f'session_{n}_date_time']}]\n"))
+            lines += [
+                (f"{c_index}:{turn['dia_id']}", f"{turn['speaker']}: {turn['text']}\n")
+                for turn in convo[f"session_{n}"]
+            ]
+    return lines
+
+
+def history_questions(conversations: list[dict]) -> list[dict]:
+    """The conversations' questions that name their evidence turns (by the ids `history_lines` gives them)."""
+    return [
+        {**qa, "evidence": [f"{c_index}:{e}" for e in qa["evidence"]]}
+        for c_index, sample in enumerate(conversations)
+        for qa in sample["qa"]
+        if qa.get("evidence")
+    ]
+
+
+def build_history(tokenizer, conversations: list[dict]) -> History:
+    """The history of `history_lines`, each line tokenized on its own."""
+    ids: list[int] = []
+    turns: dict[str, tuple[int, int]] = {}
+    texts: dict[str, str] = {}
+    for turn_id, line in history_lines(conversations):
+        encoded = tokenizer.encode(line, add_special_tokens=False)
+        if turn_id is not None:
+            turns[turn_id] = (len(ids), len(ids) + len(encoded))
+            texts[turn_id] = line.rstrip("\n")
+        ids += encoded
+    return History(ids, turns, history_questions(conversations), texts)
 
 
 def turn_spans(turns: dict[str, tuple[int, int]], length: int, longest: int) -> list[tuple[int, int]]:

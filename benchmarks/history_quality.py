@@ -1,0 +1,160 @@
+"""Answer quality of history mode through the public HTTP API: a chosen part of a long history against all of it.
+
+The history is `history_selection.py`'s (the dev set's generated conversations one after the other, a line a
+turn, 7,554 tokens in the full run). A tenant writes it once (`PUT /v1/history`: the LLM replica prefills it
+and keeps each 16-token chunk as a record); every question is then asked in history mode at each budget (a
+share of the history's tokens): the replica scores the chunks by the question's own first layers and by the
+turns retrieval finds, and injects the chosen ones in order. The whole history (budget 1.0) injects every
+chunk, which the engine tests show equals a plain prefill of the history. Greedy answers, LoCoMo's F1, the
+ratio of each budget's F1 to the whole history's on the same questions with a paired bootstrap interval, TTFT
+and the tokens prefilled. The issue's target: F1 at a tenth of the history >= 0.97x the whole history's.
+
+    python benchmarks/history_quality.py --out PATH [--quick] [--budgets 0.1,0.2] [--questions N]
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks.history_selection import history_lines, history_questions  # noqa: E402
+from benchmarks.quality.devset import conversation  # noqa: E402
+from benchmarks.quality.run import SUFFIX, Client, paired_ratio  # noqa: E402
+from benchmarks.quality.scoring import mean_interval, score  # noqa: E402
+
+CONTEXT = 8192  # SmolLM2's context: the full run's history (7,554 tokens) fits behind the chat frame
+WHOLE = 1.0
+
+
+def mode_name(budget: float) -> str:
+    return "whole_history" if budget == WHOLE else f"history_{round(budget * 100)}pct"
+
+
+def ask(client: Client, key: str, question: str, budget_tokens: int, max_tokens: int) -> dict:
+    body = {
+        "model": "inferscale-smollm2",
+        "messages": [{"role": "user", "content": question + SUFFIX}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "seed": 0,
+        "memory": {"mode": "history", "budget": budget_tokens},
+    }
+    answer = client.call("POST", "/v1/chat/completions", key, body)
+    return {"prediction": answer["choices"][0]["message"]["content"], **answer["usage"]}
+
+
+def evaluate(client: Client, conversations: list[dict], questions: list[dict], budgets: list[float]) -> dict:
+    """Write the history for a fresh tenant, then ask every question at every budget (the whole history too)."""
+    tenant = "history-quality"
+    client.call("DELETE", f"/v1/tenants/{tenant}", client.admin_key, ok=(200, 204, 404))
+    key = client.call("POST", "/v1/tenants", client.admin_key, {"id": tenant}, ok=(201,))["api_key"]
+    text = "".join(line for _, line in history_lines(conversations))
+    started = time.perf_counter()
+    written = client.call("PUT", "/v1/history", key, {"text": text})
+    write_s = time.perf_counter() - started
+    tokens = int(written["tokens"])
+    plan = sorted({*budgets, WHOLE})
+
+    def one(qa: dict) -> list[dict]:
+        rows = []
+        for budget in plan:
+            usage = ask(client, key, qa["question"], max(1, int(budget * tokens)), max_tokens=24)
+            rows.append(
+                {
+                    "sample": "history",
+                    "k": 0,
+                    "mode": mode_name(budget),
+                    "question": qa["question"],
+                    "gold": qa["answer"],
+                    "prediction": usage["prediction"],
+                    "f1": score(usage["prediction"], qa["answer"], qa["category"]),
+                    "ttft_ms": usage["ttft_ms"],
+                    "history_chunks": usage["history_chunks"],
+                    "injected_tokens": usage["injected_tokens"],
+                    "prefilled_tokens": usage["prefilled_tokens"],
+                }
+            )
+        return rows
+
+    rows: list[dict] = []
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for found in pool.map(one, questions):
+            rows += found
+    return {"history_tokens": tokens, "history_chunks": written.get("chunks"), "write_s": write_s, "rows": rows}
+
+
+def summarize(found: dict, budgets: list[float]) -> dict:
+    rows = found["rows"]
+    modes = {}
+    for budget in sorted({*budgets, WHOLE}):
+        name = mode_name(budget)
+        chosen = [r for r in rows if r["mode"] == name]
+        modes[name] = {
+            "budget": budget,
+            "f1": statistics.fmean(r["f1"] for r in chosen),
+            "f1_ci95": mean_interval([r["f1"] for r in chosen]),
+            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in chosen),
+            "injected_tokens_mean": statistics.fmean(r["injected_tokens"] for r in chosen),
+            "prefilled_tokens_mean": statistics.fmean(r["prefilled_tokens"] for r in chosen),
+            "history_chunks_mean": statistics.fmean(r["history_chunks"] for r in chosen),
+            "questions": len(chosen),
+        }
+    ratios = {mode_name(b): paired_ratio(rows, mode_name(b), mode_name(WHOLE), 0) for b in budgets if b != WHOLE}
+    targets = []
+    if 0.1 in budgets:
+        ratio = ratios[mode_name(0.1)]
+        targets.append(
+            {
+                **target("f1 history mode at 10 % of the history / the whole history", ratio["ratio"], ">= 0.97"),
+                "ci95": ratio["ci95"],
+            }
+        )
+    return {
+        "history_tokens": found["history_tokens"],
+        "history_chunks": found["history_chunks"],
+        "history_write_s": round(found["write_s"], 2),
+        "modes": modes,
+        "f1_ratio_to_whole_history": ratios,
+        "rows": rows,
+        "targets": targets,
+    }
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--budgets", default="0.1,0.2", help="shares of the history's tokens (the whole is always asked)")
+    p.add_argument("--questions", type=int, help="at most this many questions (default: all; --quick: 8)")
+    p.add_argument("--base-url", help="a running cluster whose engine holds 8,192 tokens; default: start one here")
+    p.add_argument("--admin-key", help="its admin key (default: INFERSCALE_ADMIN_KEY)")
+    args = p.parse_args()
+    try:
+        budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--budgets must be comma-separated shares, got {args.budgets!r}")
+    if not budgets or not all(0 < b <= 1 for b in budgets):
+        p.error("every budget must be a share in (0, 1]")
+    conversations = [conversation(i, 7) for i in range(2 if args.quick else 6)]
+    questions = history_questions(conversations)
+    limit = args.questions or (8 if args.quick else None)
+    if limit is not None:
+        questions = random.Random(0).sample(questions, min(limit, len(questions)))
+    from benchmarks._cluster import cluster_for
+
+    engine = {"max_model_len": CONTEXT, "max_num_batched_tokens": CONTEXT}
+    with cluster_for(args.base_url, args.admin_key, "history-quality", engine_kwargs=engine) as (base, admin):
+        found = evaluate(Client(base, admin), conversations, questions, budgets)
+    report = summarize(found, budgets) | {"benchmark": "history_quality", "quick": args.quick}
+    write_report(args.out, report)
+    for name, mode in report["modes"].items():
+        print(f"{name}: F1 {mode['f1']:.3f} {mode['f1_ci95']}, TTFT {mode['ttft_ms_median']:.0f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()

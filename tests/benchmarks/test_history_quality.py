@@ -1,0 +1,42 @@
+"""The history-mode quality report: F1 per budget and its paired ratio to the whole history, with the target."""
+
+from benchmarks.history_quality import mode_name, summarize
+
+
+def _row(mode: str, question: str, f1: float) -> dict:
+    return {
+        "sample": "history",
+        "k": 0,
+        "mode": mode,
+        "question": question,
+        "f1": f1,
+        "ttft_ms": 10.0,
+        "history_chunks": 3,
+        "injected_tokens": 48,
+        "prefilled_tokens": 20,
+    }
+
+
+def test_the_ratio_pairs_the_same_questions_and_sets_the_target():
+    rows = [
+        _row("whole_history", "a", 1.0),
+        _row("whole_history", "b", 0.5),
+        _row("history_10pct", "a", 1.0),
+        _row("history_10pct", "b", 0.0),
+        _row("history_10pct", "c", 1.0),  # not asked of the whole history: left out of the ratio
+    ]
+    report = summarize({"history_tokens": 100, "history_chunks": 7, "write_s": 1.0, "rows": rows}, [0.1])
+    ratio = report["f1_ratio_to_whole_history"]["history_10pct"]
+    assert ratio["ratio"] == 1.0 / 1.5 and ratio["questions"] == 2
+    (goal,) = report["targets"]
+    assert goal["value"] == round(1.0 / 1.5, 4) and goal["met"] is False and goal["goal"] == ">= 0.97"
+    assert report["modes"]["history_10pct"]["f1"] == 2 / 3 and report["modes"]["whole_history"]["questions"] == 2
+
+
+def test_modes_are_named_by_their_share():
+    assert [mode_name(b) for b in (0.05, 0.1, 0.2, 1.0)] == [
+        "history_5pct",
+        "history_10pct",
+        "history_20pct",
+        "whole_history",
+    ]
