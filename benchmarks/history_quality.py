@@ -148,7 +148,10 @@ def main() -> None:
     from benchmarks._cluster import cluster_for
 
     engine = {"max_model_len": CONTEXT, "max_num_batched_tokens": CONTEXT}
-    with cluster_for(args.base_url, args.admin_key, "history-quality", engine_kwargs=engine) as (base, admin):
+    import torch
+
+    cuda = torch.cuda.is_available()
+    with cluster_for(args.base_url, args.admin_key, "history-quality", cuda, engine) as (base, admin):
         found = evaluate(Client(base, admin), conversations, questions, budgets)
     report = summarize(found, budgets) | {"benchmark": "history_quality", "quick": args.quick}
     write_report(args.out, report)
