@@ -30,10 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="deploy a Serve config YAML onto the Ray cluster at RAY_ADDRESS")
     serve.add_argument("--config", required=True, type=Path)
     encode = sub.add_parser(
-        "encode", help="encode a tenant's facts (explicit, or extracted from a conversation) on Ray"
+        "encode", help="encode a tenant's facts (explicit, or extracted from a conversation) or its history on Ray"
     )
     encode.add_argument("--tenant", required=True)
-    encode.add_argument("--input", required=True, type=Path, help="JSON: turns + facts, or a LoCoMo conversation")
+    encode.add_argument(
+        "--input", required=True, type=Path, help="JSON: turns + facts, a LoCoMo conversation, or a history"
+    )
     encode.add_argument("--window", type=int, default=None, help="context window in turns (default: the tenant's)")
     encode.add_argument(
         "--neighbours",

@@ -28,7 +28,6 @@ from models.minilm import MiniLMEmbedder
 
 log = logging.getLogger(__name__)
 
-HISTORY_CHUNK = 16  # tokens a chunk (docs/history-selection.md: the best of 16, 32 and 64)
 SCORING_LAYERS = 4  # the question's own pass: layers 0-3
 CACHED_HISTORIES = 256  # indexes a replica keeps (a few hundred KB each for a 32k-token history)
 

@@ -12,6 +12,10 @@ Explicit facts::
 
     {"conversation": {"speaker_a": "Maya", "speaker_b": "Sam",
                       "session_1_date_time": "...", "session_1": [{"speaker": "Maya", "dia_id": "D1:1", "text": "..."}]}}
+
+A history for history mode (the tenant's conversation as text, a turn a line; it replaces the one before)::
+
+    {"history": "Maya: I adopted a cat called Pixel.\nSam: ..."}
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class JobInput:
     turns: tuple[Turn, ...]
     facts: tuple[ExplicitFact, ...] | None  # None: extract them from the turns
     sessions: tuple[int, ...]  # index of the first turn of each session (for extraction)
+    history: str | None = None  # a history for history mode instead of facts
 
 
 def load_input(path: Path, max_fact_chars: int = 2000) -> JobInput:
@@ -58,11 +63,18 @@ def load_input(path: Path, max_fact_chars: int = 2000) -> JobInput:
 def parse_input(raw: object, max_fact_chars: int = 2000) -> JobInput:
     if not isinstance(raw, dict):
         raise JobInputError("the input must be a JSON object")
+    if "history" in raw:
+        history = raw["history"]
+        if set(raw) != {"history"}:
+            raise JobInputError("a history input holds 'history' alone")
+        if not isinstance(history, str) or not history.strip():
+            raise JobInputError("'history' must be the conversation as non-empty text")
+        return JobInput((), None, (0,), history)
     if "conversation" in raw:
         turns, sessions = _locomo(raw["conversation"])
         return JobInput(turns, None, sessions)
     if "turns" not in raw:
-        raise JobInputError("the input needs 'turns' (with 'facts') or a LoCoMo 'conversation'")
+        raise JobInputError("the input needs 'turns' (with 'facts'), a LoCoMo 'conversation' or a 'history'")
     turns = tuple(_turn(t, f"turns[{i}]") for i, t in enumerate(_list(raw["turns"], "turns")))
     facts = None
     if "facts" in raw:

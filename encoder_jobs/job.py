@@ -17,10 +17,12 @@ from typing import Callable
 
 from config.settings import Settings
 from encoder_jobs.extract import extract_facts
+from encoder_jobs.history import encode_history_records, name_history
 from encoder_jobs.inputs import load_input
 from encoder_jobs.neighbours import nearest_texts
 from encoder_jobs.tasks import task_rows
 from encoder_jobs.worker import EncodeWorker
+from kvcore.store import LocalFactStore
 from models.generation import ChatGenerator
 from models.loader import load_model
 from models.minilm import MiniLMEmbedder
@@ -44,6 +46,7 @@ class JobReport:
     updated: int = 0
     deleted: int = 0
     errors: dict[str, str] = field(default_factory=dict)
+    history: dict | None = None  # a history job's: its id, tokens, chunks, and the replaced history's chunks deleted
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
@@ -67,6 +70,8 @@ def run_job(
     embedder = MiniLMEmbedder()
     service = connect_service(redis_url, settings.state_dir, embedder, settings.tenants)
     tenant = service.open_tenant(key, tenant_id)
+    if job_input.history is not None:
+        return _history_job(settings, tenant, service.records, job_input.history, progress)
     window = tenant.entry.window if window is None else window
     neighbours = tenant.entry.neighbours if neighbours is None else neighbours
     if window < 0 or neighbours < 0:
@@ -119,6 +124,43 @@ def _neighbours(tenant: Tenant, embedder: MiniLMEmbedder, texts: list[str], coun
     return nearest_texts(texts, vectors, stored or [], count)
 
 
+def _history_job(
+    settings: Settings, tenant: Tenant, store: LocalFactStore, text: str, progress: Callable[[JobReport], None]
+) -> JobReport:
+    """Encode a history on one encoding actor (a GPU share when one is free), then name it in the tenant's entry."""
+    import ray
+
+    if tenant.entry.scope is not None:
+        raise ValueError("a history belongs to a tenant, not to an end user's memory")
+    report = JobReport(total=1)
+    progress(report)
+    _ray()
+    share = encoder_gpu_share(ray.cluster_resources().get("GPU", 0.0), ray.available_resources().get("GPU", 0.0), 1, 1)
+    task = ray.remote(num_cpus=0 if share else 1, num_gpus=share, max_retries=0)(encode_history_records)
+    try:
+        encoded = ray.get(task.remote(settings.model_dump(mode="json"), str(store.root), tenant.id, text))
+    except ray.exceptions.RayTaskError as exc:  # the job's status names the cause, not Ray's traceback
+        cause = exc.cause if isinstance(exc.cause, Exception) else exc
+        raise ValueError(f"history encoding failed: {cause}") from None
+    replaced = name_history(tenant, store, encoded)
+    report.total = report.encoded = encoded["chunks"]
+    report.history = encoded | {"replaced_chunks_deleted": replaced}
+    progress(report)
+    return report
+
+
+def _ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address=os.environ.get("RAY_ADDRESS") or "local",
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+
+
 def _run_on_ray(
     settings: Settings,
     redis_url: str,
@@ -133,13 +175,7 @@ def _run_on_ray(
 ) -> None:
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            address=os.environ.get("RAY_ADDRESS") or "local",
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+    _ray()
     gpu_share = encoder_gpu_share(
         ray.cluster_resources().get("GPU", 0.0),
         ray.available_resources().get("GPU", 0.0),

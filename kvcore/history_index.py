@@ -22,6 +22,26 @@ from kvcore.record import FactKV
 from kvcore.rope import RopeConfig
 from kvcore.summaries import ChunkSummaries, compact, summarize
 
+HISTORY_CHUNK = 16  # tokens a chunk record (docs/history-selection.md: the best of 16, 32 and 64)
+
+
+def history_chunks(record: FactKV, history_id: str, size: int = HISTORY_CHUNK) -> list[FactKV]:
+    """A history encoded as one record, cut into the chunk records history mode serves (named and sized as an
+    engine's capture names them), each holding its own copy of its K/V."""
+    return [
+        FactKV(
+            record.tenant_id,
+            chunk_record_id(history_id, chunk),
+            record.token_ids[begin:end],
+            record.k[:, :, begin:end].clone(),
+            record.v[:, :, begin:end].clone(),
+            record.params,
+            record.version,
+            {**record.meta, "history": history_id, "chunk": str(chunk)},
+        )
+        for chunk, (begin, end) in enumerate(fixed_spans(len(record.token_ids), size))
+    ]
+
 
 def chunk_record_id(history_id: str, chunk: int) -> str:
     return f"{chunk_prefix(history_id)}{chunk:05d}"

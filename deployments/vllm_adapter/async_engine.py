@@ -23,12 +23,12 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from config.connector import ConnectorConfig
 from deployments.chat_task import ChatTask, RetrievedFact
-from deployments.history_mode import HISTORY_CHUNK, HistoryChooser
+from deployments.history_mode import HistoryChooser
 from deployments.memory_prompt import MemoryItem, lay_out
 from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
 from kvcore.conversation import Fact
 from kvcore.errors import KVCoreError
-from kvcore.history_index import capture_spans
+from kvcore.history_index import HISTORY_CHUNK, capture_spans
 from kvcore.plan import CapturePlan, CaptureSpan
 from kvcore.record import FactKV
 from kvcore.spills import tier_key

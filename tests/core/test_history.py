@@ -123,3 +123,21 @@ def test_retrievals_half_goes_to_the_chunks_of_the_turn_nearest_the_question():
     assert {0, 2, 4} <= set(chosen) and chosen == sorted(chosen)  # the sink, turn 2's first chunks, the newest
     with pytest.raises(ValueError, match="4 turns but 3 vectors"):
         index.with_turns(turns, vectors[:3])
+
+
+def test_a_history_encoded_as_one_record_is_cut_into_the_chunk_records_a_capture_writes():
+    from kvcore.history_index import HistoryIndex, chunk_record_id, history_chunks
+    from tests.core.factories import ROPE, make_record
+
+    whole = make_record("h-whole", 40, seed=3, layers=2)
+    chunks = history_chunks(whole, "history-abc", size=16)
+    assert [c.fact_id for c in chunks] == [chunk_record_id("history-abc", c) for c in range(3)]
+    assert [len(c.token_ids) for c in chunks] == [16, 16, 8]
+    assert sum((c.token_ids for c in chunks), ()) == whole.token_ids
+    assert torch.equal(torch.cat([c.k for c in chunks], dim=2), whole.k)
+    assert torch.equal(torch.cat([c.v for c in chunks], dim=2), whole.v)
+    assert all(c.params == whole.params and c.meta["history"] == "history-abc" for c in chunks)
+    chunks[0].k.zero_()  # each chunk holds its own copy: writing one leaves the whole record as it was
+    assert whole.k[:, :, :16].abs().sum() > 0
+    index = HistoryIndex.of_records(history_chunks(whole, "history-abc"), ROPE, scoring_layers=2)
+    assert index.token_ids == whole.token_ids and index.spans == tuple(fixed_spans(40, 16))

@@ -27,6 +27,9 @@ from kvcore.conversation import Turn
         ({"turns": [{"speaker": "a", "text": "hi"}], "facts": [{"text": ""}]}, "facts[0].text"),
         ({"conversation": {"speaker_a": "a"}}, "no session"),
         ({"conversation": {"session_1": [{"speaker": "a"}]}}, "session_1[0] needs"),
+        ({"history": ""}, "non-empty text"),
+        ({"history": ["Maya: hi"]}, "non-empty text"),
+        ({"history": "Maya: hi", "facts": []}, "'history' alone"),
     ],
 )
 def test_malformed_inputs_name_the_problem(raw, message):
@@ -98,3 +101,9 @@ def test_extraction_follows_the_model_and_falls_back_on_similarity():
         ("NOOP", "Maya lives in Porto.", 3, "porto"),
     ]
     assert decide(ExplicitFact("new", 1), generate, lambda q, k: []) == Decision("ADD", ExplicitFact("new", 1))
+
+
+def test_a_history_input_is_kept_whole_for_history_mode():
+    parsed = parse_input({"history": "Maya: I adopted a cat.\nSam: What is its name?\n"})
+    assert parsed.history == "Maya: I adopted a cat.\nSam: What is its name?\n" and parsed.facts is None
+    assert parsed.turns == () and parse_input({"turns": [{"speaker": "a", "text": "hi"}]}).history is None

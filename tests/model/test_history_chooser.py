@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from benchmarks.history_selection import Captured, per_head
-from deployments.history_mode import HISTORY_CHUNK, HistoryChooser
+from deployments.history_mode import HistoryChooser
 from kvcore.history import fixed_spans
-from kvcore.history_index import chunk_record_id
+from kvcore.history_index import HISTORY_CHUNK, chunk_record_id
 from kvcore.record import EncodingParams, FactKV
 from kvcore.store import LocalFactStore
 from tests.conversations import MAYA

@@ -71,3 +71,49 @@ def test_a_new_history_replaces_the_old_and_bad_writes_are_refused(cluster):
     assert scoped.status_code == 400 and "end users" in scoped.json()["error"]["message"]
     other = cluster.new_tenant("history-other")
     assert _history_chat(cluster, other, "Where does Maya live?").status_code == 400  # no history of its own
+
+
+def _job(cluster, auth, job_input: dict) -> dict:
+    """Submit an encoding job and wait for its end; its final status."""
+    import time
+
+    submitted = requests.post(f"{cluster.base}/v1/jobs", json={"input": job_input}, headers=auth, timeout=30)
+    assert submitted.status_code == 202, submitted.text
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        status = requests.get(f"{cluster.base}/v1/jobs/{submitted.json()['job_id']}", headers=auth, timeout=30).json()
+        if status["status"] in ("succeeded", "failed"):
+            return status
+        time.sleep(0.5)
+    raise AssertionError(f"the job did not end: {status}")
+
+
+def test_an_encoding_job_writes_a_history_that_the_llm_replica_serves(cluster):
+    """The history encoded offline (an encoding actor, the encoding model), not by the serving engine: the
+    replica rebuilds its index from the job's chunk records and serves it as one it captured itself."""
+    auth = cluster.new_tenant("history-job")
+    done = _job(cluster, auth, {"history": HISTORY})
+    assert done["status"] == "succeeded", done
+    history = done["report"]["history"]
+    assert history["chunks"] == -(-history["tokens"] // 16) and history["replaced_chunks_deleted"] == 0
+    read = requests.get(f"{cluster.base}/v1/history", headers=auth, timeout=30).json()
+    assert read == {"history_id": history["history_id"], "tokens": history["tokens"]}
+
+    whole = _history_chat(cluster, auth, "What is the name of Maya's cat?", budget=100_000)
+    assert whole.status_code == 200, whole.text
+    usage = whole.json()["usage"]
+    assert usage["history_chunks"] == history["chunks"] and usage["memory_tokens"] == history["tokens"]
+    assert usage["injected_tokens"] + usage["prefix_cached_tokens"] >= history["tokens"]
+    assert "Pixel" in whole.json()["choices"][0]["message"]["content"]
+    part = _history_chat(cluster, auth, "What is the name of Maya's cat?", budget=64)
+    assert part.status_code == 200 and part.json()["usage"]["memory_tokens"] <= 64, part.text
+    assert "Pixel" in part.json()["choices"][0]["message"]["content"]
+
+    again = _job(cluster, auth, {"history": "Maya: I now live in Lisbon.\n"})  # replaces it, chunks and all
+    assert again["status"] == "succeeded" and again["report"]["history"]["replaced_chunks_deleted"] == history["chunks"]
+    too_long = _job(cluster, auth, {"history": "a " * 20_000})
+    assert too_long["status"] == "failed" and "holds" in too_long["error"], too_long
+    still = requests.get(f"{cluster.base}/v1/history", headers=auth, timeout=30).json()
+    assert still["history_id"] == again["report"]["history"]["history_id"]  # the failed job changed nothing
+    refused = requests.post(f"{cluster.base}/v1/jobs", json={"input": {"history": ""}}, headers=auth, timeout=30)
+    assert refused.status_code == 422 and "non-empty text" in refused.text
