@@ -204,6 +204,16 @@ class ProcessForwarder:
         except OSError:
             self._died(loop, in_flight=self._take_done())
 
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loop: follow the process from now on, so that its death is answered at once (a new process
+        started) even while no question comes. The replica's health check calls it."""
+        if self._failed is not None:
+            return
+        if self._done is None and not self._process.is_alive():  # died while idle: start another now
+            self._died(loop, in_flight=None)
+            return
+        self._watch(loop)
+
     def _flush(self) -> None:
         assert self._loop is not None
         try:
@@ -368,6 +378,12 @@ class QueryBatcher:
     def alive(self) -> bool:
         """False once the forwarder can no longer embed (its process died)."""
         return getattr(self._forwarder, "alive", True)
+
+    def watch(self) -> None:
+        """On the loop: have a forwarder with a process of its own follow it from now on (`ProcessForwarder.watch`)."""
+        watch = getattr(self._forwarder, "watch", None)
+        if watch is not None:
+            watch(asyncio.get_running_loop())
 
     async def embed(self, text: str) -> Embedded:
         loop = asyncio.get_running_loop()

@@ -174,9 +174,12 @@ class Ingress:
         while not self._stop.wait(interval_s):
             self.gateway.residency_tick()
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         """Serve replaces a replica whose query embedder gave up (it failed to start, or its process died
-        several times in a row; a single death is answered by a new process)."""
+        several times in a row; a single death is answered by a new process). Runs on the loop that serves the
+        chats, every few seconds: from the first check on, an embedder's death is answered at once, also in a
+        replica no question has reached yet."""
+        self.gateway.queries.watch()
         if not self.gateway.queries.alive:
             raise RuntimeError("the query embedder's process cannot be started")
 

@@ -245,3 +245,27 @@ def test_replies_that_arrive_in_pieces_are_read_whole_under_rays_event_loop():
         assert forwarder.restarts == 0
     finally:
         forwarder.close()
+
+
+def test_a_watched_process_that_dies_while_idle_is_replaced_before_any_question():
+    forwarder = ProcessForwarder(_lengths)
+    forwarder.wait_ready()
+    batcher = QueryBatcher(forwarder)
+
+    async def main():
+        batcher.watch()  # as the replica's health check does, before any question came
+        first = forwarder._process
+        first.kill()
+        deadline = time.monotonic() + 10
+        while forwarder._process is first and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the loop sees the socket close and starts another process
+        assert forwarder._process is not first and forwarder.restarts == 1
+        first.join(5)
+        assert first.exitcode is not None  # reaped, no zombie left behind
+        return await batcher.embed("abc")
+
+    try:
+        embedded = asyncio.run(main())
+    finally:
+        forwarder.close()
+    assert embedded.vector[0].item() == 3 and forwarder.restarts == 1
