@@ -33,14 +33,14 @@ def role_of(title: str, parent_title: str = "") -> str | None:
     for role, piece in _ROLES:
         if piece in title:
             return role
-    if "multiprocessing" in title and "ServeReplica:inferscale:Ingress" in parent_title:
+    if "spawn_main" in title and "ServeReplica:inferscale:Ingress" in parent_title:  # not the resource tracker
         return "query_embedder"
     return None
 
 
 @dataclass(frozen=True)
 class _Seen:
-    role: str
+    role: str | None
     cpu_s: float
     threads: dict[int, float]  # thread id -> CPU s
 
@@ -52,29 +52,31 @@ def _title(process: psutil.Process) -> str:
         return ""
 
 
-def snapshot(own_role: str | None = None) -> dict[int, _Seen]:
-    """CPU times of every process of the cluster on this host, by pid (this process's too, as `own_role`)."""
+def snapshot(own_role: str | None = None) -> dict[tuple[int, float], _Seen]:
+    """CPU times of every process on this host, by (pid, start time), with its role in the cluster (None: not
+    one of its parts; this process is `own_role`)."""
     seen = {}
     for process in psutil.process_iter():
         try:
-            parent = process.parent()
+            key = (process.pid, process.create_time())
             if process.pid == os.getpid():
                 role = own_role
             else:
+                parent = process.parent()
                 role = role_of(_title(process), _title(parent) if parent is not None else "")
-            if role is None:
-                continue
             times = process.cpu_times()
             threads = {t.id: t.user_time + t.system_time for t in process.threads()}
         except (psutil.Error, OSError):
             continue
-        seen[process.pid] = _Seen(role, times.user + times.system, threads)
+        seen[key] = _Seen(role, times.user + times.system, threads)
     return seen
 
 
 class PhaseCpu:
     """`with PhaseCpu() as cpu: ...` then `cpu.report(requests)`: each role's CPU ms per request, its CPU as
-    cores busy, and the busiest thread of any of its processes as a share of the phase's wall time."""
+    cores busy, and the busiest thread of any of its processes as a share of the phase's wall time. Every
+    process is read before and after, its role taken from its title at the end (Ray and vLLM name theirs once
+    they run); a process that ended during the phase is counted as `ended`, its CPU after the first reading lost."""
 
     def __init__(self, own_role: str | None = None) -> None:
         """`own_role`: count this process too (a benchmark that runs the engine itself), under that name."""
@@ -93,23 +95,33 @@ class PhaseCpu:
         generator): the cores and the busiest thread's share are of that time."""
         wall = seconds or self._wall
         roles: dict[str, dict[str, float]] = {}
-        for pid, after in self._after.items():
-            before = self._before.get(pid)
+
+        def entry(role: str) -> dict[str, float]:
+            return roles.setdefault(role, {"processes": 0, "ended": 0, "cpu_s": 0.0, "busiest_thread_s": 0.0})
+
+        for key, after in self._after.items():
+            if after.role is None:
+                continue
+            before = self._before.get(key)
             cpu = after.cpu_s - (before.cpu_s if before else 0.0)
             busiest = max(
                 (t - (before.threads.get(tid, 0.0) if before else 0.0) for tid, t in after.threads.items()),
                 default=0.0,
             )
-            entry = roles.setdefault(after.role, {"processes": 0, "cpu_s": 0.0, "busiest_thread_s": 0.0})
-            entry["processes"] += 1
-            entry["cpu_s"] += cpu
-            entry["busiest_thread_s"] = max(entry["busiest_thread_s"], busiest)
+            part = entry(after.role)
+            part["processes"] += 1
+            part["cpu_s"] += cpu
+            part["busiest_thread_s"] = max(part["busiest_thread_s"], busiest)
+        for key, before in self._before.items():
+            if before.role is not None and key not in self._after:
+                entry(before.role)["ended"] += 1
         return {
             role: {
-                "processes": entry["processes"],
-                "cpu_ms_per_request": round(entry["cpu_s"] * 1000 / max(requests, 1), 3),
-                "cores_busy": round(entry["cpu_s"] / wall, 3),
-                "busiest_thread_share": round(entry["busiest_thread_s"] / wall, 3),
+                "processes": part["processes"],
+                "ended": part["ended"],
+                "cpu_ms_per_request": round(part["cpu_s"] * 1000 / max(requests, 1), 3),
+                "cores_busy": round(part["cpu_s"] / wall, 3),
+                "busiest_thread_share": round(part["busiest_thread_s"] / wall, 3),
             }
-            for role, entry in sorted(roles.items())
+            for role, part in sorted(roles.items())
         }

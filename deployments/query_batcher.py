@@ -140,12 +140,18 @@ class ProcessForwarder:
     def _spawn(self) -> None:
         self._ready = False
         ours, child = socket_pair()
-        self._process = self._context.Process(
-            target=_serve, args=(child, self._factory), name="query-embed", daemon=True
-        )
-        self._process.start()
-        child.close()
+        try:
+            self._process = self._context.Process(
+                target=_serve, args=(child, self._factory), name="query-embed", daemon=True
+            )
+            self._process.start()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            child.close()
         self._side = LoopSide(ours)
+        self._early: list[bytes] = []  # replies that came with the start message (`wait_ready` reads both)
 
     def wait_ready(self) -> None:
         """Block until the process has built its embedder; `EmbedderProcessError` with the cause if it failed."""
@@ -169,13 +175,16 @@ class ProcessForwarder:
                     f"the query embedder's process exited with code {self._process.exitcode} as it started"
                 )
             if messages:
+                self._early = messages[1:]  # answered once a loop watches (`_watch`)
                 return self._started(messages[0])
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return EmbedderProcessError(
                     f"the query embedder's process did not start within {self._start_timeout_s:g} s"
                 )
-            select.select([self._side], [], [], remaining)
+            poller = select.poll()  # not select.select: Ray's workers may hold descriptors numbered past 1024
+            poller.register(self._side.fileno(), select.POLLIN)
+            poller.poll(remaining * 1000)
 
     def _started(self, message: bytes) -> EmbedderProcessError | None:
         """The child's first message: ready, or why its embedder could not be built."""
@@ -228,6 +237,9 @@ class ProcessForwarder:
         self._unwatch()
         loop.add_reader(self._side.fileno(), self._on_readable)
         self._loop = loop
+        early, self._early = self._early, []
+        for message in early:
+            loop.call_soon(self._received, message)
 
     def _unwatch(self) -> None:
         if self._loop is not None and not self._loop.is_closed() and not self._side.closed:
@@ -252,8 +264,10 @@ class ProcessForwarder:
     def _received(self, message: bytes) -> None:
         if not self._ready:
             self._failed = self._started(message)
-            if self._failed is not None:
+            if self._failed is not None:  # given up: its socket is closed, no new process is started
                 log.error("%s", self._failed)
+                self._unwatch()
+                self._side.close()
                 self._fail(self._take_done(), self._failed)
             return
         done = self._take_done()
@@ -278,10 +292,14 @@ class ProcessForwarder:
                 f"the query embedder's process exited {self._deaths} times in a row; not restarted again"
             )
         else:
-            self._spawn()
-            self.restarts += 1
-            self._watch(loop)
-            loop.call_later(self._start_timeout_s, self._overdue, self._process)
+            try:
+                self._spawn()
+            except Exception as exc:  # noqa: BLE001 - no process (out of descriptors, memory): give up
+                self._failed = EmbedderProcessError(f"the query embedder's process could not be restarted: {exc}")
+            else:
+                self.restarts += 1
+                self._watch(loop)
+                loop.call_later(self._start_timeout_s, self._overdue, self._process)
         self._fail(
             in_flight, self._failed or EmbedderProcessError("the query embedder's process exited; restarting it")
         )

@@ -26,6 +26,7 @@ from kvcore.store import LocalFactStore
 from models.chat import build_frame
 from models.loader import load_model
 from models.transformers_adapter import HFKVForward
+from tenants.errors import TenantError
 from tenants.tenant import Tenant
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,17 @@ def encode_history_records(settings: dict[str, Any], store_root: str, tenant_id:
 
 def name_history(tenant: Tenant, store: LocalFactStore, encoded: dict[str, Any]) -> int:
     """Make the encoded history the one history mode serves; delete the chunks of the one it replaces (their
-    count is returned)."""
-    replaced = tenant.set_history(encoded["history_id"], encoded["tokens"])
+    count is returned). A tenant deleted meanwhile keeps no chunk of it (the error is raised)."""
+    try:
+        replaced = tenant.set_history(encoded["history_id"], encoded["tokens"])
+    except TenantError:
+        delete_history_chunks(store, tenant.id, encoded["history_id"])
+        raise
     if replaced is None or replaced == encoded["history_id"]:
         return 0
-    prefix = chunk_prefix(replaced)
-    return sum(store.delete(tenant.id, r) for r in store.record_ids(tenant.id) if r.startswith(prefix))
+    return delete_history_chunks(store, tenant.id, replaced)
+
+
+def delete_history_chunks(store: LocalFactStore, tenant_id: str, history_id: str) -> int:
+    prefix = chunk_prefix(history_id)
+    return sum(store.delete(tenant_id, r) for r in store.record_ids(tenant_id) if r.startswith(prefix))

@@ -32,6 +32,7 @@ from tenants.tenant import Tenant
 
 log = logging.getLogger(__name__)
 
+HISTORY_JOB_TIMEOUT_S = 3600  # a history's one pass, a model load included (a task never scheduled ends too)
 MIN_GPU_SHARE = 0.005  # below this a GPU is as good as taken: encode on CPU rather than wait for it
 
 
@@ -137,11 +138,15 @@ def _history_job(
     _ray()
     share = encoder_gpu_share(ray.cluster_resources().get("GPU", 0.0), ray.available_resources().get("GPU", 0.0), 1, 1)
     task = ray.remote(num_cpus=0 if share else 1, num_gpus=share, max_retries=0)(encode_history_records)
+    ref = task.remote(settings.model_dump(mode="json"), str(store.root), tenant.id, text)
     try:
-        encoded = ray.get(task.remote(settings.model_dump(mode="json"), str(store.root), tenant.id, text))
-    except ray.exceptions.RayTaskError as exc:  # the job's status names the cause, not Ray's traceback
-        cause = exc.cause if isinstance(exc.cause, Exception) else exc
-        raise ValueError(f"history encoding failed: {cause}") from None
+        encoded = ray.get(ref, timeout=HISTORY_JOB_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        raise ValueError(f"history encoding did not finish within {HISTORY_JOB_TIMEOUT_S} s") from None
+    except ray.exceptions.RayError as exc:  # the job's status names the cause, not Ray's traceback
+        cause = getattr(exc, "cause", None)
+        raise ValueError(f"history encoding failed: {cause if isinstance(cause, Exception) else exc}") from None
     replaced = name_history(tenant, store, encoded)
     report.total = report.encoded = encoded["chunks"]
     report.history = encoded | {"replaced_chunks_deleted": replaced}

@@ -116,6 +116,14 @@ class RedisMeta:
             pipe.execute()
         self._forget_tenant(tenant_id)
 
+    def swap_history(self, tenant_id: str, history_id: str, tokens: int) -> str | None:
+        """Name the tenant's history in one step with reading the one it replaces (None: none); `UnknownTenantError`
+        once the tenant is deleted (nothing is written then)."""
+        before = self._scripts.run("set_history", [t_key(tenant_id)], [history_id, str(tokens), tenant_id])
+        self._forget_tenant(tenant_id)
+        before = before.decode() if isinstance(before, bytes) else before
+        return before or None
+
     def _forget_tenant(self, tenant_id: str) -> None:
         if self._registry is not None:
             self._registry.forget(tenant_id)

@@ -54,6 +54,14 @@ redis.call('HINCRBY', KEYS[4], 'bytes', ARGV[4])
 return 1
 """
 
+_SET_HISTORY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return redis.error_reply('UNKNOWN tenant') end
+local before = redis.call('HGET', KEYS[1], 'history') or ''
+redis.call('HSET', KEYS[1], 'history', ARGV[1], 'history_tokens', ARGV[2])
+redis.call('PUBLISH', 'is:registry', ARGV[3])  -- REGISTRY_CHANNEL
+return before
+"""
+
 _CHARGE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   if tonumber(ARGV[1]) > 0 or tonumber(ARGV[2]) > 0 then return redis.error_reply('UNKNOWN tenant') end
@@ -183,6 +191,7 @@ class Scripts:
                 ("create_scope", _CREATE_SCOPE),
                 ("reserve", _RESERVE),
                 ("charge", _CHARGE),
+                ("set_history", _SET_HISTORY),
                 ("begin_update", _BEGIN_UPDATE),
                 ("commit", _COMMIT),
                 ("delete", _DELETE),

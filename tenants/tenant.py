@@ -46,9 +46,8 @@ class Tenant:
 
     def set_history(self, history_id: str, tokens: int) -> str | None:
         """Name the history that history mode serves (its chunk records are written); returns the one it replaces."""
-        before = self.entry.history
-        self._s.meta.update_tenant(self.id, {"history": history_id, "history_tokens": tokens})
-        return before
+        return self._s.meta.swap_history(self.id, history_id, tokens)  # atomic: concurrent writers each delete
+        # the history they replaced, and a deleted tenant is not brought back by a late write
 
     # ---- writes ----
     def add_fact(

@@ -106,7 +106,11 @@ class LLMServer:
         except ValueError as exc:  # empty, or longer than the model's context
             self.engine.drop_history(tenant.id, history_id)
             return {"error": {"status": 422, "message": str(exc)}}
-        replaced = tenant.set_history(history_id, counts["tokens"])
+        try:
+            replaced = tenant.set_history(history_id, counts["tokens"])
+        except TenantError as exc:  # deleted meanwhile: keep none of it
+            self.engine.drop_history(tenant.id, history_id)
+            return {"error": {"status": exc.http_status, "message": str(exc)}}
         if replaced is not None and replaced != history_id:
             self.engine.drop_history(tenant.id, replaced)
         return {"history_id": history_id, **counts}
