@@ -74,17 +74,27 @@ def lay_out(
     memory_tokens = sum(len(item.token_ids) for item in items)
     injectable = [item for item in items if item.record_id is not None]
     if mode != "inject" or frame is None or tuple(frame[1]) != tuple(prefix_ids) or not query_ids:
-        pasted = [t for item in items for t in item.token_ids]
-        return LaidOutPrompt([*prefix_ids, *pasted, *query_ids], None, text_salt, memory_tokens)
-    chosen = {id(item) for item in sorted(injectable, key=lambda item: -item.score)[:recompute]}
+        return LaidOutPrompt(_joined(prefix_ids, items, query_ids), None, text_salt, memory_tokens)
+    # the lists are built by `extend` (one C call a fact: the LLM replica lays out every chat on its event loop)
+    chosen = {id(item) for item in sorted(injectable, key=lambda item: -item.score)[:recompute]} if recompute else set()
     injected = [item for item in injectable if id(item) not in chosen]
-    pasted = [t for item in items if item.record_id is None or id(item) in chosen for t in item.token_ids]
+    pasted = [item for item in items if item.record_id is None or id(item) in chosen]
     recomputed = sum(len(item.token_ids) for item in injectable if id(item) in chosen)
-    region = [*prefix_ids, *(t for item in injected for t in item.token_ids)]
     plan = MemoryPlan(
         tenant_id,
         (frame[0], *(item.record_id for item in injected)),
         version,
         importance=(FRAME_IMPORTANCE, *(item.score for item in injected)),
     )
-    return LaidOutPrompt([*region, *pasted, *query_ids], plan, plan.cache_salt, memory_tokens, recomputed)
+    token_ids = _joined(prefix_ids, injected, ())
+    token_ids += _joined((), pasted, query_ids)
+    return LaidOutPrompt(token_ids, plan, plan.cache_salt, memory_tokens, recomputed)
+
+
+def _joined(before: Sequence[int], items: Sequence[MemoryItem], after: Sequence[int]) -> list[int]:
+    """`before`, every item's tokens in order, then `after`, as one list."""
+    joined = list(before)
+    for item in items:
+        joined.extend(item.token_ids)
+    joined.extend(after)
+    return joined
