@@ -15,6 +15,13 @@ embedding's instead of in turns; `under_load` then also measures the load proces
 priority and held to a share of the SMs (`CUDA_MPS_CLIENT_PRIORITY=1`, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`),
 with the load's own rate of products beside each (`load_products_per_s`: what the share costs a compute-bound
 engine).
+
+Whether the cost of queries coming apart is the host's or the device's (`embed_ms.spacing`): one query's
+embedding timed piece by piece (tokenize; launch, from the tokens to the forward enqueued, with its `to_device`
+copies; wait, for the result on the host; the device's own time between CUDA events; total) 2 ms apart and 30 ms
+apart (as the serving run's chats arrive), and on the GPU also 30 ms apart with a tiny kernel launched every 1 ms
+of the gap (`spaced_gpu_kept_warm`) or with the measuring thread spinning through it (`spaced_cpu_kept_busy`);
+`extra_ms` is each piece's spaced p50 less its back-to-back p50, `extra_ms_by_condition` the same for each gap.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -51,8 +59,128 @@ def timed(fn, repeats: int, device_sync: bool = True) -> dict[str, float]:
         fn()
         wait()
         times.append((time.perf_counter() - started) * 1000)
-    times.sort()
+    return p50_p99(times)
+
+
+def p50_p99(times: list[float]) -> dict[str, float]:
+    times = sorted(times)
     return {"p50": statistics.median(times), "p99": times[int(0.99 * (len(times) - 1))]}
+
+
+def embed_pieces(embedder, query: str, events: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> dict[str, float]:
+    """ms of each piece of one embedding of `query` as `embed_tensor` and its caller run it, so a slower call says
+    where it was slower; with `events`, the device's own time from the forward's first work to its last."""
+    from models.minilm import MAX_TOKENS
+
+    started = time.perf_counter()
+    batch = embedder._tokenizer([query], padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
+    tokenized = time.perf_counter()
+    ids, mask = batch["input_ids"].to(embedder.device), batch["attention_mask"].to(embedder.device)  # each syncs
+    copied = time.perf_counter()
+    if events:
+        events[0].record()
+    out = torch.cat([embedder._forward(ids, mask)])
+    if events:
+        events[1].record()
+    launched = time.perf_counter()
+    out.cpu().numpy()
+    done = time.perf_counter()
+    pieces = {
+        "tokenize": (tokenized - started) * 1000,
+        "launch": (launched - tokenized) * 1000,
+        "to_device": (copied - tokenized) * 1000,  # part of launch
+        "wait": (done - launched) * 1000,
+        "total": (done - started) * 1000,
+    }
+    if events:
+        pieces["device"] = events[0].elapsed_time(events[1])
+    return pieces
+
+
+class GpuTicker:
+    """A thread that fills a gap with a 1-element add on a stream of its own every `every_ms`, stopping just
+    before the gap ends: the device is never idle for long while the measuring thread sleeps as it would."""
+
+    def __init__(self, device: torch.device, every_ms: float = 1.0) -> None:
+        self._every, self._until, self._closing = every_ms / 1000, 0.0, False
+        self._one, self._stream = torch.zeros(1, device=device), torch.cuda.Stream(device)
+        self._go, self._done = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def gap(self, seconds: float) -> None:
+        self._until = time.perf_counter() + seconds
+        self._done.clear()
+        self._go.set()
+        if not self._done.wait(seconds + 5):
+            raise RuntimeError("the GPU ticker thread did not come back from a gap (see its traceback above)")
+
+    def close(self) -> None:
+        self._closing = True
+        self._go.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            self._go.wait()
+            self._go.clear()
+            if self._closing:
+                return
+            with torch.cuda.stream(self._stream):
+                while time.perf_counter() + self._every < self._until:
+                    self._one.add_(1)
+                    time.sleep(self._every)
+            self._done.set()
+
+
+def spin(seconds: float) -> None:
+    """Wait on the CPU without sleeping (the core never idles down)."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+def spacing_pieces(embedder, query: str, repeats: int, gap_ms: float = 30.0) -> dict:
+    """p50 and p99 (ms) of each piece of one query's embedding (`embed_pieces`) by how the calls are spaced: 2 ms
+    apart, `gap_ms` apart asleep, and on CUDA `gap_ms` apart with the GPU kept warm or the CPU kept busy, so the
+    extra cost of spacing can be put on the host or on the device."""
+    cuda = embedder.device.type == "cuda"
+    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+    gaps: dict[str, Callable[[], None]] = {
+        "back_to_back": lambda: time.sleep(0.002),
+        "spaced": lambda: time.sleep(gap_ms / 1000),
+    }
+    ticker = GpuTicker(embedder.device) if cuda else None
+    if ticker is not None:
+        gaps["spaced_gpu_kept_warm"] = lambda: ticker.gap(gap_ms / 1000)
+        gaps["spaced_cpu_kept_busy"] = lambda: spin(gap_ms / 1000)
+    report: dict = {"gap_ms": gap_ms, "repeats": repeats}
+    try:
+        with torch.inference_mode():  # as embed_tensor runs (the graphs' buffers are inference tensors)
+            for _ in range(5):
+                embed_pieces(embedder, query, events)
+            for name, gap in gaps.items():
+                report[name] = _spaced_runs(embedder, query, repeats, gap, events)
+    finally:
+        if ticker is not None:
+            ticker.close()
+    report["extra_ms"] = _extra(report["back_to_back"], report["spaced"])
+    report["extra_ms_by_condition"] = {
+        name: _extra(report["back_to_back"], report[name]) for name in gaps if name != "back_to_back"
+    }
+    return report
+
+
+def _spaced_runs(embedder, query: str, repeats: int, gap: Callable[[], None], events) -> dict:
+    runs = []
+    for _ in range(repeats):
+        gap()
+        runs.append(embed_pieces(embedder, query, events))
+    return {piece: {k: round(v, 4) for k, v in p50_p99([r[piece] for r in runs]).items()} for piece in runs[0]}
+
+
+def _extra(base: dict, spaced: dict) -> dict[str, float]:
+    return {piece: round(spaced[piece]["p50"] - base[piece]["p50"], 4) for piece in base}
 
 
 # Another process keeping the GPU busy with back-to-back products of ~1 ms, as an engine's steps do.
@@ -262,6 +390,7 @@ def main() -> None:
         "one": timed(lambda: embedder.embed_tensor([query]), repeats),
         "batch_of_8": timed(lambda: embedder.embed_tensor([query] * 8), repeats),
     }
+    report["embed_ms"]["spacing"] = spacing_pieces(embedder, query, 20 if args.quick else min(repeats, 100))
     if device == "cuda":
         eager = MiniLMEmbedder(device=device, cuda_graphs=False)
         report["embed_ms"]["one_eager"] = timed(lambda: eager.embed_tensor([query]), repeats)
