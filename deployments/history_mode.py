@@ -8,14 +8,22 @@ to the chunks of the turns whose retrieval embedding (MiniLM, as facts are retri
 rest by the summaries' bounds (`docs/history-selection.md`: the bounds alone miss evidence that retrieval finds).
 A turn is a line of the history (its speaker and what was said). The chosen chunks become memory items in position
 order, injected at contiguous positions after the chat frame.
+
+On a GPU replica the question's pass (bf16), the turns' embeddings and the indexes' summaries live on the GPU: the
+bounds of a 32k-token history's 2,048 chunks at the 8B shape are ~10^9 multiply-adds, seconds on a CPU core. Each
+choice reports its pieces' times (`Choice`), so a chat's usage says what choosing cost it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from deployments.memory_prompt import MemoryItem
 from kvcore.history import Span
@@ -29,7 +37,23 @@ from models.minilm import MiniLMEmbedder
 log = logging.getLogger(__name__)
 
 SCORING_LAYERS = 4  # the question's own pass: layers 0-3
-CACHED_HISTORIES = 256  # indexes a replica keeps (a few hundred KB each for a 32k-token history)
+CACHED_INDEX_BYTES = 2 << 30  # what a replica's kept indexes may take (~42 MB each: a 32k-token history, 8B shape)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chunks chosen for a question, as memory items in position order, and what each step took (ms)."""
+
+    items: list[MemoryItem]
+    index_ms: float  # the history's index: from memory, or rebuilt from its chunk records
+    question_ms: float  # the question's pass through the first layers
+    retrieval_ms: float  # its embedding and the turns' similarities
+    bounds_ms: float  # every chunk's bound, and the selection within the budget
+
+    def timings(self) -> dict[str, float]:
+        parts = {"index": self.index_ms, "question": self.question_ms, "retrieval": self.retrieval_ms}
+        parts["bounds"] = self.bounds_ms
+        return {name: round(ms, 3) for name, ms in {**parts, "total": sum(parts.values())}.items()}
 
 
 class HistoryError(ValueError):
@@ -39,8 +63,17 @@ class HistoryError(ValueError):
 class HistoryChooser:
     """Histories' indexes by (tenant, history id), and the choice of chunks for a question."""
 
-    def __init__(self, model_dir: Path, store: LocalFactStore, tokenizer) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        store: LocalFactStore,
+        tokenizer,
+        device: str = "cpu",
+        cached_bytes: int = CACHED_INDEX_BYTES,
+    ) -> None:
         self._model_dir, self._store, self._tokenizer = model_dir, store, tokenizer
+        self.device = torch.device(device)
+        self._cached_bytes = cached_bytes
         self._early: EarlyLayers | None = None
         self._embedder: MiniLMEmbedder | None = None
         self._indexes: OrderedDict[tuple[str, str], HistoryIndex] = OrderedDict()
@@ -50,14 +83,15 @@ class HistoryChooser:
     def early(self) -> EarlyLayers:
         with self._lock:
             if self._early is None:
-                self._early = load_early_layers(self._model_dir, SCORING_LAYERS)
+                dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16  # as the engine computes
+                self._early = load_early_layers(self._model_dir, SCORING_LAYERS, dtype, str(self.device))
             return self._early
 
     @property
     def embedder(self) -> MiniLMEmbedder:
         with self._lock:
             if self._embedder is None:
-                self._embedder = MiniLMEmbedder(device="cpu")
+                self._embedder = MiniLMEmbedder(device=str(self.device))
             return self._embedder
 
     def index_records(self, tenant_id: str, history_id: str, records: list[FactKV]) -> HistoryIndex:
@@ -77,13 +111,26 @@ class HistoryChooser:
         log.info("rebuilding the index of history %s from its %d chunk records", history_id, len(ids))
         return self._keep(key, self._build([self._store.get(tenant_id, r) for r in ids]))
 
-    def choose(self, tenant_id: str, history_id: str, question: str, budget: int) -> list[MemoryItem]:
-        """The chunks `question` attends to within `budget` tokens, as memory items in position order."""
+    def choose(self, tenant_id: str, history_id: str, question: str, budget: int) -> Choice:
+        """The chunks `question` attends to within `budget` tokens, and what choosing them took."""
+        marks = [time.perf_counter()]
         index = self.index(tenant_id, history_id)
+        marks.append(time.perf_counter())
         ids = self._tokenizer.encode(question, add_special_tokens=False) or [self._tokenizer.eos_token_id]
+        queries = question_queries(self.early, ids)
+        marks.append(self._synced())
         by_retrieval = index.by_retrieval(self.embedder.embed_tensor([question])[0]) if question else []
-        chosen = index.choose(question_queries(self.early, ids), budget, by_retrieval)
-        return [MemoryItem(index.record_ids[c], index.chunk_tokens(c), index.record_ids[c]) for c in chosen]
+        marks.append(time.perf_counter())
+        chosen = index.choose(queries, budget, by_retrieval)
+        marks.append(time.perf_counter())
+        items = [MemoryItem(index.record_ids[c], index.chunk_tokens(c), index.record_ids[c]) for c in chosen]
+        return Choice(items, *((after - before) * 1000 for before, after in zip(marks, marks[1:])))
+
+    def _synced(self) -> float:
+        """Now, once the device has done what was asked of it (so each step's time is its own)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def turn_spans(self, token_ids: tuple[int, ...]) -> list[Span]:
         """The history's lines as token spans: a turn ends with the token that holds its newline."""
@@ -98,12 +145,12 @@ class HistoryChooser:
 
     def _build(self, records: list[FactKV]) -> HistoryIndex:
         """A history's index from its chunk records in order: summaries, then its turns embedded."""
-        index = HistoryIndex.of_records(records, self.early.rope, SCORING_LAYERS)
+        index = HistoryIndex.of_records(records, self.early.rope, SCORING_LAYERS, self.device)
         turns = [span for span in self.turn_spans(index.token_ids) if span[1] - span[0] > 1]  # not blank lines
         if not turns:
             return index
         texts = [self._tokenizer.decode(index.token_ids[s:e]).strip() for s, e in turns]
-        return index.with_turns(turns, self.embedder.embed_tensor(texts).cpu())
+        return index.with_turns(turns, self.embedder.embed_tensor(texts))
 
     def chunk_ids(self, tenant_id: str, history_id: str) -> list[str]:
         prefix = chunk_prefix(history_id)
@@ -119,6 +166,7 @@ class HistoryChooser:
         with self._lock:
             self._indexes[key] = index
             self._indexes.move_to_end(key)
-            while len(self._indexes) > CACHED_HISTORIES:
-                self._indexes.popitem(last=False)
+            held = sum(i.nbytes for i in self._indexes.values())
+            while held > self._cached_bytes and len(self._indexes) > 1:  # the newest always stays
+                held -= self._indexes.popitem(last=False)[1].nbytes
         return index

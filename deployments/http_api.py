@@ -414,6 +414,7 @@ def _usage(
         "memory_tokens": engine.get("memory_tokens", 0),
         "recomputed_tokens": engine.get("recomputed_tokens", 0),
         "history_chunks": engine.get("history_chunks", 0),
+        "history_choose_ms": engine.get("history_choose_ms"),
         "retrieval_ms": round(prepared.retrieval_ms, 3),
         "retrieval_embed_ms": round(prepared.embed_ms, 3),
         "retrieval_embed_legs_ms": _embed_legs(prepared.embedded),

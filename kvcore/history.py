@@ -48,7 +48,7 @@ def chunk_mass(
     grouped = (
         queries.view(layers, kv_heads, group, tokens, dim).permute(3, 2, 0, 1, 4).reshape(-1, layers, kv_heads, dim)
     )
-    positions = (first_position + torch.arange(tokens)).repeat_interleave(group)
+    positions = (first_position + torch.arange(tokens, device=queries.device)).repeat_interleave(group)
     best = upper_bounds(summaries, grouped, positions, 0, rope).amax(0)  # [C, L, KVH]
     mass = torch.softmax(best / math.sqrt(dim), dim=0)  # over chunks
     return mass.mean(-1).transpose(0, 1)  # [L, C]

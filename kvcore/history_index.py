@@ -73,11 +73,15 @@ class HistoryIndex:
     turn_vectors: torch.Tensor | None = None  # [turns, dim], unit vectors: the turns' retrieval embeddings
 
     @classmethod
-    def of_records(cls, records: Sequence[FactKV], rope: RopeConfig, scoring_layers: int) -> "HistoryIndex":
-        """From a history's chunk records, in order (their keys concatenated are the history's keys)."""
+    def of_records(
+        cls, records: Sequence[FactKV], rope: RopeConfig, scoring_layers: int, device: torch.device | str = "cpu"
+    ) -> "HistoryIndex":
+        """From a history's chunk records, in order (their keys concatenated are the history's keys); the summaries
+        are computed and kept on `device`, where the question's queries will be (a GPU scores a 32k-token history
+        in milliseconds, where a CPU core takes seconds)."""
         if not records:
             raise ValueError("a history needs at least one chunk")
-        keys = torch.cat([r.k[:scoring_layers].float() for r in records], dim=2)  # [l, KVH, T, D]
+        keys = torch.cat([r.k[:scoring_layers].to(device, torch.float32) for r in records], dim=2)  # [l, KVH, T, D]
         spans, at = [], 0
         for r in records:
             spans.append((at, at + len(r.token_ids)))
@@ -94,6 +98,12 @@ class HistoryIndex:
     def scoring_layers(self) -> int:
         return self.summaries.norms.shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of what the index keeps on its device: the summaries and the turns' vectors."""
+        vectors = self.turn_vectors
+        return self.summaries.nbytes + (0 if vectors is None else vectors.numel() * vectors.element_size())
+
     def chunk_tokens(self, chunk: int) -> tuple[int, ...]:
         start, end = self.spans[chunk]
         return self.token_ids[start:end]
@@ -103,7 +113,7 @@ class HistoryIndex:
         (its first `scoring_layers` layers), as if it followed the whole history."""
         if queries.shape[0] < self.scoring_layers:
             raise ValueError(f"queries of {queries.shape[0]} layers; the summaries need {self.scoring_layers}")
-        queries = queries[: self.scoring_layers]
+        queries = queries[: self.scoring_layers].to(self.summaries.norms.device)
         group = queries.shape[1] // self.summaries.norms.shape[2]
         mass = chunk_mass(self.summaries, queries, len(self.token_ids), self.rope, group).mean(0)
         return mass.argsort(descending=True).tolist()
@@ -120,7 +130,7 @@ class HistoryIndex:
         """Chunks by the best similarity of a turn they hold part of to the question's vector (none: no turns)."""
         if self.turn_vectors is None or not self.turns:
             return []
-        scores = (self.turn_vectors.float() @ question_vector.float()).tolist()
+        scores = (self.turn_vectors.float() @ question_vector.to(self.turn_vectors.device, torch.float32)).tolist()
         return chunks_by_turn_score(
             self.spans, {str(t): span for t, span in enumerate(self.turns)}, {str(t): x for t, x in enumerate(scores)}
         )

@@ -59,6 +59,12 @@ class EncodeSlots:
         self._slots.release()
 
 
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class MemoryEngine:
     """The async engine plus what it needs to lay out memory: tokenizer, frame, record headers."""
 
@@ -90,7 +96,8 @@ class MemoryEngine:
         self._frame_locks: dict[str, asyncio.Lock] = {}
         self._encode_slots = EncodeSlots(max_encodes_in_flight)
         self.max_model_len = self._engine.model_config.max_model_len
-        self._histories = HistoryChooser(Path(model), self._store, self.tokenizer)
+        # on a GPU replica the question's pass and the bounds run beside the engine, on the same device
+        self._histories = HistoryChooser(Path(model), self._store, self.tokenizer, _device())
 
     async def warm_up(self) -> None:
         """One short generation, so the first real request does not pay for lazy initialisation."""
@@ -186,12 +193,14 @@ class MemoryEngine:
             (self.frame_id, self.prefix_ids) if mode == "inject" and await self.ensure_frame(task.tenant_id) else None
         )
         prefix_ids, query_ids = self._split(task)
+        chosen: dict[str, float] | None = None
         if task.mode == "history":
             if task.history_id is None:
                 raise ValueError("history mode needs a history: none is written for this memory")
-            items = await asyncio.to_thread(
+            choice = await asyncio.to_thread(
                 self._histories.choose, task.tenant_id, task.history_id, task.question(), task.history_budget
             )
+            items, chosen = choice.items, choice.timings()
         else:
             items = self._items(task.tenant_id, task.facts)
         laid = lay_out(mode, task.tenant_id, task.version, prefix_ids, items, query_ids, frame, task.recompute)
@@ -238,6 +247,7 @@ class MemoryEngine:
                 "total_tokens": len(laid.token_ids) + completion,
                 "memory_tokens": laid.memory_tokens,
                 "history_chunks": len(items) if task.mode == "history" else 0,
+                "history_choose_ms": chosen,
                 "recomputed_tokens": laid.recomputed_tokens,
                 "injected_tokens": injected,
                 "prefix_cached_tokens": max(0, cached - injected),

@@ -53,10 +53,25 @@ def test_an_index_rebuilt_from_the_store_equals_the_captured_one_and_a_dropped_h
     assert torch.equal(rebuilt.summaries.high, built.summaries.high)
 
     chooser = HistoryChooser(loaded.path, store, loaded.tokenizer)
-    items = chooser.choose("t1", "history-a", "What is the name of Maya's cat?", budget=48)
+    choice = chooser.choose("t1", "history-a", "What is the name of Maya's cat?", budget=48)
+    items = choice.items
+    assert sum(len(i.token_ids) for i in items) <= 48 and choice.question_ms > 0 and choice.bounds_ms > 0
     cat_turn = next(i for i, t in enumerate(MAYA) if "Pixel" in t.text)
     start, end = built.turns[cat_turn]
     assert any(s < end and start < e for s, e in (built.spans[built.record_ids.index(i.record_id)] for i in items))
     assert chooser.drop("t1", "history-a") == len(records) and store.record_ids("t1") == []
     with pytest.raises(ValueError, match="no chunks"):
         chooser.index("t1", "history-a")
+
+
+def test_kept_indexes_are_bounded_by_their_bytes_and_an_evicted_one_is_rebuilt(loaded, tmp_path):
+    store = LocalFactStore(tmp_path)
+    records = {h: _chunk_records(loaded, "t1", h) for h in ("history-a", "history-b")}
+    for found in records.values():
+        store.put_many(found)
+    chooser = HistoryChooser(loaded.path, store, loaded.tokenizer, cached_bytes=1)  # room for the newest only
+    first = chooser.index_records("t1", "history-a", records["history-a"])
+    chooser.index_records("t1", "history-b", records["history-b"])
+    assert list(chooser._indexes) == [("t1", "history-b")] and first.nbytes > 1
+    again = chooser.index("t1", "history-a")
+    assert again is not first and torch.equal(again.summaries.high, first.summaries.high)

@@ -4,6 +4,7 @@ captures it in chunks; a chat in history mode injects the chunks its question's 
 
 from __future__ import annotations
 
+import pytest
 import requests
 
 from kvcore.conversation import Turn
@@ -47,6 +48,10 @@ def test_a_history_is_written_once_and_chats_attend_to_the_chunks_within_their_b
     usage = part.json()["usage"]
     assert 16 <= usage["memory_tokens"] <= 64 and usage["history_chunks"] == -(-usage["memory_tokens"] // 16)
     assert "Pixel" in part.json()["choices"][0]["message"]["content"]  # retrieval's half found the cat's turn
+    steps = usage["history_choose_ms"]  # what choosing took, step by step, and within the chat's own TTFT
+    assert set(steps) == {"index", "question", "retrieval", "bounds", "total"} and steps["question"] > 0
+    assert steps["total"] == pytest.approx(sum(v for k, v in steps.items() if k != "total"), abs=0.01)
+    assert 0 < steps["total"] < usage["ttft_ms"]
 
 
 def test_a_new_history_replaces_the_old_and_bad_writes_are_refused(cluster):

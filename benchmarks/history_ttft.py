@@ -1,0 +1,206 @@
+"""History mode's speed: time to first token of a chat that injects a chosen part of a long history, against the
+same question with no memory (k = 0) and against prefilling the whole history, through the HTTP API.
+
+Each tenant writes a history of `--history-tokens` tokens (`PUT /v1/history`: the LLM replica prefills it once and
+keeps every 16-token chunk as a record), built from the project's generated conversations (a line a turn, each
+tenant its own conversations). Then, one chat at a time and interleaved per question: no memory (`mode: off`);
+history mode at `--budget` tokens (the replica runs the question through the model's first four layers, bounds
+every chunk by its summaries, adds the chunks of the turns retrieval finds, and injects the chosen ones); and now
+and then the whole history pasted into the question and prefilled (a nonce first, so vLLM's prefix cache cannot
+serve it). TTFT is the ingress's (the request's arrival to its first token: choosing included); each history chat
+also reports what choosing took (`usage.history_choose_ms`: the question's pass, retrieval, the bounds).
+The chunks a question needs sit wherever earlier questions left them: the device arena for those already
+loaded, the record store (page cache or disk) for the rest.
+
+Targets (the LeoAM issue's, H200, Llama-3.1-8B shape with dummy weights, 32k-token histories): history TTFT at a
+2k-token budget <= 1.3x the k = 0 TTFT, and the whole history's prefill >= 10x slower than history mode.
+On the CPU (`--quick`) SmolLM2 serves a ~1.5k-token history at a 192-token budget; the figures have the same names.
+
+    python benchmarks/history_ttft.py --out PATH [--quick] [--tenants N] [--history-tokens N] [--budget N]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import engine_shape_defaults, parser, scratch_dir, target, write_report  # noqa: E402
+from benchmarks.history_selection import history_lines, history_questions  # noqa: E402
+from benchmarks.quality.devset import conversation  # noqa: E402
+from benchmarks.quality.run import Client  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+MODES = ("no_memory", "history", "whole_prefill")
+MODEL = "inferscale-smollm2"  # the served name, whatever the weights
+SCORING_LAYERS = 4  # what history mode's question pass reads (deployments/history_mode.py)
+
+
+def tenant_history(tokenizer, tenant: int, tokens: int) -> tuple[str, list[str]]:
+    """(history text of about `tokens` tokens, its questions): whole conversations of this tenant's own seeds."""
+    lines, questions, count, index = [], [], 0, 0
+    while count < tokens:
+        found = [conversation(1000 * tenant + index, 7)]
+        for _, line in history_lines(found):
+            if count >= tokens:
+                break
+            lines.append(line)
+            count += len(tokenizer.encode(line, add_special_tokens=False))
+        questions += [qa["question"] for qa in history_questions(found)]
+        index += 1
+    return "".join(lines), questions
+
+
+def chat(client: Client, key: str, content: str, memory: dict) -> dict:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 2,
+        "temperature": 0.0,
+        "memory": memory,
+    }
+    return client.call("POST", "/v1/chat/completions", key, body)["usage"]
+
+
+def measure(client: Client, histories: list[dict], budget: int, rounds: int, deadline: float) -> list[dict]:
+    """`rounds` questions a tenant, tenants in turn, each question in the three modes (the whole prefill on a
+    tenant's first round and then every fifth: it is the slow one); stops early at `deadline`."""
+    rows = []
+    for r in range(rounds):
+        for tenant in histories:
+            if time.monotonic() > deadline:
+                return rows
+            question = tenant["questions"][r % len(tenant["questions"])]
+            plan = {
+                "no_memory": (question, {"mode": "off"}),
+                "history": (question, {"mode": "history", "budget": budget}),
+            }
+            if r % 5 == 0:
+                pasted = f"[{uuid.uuid4().hex}]\n{tenant['text']}\n{question}"
+                plan["whole_prefill"] = (pasted, {"mode": "off"})
+            for mode, (content, memory) in plan.items():
+                usage = chat(client, tenant["key"], content, memory)
+                rows.append(
+                    {
+                        "tenant": tenant["id"],
+                        "round": r,
+                        "mode": mode,
+                        "ttft_ms": usage["ttft_ms"],
+                        "engine_ttft_ms": usage["engine_ttft_ms"],
+                        "prefilled_tokens": usage["prefilled_tokens"],
+                        "injected_tokens": usage["injected_tokens"],
+                        "history_chunks": usage["history_chunks"],
+                        "choose_ms": usage.get("history_choose_ms"),
+                    }
+                )
+    return rows
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(rows: list[dict], budget: int) -> dict:
+    """Per mode: TTFT p50/p95 and tokens; history's choosing by step; the two targets' ratios of p50s."""
+    modes = {}
+    for mode in MODES:
+        chosen = [r for r in rows if r["mode"] == mode]
+        if not chosen:
+            continue
+        ttft = [r["ttft_ms"] for r in chosen]
+        modes[mode] = {
+            "requests": len(chosen),
+            "ttft_ms_p50": round(statistics.median(ttft), 3),
+            "ttft_ms_p95": round(_p(ttft, 0.95), 3),
+            "engine_ttft_ms_p50": round(statistics.median(r["engine_ttft_ms"] for r in chosen), 3),
+            "prefilled_tokens_mean": statistics.fmean(r["prefilled_tokens"] for r in chosen),
+            "injected_tokens_mean": statistics.fmean(r["injected_tokens"] for r in chosen),
+        }
+    steps = [r["choose_ms"] for r in rows if r["mode"] == "history" and r["choose_ms"]]
+    choose = {step: round(statistics.median(s[step] for s in steps), 3) for step in steps[0]} if steps else {}
+    report: dict = {"modes": modes, "history_choose_ms_p50": choose, "targets": []}
+    if "history" in modes and "no_memory" in modes:
+        ratio = modes["history"]["ttft_ms_p50"] / modes["no_memory"]["ttft_ms_p50"]
+        report["targets"].append(target(f"history TTFT at {budget} tokens / k = 0 TTFT (p50)", ratio, "<= 1.3"))
+    if "history" in modes and "whole_prefill" in modes:
+        speedup = modes["whole_prefill"]["ttft_ms_p50"] / modes["history"]["ttft_ms_p50"]
+        report["targets"].append(target("whole history prefilled / history mode, TTFT (p50)", speedup, ">= 10"))
+    return report
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--config", type=Path, help="HF config.json of a model shape (default: the 8B shape on a GPU)")
+    p.add_argument("--tenants", type=int, help="tenants, each with a history (default 8; --quick 1)")
+    p.add_argument("--history-tokens", type=int, help="tokens of each history (default 32768; --quick 1536)")
+    p.add_argument("--budget", type=int, help="history mode's budget in tokens (default 2048; --quick 192)")
+    p.add_argument("--rounds", type=int, help="questions a tenant (default 12; --quick 3)")
+    p.add_argument("--deadline-s", type=float, default=560, help="stop measuring after this long; report what ran")
+    args = p.parse_args()
+    started = time.monotonic()
+    gpu = engine_shape_defaults(args, CONFIGS)
+    shape = args.config if gpu and not args.quick else None  # the CPU serves SmolLM2 itself: real early layers
+    tenants = args.tenants or (1 if args.quick else 8)
+    tokens = args.history_tokens or (1536 if args.quick else 32768)
+    budget = args.budget or (192 if args.quick else 2048)
+    rounds = args.rounds or (3 if args.quick else 12)
+
+    from transformers import AutoTokenizer
+
+    from benchmarks._cluster import start_cluster
+    from config import load_settings
+    from models.loader import model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path(load_settings().model))
+    engine = {"max_model_len": tokens + 4096}
+    llm = {"record_dtype": "engine"}  # bf16 records on the GPU: a 32k-token history of the 8B shape is 4.3 GB
+    state = Path(scratch_dir(prefix="history-ttft-"))
+    base, admin, redis, app = start_cluster(
+        state, gpu, shape, engine_kwargs=engine, llm_args=llm, early_layers=SCORING_LAYERS if shape else 0
+    )
+    deployed_s = time.monotonic() - started
+    client = Client(base, admin, timeout=900)
+    histories, writes = [], []
+    try:
+        for t in range(tenants):
+            if histories and time.monotonic() > started + 0.6 * args.deadline_s:  # leave time to measure
+                break
+            text, questions = tenant_history(tokenizer, t, tokens)
+            key = client.call("POST", "/v1/tenants", admin, {"id": f"history-{t}"}, ok=(201,))["api_key"]
+            began = time.perf_counter()
+            written = client.call("PUT", "/v1/history", key, {"text": text})
+            writes.append({"seconds": round(time.perf_counter() - began, 2), **written})
+            histories.append({"id": f"history-{t}", "key": key, "text": text, "questions": questions})
+        for tenant in histories:  # the first history chat of a tenant builds nothing more, but loads its chunks
+            chat(client, tenant["key"], "What happened first?", {"mode": "history", "budget": budget})
+        rows = measure(client, histories, budget, rounds, started + args.deadline_s)
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        redis.stop()
+    report = summarize(rows, budget) | {
+        "benchmark": "history_ttft",
+        "quick": args.quick,
+        "model": str(shape) if shape else "SmolLM2-135M-Instruct",
+        "tenants": len(histories),
+        "history_tokens": [w["tokens"] for w in writes],
+        "history_chunks": [w["chunks"] for w in writes],
+        "history_write_s": [w["seconds"] for w in writes],
+        "budget_tokens": budget,
+        "deploy_s": round(deployed_s, 1),
+        "llm_args": {k: app["llm"][k] for k in ("record_dtype", "device_cache_bytes") if k in app["llm"]},
+        "rows": rows,
+    }
+    write_report(args.out, report)
+    print(json.dumps({"modes": report["modes"], "choose": report["history_choose_ms_p50"]}, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

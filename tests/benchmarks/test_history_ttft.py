@@ -1,0 +1,66 @@
+"""The history-TTFT report and what the benchmark serves: its ratios and targets, each tenant's history, and random
+early layers a model shape's question pass can read."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks._cluster import write_early_layers
+from benchmarks.history_ttft import summarize, tenant_history
+from kvcore.query_pass import question_queries
+from models.early_layers import load_early_layers
+
+TINY = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "tiny-llama-shape.json"
+
+
+def _row(mode: str, ttft: float, choose: dict | None = None) -> dict:
+    return {
+        "tenant": "t",
+        "round": 0,
+        "mode": mode,
+        "ttft_ms": ttft,
+        "engine_ttft_ms": ttft - 1,
+        "prefilled_tokens": 10,
+        "injected_tokens": 0,
+        "history_chunks": 0,
+        "choose_ms": choose,
+    }
+
+
+def test_the_targets_are_ratios_of_the_modes_medians():
+    steps = {"index": 0.1, "question": 1.0, "retrieval": 0.5, "bounds": 2.0, "total": 3.6}
+    rows = [_row("no_memory", t) for t in (10.0, 12.0, 11.0)]
+    rows += [_row("history", t, steps) for t in (13.0, 15.0, 14.0)]
+    rows += [_row("whole_prefill", 700.0)]
+    report = summarize(rows, budget=2048)
+    assert report["modes"]["history"]["ttft_ms_p50"] == 14.0 and report["modes"]["no_memory"]["ttft_ms_p50"] == 11.0
+    by_name = {t["name"]: t for t in report["targets"]}
+    ratio = by_name["history TTFT at 2048 tokens / k = 0 TTFT (p50)"]
+    assert ratio["value"] == pytest.approx(14 / 11, abs=1e-4) and ratio["met"]
+    speedup = by_name["whole history prefilled / history mode, TTFT (p50)"]
+    assert speedup["value"] == pytest.approx(50.0) and speedup["met"]
+    assert report["history_choose_ms_p50"] == steps
+
+
+def test_a_run_without_the_whole_prefill_sets_only_the_first_target():
+    report = summarize([_row("no_memory", 10.0), _row("history", 20.0)], budget=64)
+    assert [t["met"] for t in report["targets"]] == [False]
+
+
+def test_each_tenant_has_a_history_of_its_own_of_about_the_asked_length(loaded):
+    first, questions = tenant_history(loaded.tokenizer, 0, 600)
+    second, _ = tenant_history(loaded.tokenizer, 1, 600)
+    tokens = len(loaded.tokenizer.encode(first, add_special_tokens=False))
+    assert 600 <= tokens < 700 and first != second and questions
+
+
+def test_random_early_layers_of_a_shape_feed_the_question_pass(tmp_path):
+    config = json.loads(TINY.read_text())
+    write_early_layers(config, tmp_path / "model.safetensors", layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    early = load_early_layers(tmp_path, 2)
+    queries = question_queries(early, [5, 17, 300])
+    assert queries.shape == (2, config["num_attention_heads"], 3, config["head_dim"])
+    assert torch.isfinite(queries).all() and queries.abs().max() > 0
