@@ -1,6 +1,8 @@
 """Choosing a history's chunks: fixed spans, budgeted choice in position order, retrieval's half, and the mass
 estimate's agreement with the exact scores it bounds."""
 
+import random
+
 import pytest
 import torch
 
@@ -34,6 +36,26 @@ def test_retrieval_orders_chunks_by_their_best_turn_and_takes_half_the_budget():
     turns = {"a": (0, 6), "b": (6, 12), "unscored": (0, 12)}  # a spans chunks 0 and 1, b chunks 1 and 2
     assert chunks_by_turn_score(spans, turns, {"a": 0.2, "b": 0.9}) == [1, 2, 0]
     assert retrieval_then_mass([1, 2, 0], [0, 2, 1], spans, budget=8) == [1, 0, 2]  # half (4 tokens): chunk 1
+
+
+def test_bisected_turns_find_the_chunks_a_scan_finds():
+    rng = random.Random(3)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, 300), rng.randrange(1, 40)))
+        spans = list(zip([0, *cuts], [*cuts, 300]))
+        rng.shuffle(spans)  # any order: a history's chunks need not come sorted
+        turns = {}
+        for t in range(rng.randrange(1, 30)):
+            start = rng.randrange(0, 299)
+            turns[str(t)] = (start, rng.randrange(start + 1, 301))
+        scores = {t: rng.random() for t in turns if rng.random() < 0.8}
+        best = [
+            max((scores[t] for t, (s, e) in turns.items() if t in scores and s < ce and cs < e), default=-1.0)
+            for cs, ce in spans
+        ]
+        assert chunks_by_turn_score(spans, turns, scores) == sorted(range(len(spans)), key=lambda c: -best[c])
+    with pytest.raises(ValueError, match="overlap"):
+        chunks_by_turn_score([(0, 8), (4, 12)], {"a": (0, 2)}, {"a": 1.0})
 
 
 def test_the_sink_and_the_newest_chunks_are_always_kept_and_come_back_in_position_order():
