@@ -17,8 +17,8 @@ with the load's own rate of products beside each (`load_products_per_s`: what th
 engine).
 
 Whether the cost of queries coming apart is the host's or the device's (`embed_ms.spacing`): one query's
-embedding timed piece by piece (tokenize; launch, from the tokens to the forward enqueued, with its `to_device`
-copies; wait, for the result on the host; the device's own time between CUDA events; total) 2 ms apart and 30 ms
+embedding timed piece by piece (tokenize; launch, from the tokens to the forward enqueued, its one copy in
+included; wait, for the result on the host; the device's own time between CUDA events; total) 2 ms apart and 30 ms
 apart (as the serving run's chats arrive), and on the GPU also 30 ms apart with a tiny kernel launched every 1 ms
 of the gap (`spaced_gpu_kept_warm`) or with the measuring thread spinning through it (`spaced_cpu_kept_busy`);
 `extra_ms` is each piece's spaced p50 less its back-to-back p50, `extra_ms_by_condition` the same for each gap.
@@ -70,16 +70,12 @@ def p50_p99(times: list[float]) -> dict[str, float]:
 def embed_pieces(embedder, query: str, events: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> dict[str, float]:
     """ms of each piece of one embedding of `query` as `embed_tensor` and its caller run it, so a slower call says
     where it was slower; with `events`, the device's own time from the forward's first work to its last."""
-    from models.minilm import MAX_TOKENS
-
     started = time.perf_counter()
-    batch = embedder._tokenizer([query], padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
+    rows = embedder.token_ids([query])
     tokenized = time.perf_counter()
-    ids, mask = batch["input_ids"].to(embedder.device), batch["attention_mask"].to(embedder.device)  # each syncs
-    copied = time.perf_counter()
     if events:
         events[0].record()
-    out = torch.cat([embedder._forward(ids, mask)])
+    out = embedder._forward(rows)  # on CUDA: the one copy in, the graph's replay, the clone
     if events:
         events[1].record()
     launched = time.perf_counter()
@@ -88,7 +84,6 @@ def embed_pieces(embedder, query: str, events: tuple[torch.cuda.Event, torch.cud
     pieces = {
         "tokenize": (tokenized - started) * 1000,
         "launch": (launched - tokenized) * 1000,
-        "to_device": (copied - tokenized) * 1000,  # part of launch
         "wait": (done - launched) * 1000,
         "total": (done - started) * 1000,
     }
