@@ -66,7 +66,9 @@ class ConnectorWorker:
         )
         return cls(
             injection,
-            CaptureWorker(store, config.fingerprint, rope, _record_dtype(config.record_dtype)),
+            CaptureWorker(
+                store, config.fingerprint, rope, _record_dtype(config.record_dtype), on_stored=injection.admit_captured
+            ),
             tiers,
             placement,
         )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -81,14 +81,26 @@ class CaptureTracker:
         self._pending.pop(request_id, None)
 
 
+# (tenant id, record id, the stored file's stamp, K, V on the device): a record just stored, handed on while its K/V
+# are still on the device (the injector keeps it hot: whoever wrote it is about to ask for it)
+Stored = Callable[[str, str, tuple[int, ...], torch.Tensor, torch.Tensor], None]
+
+
 class CaptureWorker:
     """Worker-side: read spans from the paged cache layer by layer, store them as records."""
 
     def __init__(
-        self, store, fingerprint: str, rope: RopeConfig, record_dtype: torch.dtype | None = torch.float32
+        self,
+        store,
+        fingerprint: str,
+        rope: RopeConfig,
+        record_dtype: torch.dtype | None = torch.float32,
+        on_stored: Stored | None = None,
     ) -> None:
-        """`record_dtype`: what records are stored in; None: the engine cache's own dtype."""
+        """`record_dtype`: what records are stored in; None: the engine cache's own dtype; `on_stored` gets each
+        record once its file is written, with the file's stamp and the K/V still on the device."""
         self._store = store
+        self._on_stored = on_stored
         self._record_dtype = record_dtype
         self._fingerprint = fingerprint
         self._rope = rope
@@ -137,16 +149,21 @@ class CaptureWorker:
         params = EncodingParams(
             window=spec.plan.window, model_fingerprint=self._fingerprint, rope=self._rope, dtype=dtype_name(dtype)
         )
+        tenant = spec.plan.tenant_id
         for span in spec.plan.spans:
+            k_span = pre_rope[:, :, span.begin : span.end].to(dtype).contiguous()
+            v_span = v[:, :, span.begin : span.end].to(dtype).contiguous()
             self._store.put(
                 FactKV(
-                    tenant_id=spec.plan.tenant_id,
+                    tenant_id=tenant,
                     fact_id=span.fact_id,
                     token_ids=spec.token_ids[span.begin : span.end],
-                    k=pre_rope[:, :, span.begin : span.end].to(dtype).contiguous().cpu(),
-                    v=v[:, :, span.begin : span.end].to(dtype).contiguous().cpu(),
+                    k=k_span.cpu(),
+                    v=v_span.cpu(),
                     params=params,
                     version=spec.plan.version,
                     meta={"encoder": "engine", "position": str(span.begin)},
                 )
             )
+            if self._on_stored is not None:
+                self._on_stored(tenant, span.fact_id, self._store.stamp(tenant, span.fact_id), k_span, v_span)

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES, DeviceArena, joined_longs
-from kvcore.errors import ArenaFullError, KVCoreError, PlanError
+from kvcore.errors import ArenaFullError, IncompatibleRecordsError, KVCoreError, PlanError
 from kvcore.injection_scheduler import LoadSpec
 from kvcore.packed import PackedInserter
 from kvcore.paged import CacheTarget, PagedLayout, step_slots
@@ -125,6 +125,19 @@ class InjectionWorker:
                 tiers = self._tiers
                 tiers.on_move = tracker.tier_moved
                 tracker.recovered(tiers.entries())
+
+    def admit_captured(self, tenant_id: str, record_id: str, stamp: Stamp, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A record this engine just captured, its K/V still on the device, into the arena: its first load then
+        reads no file (a history's chunks, chosen by the next questions; a fact just encoded). Skipped, never
+        failing the capture, when the arena has no room outside the current step's records."""
+        if self._arena is None:
+            return
+        try:
+            self._arena.insert((tenant_id, record_id), stamp, k, v)
+        except (ArenaFullError, IncompatibleRecordsError) as exc:
+            log.debug("captured record %s/%s not kept in the arena: %s", tenant_id, record_id, exc)
+        finally:
+            self._flush_spills()
 
     @property
     def layer_index(self) -> dict[str, int]:

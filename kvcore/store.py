@@ -69,6 +69,10 @@ class LocalFactStore:
     def path(self, tenant_id: str, record_id: str) -> Path:
         return Path(self._path(tenant_id, record_id))
 
+    def stamp(self, tenant_id: str, record_id: str) -> Stamp:
+        """The stamp of the record's file as it is now (what `checked_infos` will report for it)."""
+        return _signature(self._path(tenant_id, record_id), tenant_id, record_id)
+
     def put(self, record: FactKV) -> int:
         """Store `record` (atomically) and return the tenant's new store version."""
         return self.put_many([record])

@@ -86,3 +86,48 @@ def test_engine_cache_round_trips_through_a_record(tmp_path, record_dtype):
         assert torch.equal(got[1], want[1])  # V: stored as the engine cached it
         error = (got[0].float() - want[0].float()).abs()
         assert 0 < error.max() <= 4 * 2**-8 * want[0].float().abs().max()  # K: rounded once, a few bf16 steps
+
+
+def test_a_captured_record_is_kept_in_the_arena_and_served_from_it_without_reading_its_file(tmp_path, monkeypatch):
+    """The capture hands each stored record to the injector with its file's stamp and its K/V still on the device;
+    the next request's load of it reads no file and writes the very values the engine had cached."""
+    layout = PagedLayout("rows", BS, H, D)
+    tokens = 10
+    gen = torch.Generator().manual_seed(5)
+    k_pre = torch.randn(L, H, tokens, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(L, H, tokens, D, generator=gen).to(torch.bfloat16)
+    cos, sin = cos_sin(torch.arange(tokens), ROPE)
+    engine_keys = apply_rotation(k_pre, cos, sin, ROPE, table_dtype=torch.bfloat16)
+    blocks = [5, 1, 3]
+    source = {f"layer.{i}": torch.zeros(6, H, BS, 2 * D, dtype=torch.bfloat16) for i in range(L)}
+    for i, cache in enumerate(source.values()):
+        layout.scatter(cache, engine_keys[i], v[i], slot_mapping(blocks, 0, tokens, BS))
+    store = LocalFactStore(tmp_path)
+    target = {name: torch.zeros_like(cache) for name, cache in source.items()}
+    worker = InjectionWorker(store, FP, ROPE)
+    worker.register(target, layout)
+    capture = CaptureWorker(store, FP, ROPE, torch.float32, on_stored=worker.admit_captured)
+    capture.register({name: i for i, name in enumerate(source)}, layout)
+    tracker = CaptureTracker()
+    tracker.add(
+        "r", CapturePlan("t1", (CaptureSpan("head", 0, 4), CaptureSpan("tail", 4, tokens))), list(range(100, 110))
+    )
+    specs = tracker.step([("r", blocks, 0, tokens)])
+    for name, cache in source.items():
+        capture.save_layer(name, cache, specs)
+    capture.end_step()
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("a captured record was read from its file")
+
+    monkeypatch.setattr(store, "get", no_reads)
+    sched = InjectionScheduler(store, FP)
+    memory = MemoryPlan("t1", ("head", "tail"), store.version("t1"))
+    assert sched.match("q", list(range(100, 110)) + [1], memory.to_params(), 0) == tokens
+    sched.allocated("q", blocks, tokens)
+    worker.start(sched.take_loads())
+    for name in target:
+        worker.load_layer(name)
+    assert worker.take_failed_blocks() == set()
+    for name in source:
+        assert torch.equal(target[name], source[name])
