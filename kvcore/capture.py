@@ -98,7 +98,8 @@ class CaptureWorker:
         on_stored: Stored | None = None,
     ) -> None:
         """`record_dtype`: what records are stored in; None: the engine cache's own dtype; `on_stored` gets each
-        record once its file is written, with the file's stamp and the K/V still on the device."""
+        record of a plan that asks to keep them hot once its file is written, with the file's stamp and the K/V
+        still on the device (a fact's capture is stored under a scratch name first: nothing to keep hot)."""
         self._store = store
         self._on_stored = on_stored
         self._record_dtype = record_dtype
@@ -165,5 +166,5 @@ class CaptureWorker:
                     meta={"encoder": "engine", "position": str(span.begin)},
                 )
             )
-            if self._on_stored is not None:
+            if self._on_stored is not None and spec.plan.keep_hot:
                 self._on_stored(tenant, span.fact_id, self._store.stamp(tenant, span.fact_id), k_span, v_span)

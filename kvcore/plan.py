@@ -109,6 +109,7 @@ class CapturePlan:
     spans: tuple[CaptureSpan, ...]
     window: int = 0
     version: int = 1
+    keep_hot: bool = False  # the records also go into the device arena (named as they will be served, asked soon)
 
     def __post_init__(self) -> None:
         try:
@@ -131,6 +132,7 @@ class CapturePlan:
                 "window": self.window,
                 "version": self.version,
                 "spans": [[s.fact_id, s.begin, s.end] for s in self.spans],
+                "keep_hot": self.keep_hot,
             }
         }
 
@@ -141,6 +143,12 @@ class CapturePlan:
         raw = params[CAPTURE_KEY]
         try:
             spans = tuple(CaptureSpan(str(f), int(b), int(e)) for f, b, e in raw["spans"])
-            return cls(raw["tenant_id"], spans, int(raw.get("window", 0)), int(raw.get("version", 1)))
+            return cls(
+                raw["tenant_id"],
+                spans,
+                int(raw.get("window", 0)),
+                int(raw.get("version", 1)),
+                bool(raw.get("keep_hot", False)),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"malformed capture plan: {exc}") from None

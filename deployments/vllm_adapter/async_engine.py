@@ -116,7 +116,7 @@ class MemoryEngine:
             if self._frame_ready(tenant_id):
                 self._frames[tenant_id] = True
                 return True
-            plan = CapturePlan(tenant_id, (CaptureSpan(self.frame_id, 0, len(self.prefix_ids)),))
+            plan = CapturePlan(tenant_id, (CaptureSpan(self.frame_id, 0, len(self.prefix_ids)),), keep_hot=True)
             prompt, params = capture_request([*self.prefix_ids, *self.prefix_ids[-1:]], plan)
             async for _ in self._engine.generate(prompt, params, f"frame-{uuid.uuid4().hex}"):
                 pass
@@ -166,7 +166,9 @@ class MemoryEngine:
         if len(ids) > room:
             raise ValueError(f"the history has {len(ids)} tokens; this model holds {room} after the chat frame")
         spans = capture_spans(history_id, start, len(ids), HISTORY_CHUNK)
-        prompt, params = capture_request([*self.prefix_ids, *ids, ids[-1]], CapturePlan(tenant_id, spans, window=0))
+        prompt, params = capture_request(
+            [*self.prefix_ids, *ids, ids[-1]], CapturePlan(tenant_id, spans, window=0, keep_hot=True)
+        )
         async with self._encode_slots:
             async for _ in self._engine.generate(prompt, params, f"history-{uuid.uuid4().hex}"):
                 pass

@@ -20,6 +20,8 @@ FP = "f" * 24
 def test_capture_plan_round_trips_and_rejects_bad_spans():
     plan = CapturePlan("t1", (CaptureSpan("a", 0, 3), CaptureSpan("b", 3, 9)), window=2)
     assert CapturePlan.from_params(plan.to_params()) == plan and plan.end == 9
+    hot = CapturePlan("t1", plan.spans, keep_hot=True)
+    assert CapturePlan.from_params(hot.to_params()).keep_hot and not plan.keep_hot
     assert CapturePlan.from_params({"x": 1}) is None
     with pytest.raises(PlanError):
         CapturePlan.from_params({CAPTURE_KEY: {"tenant_id": "t1", "spans": [["a", 5, 2]]}})
@@ -109,13 +111,16 @@ def test_a_captured_record_is_kept_in_the_arena_and_served_from_it_without_readi
     capture = CaptureWorker(store, FP, ROPE, torch.float32, on_stored=worker.admit_captured)
     capture.register({name: i for i, name in enumerate(source)}, layout)
     tracker = CaptureTracker()
-    tracker.add(
-        "r", CapturePlan("t1", (CaptureSpan("head", 0, 4), CaptureSpan("tail", 4, tokens))), list(range(100, 110))
-    )
-    specs = tracker.step([("r", blocks, 0, tokens)])
-    for name, cache in source.items():
-        capture.save_layer(name, cache, specs)
-    capture.end_step()
+    spans = (CaptureSpan("head", 0, 4), CaptureSpan("tail", 4, tokens))
+    tracker.add("cold", CapturePlan("t2", spans), list(range(100, 110)))  # not asked to keep hot: not kept
+    tracker.add("r", CapturePlan("t1", spans, keep_hot=True), list(range(100, 110)))
+    for request in ("cold", "r"):
+        specs = tracker.step([(request, blocks, 0, tokens)])
+        for name, cache in source.items():
+            capture.save_layer(name, cache, specs)
+        capture.end_step()
+    assert worker._arena.rows(("t2", "tail"), store.stamp("t2", "tail")) is None
+    assert worker._arena.rows(("t1", "tail"), store.stamp("t1", "tail")) is not None
 
     def no_reads(*args, **kwargs):
         raise AssertionError("a captured record was read from its file")
