@@ -65,7 +65,7 @@ for step in "$@"; do
         grep -E "^conversation" "$out/quality.log" | tail -3 ;;
     history-ttft) run history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --out "$out/history_ttft.json"
         tail -30 "$out/history-ttft.log" ;;
-    history-quality) run history-quality 400 python3 benchmarks/history_quality.py --out "$out/history_quality.json"
+    history-quality) run history-quality 400 python3 benchmarks/history_quality.py --tenants "${HISTORY_TENANTS:-4}" --out "$out/history_quality.json"
         grep -E "^history_|^whole_history" "$out/history-quality.log" ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
     encode-job-shape) run encode-job-shape 540 python3 benchmarks/encode_job.py --config "$SHAPE" --out "$out/encode_job_8b.json" ;;

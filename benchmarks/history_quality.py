@@ -1,7 +1,8 @@
 """Answer quality of history mode through the public HTTP API: a chosen part of a long history against all of it.
 
 The history is `history_selection.py`'s (the dev set's generated conversations one after the other, a line a
-turn, 7,554 tokens in the full run). A tenant writes it once (`PUT /v1/history`: the LLM replica prefills it
+turn, 7,554 tokens in the full run); with `--tenants N` each tenant writes a history of its own conversations (as
+many of six as fit 7,600 tokens) and is asked its own questions, so the paired ratio covers N times the questions. A tenant writes it once (`PUT /v1/history`: the LLM replica prefills it
 and keeps each 16-token chunk as a record); every question is then asked in history mode at each budget (a
 share of the history's tokens): the replica scores the chunks by the question's own first layers and by the
 turns retrieval finds, and injects the chosen ones in order. The whole history (budget 1.0) injects every
@@ -30,6 +31,7 @@ from benchmarks.quality.run import SUFFIX, Client, paired_ratio  # noqa: E402
 from benchmarks.quality.scoring import mean_interval, score  # noqa: E402
 
 CONTEXT = 8192  # SmolLM2's context: the full run's history (7,554 tokens) fits behind the chat frame
+HISTORY_TOKENS = 7600  # a tenant's history at most: room for the frame, the question and the answer
 WHOLE = 1.0
 
 
@@ -50,9 +52,10 @@ def ask(client: Client, key: str, question: str, budget_tokens: int, max_tokens:
     return {"prediction": answer["choices"][0]["message"]["content"], **answer["usage"]}
 
 
-def evaluate(client: Client, conversations: list[dict], questions: list[dict], budgets: list[float]) -> dict:
+def evaluate(
+    client: Client, conversations: list[dict], questions: list[dict], budgets: list[float], tenant: str
+) -> dict:
     """Write the history for a fresh tenant, then ask every question at every budget (the whole history too)."""
-    tenant = "history-quality"
     client.call("DELETE", f"/v1/tenants/{tenant}", client.admin_key, ok=(200, 204, 404))
     key = client.call("POST", "/v1/tenants", client.admin_key, {"id": tenant}, ok=(201,))["api_key"]
     text = "".join(line for _, line in history_lines(conversations))
@@ -68,7 +71,7 @@ def evaluate(client: Client, conversations: list[dict], questions: list[dict], b
             usage = ask(client, key, qa["question"], max(1, int(budget * tokens)), max_tokens=24)
             rows.append(
                 {
-                    "sample": "history",
+                    "sample": tenant,  # questions pair within their own history
                     "k": 0,
                     "mode": mode_name(budget),
                     "question": qa["question"],
@@ -88,6 +91,20 @@ def evaluate(client: Client, conversations: list[dict], questions: list[dict], b
         for found in pool.map(one, questions):
             rows += found
     return {"history_tokens": tokens, "history_chunks": written.get("chunks"), "write_s": write_s, "rows": rows}
+
+
+def tenant_conversations(tenant: int, count: int, tokenizer, max_tokens: int = HISTORY_TOKENS) -> list[dict]:
+    """Up to `count` conversations of one tenant's history, as many as fit `max_tokens` (the first tenant's are the
+    runs' since the first: seeds 0..5, 7,554 tokens)."""
+    chosen, tokens = [], 0
+    for i in range(count):
+        found = conversation(100 * tenant + i, 7)
+        more = sum(len(tokenizer.encode(line, add_special_tokens=False)) for _, line in history_lines([found]))
+        if chosen and tokens + more > max_tokens:
+            break
+        chosen.append(found)
+        tokens += more
+    return chosen
 
 
 def summarize(found: dict, budgets: list[float]) -> dict:
@@ -119,7 +136,7 @@ def summarize(found: dict, budgets: list[float]) -> dict:
     return {
         "history_tokens": found["history_tokens"],
         "history_chunks": found["history_chunks"],
-        "history_write_s": round(found["write_s"], 2),
+        "history_write_s": found["write_s"],
         "modes": modes,
         "f1_ratio_to_whole_history": ratios,
         "rows": rows,
@@ -130,7 +147,8 @@ def summarize(found: dict, budgets: list[float]) -> dict:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--budgets", default="0.1,0.2", help="shares of the history's tokens (the whole is always asked)")
-    p.add_argument("--questions", type=int, help="at most this many questions (default: all; --quick: 8)")
+    p.add_argument("--questions", type=int, help="at most this many questions a tenant (default: all; --quick: 8)")
+    p.add_argument("--tenants", type=int, default=1, help="tenants, each with a history of its own conversations")
     p.add_argument("--base-url", help="a running cluster whose engine holds 8,192 tokens; default: start one here")
     p.add_argument("--admin-key", help="its admin key (default: INFERSCALE_ADMIN_KEY)")
     args = p.parse_args()
@@ -140,19 +158,36 @@ def main() -> None:
         p.error(f"--budgets must be comma-separated shares, got {args.budgets!r}")
     if not budgets or not all(0 < b <= 1 for b in budgets):
         p.error("every budget must be a share in (0, 1]")
-    conversations = [conversation(i, 7) for i in range(2 if args.quick else 6)]
-    questions = history_questions(conversations)
+    from transformers import AutoTokenizer
+
+    from config import load_settings
+    from models.loader import model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path(load_settings().model))
     limit = args.questions or (8 if args.quick else None)
-    if limit is not None:
-        questions = random.Random(0).sample(questions, min(limit, len(questions)))
+    plans = []
+    for t in range(args.tenants):
+        conversations = tenant_conversations(t, 2 if args.quick else 6, tokenizer)
+        questions = history_questions(conversations)
+        if limit is not None:
+            questions = random.Random(t).sample(questions, min(limit, len(questions)))
+        plans.append((f"history-quality-{t}", conversations, questions))
     from benchmarks._cluster import cluster_for
 
     engine = {"max_model_len": CONTEXT, "max_num_batched_tokens": CONTEXT}
     import torch
 
     cuda = torch.cuda.is_available()
+    runs = []
     with cluster_for(args.base_url, args.admin_key, "history-quality", cuda, engine) as (base, admin):
-        found = evaluate(Client(base, admin), conversations, questions, budgets)
+        for tenant, conversations, questions in plans:
+            runs.append(evaluate(Client(base, admin), conversations, questions, budgets, tenant))
+    found = {
+        "history_tokens": [r["history_tokens"] for r in runs],
+        "history_chunks": [r["history_chunks"] for r in runs],
+        "write_s": [round(r["write_s"], 2) for r in runs],
+        "rows": [row for r in runs for row in r["rows"]],
+    }
     report = summarize(found, budgets) | {"benchmark": "history_quality", "quick": args.quick}
     write_report(args.out, report)
     for name, mode in report["modes"].items():

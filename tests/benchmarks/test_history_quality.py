@@ -40,3 +40,20 @@ def test_modes_are_named_by_their_share():
         "history_20pct",
         "whole_history",
     ]
+
+
+def test_each_tenant_gets_conversations_of_its_own_within_the_token_limit(loaded):
+    from benchmarks.history_quality import tenant_conversations
+    from benchmarks.history_selection import history_lines
+
+    def tokens(conversations):
+        return sum(
+            len(loaded.tokenizer.encode(line, add_special_tokens=False)) for _, line in history_lines(conversations)
+        )
+
+    first, second = (
+        tenant_conversations(0, 6, loaded.tokenizer, 3000),
+        tenant_conversations(1, 6, loaded.tokenizer, 3000),
+    )
+    assert 1 <= len(first) < 6 and tokens(first) <= 3000 and tokens(second) <= 3000
+    assert first[0] != second[0] and history_lines(first)[:5] != history_lines(second)[:5]
