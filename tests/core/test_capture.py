@@ -119,6 +119,7 @@ def test_a_captured_record_is_kept_in_the_arena_and_served_from_it_without_readi
         for name, cache in source.items():
             capture.save_layer(name, cache, specs)
         capture.end_step()
+    assert store.version("t1") == 1  # the plan's records were written as one group
     assert worker._arena.rows(("t2", "tail"), store.stamp("t2", "tail")) is None
     assert worker._arena.rows(("t1", "tail"), store.stamp("t1", "tail")) is not None
 
