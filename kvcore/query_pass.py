@@ -75,8 +75,14 @@ def question_queries(weights: EarlyLayers, token_ids: Sequence[int]) -> torch.Te
     """Pre-RoPE queries `[L, H, Q, D]` of the question's tokens at each of `weights`' layers."""
     if not token_ids:
         raise ValueError("the question has no tokens")
-    device = weights.embed_tokens.device
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device)
+    return queries_of(weights, torch.as_tensor(list(token_ids), dtype=torch.long, device=weights.embed_tokens.device))
+
+
+def queries_of(weights: EarlyLayers, ids: torch.Tensor) -> torch.Tensor:
+    """`question_queries` of token ids already on the weights' device `[Q]`. Causal: the queries of the first n
+    tokens do not depend on any token after them, so a question padded at its end keeps its own (what a CUDA
+    graph of a fixed length relies on)."""
+    device = ids.device
     x = weights.embed_tokens[ids]  # [Q, hidden]
     tokens = x.shape[0]
     positions = torch.arange(tokens, device=device)

@@ -61,3 +61,27 @@ def test_bad_layer_counts_and_foreign_checkpoints_are_refused(loaded, tmp_path):
     with pytest.raises(ValueError, match="share"):
         weights = load_early_layers(loaded.path, 1)
         EarlyLayers(weights.embed_tokens, weights.layers, 9, 2, 64, weights.eps, weights.rope)
+
+
+def test_a_question_padded_at_its_end_keeps_its_own_queries(loaded):
+    """What the GPU's graphed pass relies on: the pass is causal, so padding after the question (a graph's fixed
+    length) leaves the question's own queries as they were."""
+    from kvcore.query_pass import queries_of
+
+    early = load_early_layers(loaded.path, 4)
+    ids = loaded.tokenizer.encode("What is the name of Maya's cat?", add_special_tokens=False)
+    padded = torch.tensor(ids + [0] * (16 - len(ids)))
+    assert torch.allclose(queries_of(early, padded)[:, :, : len(ids)], question_queries(early, ids), atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_the_graphed_question_pass_equals_the_eager_one_on_cuda(loaded):
+    from deployments.history_mode import QuestionPass
+
+    early = load_early_layers(loaded.path, 4, torch.bfloat16, "cuda")
+    graphed = QuestionPass(early)
+    for text in ("Where does Maya work?", "a " * 40, "What is the name of Maya's cat, and who gave it to her?"):
+        ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+        got, want = graphed(ids), question_queries(early, ids)
+        assert got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert graphed._graphs  # captured, not fallen back to eager
