@@ -25,6 +25,7 @@ Its tests prove the bound; `kvcore/history.py` chooses a long history's chunks b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -86,31 +87,115 @@ def upper_bounds(
     query_positions: torch.Tensor,
     fact_start: int,
     rope: RopeConfig,
-    batch: int = 8,
+    batch: int | None = None,
 ) -> torch.Tensor:
     """`upper_bound` of Q queries `[Q, L, H, D]` at `query_positions` `[Q]` at once: `[Q, C, L, H]`, computed
-    `batch` queries at a time (the work is `[batch, C, L, H, D]` in float64)."""
-    first, second = pair_index(rope)
-    low, high, norms = summaries.low.double(), summaries.high.double(), summaries.norms.double()
-    inv = inverse_frequencies(rope).double().to(queries.device)
-    span_end = int(summaries.spans[:, 1].max())
-    out = []
-    for at in range(0, queries.shape[0], batch):
-        q = queries[at : at + batch].double()  # [B, L, H, D]
-        positions = query_positions[at : at + batch].to(q.device)
-        relative = (positions - fact_start).view(-1, 1, 1).expand(*q.shape[:-1])  # one angle per query
-        q_rel = rotate(q[..., None, :], relative[..., None], rope)[..., 0, :]
-        q_rel = q_rel[:, None]  # [B, 1, L, H, D] against the chunks' [C, L, H, D]
-        channel = torch.maximum(q_rel * low, q_rel * high)  # the box bound, channel by channel
-        q_norm = torch.sqrt(q[..., first] ** 2 + q[..., second] ** 2)[:, None]  # [B, 1, L, H, P]
-        norm_bound = q_norm * norms  # [B, C, L, H, P]
-        pairs = torch.minimum(norm_bound, channel[..., first] + channel[..., second]).sum(-1)
-        passthrough = channel[..., rope.dim :].sum(-1)
-        # float32 angles p*theta in the engine: a few ulps of the largest angle, times each pair's norm bound
-        reach = (abs(fact_start) + span_end + positions.abs()).double().view(-1, 1, 1, 1, 1)
-        rounding = (4 * 2.0**-23 * reach * inv + 1e-7) * norm_bound
-        out.append((pairs + passthrough + rounding.sum(-1)).float())
-    return torch.cat(out)
+    `batch` queries at a time (default: as many as `_BLOCK` float64 pair terms allow)."""
+    keys = _KeyOperands.of(summaries, rope)
+    out = torch.empty(queries.shape[0], keys.chunks, keys.layers, keys.heads, device=queries.device)
+    for at, bound in _bound_batches(keys, queries, query_positions, fact_start, rope, batch):
+        out[at : at + bound.shape[0]] = bound.float()
+    return out
+
+
+def max_upper_bounds(
+    summaries: ChunkSummaries,
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    fact_start: int,
+    rope: RopeConfig,
+    batch: int | None = None,
+) -> torch.Tensor:
+    """`upper_bounds(...).amax(0)` `[C, L, H]` without keeping every query's bounds (what ranking chunks needs)."""
+    keys = _KeyOperands.of(summaries, rope)
+    best = torch.full((keys.chunks, keys.layers, keys.heads), -torch.inf, dtype=torch.float64, device=queries.device)
+    for _, bound in _bound_batches(keys, queries, query_positions, fact_start, rope, batch):
+        torch.maximum(best, bound.amax(0), out=best)
+    return best.float()  # rounding is monotone: the max of the rounded bounds
+
+
+# float64 pair terms `[L*H, P, batch, C]` materialised at once: 32 MiB keeps a GPU's kernels few and large
+_BLOCK = 1 << 22
+
+
+def _pair_slices(rope: RopeConfig) -> tuple[slice, slice]:
+    """`pair_index` as slices: views, no gathers."""
+    half = rope.dim // 2
+    if rope.style == "neox":
+        return slice(0, half), slice(half, rope.dim)
+    return slice(0, rope.dim, 2), slice(1, rope.dim, 2)
+
+
+@dataclass(frozen=True)
+class _KeyOperands:
+    """A fact's summaries laid out once per call as float64 matmul operands, one matrix per (layer, head, pair)."""
+
+    pairs: torch.Tensor  # [L*H, P, 5, C]: high and low of each pair's channels, then the pair's norm
+    rest: torch.Tensor  # [L*H, 2R, C]: high and low of the R unrotated channels
+    layers: int
+    heads: int
+    span_end: int
+
+    @property
+    def chunks(self) -> int:
+        return self.pairs.shape[-1]
+
+    @classmethod
+    def of(cls, summaries: ChunkSummaries, rope: RopeConfig) -> "_KeyOperands":
+        chunks, layers, heads, dim = summaries.low.shape
+        first, second = _pair_slices(rope)
+        by_chunk = [summaries.high[..., first], summaries.low[..., first]]
+        by_chunk += [summaries.high[..., second], summaries.low[..., second], summaries.norms]
+        pairs = torch.empty(layers, heads, rope.dim // 2, 5, chunks, dtype=torch.float64, device=summaries.low.device)
+        for slot, part in enumerate(by_chunk):  # [C, L, H, P] -> [L, H, P, C], cast and transposed in one copy
+            pairs[..., slot, :].copy_(part.permute(1, 2, 3, 0))
+        rest = torch.cat((summaries.high[..., rope.dim :], summaries.low[..., rope.dim :]), dim=-1)
+        rest = rest.permute(1, 2, 3, 0).to(torch.float64).reshape(layers * heads, -1, chunks)
+        span_end = int(summaries.spans[:, 1].max()) if len(summaries.spans) else 0
+        return cls(pairs.view(layers * heads, rope.dim // 2, 5, chunks), rest, layers, heads, span_end)
+
+
+def _bound_batches(
+    keys: _KeyOperands,
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    fact_start: int,
+    rope: RopeConfig,
+    batch: int | None,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """float64 bounds `[B, C, L, H]` of successive batches of queries, with the index of each batch's first.
+
+    Per pair, min(a, b) = (a + b - |a - b|) / 2: a = the box term, b = the norm bound. Every sum over pairs
+    except that of |a - b| is linear in the keys, so one matmul over (pair, operand) gives it; |a - b| needs
+    each pair's own value, a 5-term product per (query, chunk, pair), reduced over pairs by an L1 norm.
+    """
+    pairs, chunks = rope.dim // 2, keys.chunks
+    q = queries.double()
+    positions = query_positions.to(q.device)
+    relative = (positions - fact_start).view(-1, 1, 1).expand(*q.shape[:-1])  # one angle per query
+    q_rel = rotate(q[..., None, :], relative[..., None], rope)[..., 0, :]  # [Q, L, H, D]
+    first, second = _pair_slices(rope)
+    q_norm = torch.sqrt(q[..., first] ** 2 + q[..., second] ** 2)  # [Q, L, H, P]
+    # float32 angles p*theta in the engine: a few ulps of the largest angle, times each pair's norm bound
+    reach = (abs(fact_start) + keys.span_end + positions.abs()).double()[:, None]
+    inv = inverse_frequencies(rope).double().to(q.device)
+    slack = (4 * 2.0**-23 * reach * inv + 1e-7)[:, None, None]  # [Q, 1, 1, P]
+    up, down = q_rel.clamp(min=0), q_rel.clamp(max=0)  # a corner of the box: high where q >= 0, low where q < 0
+    corner = [up[..., first], down[..., first], up[..., second], down[..., second]]
+    per_pair = torch.stack([*corner, -q_norm], dim=-1)  # . [high_f, low_f, high_s, low_s, norm] = a - b
+    linear = torch.stack([*(0.5 * c for c in corner), (0.5 + slack) * q_norm], dim=-1)  # = a/2 + b/2 + slack
+    rest = torch.cat((up[..., rope.dim :], down[..., rope.dim :]), dim=-1)  # [Q, L, H, 2R]
+    per_pair = per_pair.flatten(1, 2).permute(1, 2, 0, 3)  # [L*H, P, Q, 5]
+    linear, rest = linear.flatten(1, 2).flatten(-2).transpose(0, 1), rest.flatten(1, 2).transpose(0, 1)
+    step = batch or max(1, _BLOCK // max(1, keys.pairs[..., 0, :].numel()))
+    for at in range(0, q.shape[0], step):
+        b = min(step, q.shape[0] - at)
+        diff = torch.matmul(per_pair[:, :, at : at + b], keys.pairs)  # [L*H, P, B, C]: a - b per pair
+        bound = torch.linalg.vector_norm(diff, ord=1, dim=1)  # [L*H, B, C]
+        bound = torch.baddbmm(bound, linear[:, at : at + b], keys.pairs.view(-1, 5 * pairs, chunks), beta=-0.5)
+        if rest.shape[-1]:
+            bound = torch.baddbmm(bound, rest[:, at : at + b], keys.rest)
+        yield at, bound.view(keys.layers, keys.heads, b, chunks).permute(2, 3, 0, 1)
 
 
 def compact(summaries: ChunkSummaries, dtype: torch.dtype = torch.bfloat16) -> ChunkSummaries:
