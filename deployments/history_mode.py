@@ -56,6 +56,7 @@ class QuestionPass:
         )
         self._lock = threading.Lock()  # one replay at a time: a graph's input and output buffers are shared
 
+    @torch.inference_mode()  # the graphs' buffers are inference tensors: only written to in inference mode
     def __call__(self, token_ids: list[int]) -> torch.Tensor:
         """Pre-RoPE queries `[L, H, Q, D]` of the question's tokens."""
         bucket = next((b for b in QUESTION_BUCKETS if b >= len(token_ids)), None)
