@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 import torch
 
 from kvcore.rope import RopeConfig
-from kvcore.summaries import ChunkSummaries, upper_bounds
+from kvcore.summaries import ChunkSummaries, max_upper_bounds
 
 Span = tuple[int, int]  # [start, end) in the history's tokens
 
@@ -50,7 +50,7 @@ def chunk_mass(
         queries.view(layers, kv_heads, group, tokens, dim).permute(3, 2, 0, 1, 4).reshape(-1, layers, kv_heads, dim)
     )
     positions = (first_position + torch.arange(tokens, device=queries.device)).repeat_interleave(group)
-    best = upper_bounds(summaries, grouped, positions, 0, rope).amax(0)  # [C, L, KVH]
+    best = max_upper_bounds(summaries, grouped, positions, 0, rope)  # [C, L, KVH]
     mass = torch.softmax(best / math.sqrt(dim), dim=0)  # over chunks
     return mass.mean(-1).transpose(0, 1)  # [L, C]
 

@@ -90,12 +90,12 @@ def upper_bounds(
     batch: int | None = None,
 ) -> torch.Tensor:
     """`upper_bound` of Q queries `[Q, L, H, D]` at `query_positions` `[Q]` at once: `[Q, C, L, H]`, computed
-    `batch` queries at a time (default: as many as `_BLOCK` float64 pair terms allow)."""
-    keys = _KeyOperands.of(summaries, rope)
-    out = torch.empty(queries.shape[0], keys.chunks, keys.layers, keys.heads, device=queries.device)
-    for at, bound in _bound_batches(keys, queries, query_positions, fact_start, rope, batch):
-        out[at : at + bound.shape[0]] = bound.float()
-    return out
+    `batch` queries at a time (default: as many as a block of float64 pair terms holds)."""
+    chunks, layers, heads, _ = summaries.low.shape
+    out = torch.empty(queries.shape[0], chunks, layers * heads, device=queries.device)
+    for at, lh, bound in _blocks(summaries, queries, query_positions, fact_start, rope, batch):  # [lh, B, C]
+        out[at : at + bound.shape[1], :, lh] = bound.permute(1, 2, 0)
+    return out.view(-1, chunks, layers, heads)
 
 
 def max_upper_bounds(
@@ -107,15 +107,11 @@ def max_upper_bounds(
     batch: int | None = None,
 ) -> torch.Tensor:
     """`upper_bounds(...).amax(0)` `[C, L, H]` without keeping every query's bounds (what ranking chunks needs)."""
-    keys = _KeyOperands.of(summaries, rope)
-    best = torch.full((keys.chunks, keys.layers, keys.heads), -torch.inf, dtype=torch.float64, device=queries.device)
-    for _, bound in _bound_batches(keys, queries, query_positions, fact_start, rope, batch):
-        torch.maximum(best, bound.amax(0), out=best)
-    return best.float()  # rounding is monotone: the max of the rounded bounds
-
-
-# float64 pair terms `[L*H, P, batch, C]` materialised at once: 32 MiB keeps a GPU's kernels few and large
-_BLOCK = 1 << 22
+    chunks, layers, heads, _ = summaries.low.shape
+    best = torch.full((chunks, layers * heads), -torch.inf, dtype=torch.float64, device=queries.device)
+    for _, lh, bound in _blocks(summaries, queries, query_positions, fact_start, rope, batch):
+        best[:, lh] = torch.maximum(best[:, lh], bound.amax(1).T)
+    return best.view(chunks, layers, heads).float()  # rounding is monotone: the max commutes with it
 
 
 def _pair_slices(rope: RopeConfig) -> tuple[slice, slice]:
@@ -126,76 +122,116 @@ def _pair_slices(rope: RopeConfig) -> tuple[slice, slice]:
     return slice(0, rope.dim, 2), slice(1, rope.dim, 2)
 
 
+def _by_pair(x: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Rotated channels `[..., D]` as `[..., 2, P]` (first channels, then second), a view."""
+    rotated = x[..., : rope.dim]
+    if rope.style == "neox":
+        return rotated.unflatten(-1, (2, rope.dim // 2))
+    return rotated.unflatten(-1, (rope.dim // 2, 2)).transpose(-1, -2)
+
+
 @dataclass(frozen=True)
-class _KeyOperands:
-    """A fact's summaries laid out once per call as float64 matmul operands, one matrix per (layer, head, pair)."""
+class _QueryRows:
+    """The queries' side of the bound, float64, as rows against each (layer, head, pair)'s key columns.
 
-    pairs: torch.Tensor  # [L*H, P, 5, C]: high and low of each pair's channels, then the pair's norm
-    rest: torch.Tensor  # [L*H, 2R, C]: high and low of the R unrotated channels
-    layers: int
-    heads: int
-    span_end: int
+    Per pair, with a the box term and b the norm bound, min(a, b) = min(a - b, 0) + b. The box is highest at
+    its corner high where q' >= 0 and low where q' < 0, so a = q'+ · high + q'- · low (one of each two
+    products is zero: exactly the max(q'·low, q'·high) of each channel), and a - b is a 5-term product per
+    (query, chunk, pair) against the columns (high_f, high_s, low_f, low_s, norm). The b terms and the
+    rounding slack are linear in the norms: one matmul over pairs sums them.
+    """
 
-    @property
-    def chunks(self) -> int:
-        return self.pairs.shape[-1]
+    per_pair: torch.Tensor  # [L*H, P, Q, 5]: rows giving a - b
+    norm: torch.Tensor  # [L*H, Q, P]: (1 + slack) |q_pair|, against the norms
+    rest: torch.Tensor  # [L*H, Q, 2R]: the box term of the unrotated channels, against (high, low)
 
     @classmethod
-    def of(cls, summaries: ChunkSummaries, rope: RopeConfig) -> "_KeyOperands":
-        chunks, layers, heads, dim = summaries.low.shape
+    def of(
+        cls, queries: torch.Tensor, query_positions: torch.Tensor, fact_start: int, span_end: int, rope: RopeConfig
+    ) -> "_QueryRows":
+        q = queries.double()
+        positions = query_positions.to(q.device)
+        relative = (positions - fact_start).view(-1, 1, 1).expand(*q.shape[:-1])  # one angle per query
+        q_rel = rotate(q[..., None, :], relative[..., None], rope)[..., 0, :]  # [Q, L, H, D]
         first, second = _pair_slices(rope)
-        by_chunk = [summaries.high[..., first], summaries.low[..., first]]
-        by_chunk += [summaries.high[..., second], summaries.low[..., second], summaries.norms]
-        pairs = torch.empty(layers, heads, rope.dim // 2, 5, chunks, dtype=torch.float64, device=summaries.low.device)
-        for slot, part in enumerate(by_chunk):  # [C, L, H, P] -> [L, H, P, C], cast and transposed in one copy
-            pairs[..., slot, :].copy_(part.permute(1, 2, 3, 0))
-        rest = torch.cat((summaries.high[..., rope.dim :], summaries.low[..., rope.dim :]), dim=-1)
-        rest = rest.permute(1, 2, 3, 0).to(torch.float64).reshape(layers * heads, -1, chunks)
-        span_end = int(summaries.spans[:, 1].max()) if len(summaries.spans) else 0
-        return cls(pairs.view(layers * heads, rope.dim // 2, 5, chunks), rest, layers, heads, span_end)
+        q_norm = torch.sqrt(q[..., first] ** 2 + q[..., second] ** 2)  # [Q, L, H, P]
+        # float32 angles p*theta in the engine: a few ulps of the largest angle, times each pair's norm bound
+        reach = (abs(fact_start) + span_end + positions.abs()).double()[:, None]
+        inv = inverse_frequencies(rope).double().to(q.device)
+        slack = (4 * 2.0**-23 * reach * inv + 1e-7)[:, None, None]  # [Q, 1, 1, P]
+        up, down = q_rel.clamp(min=0), q_rel.clamp(max=0)
+        per_pair = torch.cat((_by_pair(up, rope), _by_pair(down, rope), -q_norm[..., None, :]), dim=-2)
+        rest = torch.cat((up[..., rope.dim :], down[..., rope.dim :]), dim=-1)  # [Q, L, H, 2R]
+        return cls(
+            per_pair.flatten(1, 2).permute(1, 3, 0, 2).contiguous(),
+            ((1 + slack) * q_norm).flatten(1, 2).transpose(0, 1).contiguous(),
+            rest.flatten(1, 2).transpose(0, 1).contiguous(),
+        )
 
 
-def _bound_batches(
-    keys: _KeyOperands,
+def _key_columns(summaries: ChunkSummaries, lh: slice, rope: RopeConfig, out: torch.Tensor) -> torch.Tensor:
+    """The key columns `[lh, P, 5, C]` float64 of some (layer, head)s, written into `out`: made block by block,
+    so a CPU casts and transposes them in its cache (all at once, that copy took as long as the bound)."""
+    high, low = summaries.high.flatten(1, 2)[:, lh], summaries.low.flatten(1, 2)[:, lh]  # [C, lh, D]
+    columns = out.view(high.shape[1], rope.dim // 2, 5, high.shape[0])
+    columns[:, :, 0:2].copy_(_by_pair(high, rope).permute(1, 3, 2, 0))
+    columns[:, :, 2:4].copy_(_by_pair(low, rope).permute(1, 3, 2, 0))
+    columns[:, :, 4].copy_(summaries.norms.flatten(1, 2)[:, lh].permute(1, 2, 0))
+    return columns
+
+
+# float64 pair terms materialised at once. A CPU's stay in its cache (8 MiB measured best: a sweep through memory
+# is several times slower); a GPU's take 512 MiB, so the 8B shape's request (80 queries, 2,048 chunks, 32 heads)
+# is 6 blocks of large kernels
+_CACHED_BLOCK, _DEVICE_BLOCK = 1 << 20, 1 << 26
+
+
+def _blocks(
+    summaries: ChunkSummaries,
     queries: torch.Tensor,
     query_positions: torch.Tensor,
     fact_start: int,
     rope: RopeConfig,
     batch: int | None,
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """float64 bounds `[B, C, L, H]` of successive batches of queries, with the index of each batch's first.
+    cached: bool | None = None,
+    block: int | None = None,
+) -> Iterator[tuple[int, slice, torch.Tensor]]:
+    """float64 bounds `[lh, B, C]` of blocks of ((layer, head), query): each block's first query and its heads.
 
-    Per pair, min(a, b) = (a + b - |a - b|) / 2: a = the box term, b = the norm bound. Every sum over pairs
-    except that of |a - b| is linear in the keys, so one matmul over (pair, operand) gives it; |a - b| needs
-    each pair's own value, a 5-term product per (query, chunk, pair), reduced over pairs by an L1 norm.
+    Blocks hold about `block` pair terms. Σ_pairs min(a - b, 0) is one clamp and one sum where a block stays
+    `cached` (default: on a CPU); where it does not (a GPU's), it is (Σ (a - b) - Σ |a - b|) / 2: one fused
+    read (an L1 norm) and a matmul.
     """
-    pairs, chunks = rope.dim // 2, keys.chunks
-    q = queries.double()
-    positions = query_positions.to(q.device)
-    relative = (positions - fact_start).view(-1, 1, 1).expand(*q.shape[:-1])  # one angle per query
-    q_rel = rotate(q[..., None, :], relative[..., None], rope)[..., 0, :]  # [Q, L, H, D]
-    first, second = _pair_slices(rope)
-    q_norm = torch.sqrt(q[..., first] ** 2 + q[..., second] ** 2)  # [Q, L, H, P]
-    # float32 angles p*theta in the engine: a few ulps of the largest angle, times each pair's norm bound
-    reach = (abs(fact_start) + keys.span_end + positions.abs()).double()[:, None]
-    inv = inverse_frequencies(rope).double().to(q.device)
-    slack = (4 * 2.0**-23 * reach * inv + 1e-7)[:, None, None]  # [Q, 1, 1, P]
-    up, down = q_rel.clamp(min=0), q_rel.clamp(max=0)  # a corner of the box: high where q >= 0, low where q < 0
-    corner = [up[..., first], down[..., first], up[..., second], down[..., second]]
-    per_pair = torch.stack([*corner, -q_norm], dim=-1)  # . [high_f, low_f, high_s, low_s, norm] = a - b
-    linear = torch.stack([*(0.5 * c for c in corner), (0.5 + slack) * q_norm], dim=-1)  # = a/2 + b/2 + slack
-    rest = torch.cat((up[..., rope.dim :], down[..., rope.dim :]), dim=-1)  # [Q, L, H, 2R]
-    per_pair = per_pair.flatten(1, 2).permute(1, 2, 0, 3)  # [L*H, P, Q, 5]
-    linear, rest = linear.flatten(1, 2).flatten(-2).transpose(0, 1), rest.flatten(1, 2).transpose(0, 1)
-    step = batch or max(1, _BLOCK // max(1, keys.pairs[..., 0, :].numel()))
-    for at in range(0, q.shape[0], step):
-        b = min(step, q.shape[0] - at)
-        diff = torch.matmul(per_pair[:, :, at : at + b], keys.pairs)  # [L*H, P, B, C]: a - b per pair
-        bound = torch.linalg.vector_norm(diff, ord=1, dim=1)  # [L*H, B, C]
-        bound = torch.baddbmm(bound, linear[:, at : at + b], keys.pairs.view(-1, 5 * pairs, chunks), beta=-0.5)
-        if rest.shape[-1]:
-            bound = torch.baddbmm(bound, rest[:, at : at + b], keys.rest)
-        yield at, bound.view(keys.layers, keys.heads, b, chunks).permute(2, 3, 0, 1)
+    cached = queries.device.type == "cpu" if cached is None else cached
+    span_end = int(summaries.spans[:, 1].max()) if len(summaries.spans) else 0
+    rows = _QueryRows.of(queries, query_positions, fact_start, span_end, rope)
+    heads, pairs, count, _ = rows.per_pair.shape
+    chunks = summaries.low.shape[0]
+    size = block or (_CACHED_BLOCK if cached else _DEVICE_BLOCK)
+    step = batch or max(1, min(count, size // (pairs * max(chunks, 1))))
+    lh_step = max(1, min(heads, size // (pairs * step * max(chunks, 1))))
+    columns = torch.empty(lh_step * pairs * 5 * chunks, dtype=torch.float64, device=queries.device)
+    scratch = torch.empty(lh_step * pairs * min(count, step) * chunks, dtype=torch.float64, device=queries.device)
+    rest = torch.cat((summaries.high[..., rope.dim :], summaries.low[..., rope.dim :]), dim=-1).flatten(1, 2)
+    for h in range(0, heads, lh_step):  # each head's columns made once
+        lh = slice(h, min(h + lh_step, heads))
+        keys = _key_columns(summaries, lh, rope, columns[: (lh.stop - h) * pairs * 5 * chunks])
+        rest_keys = rest[:, lh].permute(1, 2, 0).double()  # [lh, 2R, C]
+        for at in range(0, count, step):
+            ask = slice(at, at + step)
+            per_pair = rows.per_pair[lh, :, ask]  # [lh, P, B, 5]
+            diff = scratch[: per_pair[..., 0].numel() * chunks].view(*per_pair.shape[:-1], chunks)
+            torch.matmul(per_pair, keys, out=diff)  # [lh, P, B, C]: a - b per pair
+            if cached:
+                bound = diff.clamp_(max=0).sum(1)  # [lh, B, C]
+            else:
+                spread = torch.linalg.vector_norm(diff, ord=1, dim=1)
+                flat = per_pair.transpose(1, 2).flatten(2)  # [lh, B, 5P]
+                bound = torch.baddbmm(spread, flat, keys.flatten(1, 2), beta=-0.5, alpha=0.5)
+            bound.baddbmm_(rows.norm[lh, ask], keys[:, :, 4])
+            if rest_keys.shape[1]:
+                bound.baddbmm_(rows.rest[lh, ask], rest_keys)
+            yield at, lh, bound
 
 
 def compact(summaries: ChunkSummaries, dtype: torch.dtype = torch.bfloat16) -> ChunkSummaries:

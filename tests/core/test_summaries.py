@@ -130,3 +130,47 @@ def test_compact_summaries_take_half_the_bytes_and_stay_bounds(rope):
             loosened.append(float(((bound - exact).mean() / (wide - exact).mean())))
     assert checks > 10**4 and violations == 0
     assert sum(loosened) / len(loosened) < 1.05  # the outward rounding loosens the bound a little only
+
+
+def reference_bounds(summaries, queries, positions, fact_start, rope):
+    """The bound restated plainly, in float64 `[Q, C, L, H]`: per channel the box's best corner, per pair the
+    smaller of that and the norm bound, plus the float32-angle slack (the implementation it replaced)."""
+    from kvcore.rope import inverse_frequencies
+    from kvcore.summaries import pair_index
+
+    first, second = pair_index(rope)
+    low, high, norms = summaries.low.double(), summaries.high.double(), summaries.norms.double()
+    q = queries.double()
+    relative = (positions - fact_start).view(-1, 1, 1).expand(*q.shape[:-1])
+    q_rel = rotate(q[..., None, :], relative[..., None], rope)[..., 0, :][:, None]  # [Q, 1, L, H, D]
+    channel = torch.maximum(q_rel * low, q_rel * high)
+    norm_bound = torch.sqrt(q[..., first] ** 2 + q[..., second] ** 2)[:, None] * norms
+    pairs = torch.minimum(norm_bound, channel[..., first] + channel[..., second]).sum(-1)
+    reach = (abs(fact_start) + int(summaries.spans[:, 1].max()) + positions.abs()).double().view(-1, 1, 1, 1, 1)
+    rounding = (4 * 2.0**-23 * reach * inverse_frequencies(rope).double() + 1e-7) * norm_bound
+    return pairs + channel[..., rope.dim :].sum(-1) + rounding.sum(-1)
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=["smollm2", "llama31", "gptj-partial"])
+@pytest.mark.parametrize("narrow", [False, True], ids=["f32", "bf16"])
+def test_the_blocked_bounds_equal_the_plain_statement(rope, narrow):
+    """Every way of blocking and reducing (a CPU's clamp, a GPU's L1 norm) gives the plain bound's float64 values
+    up to rounding, and the public float32 results are those values rounded."""
+    from kvcore.summaries import _blocks, max_upper_bounds
+
+    keys, gen = sample(rope, 11, layers=3, heads=2)
+    summaries = summarize(keys, adaptive_spans(torch.rand(32, generator=gen), min_size=2, max_size=8), rope)
+    summaries = compact(summaries) if narrow else summaries
+    queries = torch.randn(13, 3, 2, rope.head_dim, generator=gen) * 3  # mixed signs in every pair
+    positions = torch.randint(40, 60000, (13,), generator=gen)
+    expected = reference_bounds(summaries, queries, positions, 29, rope)
+    scale = float(expected.abs().max())
+    for cached in (True, False):
+        for batch, block in ((None, None), (3, 1), (5, 4000)):  # one block; one (head, query) at a time; mixed
+            got = torch.full_like(expected, torch.nan).flatten(2)
+            for at, lh, bound in _blocks(summaries, queries, positions, 29, rope, batch, cached, block):
+                got[at : at + bound.shape[1], :, lh] = bound.permute(1, 2, 0)
+            assert float((got.view_as(expected) - expected).abs().max()) <= 1e-13 * scale
+    bounds = upper_bounds(summaries, queries, positions, 29, rope)
+    torch.testing.assert_close(bounds, expected.float(), rtol=2**-23, atol=0)
+    assert torch.equal(max_upper_bounds(summaries, queries, positions, 29, rope), bounds.amax(0))
