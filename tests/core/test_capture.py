@@ -37,14 +37,10 @@ def test_tracker_follows_blocks_across_chunked_prefill():
     assert tracker.step([("r", None, 12, 1)]) == []  # delivered once
 
 
-@pytest.mark.parametrize("record_dtype", [torch.float32, None], ids=["float32-records", "engine-dtype-records"])
-def test_engine_cache_round_trips_through_a_record(tmp_path, record_dtype):
-    """K/V an engine wrote (bf16, bf16 cos/sin table) -> captured record -> injected: identical bits with float32
-    records; with records in the engine's bf16, half their bytes, V identical and K within the one rounding of
-    its pre-RoPE values to bf16 (a few bf16 steps after re-rotation)."""
+def _engine_cache(seed: int, tokens: int = 10) -> tuple[PagedLayout, int, list[int], dict[str, torch.Tensor]]:
+    """Paged bf16 caches holding `tokens` of random K/V as an engine writes them (keys rotated with a bf16 table)."""
     layout = PagedLayout("rows", BS, H, D)
-    tokens = 10
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
     k_pre = torch.randn(L, H, tokens, D, generator=gen).to(torch.bfloat16)
     v = torch.randn(L, H, tokens, D, generator=gen).to(torch.bfloat16)
     cos, sin = cos_sin(torch.arange(tokens), ROPE)
@@ -53,6 +49,15 @@ def test_engine_cache_round_trips_through_a_record(tmp_path, record_dtype):
     source = {f"layer.{i}": torch.zeros(6, H, BS, 2 * D, dtype=torch.bfloat16) for i in range(L)}
     for i, cache in enumerate(source.values()):
         layout.scatter(cache, engine_keys[i], v[i], slot_mapping(blocks, 0, tokens, BS))
+    return layout, tokens, blocks, source
+
+
+@pytest.mark.parametrize("record_dtype", [torch.float32, None], ids=["float32-records", "engine-dtype-records"])
+def test_engine_cache_round_trips_through_a_record(tmp_path, record_dtype):
+    """K/V an engine wrote (bf16, bf16 cos/sin table) -> captured record -> injected: identical bits with float32
+    records; with records in the engine's bf16, half their bytes, V identical and K within the one rounding of
+    its pre-RoPE values to bf16 (a few bf16 steps after re-rotation)."""
+    layout, tokens, blocks, source = _engine_cache(seed=3)
 
     store = LocalFactStore(tmp_path)
     capture = CaptureWorker(store, FP, ROPE, record_dtype)
@@ -93,17 +98,7 @@ def test_engine_cache_round_trips_through_a_record(tmp_path, record_dtype):
 def test_a_captured_record_is_kept_in_the_arena_and_served_from_it_without_reading_its_file(tmp_path, monkeypatch):
     """The capture hands each stored record to the injector with its file's stamp and its K/V still on the device;
     the next request's load of it reads no file and writes the very values the engine had cached."""
-    layout = PagedLayout("rows", BS, H, D)
-    tokens = 10
-    gen = torch.Generator().manual_seed(5)
-    k_pre = torch.randn(L, H, tokens, D, generator=gen).to(torch.bfloat16)
-    v = torch.randn(L, H, tokens, D, generator=gen).to(torch.bfloat16)
-    cos, sin = cos_sin(torch.arange(tokens), ROPE)
-    engine_keys = apply_rotation(k_pre, cos, sin, ROPE, table_dtype=torch.bfloat16)
-    blocks = [5, 1, 3]
-    source = {f"layer.{i}": torch.zeros(6, H, BS, 2 * D, dtype=torch.bfloat16) for i in range(L)}
-    for i, cache in enumerate(source.values()):
-        layout.scatter(cache, engine_keys[i], v[i], slot_mapping(blocks, 0, tokens, BS))
+    layout, tokens, blocks, source = _engine_cache(seed=5)
     store = LocalFactStore(tmp_path)
     target = {name: torch.zeros_like(cache) for name, cache in source.items()}
     worker = InjectionWorker(store, FP, ROPE)
