@@ -65,6 +65,7 @@ class InjectionWorker:
         self._fingerprint = fingerprint
         self._rope = rope
         self._device_cache_bytes = device_cache_bytes
+        self._admit_captures = True  # off after an arena failure that is not a full arena (admit_captured)
         self._device_tenant_bytes = device_tenant_bytes  # one tenant's share of the arena (None: no cap)
         self._rotate_bytes = rotate_bytes  # float32 working set of one rotation call
         self._targets: dict[str, CacheTarget] = {}
@@ -130,12 +131,15 @@ class InjectionWorker:
         """A record this engine just captured, its K/V still on the device, into the arena: its first load then
         reads no file (a history's chunks, chosen by the next questions; a fact just encoded). Skipped, never
         failing the capture, when the arena has no room outside the current step's records."""
-        if self._arena is None:
+        if self._arena is None or not self._admit_captures:
             return
         try:
             self._arena.insert((tenant_id, record_id), stamp, k, v)
         except (ArenaFullError, IncompatibleRecordsError) as exc:
             log.debug("captured record %s/%s not kept in the arena: %s", tenant_id, record_id, exc)
+        except Exception:  # noqa: BLE001 - e.g. the arena's first allocation out of device memory: stop trying
+            self._admit_captures = False
+            log.warning("captured records are no longer kept in the device arena", exc_info=True)
         finally:
             self._flush_spills()
 

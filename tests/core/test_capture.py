@@ -132,3 +132,33 @@ def test_a_captured_record_is_kept_in_the_arena_and_served_from_it_without_readi
     assert worker.take_failed_blocks() == set()
     for name in source:
         assert torch.equal(target[name], source[name])
+
+
+def test_an_arena_that_fails_to_take_a_captured_record_fails_neither_the_capture_nor_later_ones(tmp_path, monkeypatch):
+    """Keeping a capture hot is a bonus: an arena error that is not a full arena (its first allocation out of device
+    memory) leaves every record stored, and later captures stop asking the arena."""
+    layout, tokens, blocks, source = _engine_cache(seed=6)
+    store = LocalFactStore(tmp_path)
+    worker = InjectionWorker(store, FP, ROPE)
+    worker.register({name: torch.zeros_like(cache) for name, cache in source.items()}, layout)
+    asked = []
+
+    def out_of_memory(*args, **kwargs):
+        asked.append(args[0])
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    capture = CaptureWorker(store, FP, ROPE, torch.float32, on_stored=worker.admit_captured)
+    capture.register({name: i for i, name in enumerate(source)}, layout)
+    worker.start([])  # the arena exists once the worker has a layout
+    monkeypatch.setattr(worker._arena, "insert", out_of_memory)
+    tracker = CaptureTracker()
+    spans = (CaptureSpan("head", 0, 4), CaptureSpan("tail", 4, tokens))
+    for request, tenant in (("a", "t1"), ("b", "t2")):
+        tracker.add(request, CapturePlan(tenant, spans, keep_hot=True), list(range(100, 110)))
+        specs = tracker.step([(request, blocks, 0, tokens)])
+        for name, cache in source.items():
+            capture.save_layer(name, cache, specs)
+        capture.end_step()
+    assert asked == [("t1", "head")]  # asked once, then never again
+    for tenant in ("t1", "t2"):
+        assert [store.get(tenant, r).k.shape[2] for r in ("head", "tail")] == [4, tokens - 4]
