@@ -40,7 +40,7 @@ sampled() {  # name, seconds, command...: run, with stack sampling when SAMPLE_M
 serve_errors() {  # name: what the serving cluster's processes logged of errors (Ray's logs outlive the run)
     { grep -h -B2 -A40 -e "Fatal Python error" -e "terminate called" -e "query embedder" \
         /tmp/ray-*/session_latest/logs/*.err 2>/dev/null | head -300  # a dying child's own words come first
-      grep -h -B2 -A25 -e Traceback -e "device arena" /tmp/ray-*/session_latest/logs/*.err \
+      grep -h -B2 -A25 -e Traceback -e "device arena" -e "capture failed" /tmp/ray-*/session_latest/logs/*.err \
         /tmp/ray-*/session_latest/logs/serve/*.log 2>/dev/null | tail -300; } >"$out/$1.log"
 }
 for step in "$@"; do
