@@ -3,6 +3,7 @@ CPU, CUDA vLLM on a GPU, or a model shape with dummy weights), so measurements r
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import shutil
@@ -71,6 +72,34 @@ def write_early_layers(config: dict, path: Path, layers: int, seed: int = 0) -> 
     save_file(tensors, str(path))
 
 
+ERRORS_ENV = "SERVE_ERRORS_LOG"  # a file that gets the serving cluster's error lines when the benchmark exits
+ERROR_MARKS = (
+    "Traceback",
+    "Fatal Python error",
+    "terminate called",
+    "capture failed",
+    "device arena",
+    "query embedder",
+)
+
+
+def keep_errors(ray_temp: Path, out: Path, before: int = 2, after: int = 30) -> None:
+    """Write the lines around every error mark in the cluster's logs (replicas' stderr, Serve's logs) to `out`:
+    the logs go with Ray's scratch folder, and a replica's traceback is often the only account of a 500."""
+    blocks = []
+    logs = sorted(ray_temp.glob("session_*/logs/*.err")) + sorted(ray_temp.glob("session_*/logs/serve/*.log"))
+    for path in logs:
+        lines = path.read_text(errors="replace").splitlines()
+        marked = [i for i, line in enumerate(lines) if any(mark in line for mark in ERROR_MARKS)]
+        shown = -1
+        for i in marked:
+            if i <= shown:
+                continue
+            shown = min(len(lines) - 1, i + after)
+            blocks.append(f"== {path.name}:{i + 1}\n" + "\n".join(lines[max(0, i - before) : shown + 1]))
+    out.write_text("\n".join(blocks) + ("\n" if blocks else ""))
+
+
 def start_local_serve(proxy: str, num_cpus: int) -> int:
     """A local Ray (loopback only) with Serve in `proxy` mode started in this process; returns the HTTP port.
     Ray reads the mode as it starts, so nothing of Ray may have started in this process before."""
@@ -81,6 +110,8 @@ def start_local_serve(proxy: str, num_cpus: int) -> int:
 
     os.environ.update(LOOPBACK_ENV)
     temp_dir = scratch_dir(prefix="ray-", dir="/tmp")  # short: Ray's and HAProxy's unix sockets live under it
+    if os.environ.get(ERRORS_ENV):  # registered after the folder's removal, so it runs before it
+        atexit.register(keep_errors, Path(temp_dir), Path(os.environ[ERRORS_ENV]))
     apply_serve_env(proxy, Path(temp_dir) / "serve")  # type: ignore[arg-type]
     import ray  # only now: Ray Serve reads the mode's switches when it is first imported
     from ray import serve

@@ -22,11 +22,11 @@ export RAY_USAGE_STATS_ENABLED=0
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/root/stash/vllm-cache}  # kept while the machine stays warm: later calls compile less
 SHAPE=benchmarks/configs/llama31-8b-shape.json
-run() {  # name, seconds, command...
+run() {  # name, seconds, command...: its log, and what a serving cluster's processes logged of errors
     local name=$1 limit=$2
     shift 2
     local started=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    SERVE_ERRORS_LOG="$out/$name-errors.log" timeout "$limit" "$@" >"$out/$name.log" 2>&1
     echo "$name: exit $? in $((SECONDS - started)) s"
     grep -E "identical greedy|^k=|concurrent|^w=|TTFT|random traffic|passed|failed|Error" "$out/$name.log" | tail -8
 }
@@ -36,12 +36,6 @@ sampled() {  # name, seconds, command...: run, with stack sampling when SAMPLE_M
     INFERSCALE_SAMPLE_DIR="$out/samples-$name" INFERSCALE_SAMPLE_MS=$SAMPLE_MS PYTHONPATH="$PWD/scripts/sampling:$PYTHONPATH" run "$@"
     python3 scripts/stack_report.py "$out/samples-$name" --top 30 >"$out/$name-stacks.txt" 2>&1
     tar czf "$out/samples-$name.tgz" -C "$out" "samples-$name" && rm -rf "$out/samples-$name"  # the raw samples, for other cuts
-}
-serve_errors() {  # name: what the serving cluster's processes logged of errors (Ray's logs outlive the run)
-    { grep -h -B2 -A40 -e "Fatal Python error" -e "terminate called" -e "query embedder" \
-        /tmp/ray-*/session_latest/logs/*.err 2>/dev/null | head -300  # a dying child's own words come first
-      grep -h -B2 -A25 -e Traceback -e "device arena" -e "capture failed" /tmp/ray-*/session_latest/logs/*.err \
-        /tmp/ray-*/session_latest/logs/serve/*.log 2>/dev/null | tail -300; } >"$out/$1.log"
 }
 for step in "$@"; do
     case "$step" in
@@ -58,8 +52,7 @@ for step in "$@"; do
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
     serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json" \
-            --embed-device "${EMBED_DEVICE:-cuda}" --query-embedding "${QUERY_EMBEDDING:-process}" ${ENGINE_SM_PERCENT:+--engine-sm-percent "$ENGINE_SM_PERCENT"}
-        serve_errors serve-errors ;;
+            --embed-device "${EMBED_DEVICE:-cuda}" --query-embedding "${QUERY_EMBEDDING:-process}" ${ENGINE_SM_PERCENT:+--engine-sm-percent "$ENGINE_SM_PERCENT"} ;;
     quality)  # the answer-quality dev set (SmolLM2 in bf16): windows, recomputation, prompt and off at k = 10, 50
         # (QUALITY_MODES, QUALITY_KS, QUALITY_LIMIT and QUALITY_CONCURRENCY narrow a run to one device call)
         python3 -m benchmarks.quality.devset --out /tmp/devset.json
@@ -67,9 +60,9 @@ for step in "$@"; do
             --modes "${QUALITY_MODES:-inject_w0,inject_w5,inject_w20,inject_w5_m1,inject_w5_m3,inject_w5_m5,prompt,off}" --ks "${QUALITY_KS:-10,50}"
         grep -E "^conversation" "$out/quality.log" | tail -3 ;;
     history-ttft) run history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --out "$out/history_ttft.json"
-        tail -30 "$out/history-ttft.log"; serve_errors history-ttft-errors ;;
+        tail -30 "$out/history-ttft.log" ;;
     history-quality) run history-quality 400 python3 benchmarks/history_quality.py --tenants "${HISTORY_TENANTS:-4}" --out "$out/history_quality.json"
-        grep -E "^history_|^whole_history" "$out/history-quality.log"; serve_errors history-quality-errors ;;
+        grep -E "^history_|^whole_history" "$out/history-quality.log" ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
     encode-job-shape) run encode-job-shape 540 python3 benchmarks/encode_job.py --config "$SHAPE" --out "$out/encode_job_8b.json" ;;
     tenants-gpu) run tenants-gpu 590 python3 benchmarks/tenants_per_gpu.py --out "$out/tenants_per_gpu.json"

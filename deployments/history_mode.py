@@ -181,7 +181,7 @@ class HistoryChooser:
         queries = self.question_pass(ids)
         marks.append(self._synced())
         by_retrieval = index.by_retrieval(self.embedder.embed_tensor([question])[0]) if question else []
-        marks.append(time.perf_counter())
+        marks.append(self._synced())
         chosen = index.choose(queries, budget, by_retrieval)
         marks.append(time.perf_counter())
         items = [MemoryItem(index.record_ids[c], index.chunk_tokens(c), index.record_ids[c]) for c in chosen]

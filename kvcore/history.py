@@ -55,21 +55,28 @@ def chunk_mass(
     return mass.mean(-1).transpose(0, 1)  # [L, C]
 
 
-def chunks_by_turn_score(spans: Sequence[Span], turns: Mapping[str, Span], scores: Mapping[str, float]) -> list[int]:
-    """Chunks by the best retrieval score of a turn they hold part of (best first; chunks of no scored turn last).
-    Chunks do not overlap, so each turn finds its chunks by bisection: a 32k-token history's ~1,500 turns against
-    its 2,048 chunks cost a few ms, where a turn-by-chunk scan took ~300 ms of a request's time to first token."""
+def turn_chunk_pairs(spans: Sequence[Span], turns: Sequence[Span]) -> tuple[list[int], list[int]]:
+    """Every (turn, chunk) that overlap, as two lists (turn indexes, chunk indexes). Chunks do not overlap, so each
+    turn finds its chunks by bisection: a 32k-token history's ~1,500 turns against its 2,048 chunks in a few ms."""
     order = sorted(range(len(spans)), key=lambda c: spans[c][0])
     starts, ends = [spans[c][0] for c in order], [spans[c][1] for c in order]
     if any(ends[i] > starts[i + 1] for i in range(len(order) - 1)):
         raise ValueError("chunks must not overlap")
-    best = [float("-inf")] * len(spans)
-    for turn, (start, end) in turns.items():
-        if turn not in scores:
-            continue
+    pair_turns, pair_chunks = [], []
+    for t, (start, end) in enumerate(turns):
         for at in range(bisect.bisect_right(ends, start), bisect.bisect_left(starts, end)):
-            c = order[at]
-            best[c] = max(best[c], scores[turn])
+            pair_turns.append(t)
+            pair_chunks.append(order[at])
+    return pair_turns, pair_chunks
+
+
+def chunks_by_turn_score(spans: Sequence[Span], turns: Mapping[str, Span], scores: Mapping[str, float]) -> list[int]:
+    """Chunks by the best retrieval score of a turn they hold part of (best first, ties in chunk order; chunks of no
+    scored turn last). `HistoryIndex.by_retrieval` does the same on the index's device."""
+    names = [name for name in turns if name in scores]
+    best = [float("-inf")] * len(spans)
+    for t, c in zip(*turn_chunk_pairs(spans, [turns[name] for name in names])):
+        best[c] = max(best[c], scores[names[t]])
     return sorted(range(len(spans)), key=lambda c: -best[c])
 
 
@@ -115,3 +122,27 @@ def select_chunks(
         return []
     must = [0, *range(max(len(spans) - recent, 1), len(spans))]
     return sorted(take_in_order(must + retrieval_then_mass(by_retrieval, by_mass, spans, budget), spans, budget))
+
+
+def select_from_heads(
+    spans: Sequence[Span],
+    budget: int,
+    by_mass: torch.Tensor | Sequence[int],
+    by_retrieval: torch.Tensor | Sequence[int] = (),
+    recent: int = 1,
+) -> list[int]:
+    """`select_chunks` reading only the heads of both orders that `budget` can reach (orders on a device: only those
+    heads are copied to the host), and the whole orders only when a chunk past the heads might still have fit."""
+    sizes = [end - start for start, end in spans]
+    if not sizes:
+        return []
+    least, kept = min(sizes), min(sizes[1 : len(sizes) - recent] or sizes)  # kept: of the chunks not always taken
+    heads = (budget // 2 // least + 1, budget // least + recent + budget // 2 // least + 3)
+    chosen = select_chunks(spans, budget, _listed(by_mass[: heads[1]]), _listed(by_retrieval[: heads[0]]), recent)
+    if budget - sum(sizes[c] for c in chosen) >= kept and len(by_mass) > heads[1]:
+        chosen = select_chunks(spans, budget, _listed(by_mass), _listed(by_retrieval), recent)
+    return chosen
+
+
+def _listed(order: torch.Tensor | Sequence[int]) -> list[int]:
+    return order.tolist() if isinstance(order, torch.Tensor) else list(order)

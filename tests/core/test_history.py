@@ -12,6 +12,7 @@ from kvcore.history import (
     fixed_spans,
     retrieval_then_mass,
     select_chunks,
+    select_from_heads,
     take_in_order,
 )
 from kvcore.rope import RopeConfig, rotate
@@ -135,16 +136,59 @@ def test_retrievals_half_goes_to_the_chunks_of_the_turn_nearest_the_question():
     keys = torch.randn(2, 2, 80, 8) * 0.1
     queries = torch.randn(2, 4, 2, 8)
     index = HistoryIndex.of_records(_chunk_records(keys, 16), ROPE, scoring_layers=2)
-    assert index.by_retrieval(torch.ones(3)) == []  # no turns known: retrieval has nothing to say
+    assert index.by_retrieval(torch.ones(3)).tolist() == []  # no turns known: retrieval has nothing to say
     turns = [(0, 10), (10, 40), (40, 70), (70, 80)]  # turn 2 spans chunks 2, 3 and 4
     vectors = torch.nn.functional.normalize(torch.eye(4, 3), dim=-1)
     with_turns = index.with_turns(turns, vectors)
     question = torch.tensor([0.0, 0.0, 1.0])  # nearest turn 2 (the third row)
-    assert with_turns.by_retrieval(question)[:3] == [2, 3, 4]
+    assert with_turns.by_retrieval(question)[:3].tolist() == [2, 3, 4]
     chosen = with_turns.choose(queries, budget=64, by_retrieval=with_turns.by_retrieval(question))
     assert {0, 2, 4} <= set(chosen) and chosen == sorted(chosen)  # the sink, turn 2's first chunks, the newest
     with pytest.raises(ValueError, match="4 turns but 3 vectors"):
         index.with_turns(turns, vectors[:3])
+
+
+def test_the_heads_of_both_orders_choose_what_the_whole_orders_choose():
+    """Only the first chunks of each order that a budget can reach leave the device; the choice must be the same as
+    from the whole orders, for fixed chunks with a short last one, for chunks of any size, and for any budget."""
+    rng = random.Random(7)
+    for trial in range(300):
+        length = rng.randrange(1, 3000)
+        if trial % 2:
+            spans = fixed_spans(length, rng.choice([4, 16, 32]))
+        else:
+            cuts = sorted(rng.sample(range(1, length), min(length - 1, rng.randrange(0, 200)))) if length > 1 else []
+            spans = list(zip([0, *cuts], [*cuts, length]))
+        by_mass = list(range(len(spans)))
+        rng.shuffle(by_mass)
+        by_retrieval = rng.sample(range(len(spans)), rng.randrange(0, len(spans) + 1))
+        budget, recent = rng.randrange(1, 2 * length + 2), rng.randrange(0, 3)
+        whole = select_chunks(spans, budget, by_mass, by_retrieval, recent)
+        heads = select_from_heads(
+            spans, budget, torch.tensor(by_mass), torch.tensor(by_retrieval, dtype=torch.long), recent
+        )
+        assert heads == whole, (trial, budget, recent)
+    assert select_from_heads([], 10, torch.tensor([], dtype=torch.long)) == []
+
+
+def test_retrieval_on_the_device_orders_chunks_as_the_turn_scores_do():
+    from kvcore.history_index import HistoryIndex
+    from tests.core.factories import ROPE
+
+    rng = random.Random(4)
+    torch.manual_seed(4)
+    index = HistoryIndex.of_records(_chunk_records(torch.randn(2, 2, 300, 8), 16), ROPE, scoring_layers=2)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, 300), rng.randrange(1, 60)))
+        turns = list(zip([0, *cuts], [*cuts, 300]))
+        vectors = torch.nn.functional.normalize(torch.randn(len(turns), 5), dim=-1)
+        vectors[len(turns) // 2 :] = vectors[0]  # ties: equal scores keep chunk order
+        question = torch.randn(5)
+        scores = (vectors @ question).tolist()
+        want = chunks_by_turn_score(
+            index.spans, {str(t): s for t, s in enumerate(turns)}, {str(t): x for t, x in enumerate(scores)}
+        )
+        assert index.with_turns(turns, vectors).by_retrieval(question).tolist() == want
 
 
 def test_a_history_encoded_as_one_record_is_cut_into_the_chunk_records_a_capture_writes():
