@@ -169,7 +169,7 @@ def main() -> None:
     )
     deployed_s = time.monotonic() - started
     client = Client(base, admin, timeout=900)
-    histories, writes = [], []
+    histories, writes, write_errors = [], [], []
     try:
         for t in range(tenants):
             if histories and time.monotonic() > started + 0.6 * args.deadline_s:  # leave time to measure
@@ -177,7 +177,12 @@ def main() -> None:
             text, questions = tenant_history(tokenizer, t, tokens)
             key = client.call("POST", "/v1/tenants", admin, {"id": f"history-{t}"}, ok=(201,))["api_key"]
             began = time.perf_counter()
-            written = client.call("PUT", "/v1/history", key, {"text": text})
+            try:
+                written = client.call("PUT", "/v1/history", key, {"text": text})
+            except RuntimeError as exc:  # reported, and the run goes on with the histories that were stored
+                write_errors.append({"tenant": f"history-{t}", "error": str(exc)[:500]})
+                print(f"history-{t}: {exc}", flush=True)
+                continue
             writes.append({"seconds": round(time.perf_counter() - began, 2), **written})
             histories.append({"id": f"history-{t}", "key": key, "text": text, "questions": questions})
         for tenant in histories:  # the first history chat of a tenant builds nothing more, but loads its chunks
@@ -196,6 +201,7 @@ def main() -> None:
         "history_tokens": [w["tokens"] for w in writes],
         "history_chunks": [w["chunks"] for w in writes],
         "history_write_s": [w["seconds"] for w in writes],
+        "history_write_errors": write_errors,
         "budget_tokens": budget,
         "deploy_s": round(deployed_s, 1),
         "llm_args": {k: app["llm"][k] for k in ("record_dtype", "device_cache_bytes") if k in app["llm"]},

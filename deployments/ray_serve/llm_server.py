@@ -21,6 +21,7 @@ from deployments.app_args import AppArgs
 from deployments.chat_task import ChatTask
 from deployments.ray_serve.loopback import bind_replica_grpc_to_node
 from deployments.vllm_adapter.async_engine import MemoryEngine
+from kvcore.errors import KVCoreError
 from models.loader import checkpoint_fingerprint, model_path
 from models.minilm import MiniLMEmbedder
 from tenants.connect import connect_service
@@ -106,6 +107,10 @@ class LLMServer:
         except ValueError as exc:  # empty, or longer than the model's context
             self.engine.drop_history(tenant.id, history_id)
             return {"error": {"status": 422, "message": str(exc)}}
+        except (KVCoreError, OSError) as exc:  # the capture left a chunk unwritten: nothing of it is kept
+            log.warning("history capture for tenant %s failed: %s", tenant.id, exc)
+            self.engine.drop_history(tenant.id, history_id)
+            return {"error": {"status": 503, "message": f"the history could not be stored ({exc}); retry"}}
         try:
             replaced = tenant.set_history(history_id, counts["tokens"])
         except TenantError as exc:  # deleted meanwhile: keep none of it

@@ -11,6 +11,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError
 
 from deployments.ray_serve.ingress import ServeLLMBackend
+from kvcore.errors import KVCoreError
 
 
 class _Stream:
@@ -97,3 +98,38 @@ def test_a_chat_no_replica_starts_in_time_is_a_retryable_503_and_is_cancelled():
     events = asyncio.run(_collect(ServeLLMBackend(_Slow(), first_event_timeout_s=0.05)))
     assert len(events) == 1 and events[0]["error"]["status"] == 503 and "0.05 s" in events[0]["error"]["message"]
     assert pending.cancelled
+
+
+class _HistoryEngine:
+    """An engine whose history capture fails as given, and remembers what it was asked to drop."""
+
+    def __init__(self, error):
+        self.error, self.dropped = error, []
+
+    async def encode_history(self, tenant_id, history_id, text):
+        raise self.error
+
+    def drop_history(self, tenant_id, history_id):
+        self.dropped.append((tenant_id, history_id))
+        return 3
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "says"),
+    [
+        (ValueError("the history is empty"), 422, "the history is empty"),
+        (KVCoreError("record h.c00007 not found"), 503, "retry"),
+        (OSError("No space left on device"), 503, "No space left"),
+    ],
+)
+def test_a_history_capture_that_fails_answers_a_4xx_or_503_and_keeps_none_of_its_chunks(error, status, says):
+    """A capture that left a chunk unwritten (a record missing, a full disk) is the server's, retryable, and its
+    chunks are deleted; a history the engine refuses is the caller's. Neither is a 500."""
+    from deployments.ray_serve.llm_server import LLMServer
+
+    server = LLMServer.__new__(LLMServer)  # no engine started: the method's error handling alone
+    server.engine = _HistoryEngine(error)
+    server.service = SimpleNamespace(open_tenant=lambda key, tenant_id: SimpleNamespace(id=tenant_id))
+    answer = asyncio.run(server.encode_history({"api_key": "k", "tenant_id": "t", "text": "hi"}))
+    assert answer["error"]["status"] == status and says in answer["error"]["message"]
+    assert len(server.engine.dropped) == 1 and server.engine.dropped[0][0] == "t"
