@@ -6,7 +6,7 @@
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
 # A device call runs at most 600 s: serve-http, locust, tenants-gpu and history-ttft (up to 590 s each) take a call of their own,
 # after the call that ends with `setup` (the machine stays warm 30 s between calls: send the next one at once).
-#   steps: setup gpu-tests inject-kernel retrieval equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
+#   steps: setup gpu-tests inject-kernel retrieval injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
 #          profile-tiers (or profile-host, profile-disk) profile-encode quality history-quality history-ttft mps-on mps-off
 # QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own.
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
@@ -49,6 +49,8 @@ for step in "$@"; do
     inject-kernel) run inject-kernel 150 python3 benchmarks/inject_kernel.py --out "$out/inject_kernel.json"
         grep -E "ms .* GB/s" "$out/inject-kernel.log" ;;
     retrieval) run retrieval 120 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
+    injected-records) run injected-records 240 python3 benchmarks/injected_records.py --config "$SHAPE" --out "$out/injected_records.json"
+        grep -E "^ *(none|[0-9]+x[0-9]+):" "$out/injected-records.log" ;;
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
     serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json" \
