@@ -27,7 +27,13 @@ run() {  # name, seconds, command...: its log, and what a serving cluster's proc
     shift 2
     local started=$SECONDS
     SERVE_ERRORS_LOG="$out/$name-errors.log" timeout "$limit" "$@" >"$out/$name.log" 2>&1
-    echo "$name: exit $? in $((SECONDS - started)) s"
+    local rc=$?
+    if [[ ! -e "$out/$name-errors.log" ]]; then  # cut by its time limit: no exit hook ran, Ray's folder is left
+        grep -h -B2 -A30 -e Traceback -e "Fatal Python error" -e "capture failed" -e "device arena" \
+            /tmp/ray-*/session_*/logs/*.err /tmp/ray-*/session_*/logs/serve/*.log 2>/dev/null | tail -400 >"$out/$name-errors.log"
+        [[ -s "$out/$name-errors.log" ]] || rm -f "$out/$name-errors.log"
+    fi
+    echo "$name: exit $rc in $((SECONDS - started)) s"
     grep -E "identical greedy|^k=|concurrent|^w=|TTFT|random traffic|passed|failed|Error" "$out/$name.log" | tail -8
 }
 sampled() {  # name, seconds, command...: run, with stack sampling when SAMPLE_MS is set
