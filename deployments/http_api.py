@@ -256,7 +256,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                 text.append(event["delta"])
                 if entries is not None:
                     entries += event.get("logprobs", [])
-            elif event.get("done"):
+            if event.get("done"):  # it may carry the last delta too
                 final = event
             elif "error" in event:  # the engine or its replica failed after the first event
                 raise EngineRefusal(int(event["error"]["status"]), event["error"]["message"])
@@ -549,7 +549,7 @@ async def _sse(
             yield chunk(shape.piece(event["delta"], not sent, shape.logprobs(event.get("logprobs"), offset)))
             offset += len(event["delta"])
             sent = True
-        elif event.get("done"):
+        if event.get("done"):  # it may carry the last delta too
             final = event
         elif "error" in event:
             yield f"data: {json.dumps({'error': {'code': 'engine_error', 'message': event['error']['message']}})}\n\n".encode()

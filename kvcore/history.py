@@ -136,8 +136,12 @@ def select_from_heads(
     sizes = [end - start for start, end in spans]
     if not sizes:
         return []
-    least, kept = min(sizes), min(sizes[1 : len(sizes) - recent] or sizes)  # kept: of the chunks not always taken
-    heads = (budget // 2 // least + 1, budget // least + recent + budget // 2 // least + 3)
+    kept = min(sizes[1 : len(sizes) - recent] or sizes)  # the smallest of the chunks not always taken
+    always = 1 + recent  # the sink and the newest: any size, each at most once in an order
+    # retrieval's half ends within `always` + budget / 2 / kept + 1 of its chunks; the mass order's head then holds
+    # every chunk the budget can take, those retrieval took and the always-kept ones
+    retrieval_head = always + budget // 2 // kept + 1
+    heads = (retrieval_head, retrieval_head + always + budget // kept + 1)
     chosen = select_chunks(spans, budget, _listed(by_mass[: heads[1]]), _listed(by_retrieval[: heads[0]]), recent)
     if budget - sum(sizes[c] for c in chosen) >= kept and len(by_mass) > heads[1]:
         chosen = select_chunks(spans, budget, _listed(by_mass), _listed(by_retrieval), recent)

@@ -181,7 +181,8 @@ class MemoryEngine:
         return self._histories.drop(tenant_id, history_id)
 
     async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
-        """Text deltas (`{"delta": ...}`) then one final `{"done": True, "finish_reason", "usage"}`; the usage's
+        """Text deltas (`{"delta": ...}`) then one final `{"done": True, "finish_reason", "usage"}`, which carries the
+        last piece's delta too (with `max_tokens=1`, as memory lookups often ask, the only event); the usage's
         `timeline` holds wall-clock times (s) of the task's arrival, the engine's start and its first token, so the
         ingress can split what lies between its own clock and the engine's (one host, one clock), and the CPU time
         the layout took (against its wall time: what it spent computing, not waiting for the GIL or a core)."""
@@ -226,21 +227,30 @@ class MemoryEngine:
         prompt = TokensPrompt(prompt_token_ids=laid.token_ids, cache_salt=laid.cache_salt)
         engine_start, layout_cpu = time.time(), time.thread_time() - arrived_cpu
         started, ttft, completion, cached, report, finish = time.perf_counter(), None, 0, 0, None, None
+        last: dict[str, Any] = {}  # the final piece's text rides on the done event: one streamed message fewer
         async for out in self._engine.generate(prompt, params, f"chat-{uuid.uuid4().hex}"):
             piece = out.outputs[0]
             completion += len(piece.token_ids)
             cached = out.num_cached_tokens or cached
             if ttft is None and piece.token_ids:
                 ttft = (time.perf_counter() - started) * 1000
+            event: dict[str, Any] = {}
             if task.logprobs is not None and piece.logprobs:  # every token's, even one whose text is not out yet
-                yield {"delta": piece.text, "logprobs": _token_logprobs(piece.token_ids, piece.logprobs, task.logprobs)}
+                event = {
+                    "delta": piece.text,
+                    "logprobs": _token_logprobs(piece.token_ids, piece.logprobs, task.logprobs),
+                }
             elif piece.text:
-                yield {"delta": piece.text}
+                event = {"delta": piece.text}
             if out.finished:
                 finish = piece.finish_reason
                 report = (out.kv_transfer_params or {}).get("inferscale")
+                last = event
+            elif event:
+                yield event
         injected = int((report or {}).get("injected_tokens", 0))
         yield {
+            **last,
             "done": True,
             "finish_reason": finish or "stop",
             "usage": {

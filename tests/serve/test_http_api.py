@@ -184,6 +184,11 @@ def test_the_official_openai_client_works_unchanged_streaming_included(cluster):
             usage = chunk.usage
     assert len(pieces) > 1 and "".join(pieces) == reply.choices[0].message.content  # greedy: the same text
     assert usage is not None and usage.model_extra["injected_tokens"] > 0
+    # one token: the engine's only event carries the text and the end together; both shapes still get the text
+    first = {"model": MODEL, "messages": [{"role": "user", "content": CAT}], "max_tokens": 1}
+    one = client.chat.completions.create(**first, extra_body={"memory": {"k": 3}}).choices[0].message.content
+    streamed = [c.choices[0].delta.content for c in client.chat.completions.create(**first, stream=True) if c.choices]
+    assert one and reply.choices[0].message.content.startswith(one) and "".join(filter(None, streamed))
 
 
 def test_text_completions_continue_the_prompt_after_the_tenants_memory(cluster):
