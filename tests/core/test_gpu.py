@@ -1,5 +1,7 @@
 """The core's math on CUDA equals the CPU reference (skipped without CUDA)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -96,3 +98,29 @@ def test_layers_read_ahead_on_a_side_stream_equal_direct_reads(tmp_path, tier_by
         store.end_load(reader)
     ahead.close()
     store.close()
+
+
+def test_a_history_index_on_cuda_chooses_the_chunks_the_cpu_index_chooses():
+    """History mode's choice on a GPU replica (summaries, turn vectors and their (turn, chunk) pairs on the device,
+    only the orders' heads copied back) equals the CPU index's."""
+    from kvcore.history import fixed_spans
+    from kvcore.history_index import HistoryIndex
+    from tests.core.factories import ROPE
+
+    torch.manual_seed(9)
+    keys = torch.randn(2, 2, 700, ROPE.head_dim)
+    records = [
+        replace(
+            make_record(f"h.c{c:05d}", end - start, seed=c, layers=2), k=keys[:, :, start:end], v=keys[:, :, start:end]
+        )
+        for c, (start, end) in enumerate(fixed_spans(700, 16))
+    ]
+    turns = [(s, min(s + 37, 700)) for s in range(0, 700, 37)]
+    vectors = torch.nn.functional.normalize(torch.randn(len(turns), 6), dim=-1)
+    queries, question = torch.randn(2, 4, 5, ROPE.head_dim), torch.randn(6)
+    chosen = {}
+    for device in ("cpu", "cuda"):
+        index = HistoryIndex.of_records(records, ROPE, 2, device).with_turns(turns, vectors.to(device))
+        order = index.by_retrieval(question.to(device))
+        chosen[device] = (order.tolist(), index.choose(queries.to(device), 160, order))
+    assert chosen["cuda"] == chosen["cpu"]
