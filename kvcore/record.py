@@ -107,9 +107,10 @@ def save_record(record: FactKV, path: Path) -> None:
     save_records([(record, path)])
 
 
-def save_records(items: list[tuple[FactKV, Path]]) -> None:
-    """Write several records, each atomically, with their fsyncs issued together (one journal commit for all)."""
-    write_many_atomic([(Path(path), *_file_contents(record)) for record, path in items], checksums=True)
+def save_records(items: list[tuple[FactKV, Path]]) -> list[tuple[int, int, int]]:
+    """Write several records, each atomically, with their fsyncs issued together (one journal commit for all);
+    each file's (inode, size, mtime) as written."""
+    return write_many_atomic([(Path(path), *_file_contents(record)) for record, path in items], checksums=True)
 
 
 def _file_contents(record: FactKV) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -188,6 +189,11 @@ class RecordInfo:
     token_ids: tuple[int, ...]
     params: EncodingParams
     version: int
+
+
+def info_of(record: FactKV) -> RecordInfo:
+    """The header `read_info` gives back for this record once it is stored."""
+    return RecordInfo(record.tenant_id, record.fact_id, tuple(record.token_ids), record.params, record.version)
 
 
 def read_info(path: Path) -> RecordInfo:

@@ -60,10 +60,11 @@ def write_many_atomic(
     durable: bool = True,
     checksums: bool = False,
     data_checksum: bool = False,
-) -> None:
+) -> list[tuple[int, int, int]]:
     """Write several files, each complete or not at all: the temporary files written and fsynced side by side
     on a pool of threads (the writes and checksums release the GIL; the filesystem commits its journal for the
-    group), then the renames and one fsync per folder. A failure removes the temporary files and leaves the
+    group), then the renames and one fsync per folder; returns each file's (inode, size, mtime) as written (a later
+    replacement of a target has another inode). A failure removes the temporary files and leaves the
     targets as they were. The tensors' bytes are found here, on the calling thread: torch calls on the pool's
     threads would hand the GIL back and forth between them (it held a job to a quarter of its disk's rate)."""
     staged: list[tuple[str, Path]] = []
@@ -84,7 +85,10 @@ def write_many_atomic(
     try:
         if error is not None:
             raise error
+        written = []
         for tmp, path in staged:
+            stat = os.stat(tmp)
+            written.append((stat.st_ino, stat.st_size, stat.st_mtime_ns))
             os.replace(tmp, path)
     except BaseException:
         for tmp, _ in staged:
@@ -93,6 +97,7 @@ def write_many_atomic(
     if durable:
         for folder in {path.parent for _, path in staged}:
             _fsync_path(str(folder))
+    return written
 
 
 def _lay_out(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, str, list[int], memoryview]]:

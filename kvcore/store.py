@@ -20,10 +20,11 @@ from typing import Protocol, Sequence
 
 from kvcore.conversation import check_identifier
 from kvcore.errors import FactMissingError, StaleRecordError
-from kvcore.record import FactKV, RecordInfo, read_info_from, read_record, save_records
+from kvcore.record import FactKV, RecordInfo, info_of, read_info_from, read_record, save_records
 
 log = logging.getLogger(__name__)
 _MAX_INFOS = 100_000  # headers are small; the scheduler checks them on every request
+_SHARED_INFOS: dict[str, dict[tuple[str, str], tuple[Stamp, RecordInfo, Stamp | None]]] = {}
 
 
 Stamp = tuple[int, ...]
@@ -62,7 +63,9 @@ class LocalFactStore:
         self._cache: OrderedDict[tuple[str, str], tuple[Stamp, FactKV]] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._held = 0
-        self._infos: dict[tuple[str, str], tuple[Stamp, RecordInfo, Stamp | None]] = {}
+        # headers by (tenant, record), shared by every store of this root in the process: the engine's scheduler
+        # checks the records its workers' captures write (one process on one GPU)
+        self._infos = _SHARED_INFOS.setdefault(os.path.realpath(self.root), {})
         self._paths: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
 
@@ -82,11 +85,31 @@ class LocalFactStore:
         tenants = {record.tenant_id for record in records}
         if len(tenants) != 1:
             raise ValueError("put_many takes records of exactly one tenant")
-        save_records([(record, self.path(record.tenant_id, record.fact_id)) for record in records])
+        tenant_id = tenants.pop()
+        written = save_records([(record, self.path(record.tenant_id, record.fact_id)) for record in records])
         with self._lock:
             for record in records:
                 self._drop((record.tenant_id, record.fact_id))
-            return self._bump(tenants.pop())
+            version = self._bump(tenant_id)
+        self._remember(tenant_id, records, written)
+        return version
+
+    def _remember(self, tenant_id: str, records: list[FactKV], written: list[Stamp]) -> None:
+        """The headers of records just written, as `checked_infos` would read them (a history's first questions
+        read ~126 headers each, ~70 us apiece, before any K/V moves). The marker is read after this write's bump,
+        then each file is checked to still be the one written: a later write changes the marker, an earlier
+        replacement the file, and either way the header is checked again."""
+        marker = self._marker(tenant_id)
+        for record, stamp in zip(records, written):
+            key = (tenant_id, record.fact_id)
+            try:
+                if _signature(self._path(*key), *key) != stamp:
+                    continue
+            except FactMissingError:
+                continue
+            if len(self._infos) >= _MAX_INFOS:
+                self._infos.clear()
+            self._infos[key] = (stamp, info_of(record), marker)
 
     def delete(self, tenant_id: str, record_id: str) -> bool:
         """Remove a record (True if it existed); the tenant's version is bumped like a write."""
@@ -105,7 +128,9 @@ class LocalFactStore:
         records = self.record_ids(tenant_id)
         shutil.rmtree(folder, ignore_errors=True)
         with self._lock:
-            for key in [k for k in self._infos if k[0] == tenant_id] + [k for k in self._cache if k[0] == tenant_id]:
+            for key in [k for k in list(self._infos) if k[0] == tenant_id] + [
+                k for k in self._cache if k[0] == tenant_id
+            ]:
                 self._drop(key)
         return len(records)
 
