@@ -9,6 +9,8 @@
 #   steps: setup gpu-tests inject-kernel retrieval injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
 #          profile-tiers (or profile-host, profile-disk) profile-encode quality history-quality history-ttft mps-on mps-off
 # QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own.
+# HISTORY_TTFT_TENANTS (default 4: each 32k-token history is 4.3 GB of bf16 records) sets history-ttft's tenants.
+# Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
 # mps-on starts CUDA's multi-process service (every later CUDA process of the call shares the GPU through it,
 # kernels of separate processes side by side instead of time-sliced); mps-off stops it.
@@ -67,7 +69,7 @@ for step in "$@"; do
         run quality "${QUALITY_LIMIT:-560}" python3 benchmarks/quality/run.py --data /tmp/devset.json --out "$out/quality.json" --concurrency "${QUALITY_CONCURRENCY:-16}" \
             --modes "${QUALITY_MODES:-inject_w0,inject_w5,inject_w20,inject_w5_m1,inject_w5_m3,inject_w5_m5,prompt,off}" --ks "${QUALITY_KS:-10,50}"
         grep -E "^conversation" "$out/quality.log" | tail -3 ;;
-    history-ttft) run history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --out "$out/history_ttft.json"
+    history-ttft) run history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --tenants "${HISTORY_TTFT_TENANTS:-4}" --out "$out/history_ttft.json"
         tail -30 "$out/history-ttft.log" ;;
     history-quality) run history-quality 400 python3 benchmarks/history_quality.py --tenants "${HISTORY_TENANTS:-4}" --out "$out/history_quality.json"
         grep -E "^history_|^whole_history" "$out/history-quality.log" ;;
