@@ -180,3 +180,5 @@ class CaptureWorker:
             if self._on_stored is not None and spec.plan.keep_hot:
                 for span, (k_span, v_span) in zip(group, kv):
                     self._on_stored(tenant, span.fact_id, self._store.stamp(tenant, span.fact_id), k_span, v_span)
+        if len(spans) > WRITE_GROUP:  # the earlier groups' headers, known at their own write's marker
+            self._store.revalidate(tenant, [span.fact_id for span in spans])

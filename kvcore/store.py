@@ -94,6 +94,22 @@ class LocalFactStore:
         self._remember(tenant_id, records, written)
         return version
 
+    def revalidate(self, tenant_id: str, record_ids: Sequence[str]) -> None:
+        """Bring the known headers of these records up to the tenant's current marker now, a `stat` each (what
+        `checked_infos` would do on its next call): a capture written in groups leaves each group's headers
+        at the marker of its own write, and the first question would pay a `stat` a chunk."""
+        marker = self._marker(tenant_id)
+        for record_id in record_ids:
+            key = (tenant_id, record_id)
+            known = self._infos.get(key)
+            if known is None or known[2] == marker:
+                continue
+            try:
+                if _signature(self._path(*key), *key) == known[0]:
+                    self._infos[key] = (known[0], known[1], marker)
+            except FactMissingError:
+                self._infos.pop(key, None)
+
     def _remember(self, tenant_id: str, records: list[FactKV], written: list[Stamp]) -> None:
         """The headers of records just written, as `checked_infos` would read them (a history's first questions
         read ~126 headers each, ~70 us apiece, before any K/V moves). The marker is read after this write's bump,

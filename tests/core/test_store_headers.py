@@ -78,3 +78,26 @@ def test_a_group_write_returns_each_files_stamp(tmp_path, count):
     paths = [tmp_path / f"{r.fact_id}.safetensors" for r in records]
     written = save_records(list(zip(records, paths)))
     assert written == [(p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns) for p in paths]
+
+
+def test_headers_written_in_groups_are_brought_to_the_last_marker_and_checked_without_a_stat(tmp_path, monkeypatch):
+    """A capture writes its chunks in groups, each bumping the version: after `revalidate` the first check of any
+    of them neither reads nor stats a file; a record another process replaced in between is not trusted."""
+    store = LocalFactStore(tmp_path)
+    groups = [[make_record(f"c{g}{i}", 4, seed=10 * g + i, tenant_id="t") for i in range(3)] for g in range(3)]
+    for group in groups:
+        store.put_many(group)
+    newer = make_record("c01", 5, seed=99, tenant_id="t")
+    _detached(tmp_path).put(newer)
+    ids = [r.fact_id for group in groups for r in group]
+    store.revalidate("t", ids)
+    assert store.checked_infos("t", ["c01"])[0][1] == info_of(newer)  # read again: not the file this store wrote
+    store.revalidate("t", ids)
+    _no_reads(monkeypatch)
+
+    def no_stat(*args):
+        raise AssertionError("a record file was stat-ed")
+
+    monkeypatch.setattr(store_module, "_signature", no_stat)
+    found = [info for _, info in store.checked_infos("t", ids)]
+    assert found == [info_of(newer) if r.fact_id == "c01" else info_of(r) for group in groups for r in group]
