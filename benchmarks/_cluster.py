@@ -83,11 +83,17 @@ ERROR_MARKS = (
 )
 
 
-def keep_errors(ray_temp: Path, out: Path, before: int = 2, after: int = 30) -> None:
-    """Write the lines around every error mark in the cluster's logs (replicas' stderr, Serve's logs) to `out`:
-    the logs go with Ray's scratch folder, and a replica's traceback is often the only account of a 500."""
+def keep_errors(out: Path, *ray_temps: Path, before: int = 2, after: int = 30) -> None:
+    """Write the lines around every error mark in the clusters' logs (replicas' stderr, Serve's logs) to `out`:
+    the logs go with Ray's scratch folder, and a replica's traceback is often the only account of a 500
+    (`gpu_suite.sh` also runs this over the folders a run cut by its time limit left behind)."""
     blocks = []
-    logs = sorted(ray_temp.glob("session_*/logs/*.err")) + sorted(ray_temp.glob("session_*/logs/serve/*.log"))
+    logs = [
+        path
+        for ray_temp in ray_temps
+        for pattern in ("session_*/logs/*.err", "session_*/logs/serve/*.log")
+        for path in sorted(ray_temp.glob(pattern))
+    ]
     for path in logs:
         lines = path.read_text(errors="replace").splitlines()
         marked = [i for i, line in enumerate(lines) if any(mark in line for mark in ERROR_MARKS)]
@@ -111,7 +117,7 @@ def start_local_serve(proxy: str, num_cpus: int) -> int:
     os.environ.update(LOOPBACK_ENV)
     temp_dir = scratch_dir(prefix="ray-", dir="/tmp")  # short: Ray's and HAProxy's unix sockets live under it
     if os.environ.get(ERRORS_ENV):  # registered after the folder's removal, so it runs before it
-        atexit.register(keep_errors, Path(temp_dir), Path(os.environ[ERRORS_ENV]))
+        atexit.register(keep_errors, Path(os.environ[ERRORS_ENV]), Path(temp_dir))
     apply_serve_env(proxy, Path(temp_dir) / "serve")  # type: ignore[arg-type]
     import ray  # only now: Ray Serve reads the mode's switches when it is first imported
     from ray import serve

@@ -24,10 +24,10 @@ from kvcore.record import FactKV, RecordInfo, info_of, read_info_from, read_reco
 
 log = logging.getLogger(__name__)
 _MAX_INFOS = 100_000  # headers are small; the scheduler checks them on every request
-_SHARED_INFOS: dict[str, dict[tuple[str, str], tuple[Stamp, RecordInfo, Stamp | None]]] = {}
 
 
 Stamp = tuple[int, ...]
+_SHARED_INFOS: dict[str, dict[tuple[str, str], tuple[Stamp, RecordInfo, Stamp | None]]] = {}  # by store root
 
 
 class FactStore(Protocol):
@@ -100,15 +100,9 @@ class LocalFactStore:
         at the marker of its own write, and the first question would pay a `stat` a chunk."""
         marker = self._marker(tenant_id)
         for record_id in record_ids:
-            key = (tenant_id, record_id)
-            known = self._infos.get(key)
-            if known is None or known[2] == marker:
-                continue
-            try:
-                if _signature(self._path(*key), *key) == known[0]:
-                    self._infos[key] = (known[0], known[1], marker)
-            except FactMissingError:
-                self._infos.pop(key, None)
+            known = self._infos.get((tenant_id, record_id))
+            if known is not None and known[2] != marker:
+                self._keep_if_current((tenant_id, record_id), known[0], known[1], marker)
 
     def _remember(self, tenant_id: str, records: list[FactKV], written: list[Stamp]) -> None:
         """The headers of records just written, as `checked_infos` would read them (a history's first questions
@@ -117,15 +111,20 @@ class LocalFactStore:
         replacement the file, and either way the header is checked again."""
         marker = self._marker(tenant_id)
         for record, stamp in zip(records, written):
-            key = (tenant_id, record.fact_id)
-            try:
-                if _signature(self._path(*key), *key) != stamp:
-                    continue
-            except FactMissingError:
-                continue
-            if len(self._infos) >= _MAX_INFOS:
-                self._infos.clear()
-            self._infos[key] = (stamp, info_of(record), marker)
+            self._keep_if_current((tenant_id, record.fact_id), stamp, info_of(record), marker)
+
+    def _keep_if_current(self, key: tuple[str, str], stamp: Stamp, info: RecordInfo, marker: Stamp | None) -> None:
+        """Know `info` as the header at `marker` if the file is still the one `stamp` names (else forget it)."""
+        try:
+            current = _signature(self._path(*key), *key) == stamp
+        except FactMissingError:
+            current = False
+        if not current:
+            self._infos.pop(key, None)
+            return
+        if len(self._infos) >= _MAX_INFOS:
+            self._infos.clear()
+        self._infos[key] = (stamp, info, marker)
 
     def delete(self, tenant_id: str, record_id: str) -> bool:
         """Remove a record (True if it existed); the tenant's version is bumped like a write."""
@@ -144,9 +143,8 @@ class LocalFactStore:
         records = self.record_ids(tenant_id)
         shutil.rmtree(folder, ignore_errors=True)
         with self._lock:
-            for key in [k for k in list(self._infos) if k[0] == tenant_id] + [
-                k for k in self._cache if k[0] == tenant_id
-            ]:
+            keys = [k for k in list(self._infos) if k[0] == tenant_id] + [k for k in self._cache if k[0] == tenant_id]
+            for key in keys:
                 self._drop(key)
         return len(records)
 
