@@ -161,8 +161,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path(load_settings().model))
     engine = {"max_model_len": tokens + 4096}
     llm = {"record_dtype": "engine"}  # bf16 records on the GPU: a 32k-token history of the 8B shape is 4.3 GB
-    if gpu and not args.quick:  # the arena holds ~7 such histories (facts' 48 GiB, allocated as a capture's first
-        llm["device_cache_bytes"] = 32 << 30  # record goes in, leaves little beside its ~17 GB of temporaries)
+    if gpu and not args.quick:  # the arena holds ~7 such histories; the engine's process also holds vLLM's 45 %
+        llm["device_cache_bytes"] = 32 << 30  # and a capture's records (4.3 GB), beside the replicas' own shares
     state = Path(scratch_dir(prefix="history-ttft-"))
     base, admin, redis, app = start_cluster(
         state, gpu, shape, engine_kwargs=engine, llm_args=llm, early_layers=SCORING_LAYERS if shape else 0

@@ -14,6 +14,7 @@ vLLM's prefix cache is off: a pool's records recur, and it would serve a repeate
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import sys
@@ -73,6 +74,7 @@ def main() -> None:
     p.add_argument("--sizes", help="record sizes in tokens, comma separated (default 16, 32, tokens / 16, tokens)")
     p.add_argument("--repeats", type=int, help="timed rounds (default 31; --quick 7)")
     args = p.parse_args()
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may touch CUDA first
     gpu = torch.cuda.is_available()
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
     tokens = args.tokens or (512 if args.quick else 2016)

@@ -59,6 +59,9 @@ def build_engine(args: AppArgs) -> MemoryEngine:
     )
 
 
+_OUT_OF_MEMORY = "the model replica is out of device memory for this request; retry later"
+
+
 class LLMServer:
     """The Serve deployment hosting one vLLM engine with the memory connector."""
 
@@ -84,6 +87,9 @@ class LLMServer:
                 yield event
         except ValueError as exc:  # the engine's own validation (context length, sampling values)
             yield {"error": {"status": 400, "message": str(exc)}}
+        except torch.OutOfMemoryError:  # the device is shared (engine, arena, history indexes, embedders)
+            log.warning("chat for tenant %s ran out of device memory", task.tenant_id)
+            yield {"error": {"status": 503, "message": _OUT_OF_MEMORY}}
 
     async def encode(self, request: dict[str, Any]) -> dict[str, str]:
         """Encode a tenant's facts with this replica's engine and attach their K/V (the caller's key opens the tenant)."""
@@ -111,6 +117,10 @@ class LLMServer:
             log.warning("history capture for tenant %s failed: %s", tenant.id, exc)
             self.engine.drop_history(tenant.id, history_id)
             return {"error": {"status": 503, "message": f"the history could not be stored ({exc}); retry"}}
+        except torch.OutOfMemoryError:  # its index did not fit beside the rest: nothing of it is kept
+            log.warning("history of tenant %s: out of device memory", tenant.id)
+            self.engine.drop_history(tenant.id, history_id)
+            return {"error": {"status": 503, "message": _OUT_OF_MEMORY}}
         try:
             replaced = tenant.set_history(history_id, counts["tokens"])
         except TenantError as exc:  # deleted meanwhile: keep none of it

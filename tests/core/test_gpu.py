@@ -124,3 +124,39 @@ def test_a_history_index_on_cuda_chooses_the_chunks_the_cpu_index_chooses():
         order = index.by_retrieval(question.to(device))
         chosen[device] = (order.tolist(), index.choose(queries.to(device), 160, order))
     assert chosen["cuda"] == chosen["cpu"]
+
+
+def test_a_capture_on_cuda_holds_no_more_than_its_records_and_gives_the_device_back(tmp_path):
+    """A long capture (a history) un-rotates each layer as it arrives into buffers of the record dtype: its peak is
+    about the records' own bytes (stacking every layer and un-rotating in float32 at the end took ~4x), and the
+    cached blocks go back to the device afterwards, for the other processes that share it."""
+    from kvcore.capture import CaptureTracker, CaptureWorker
+    from kvcore.paged import PagedLayout
+    from kvcore.plan import CapturePlan, CaptureSpan
+    from kvcore.rope import RopeConfig
+    from kvcore.store import LocalFactStore
+
+    rope = RopeConfig(head_dim=128, theta=500000.0)
+    layers, heads, tokens, block = 8, 8, 4096, 16
+    layout = PagedLayout("rows", block, heads, rope.head_dim)
+    blocks = list(range(tokens // block))
+    caches = {
+        f"layer.{i}": torch.randn(len(blocks), heads, block, 2 * rope.head_dim, device="cuda").to(torch.bfloat16)
+        for i in range(layers)
+    }
+    capture = CaptureWorker(LocalFactStore(tmp_path), "f" * 24, rope, None)  # records in the engine's bf16
+    capture.register({name: i for i, name in enumerate(caches)}, layout)
+    tracker = CaptureTracker()
+    spans = tuple(CaptureSpan(f"c{i}", s, s + 16) for i, s in enumerate(range(0, tokens, 16)))
+    tracker.add("r", CapturePlan("t1", spans), list(range(tokens)))
+    specs = tracker.step([("r", blocks, 0, tokens)])
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    for name, cache in caches.items():
+        capture.save_layer(name, cache, specs)
+    records = 2 * layers * heads * tokens * rope.head_dim * 2  # K and V in bf16 (128 MiB)
+    assert torch.cuda.max_memory_allocated() - base <= 2 * records  # 4x and more before
+    assert torch.cuda.memory_reserved() <= reserved + (8 << 20)
+    assert LocalFactStore(tmp_path).get("t1", "c255").k.shape == (layers, heads, 16, rope.head_dim)

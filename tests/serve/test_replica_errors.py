@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import BackPressureError
 
@@ -120,6 +121,7 @@ class _HistoryEngine:
         (ValueError("the history is empty"), 422, "the history is empty"),
         (KVCoreError("record h.c00007 not found"), 503, "retry"),
         (OSError("No space left on device"), 503, "No space left"),
+        (torch.OutOfMemoryError("CUDA out of memory"), 503, "out of device memory"),
     ],
 )
 def test_a_history_capture_that_fails_answers_a_4xx_or_503_and_keeps_none_of_its_chunks(error, status, says):
@@ -133,3 +135,30 @@ def test_a_history_capture_that_fails_answers_a_4xx_or_503_and_keeps_none_of_its
     answer = asyncio.run(server.encode_history({"api_key": "k", "tenant_id": "t", "text": "hi"}))
     assert answer["error"]["status"] == status and says in answer["error"]["message"]
     assert len(server.engine.dropped) == 1 and server.engine.dropped[0][0] == "t"
+
+
+class _ChatEngine:
+    """An engine whose chat fails as given before its first event."""
+
+    def __init__(self, error):
+        self.error = error
+
+    async def chat(self, task):
+        raise self.error
+        yield {}
+
+
+@pytest.mark.parametrize(
+    ("error", "status"), [(ValueError("prompt too long"), 400), (torch.OutOfMemoryError("CUDA out of memory"), 503)]
+)
+def test_a_chat_the_engine_refuses_or_has_no_device_memory_for_is_a_4xx_or_a_retryable_503(error, status):
+    from deployments.ray_serve.llm_server import LLMServer
+
+    server = LLMServer.__new__(LLMServer)
+    server.engine = _ChatEngine(error)
+
+    async def events():
+        return [event async for event in server.chat(SimpleNamespace(tenant_id="t"))]
+
+    (event,) = asyncio.run(events())
+    assert event["error"]["status"] == status
