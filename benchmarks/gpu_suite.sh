@@ -6,7 +6,7 @@
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
 # A device call runs at most 600 s: serve-http, locust, tenants-gpu and history-ttft (up to 590 s each) take a call of their own,
 # after the call that ends with `setup` (the machine stays warm 30 s between calls: send the next one at once).
-#   steps: setup gpu-tests inject-kernel retrieval injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
+#   steps: setup gpu-tests inject-kernel chunk-bounds retrieval injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
 #          profile-tiers (or profile-host, profile-disk) profile-encode quality history-quality history-ttft mps-on mps-off
 # QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own.
 # HISTORY_TTFT_TENANTS (default 4: each 32k-token history is 4.3 GB of bf16 records) sets history-ttft's tenants.
@@ -56,6 +56,8 @@ for step in "$@"; do
     ttft) sampled ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" --out "$out/ttft.json" ;;
     inject-kernel) run inject-kernel 150 python3 benchmarks/inject_kernel.py --out "$out/inject_kernel.json"
         grep -E "ms .* GB/s" "$out/inject-kernel.log" ;;
+    chunk-bounds) run chunk-bounds 120 python3 benchmarks/chunk_bounds.py --out "$out/chunk_bounds.json"
+        grep -E " ms$|difference" "$out/chunk-bounds.log" ;;
     retrieval) run retrieval 120 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
     injected-records) run injected-records 240 python3 benchmarks/injected_records.py --config "$SHAPE" --out "$out/injected_records.json"
         grep -E "^ *(none|[0-9]+x[0-9]+):" "$out/injected-records.log" ;;

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -21,6 +21,9 @@ from kvcore.rope import RopeConfig
 from kvcore.summaries import ChunkSummaries, max_upper_bounds
 
 Span = tuple[int, int]  # [start, end) in the history's tokens
+# `max_upper_bounds`'s signature (summaries, queries, query positions, fact start, rope) -> [C, L, H]: the torch
+# path, or a fused kernel an adapter supplies (`deployments/triton_adapter/chunk_bounds.py`)
+MaxBounds = Callable[[ChunkSummaries, torch.Tensor, torch.Tensor, int, RopeConfig], torch.Tensor]
 
 
 def fixed_spans(length: int, size: int) -> list[Span]:
@@ -38,7 +41,12 @@ def layers_of(summaries: ChunkSummaries, layers: torch.Tensor) -> ChunkSummaries
 
 
 def chunk_mass(
-    summaries: ChunkSummaries, queries: torch.Tensor, first_position: int, rope: RopeConfig, group: int
+    summaries: ChunkSummaries,
+    queries: torch.Tensor,
+    first_position: int,
+    rope: RopeConfig,
+    group: int,
+    bounds: MaxBounds = max_upper_bounds,
 ) -> torch.Tensor:
     """Estimated attention mass per chunk `[L, C]` for queries `[L, H, Q, D]` (pre-RoPE, the question's tokens
     at `first_position` onwards): each layer's bound, max over the question's tokens and each KV head's query
@@ -50,7 +58,7 @@ def chunk_mass(
         queries.view(layers, kv_heads, group, tokens, dim).permute(3, 2, 0, 1, 4).reshape(-1, layers, kv_heads, dim)
     )
     positions = (first_position + torch.arange(tokens, device=queries.device)).repeat_interleave(group)
-    best = max_upper_bounds(summaries, grouped, positions, 0, rope)  # [C, L, KVH]
+    best = bounds(summaries, grouped, positions, 0, rope)  # [C, L, KVH]
     mass = torch.softmax(best / math.sqrt(dim), dim=0)  # over chunks
     return mass.mean(-1).transpose(0, 1)  # [L, C]
 

@@ -11,16 +11,16 @@ order; injected at contiguous positions after the frame, each chunk's keys rotat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
 
-from kvcore.history import Span, chunk_mass, fixed_spans, select_from_heads, turn_chunk_pairs
+from kvcore.history import MaxBounds, Span, chunk_mass, fixed_spans, select_from_heads, turn_chunk_pairs
 from kvcore.plan import CaptureSpan
 from kvcore.record import FactKV
 from kvcore.rope import RopeConfig
-from kvcore.summaries import ChunkSummaries, compact, summarize
+from kvcore.summaries import ChunkSummaries, compact, max_upper_bounds, summarize
 
 HISTORY_CHUNK = 16  # tokens a chunk record (docs/history-selection.md: the best of 16, 32 and 64)
 
@@ -72,10 +72,16 @@ class HistoryIndex:
     turns: tuple[Span, ...] = ()  # the history's turns (token spans), for retrieval's half of the budget
     turn_vectors: torch.Tensor | None = None  # [turns, dim], unit vectors: the turns' retrieval embeddings
     turn_pairs: torch.Tensor | None = None  # [2, pairs] (turn, chunk) that overlap, on the vectors' device
+    bounds: MaxBounds = field(default=max_upper_bounds, compare=False, repr=False)  # how the chunks' bounds are had
 
     @classmethod
     def of_records(
-        cls, records: Sequence[FactKV], rope: RopeConfig, scoring_layers: int, device: torch.device | str = "cpu"
+        cls,
+        records: Sequence[FactKV],
+        rope: RopeConfig,
+        scoring_layers: int,
+        device: torch.device | str = "cpu",
+        bounds: MaxBounds = max_upper_bounds,
     ) -> "HistoryIndex":
         """From a history's chunk records, in order (their keys concatenated are the history's keys); the summaries
         are computed and kept on `device`, where the question's queries will be (a GPU scores a 32k-token history
@@ -93,6 +99,7 @@ class HistoryIndex:
             tuple(t for r in records for t in r.token_ids),
             compact(summarize(keys, spans, rope)),
             rope,
+            bounds=bounds,
         )
 
     @property
@@ -120,7 +127,7 @@ class HistoryIndex:
             raise ValueError(f"queries of {queries.shape[0]} layers; the summaries need {self.scoring_layers}")
         queries = queries[: self.scoring_layers].to(self.summaries.norms.device)
         group = queries.shape[1] // self.summaries.norms.shape[2]
-        mass = chunk_mass(self.summaries, queries, len(self.token_ids), self.rope, group).mean(0)
+        mass = chunk_mass(self.summaries, queries, len(self.token_ids), self.rope, group, self.bounds).mean(0)
         return mass.argsort(descending=True)
 
     def with_turns(self, turns: Sequence[Span], vectors: torch.Tensor) -> "HistoryIndex":

@@ -131,8 +131,9 @@ def _by_pair(x: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _QueryRows:
-    """The queries' side of the bound, float64, as rows against each (layer, head, pair)'s key columns.
+class QueryRows:
+    """The queries' side of the bound, float64, as rows against each (layer, head, pair)'s key columns (the
+    torch path's blocks and the fused kernel of `deployments/triton_adapter/chunk_bounds.py` read the same rows).
 
     Per pair, with a the box term and b the norm bound, min(a, b) = min(a - b, 0) + b. The box is highest at
     its corner high where q' >= 0 and low where q' < 0, so a = q'+ · high + q'- · low (one of each two
@@ -148,7 +149,7 @@ class _QueryRows:
     @classmethod
     def of(
         cls, queries: torch.Tensor, query_positions: torch.Tensor, fact_start: int, span_end: int, rope: RopeConfig
-    ) -> "_QueryRows":
+    ) -> "QueryRows":
         q = queries.double()
         positions = query_positions.to(q.device)
         relative = (positions - fact_start).view(-1, 1, 1).expand(*q.shape[:-1])  # one angle per query
@@ -204,7 +205,7 @@ def _blocks(
     """
     cached = queries.device.type == "cpu" if cached is None else cached
     span_end = int(summaries.spans[:, 1].max()) if len(summaries.spans) else 0
-    rows = _QueryRows.of(queries, query_positions, fact_start, span_end, rope)
+    rows = QueryRows.of(queries, query_positions, fact_start, span_end, rope)
     heads, pairs, count, _ = rows.per_pair.shape
     chunks = summaries.low.shape[0]
     size = block or (_CACHED_BLOCK if cached else _DEVICE_BLOCK)

@@ -102,7 +102,7 @@ def test_layers_read_ahead_on_a_side_stream_equal_direct_reads(tmp_path, tier_by
 
 def test_a_history_index_on_cuda_chooses_the_chunks_the_cpu_index_chooses():
     """History mode's choice on a GPU replica (summaries, turn vectors and their (turn, chunk) pairs on the device,
-    only the orders' heads copied back) equals the CPU index's."""
+    the bounds by the fused kernel, only the orders' heads copied back) equals the CPU index's."""
     from kvcore.history import fixed_spans
     from kvcore.history_index import HistoryIndex
     from tests.core.factories import ROPE
@@ -118,9 +118,12 @@ def test_a_history_index_on_cuda_chooses_the_chunks_the_cpu_index_chooses():
     turns = [(s, min(s + 37, 700)) for s in range(0, 700, 37)]
     vectors = torch.nn.functional.normalize(torch.randn(len(turns), 6), dim=-1)
     queries, question = torch.randn(2, 4, 5, ROPE.head_dim), torch.randn(6)
+    from deployments.history_mode import chunk_bounds_for
+
     chosen = {}
-    for device in ("cpu", "cuda"):
-        index = HistoryIndex.of_records(records, ROPE, 2, device).with_turns(turns, vectors.to(device))
+    for device in ("cpu", "cuda"):  # on CUDA with the replica's own bounds: the fused kernel
+        index = HistoryIndex.of_records(records, ROPE, 2, device, chunk_bounds_for(torch.device(device)))
+        index = index.with_turns(turns, vectors.to(device))
         order = index.by_retrieval(question.to(device))
         chosen[device] = (order.tolist(), index.choose(queries.to(device), 160, order))
     assert chosen["cuda"] == chosen["cpu"]

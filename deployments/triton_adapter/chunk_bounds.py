@@ -1,0 +1,127 @@
+"""One Triton kernel for the best score bound of every chunk over a question's queries (history mode's choice).
+
+`kvcore.summaries.max_upper_bounds` sums, per (layer and KV head, query, chunk), min(a - b, 0) over the rotary
+pairs; torch has no fused form of that sum, so it writes every pair's term (a float64 `[LH, P, Q, C]` block,
+~2.7 GB for an 8B model's 2,048-chunk history and an 80-query question) and reads it back: ~4 ms on an H200,
+the largest part of choosing. Here each program keeps a tile of (query, chunk) sums in registers, loops over
+the pairs reading the chunks' summaries where they lie (bf16 boxes and norms, `[C, L, H, D]` and `[C, L, H, P]`)
+and the queries' float64 rows, and keeps only the best over the queries: the same float64 bound, written once.
+
+Scope: full rotary (every channel in a pair). Else the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore.rope import RopeConfig
+from kvcore.summaries import ChunkSummaries, QueryRows, max_upper_bounds
+
+log = logging.getLogger(__name__)
+
+BLOCK_Q, BLOCK_C = 16, 64
+
+
+@triton.jit
+def _best_bounds(
+    rows_ptr,
+    norm_rows_ptr,
+    high_ptr,
+    low_ptr,
+    norms_ptr,
+    out_ptr,
+    queries,
+    chunks,
+    LH: tl.constexpr,
+    DIM: tl.constexpr,
+    PAIRS: tl.constexpr,
+    PAIR_STRIDE: tl.constexpr,
+    SECOND: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Program (layer and head, block of chunks): max over every query of Σ_pairs min(a - b, 0) + Σ_pairs n·norm.
+
+    rows `[LH, P, Q, 5]` (q'+ first, q'+ second, q'- first, q'- second, -|q|), norm rows `[LH, Q, P]`; a pair's
+    channels are `p * PAIR_STRIDE` and that plus `SECOND`."""
+    lh = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < chunks
+    box = (c.to(tl.int64) * LH + lh) * DIM  # where chunk c's box of this layer and head starts
+    norm_at = (c.to(tl.int64) * LH + lh) * PAIRS
+    best = tl.full([BLOCK_C], float("-inf"), tl.float64)
+    for q0 in range(0, queries, BLOCK_Q):
+        q = q0 + tl.arange(0, BLOCK_Q)
+        q_ok = q < queries
+        total = tl.zeros([BLOCK_Q, BLOCK_C], tl.float64)
+        for p in range(PAIRS):
+            row = rows_ptr + ((lh * PAIRS + p) * queries + q) * 5
+            up_f = tl.load(row, mask=q_ok, other=0.0)[:, None]
+            up_s = tl.load(row + 1, mask=q_ok, other=0.0)[:, None]
+            down_f = tl.load(row + 2, mask=q_ok, other=0.0)[:, None]
+            down_s = tl.load(row + 3, mask=q_ok, other=0.0)[:, None]
+            minus_norm = tl.load(row + 4, mask=q_ok, other=0.0)[:, None]
+            scaled_norm = tl.load(norm_rows_ptr + (lh * queries + q) * PAIRS + p, mask=q_ok, other=0.0)[:, None]
+            first = box + p * PAIR_STRIDE
+            high_f = tl.load(high_ptr + first, mask=c_ok, other=0.0).to(tl.float64)[None, :]
+            high_s = tl.load(high_ptr + first + SECOND, mask=c_ok, other=0.0).to(tl.float64)[None, :]
+            low_f = tl.load(low_ptr + first, mask=c_ok, other=0.0).to(tl.float64)[None, :]
+            low_s = tl.load(low_ptr + first + SECOND, mask=c_ok, other=0.0).to(tl.float64)[None, :]
+            norm = tl.load(norms_ptr + norm_at + p, mask=c_ok, other=0.0).to(tl.float64)[None, :]
+            a_minus_b = up_f * high_f + up_s * high_s + down_f * low_f + down_s * low_s + minus_norm * norm
+            total += tl.minimum(a_minus_b, 0.0) + scaled_norm * norm
+        total = tl.where(q_ok[:, None], total, float("-inf"))
+        best = tl.maximum(best, tl.max(total, axis=0))
+    tl.store(out_ptr + lh * chunks + c, best, mask=c_ok)
+
+
+def fused_max_upper_bounds(
+    summaries: ChunkSummaries,
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    fact_start: int,
+    rope: RopeConfig,
+) -> torch.Tensor:
+    """`kvcore.summaries.max_upper_bounds` `[C, L, H]` in one launch (the torch path where the kernel does not apply)."""
+    why = _unsupported(summaries, queries, rope)
+    if why:
+        log.debug("chunk bounds: torch path (%s)", why)
+        return max_upper_bounds(summaries, queries, query_positions, fact_start, rope)
+    chunks, layers, heads, dim = summaries.low.shape
+    span_end = int(summaries.spans[:, 1].max()) if len(summaries.spans) else 0
+    rows = QueryRows.of(queries, query_positions, fact_start, span_end, rope)
+    out = torch.empty(layers * heads, chunks, dtype=torch.float64, device=queries.device)
+    if chunks == 0:
+        return out.T.reshape(chunks, layers, heads).float()
+    neox = rope.style == "neox"
+    _best_bounds[(layers * heads, triton.cdiv(chunks, BLOCK_C))](
+        rows.per_pair,
+        rows.norm,
+        summaries.high.contiguous(),
+        summaries.low.contiguous(),
+        summaries.norms.contiguous(),
+        out,
+        queries.shape[0],
+        chunks,
+        LH=layers * heads,
+        DIM=dim,
+        PAIRS=rope.dim // 2,
+        PAIR_STRIDE=1 if neox else 2,
+        SECOND=rope.dim // 2 if neox else 1,
+        BLOCK_Q=BLOCK_Q,
+        BLOCK_C=BLOCK_C,
+    )
+    return out.T.reshape(chunks, layers, heads).float()  # rounding is monotone: as the torch path rounds
+
+
+def _unsupported(summaries: ChunkSummaries, queries: torch.Tensor, rope: RopeConfig) -> str:
+    if queries.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"queries on {queries.device.type}"
+    if rope.dim != summaries.low.shape[-1]:
+        return f"partial rotary ({rope.dim} of {summaries.low.shape[-1]} channels)"
+    return ""

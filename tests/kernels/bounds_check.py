@@ -1,0 +1,55 @@
+"""The Triton chunk-bounds kernel against `kvcore.summaries.max_upper_bounds`, on the same summaries and queries.
+
+Run as a module (`python -m tests.kernels.bounds_check DEVICE STYLE`) so the CPU check can set TRITON_INTERPRET
+before Triton is imported; prints one JSON line with what the test asserts on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from kvcore.rope import RopeConfig
+from kvcore.summaries import compact, exact_max_scores, max_upper_bounds, summarize
+
+LAYERS, HEADS, TOKENS, DIM, QUERIES = 2, 3, 150, 16, 21  # queries not a multiple of the kernel's block
+
+
+def main(device: str, style: str) -> None:
+    from deployments.triton_adapter import chunk_bounds
+
+    rope = RopeConfig(head_dim=DIM, theta=10000.0, style=style)
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(LAYERS, HEADS, TOKENS, DIM, generator=gen) * torch.rand(DIM, generator=gen) * 3
+    spans = [(s, min(s + 7, TOKENS)) for s in range(0, TOKENS, 7)]  # 22 chunks, the last one short
+    summaries = compact(summarize(keys, spans, rope))  # bf16, as a history index keeps them
+    on_device = type(summaries)(
+        *(t.to(device) for t in (summaries.spans, summaries.norms, summaries.low, summaries.high))
+    )
+    queries = torch.randn(QUERIES, LAYERS, HEADS, DIM, generator=gen) * 2
+    positions = 400 + torch.arange(QUERIES)
+    fact_start = 250
+    want = max_upper_bounds(summaries, queries, positions, fact_start, rope)
+    got = chunk_bounds.fused_max_upper_bounds(
+        on_device, queries.to(device), positions.to(device), fact_start, rope
+    ).cpu()
+    exact = torch.stack(
+        [exact_max_scores(keys, spans, queries[q], int(positions[q]), fact_start, rope) for q in range(QUERIES)]
+    ).amax(0)
+    print(
+        json.dumps(
+            {
+                "shape": list(got.shape),
+                "max_abs_diff": float((got - want).abs().max()),
+                "scale": float(want.abs().max()),
+                "sound": bool((got >= exact).all()),
+                "slack_mean": float((got - exact).mean()),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
