@@ -68,11 +68,11 @@ def _best_bounds(
             minus_norm = tl.load(row + 4, mask=q_ok, other=0.0)[:, None]
             scaled_norm = tl.load(norm_rows_ptr + (lh * queries + q) * PAIRS + p, mask=q_ok, other=0.0)[:, None]
             first = box + p * PAIR_STRIDE
-            high_f = tl.load(high_ptr + first, mask=c_ok, other=0.0).to(tl.float64)[None, :]
-            high_s = tl.load(high_ptr + first + SECOND, mask=c_ok, other=0.0).to(tl.float64)[None, :]
-            low_f = tl.load(low_ptr + first, mask=c_ok, other=0.0).to(tl.float64)[None, :]
-            low_s = tl.load(low_ptr + first + SECOND, mask=c_ok, other=0.0).to(tl.float64)[None, :]
-            norm = tl.load(norms_ptr + norm_at + p, mask=c_ok, other=0.0).to(tl.float64)[None, :]
+            high_f = tl.load(high_ptr + first, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
+            high_s = tl.load(high_ptr + first + SECOND, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
+            low_f = tl.load(low_ptr + first, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
+            low_s = tl.load(low_ptr + first + SECOND, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
+            norm = tl.load(norms_ptr + norm_at + p, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
             a_minus_b = up_f * high_f + up_s * high_s + down_f * low_f + down_s * low_s + minus_norm * norm
             total += tl.minimum(a_minus_b, 0.0) + scaled_norm * norm
         total = tl.where(q_ok[:, None], total, float("-inf"))
