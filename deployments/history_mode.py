@@ -109,6 +109,31 @@ class Choice:
         return {name: round(ms, 3) for name, ms in {**parts, "total": sum(parts.values())}.items()}
 
 
+class _StepMarks:
+    """Times of consecutive steps: host clocks on a CPU; on a GPU events on the current stream, read once the last
+    step is done, so timing a step does not make the host wait for the device between steps."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks: list = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def spans_ms(self) -> list[float]:
+        """Each step's ms, from one mark to the next."""
+        if not self._cuda:
+            return [(after - before) * 1000 for before, after in zip(self._marks, self._marks[1:])]
+        self._marks[-1].synchronize()
+        return [before.elapsed_time(after) for before, after in zip(self._marks, self._marks[1:])]
+
+
 class HistoryError(ValueError):
     """A history that cannot be served (none written, or its chunks are gone)."""
 
@@ -175,25 +200,24 @@ class HistoryChooser:
         return self._keep(key, self._build([self._store.get(tenant_id, r) for r in ids]))
 
     def choose(self, tenant_id: str, history_id: str, question: str, budget: int) -> Choice:
-        """The chunks `question` attends to within `budget` tokens, and what choosing them took."""
-        marks = [time.perf_counter()]
+        """The chunks `question` attends to within `budget` tokens, and what choosing them took.
+
+        On a GPU the steps queue back to back (the host prepares the next while the device runs the last); only
+        the choice itself waits for the device, and each step's time comes from events on the device's timeline.
+        """
+        began = time.perf_counter()
         index = self.index(tenant_id, history_id)
-        marks.append(time.perf_counter())
+        index_ms = (time.perf_counter() - began) * 1000
+        marks = _StepMarks(self.device)
         ids = self._tokenizer.encode(question, add_special_tokens=False) or [self._tokenizer.eos_token_id]
         queries = self.question_pass(ids)
-        marks.append(self._synced())
+        marks.mark()
         by_retrieval = index.by_retrieval(self.embedder.embed_tensor([question])[0]) if question else []
-        marks.append(self._synced())
-        chosen = index.choose(queries, budget, by_retrieval)
-        marks.append(time.perf_counter())
+        marks.mark()
+        chosen = index.choose(queries, budget, by_retrieval)  # the heads of both orders come back to the host
+        marks.mark()
         items = [MemoryItem(index.record_ids[c], index.chunk_tokens(c), index.record_ids[c]) for c in chosen]
-        return Choice(items, *((after - before) * 1000 for before, after in zip(marks, marks[1:])))
-
-    def _synced(self) -> float:
-        """Now, once the device has done what was asked of it (so each step's time is its own)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return Choice(items, index_ms, *marks.spans_ms())
 
     def turn_spans(self, token_ids: tuple[int, ...]) -> list[Span]:
         """The history's lines as token spans: a turn ends with the token that holds its newline."""

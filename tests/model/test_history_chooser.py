@@ -75,3 +75,24 @@ def test_kept_indexes_are_bounded_by_their_bytes_and_an_evicted_one_is_rebuilt(l
     assert list(chooser._indexes) == [("t1", "history-b")] and first.nbytes > 1
     again = chooser.index("t1", "history-a")
     assert again is not first and torch.equal(again.summaries.high, first.summaries.high)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_replica_chooses_as_the_cpu_one_with_its_steps_timed_on_the_device(loaded, tmp_path):
+    """On CUDA the chooser runs the question's pass in bf16, the bounds in the fused kernel and times its steps
+    with events (no wait between steps): its choice for a clear question holds the same evidence turn."""
+    store = LocalFactStore(tmp_path)
+    records = _chunk_records(loaded, "t1", "history-a")
+    store.put_many(records)
+    question = "What is the name of Maya's cat?"
+    chosen = {}
+    for device in ("cpu", "cuda"):
+        chooser = HistoryChooser(loaded.path, store, loaded.tokenizer, device=device)
+        index = chooser.index_records("t1", "history-a", records)
+        choice = chooser.choose("t1", "history-a", question, budget=48)
+        assert choice.question_ms > 0 and choice.retrieval_ms > 0 and choice.bounds_ms > 0
+        start, end = index.turns[next(i for i, t in enumerate(MAYA) if "Pixel" in t.text)]
+        chosen[device] = {i.record_id for i in choice.items}
+        assert any(s < end and start < e for s, e in (index.spans[index.record_ids.index(r)] for r in chosen[device]))
+    assert len(chosen["cuda"] & chosen["cpu"]) >= 0.8 * len(chosen["cpu"])  # bf16 pass against float32
