@@ -94,6 +94,21 @@ def timed_ms(call: Callable[[], Any], calls: int, warm: int = 20) -> list[float]
     return times
 
 
+def device_median_ms(call: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median ms of `call` on `device` after one untimed call, the device synchronised around each run."""
+    call()
+    runs = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        runs.append((time.perf_counter() - began) * 1000)
+    return sorted(runs)[len(runs) // 2]
+
+
 @contextmanager
 def sampled(label: str) -> Iterator[None]:
     """A phase the stack samplers of `scripts/sampling` record under `label` (when INFERSCALE_SAMPLE_DIR is set)."""

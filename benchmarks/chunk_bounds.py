@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,27 +21,12 @@ if not torch.cuda.is_available():  # before Triton is imported: its interpreter 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._common import device_median_ms, parser, target, write_report  # noqa: E402
 from kvcore.rope import RopeConfig  # noqa: E402
 from kvcore.summaries import compact, max_upper_bounds, summarize  # noqa: E402
 
 FULL = {"layers": 4, "kv_heads": 8, "head_dim": 128, "tokens": 32_768, "chunk": 16, "queries": 80}
 QUICK = {"layers": 2, "kv_heads": 4, "head_dim": 64, "tokens": 4_096, "chunk": 16, "queries": 40}
-
-
-def timed(call, device: torch.device, repeats: int) -> float:
-    """Median ms of `call` (synchronised around each run)."""
-    call()
-    runs = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        runs.append((time.perf_counter() - began) * 1000)
-    return sorted(runs)[len(runs) // 2]
 
 
 def main() -> None:
@@ -73,9 +57,9 @@ def main() -> None:
     want, got = torch_path(), fused()
     difference = float((got - want).abs().max() / want.abs().max())
     repeats = 5 if device.type == "cpu" else 20
-    ms = {"torch_path": timed(torch_path, device, repeats)}
+    ms = {"torch_path": device_median_ms(torch_path, device, repeats)}
     if device.type == "cuda":
-        ms["fused"] = timed(fused, device, repeats)
+        ms["fused"] = device_median_ms(fused, device, repeats)
     for name, value in ms.items():
         print(f"{name:12s} {value:9.3f} ms", flush=True)
     print(f"largest difference, relative to the largest bound: {difference:.2e}", flush=True)

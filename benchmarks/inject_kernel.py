@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._common import device_median_ms, parser, target, write_report  # noqa: E402
 from kvcore.rope import RopeConfig, RotationTable  # noqa: E402
 from kvcore.step_writes import rotate_rows  # noqa: E402
 
@@ -32,25 +31,10 @@ REQUESTS, TOKENS_PER_REQUEST, ARENA_ROWS = 100, 1524, 16_384  # 100 requests of 
 CONFIGS = ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16))  # (tile elements, warps)
 
 
-def timed(call, device: torch.device, repeats: int) -> float:
-    """Median ms of `call` on the device (synchronised around each run)."""
-    call()
-    runs = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        runs.append((time.perf_counter() - began) * 1000)
-    return sorted(runs)[len(runs) // 2]
-
-
 def copy_rate(elements: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
     """GB/s of a plain device copy of float32 values into `dtype` (the roofline: same bytes per element)."""
     source, dest = torch.randn(elements, device=device), torch.empty(elements, dtype=dtype, device=device)
-    return elements * (4 + dtype.itemsize) / timed(lambda: dest.copy_(source), device, repeats) / 1e6
+    return elements * (4 + dtype.itemsize) / device_median_ms(lambda: dest.copy_(source), device, repeats) / 1e6
 
 
 def main() -> None:
@@ -99,14 +83,14 @@ def main() -> None:
         "gb_moved": round(moved / 1e9, 2),
         "copy_gb_s": round(copy_gbs, 1),
     }
-    ms = {"torch_path": timed(torch_path, device, max(2, repeats // 3))}
+    ms = {"torch_path": device_median_ms(torch_path, device, max(2, repeats // 3))}
     if device.type == "cuda":
         from deployments.triton_adapter.fused_inject import DEFAULT_TILE, DEFAULT_WARPS, fused_row_writer
 
         for tile, warps in CONFIGS:
             writer = fused_row_writer(caches, rope, tile, warps)
             default = " (default)" if (tile, warps) == (DEFAULT_TILE, DEFAULT_WARPS) else ""
-            ms[f"fused tile {tile} warps {warps}{default}"] = timed(
+            ms[f"fused tile {tile} warps {warps}{default}"] = device_median_ms(
                 lambda: writer(arena_k, arena_v, index, cos, sin), device, repeats
             )
     report["step_ms"] = {name: round(v, 3) for name, v in ms.items()}
