@@ -81,6 +81,7 @@ class CaptureTracker:
         self._pending.pop(request_id, None)
 
 
+RELEASE_BYTES = 256 << 20  # captures this large give their cached device blocks back (a fact's are ~MBs)
 WRITE_GROUP = 64  # records written (and fsynced) together: a 32k-token history is 2,048 of them
 
 # (tenant id, record id, the stored file's stamp, K, V on the device): a record just stored, handed on while its K/V
@@ -125,41 +126,59 @@ class CaptureWorker:
         self._layout: PagedLayout | None = None
         self._layer_of: dict[str, int] = {}
         self._active: dict[str, _Arriving] = {}
+        self._dropped: set[str] = set()  # captures of this step the device had no room for
+        self._release = False  # a large capture ended this step: give the cached blocks back at its end
 
     def register(self, layer_of: dict[str, int], layout: PagedLayout) -> None:
         self._layer_of, self._layout = dict(layer_of), layout
 
     def save_layer(self, layer_name: str, cache: torch.Tensor, captures: Sequence[CaptureSpec]) -> None:
-        """Read this layer's spans of every capture of the step; store the captures that are complete."""
+        """Read this layer's spans of every capture of the step; store the captures that are complete. A capture
+        the device has no room for is dropped (no record written: its history write answers 503), never raised
+        into the engine's forward, which would end the engine."""
         index = self._layer_of.get(layer_name)
         if index is None:
             return
         for spec in captures:
-            arriving = self._active.get(spec.request_id) or self._start(spec, cache.device)
-            k, v = self._layout.gather(cache, arriving.slots)  # [H, T, D], post-RoPE as the engine stored them
-            if arriving.k is None:
-                dtype, layers = self._record_dtype or k.dtype, len(self._layer_of)
-                arriving.k = torch.empty((layers, *k.shape), dtype=dtype, device=k.device)
-                arriving.v = torch.empty((layers, *v.shape), dtype=dtype, device=v.device)
-            table = table_dtype_of(k.dtype)  # float32 math and result, rounded once into the record's dtype
-            arriving.k[index] = apply_rotation(
-                k.float(), arriving.cos, arriving.sin, self._rope, table_dtype=table, invert=True
-            )
-            arriving.v[index] = v
-            arriving.seen[index] = True
-            if all(arriving.seen):
-                del self._active[spec.request_id]
-                self._finish(arriving)
-                on_device = arriving.k.is_cuda
-                del arriving
-                if on_device:  # hand the capture's bytes back to the device: other processes share it
-                    torch.cuda.empty_cache()
+            if spec.request_id in self._dropped:
+                continue
+            try:
+                self._save(spec, index, cache)
+            except torch.OutOfMemoryError:
+                log.error("request %s: no device memory for its capture; no record written", spec.request_id)
+                self._active.pop(spec.request_id, None)
+                self._dropped.add(spec.request_id)
+                self._release = True
+
+    def _save(self, spec: CaptureSpec, index: int, cache: torch.Tensor) -> None:
+        arriving = self._active.get(spec.request_id) or self._start(spec, cache.device)
+        k, v = self._layout.gather(cache, arriving.slots)  # [H, T, D], post-RoPE as the engine stored them
+        if arriving.k is None:
+            dtype, layers = self._record_dtype or k.dtype, len(self._layer_of)
+            arriving.k = torch.empty((layers, *k.shape), dtype=dtype, device=k.device)
+            arriving.v = torch.empty((layers, *v.shape), dtype=dtype, device=v.device)
+        table = table_dtype_of(k.dtype)  # float32 math and result, rounded once into the record's dtype
+        arriving.k[index] = apply_rotation(
+            k.float(), arriving.cos, arriving.sin, self._rope, table_dtype=table, invert=True
+        )
+        arriving.v[index] = v
+        arriving.seen[index] = True
+        if all(arriving.seen):
+            del self._active[spec.request_id]
+            self._finish(arriving)
+            big = arriving.k.is_cuda and arriving.k.nbytes + arriving.v.nbytes >= RELEASE_BYTES
+            self._release = self._release or big
 
     def end_step(self) -> None:
-        """Captures still incomplete at the end of their step never will be: drop them loudly."""
+        """Captures still incomplete at the end of their step never will be: drop them loudly. After a large
+        capture (a history), the device's cached blocks go back to it, for the other processes that share it."""
         for request_id in list(self._active):
             log.error("request %s: capture saw only some layers; no record written", request_id)
         self._active.clear()
+        self._dropped.clear()
+        if self._release:
+            self._release = False
+            torch.cuda.empty_cache()
 
     def _start(self, spec: CaptureSpec, device: torch.device) -> _Arriving:
         slots = slot_mapping(spec.block_ids, 0, spec.plan.end, self._layout.block_size).to(device)

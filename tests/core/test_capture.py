@@ -162,3 +162,32 @@ def test_an_arena_that_fails_to_take_a_captured_record_fails_neither_the_capture
     assert asked == [("t1", "head")]  # asked once, then never again
     for tenant in ("t1", "t2"):
         assert [store.get(tenant, r).k.shape[2] for r in ("head", "tail")] == [4, tokens - 4]
+
+
+def test_a_capture_the_device_has_no_room_for_is_dropped_without_stopping_the_engine(tmp_path, monkeypatch):
+    """Out of device memory while a capture builds its buffers: the step goes on (an error raised into the forward
+    would end the engine), that capture writes no record, and the next one is stored whole."""
+    layout, tokens, blocks, source = _engine_cache(seed=7)
+    store = LocalFactStore(tmp_path)
+    capture = CaptureWorker(store, FP, ROPE, torch.float32)
+    capture.register({name: i for i, name in enumerate(source)}, layout)
+    save, calls = capture._save, []
+
+    def short_of_memory(spec, index, cache):
+        calls.append(spec.request_id)
+        if spec.request_id == "full" and index == 1:  # mid-capture: its buffers exist, a later layer fails
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        save(spec, index, cache)
+
+    monkeypatch.setattr(capture, "_save", short_of_memory)
+    tracker = CaptureTracker()
+    spans = (CaptureSpan("head", 0, 4), CaptureSpan("tail", 4, tokens))
+    tracker.add("full", CapturePlan("t1", spans), list(range(100, 110)))
+    tracker.add("next", CapturePlan("t2", spans), list(range(100, 110)))
+    for request in ("full", "next"):
+        specs = tracker.step([(request, blocks, 0, tokens)])
+        for name, cache in source.items():
+            capture.save_layer(name, cache, specs)
+        capture.end_step()
+    assert calls.count("full") == 2  # the layer that failed and the one before it: none after
+    assert store.record_ids("t1") == [] and sorted(store.record_ids("t2")) == ["head", "tail"]
