@@ -12,8 +12,10 @@ Scope: full rotary (every channel in a pair). Else the torch path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 
 import torch
 import triton
@@ -25,6 +27,8 @@ from kvcore.summaries import ChunkSummaries, QueryRows, max_upper_bounds
 log = logging.getLogger(__name__)
 
 BLOCK_Q, BLOCK_C = 16, 64
+_LAUNCH = threading.Lock()  # questions are chosen in worker threads: one compiles the kernel, the others wait
+_SUMMARY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # widened exactly to float64 in the kernel
 
 
 @triton.jit
@@ -99,23 +103,25 @@ def fused_max_upper_bounds(
     if chunks == 0:
         return out.T.reshape(chunks, layers, heads).float()
     neox = rope.style == "neox"
-    _best_bounds[(layers * heads, triton.cdiv(chunks, BLOCK_C))](
-        rows.per_pair,
-        rows.norm,
-        summaries.high.contiguous(),
-        summaries.low.contiguous(),
-        summaries.norms.contiguous(),
-        out,
-        queries.shape[0],
-        chunks,
-        LH=layers * heads,
-        DIM=dim,
-        PAIRS=rope.dim // 2,
-        PAIR_STRIDE=1 if neox else 2,
-        SECOND=rope.dim // 2 if neox else 1,
-        BLOCK_Q=BLOCK_Q,
-        BLOCK_C=BLOCK_C,
-    )
+    on_its_device = torch.cuda.device(queries.device) if queries.is_cuda else contextlib.nullcontext()
+    with _LAUNCH, on_its_device:
+        _best_bounds[(layers * heads, triton.cdiv(chunks, BLOCK_C))](
+            rows.per_pair,
+            rows.norm,
+            summaries.high.contiguous(),
+            summaries.low.contiguous(),
+            summaries.norms.contiguous(),
+            out,
+            queries.shape[0],
+            chunks,
+            LH=layers * heads,
+            DIM=dim,
+            PAIRS=rope.dim // 2,
+            PAIR_STRIDE=1 if neox else 2,
+            SECOND=rope.dim // 2 if neox else 1,
+            BLOCK_Q=BLOCK_Q,
+            BLOCK_C=BLOCK_C,
+        )
     return out.T.reshape(chunks, layers, heads).float()  # rounding is monotone: as the torch path rounds
 
 
@@ -124,4 +130,8 @@ def _unsupported(summaries: ChunkSummaries, queries: torch.Tensor, rope: RopeCon
         return f"queries on {queries.device.type}"
     if rope.dim != summaries.low.shape[-1]:
         return f"partial rotary ({rope.dim} of {summaries.low.shape[-1]} channels)"
+    if any(t.dtype not in _SUMMARY_DTYPES for t in (summaries.low, summaries.high, summaries.norms)):
+        return f"summaries in {summaries.low.dtype}"
+    if any(t.device != queries.device for t in (summaries.low, summaries.high, summaries.norms)):
+        return f"summaries on {summaries.low.device}, queries on {queries.device}"
     return ""

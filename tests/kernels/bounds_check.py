@@ -14,7 +14,7 @@ import torch
 from kvcore.rope import RopeConfig
 from kvcore.summaries import compact, exact_max_scores, max_upper_bounds, summarize
 
-LAYERS, HEADS, TOKENS, DIM, QUERIES = 2, 3, 150, 16, 21  # queries not a multiple of the kernel's block
+LAYERS, HEADS, TOKENS, DIM, QUERIES = 2, 3, 460, 16, 21  # queries and chunks past one kernel block each
 
 
 def main(device: str, style: str) -> None:
@@ -23,7 +23,7 @@ def main(device: str, style: str) -> None:
     rope = RopeConfig(head_dim=DIM, theta=10000.0, style=style)
     gen = torch.Generator().manual_seed(5)
     keys = torch.randn(LAYERS, HEADS, TOKENS, DIM, generator=gen) * torch.rand(DIM, generator=gen) * 3
-    spans = [(s, min(s + 7, TOKENS)) for s in range(0, TOKENS, 7)]  # 22 chunks, the last one short
+    spans = [(s, min(s + 7, TOKENS)) for s in range(0, TOKENS, 7)]  # 66 chunks, the last one short
     summaries = compact(summarize(keys, spans, rope))  # bf16, as a history index keeps them
     on_device = type(summaries)(
         *(t.to(device) for t in (summaries.spans, summaries.norms, summaries.low, summaries.high))
