@@ -67,6 +67,8 @@ class QuestionPass:
             if bucket not in self._graphs:
                 try:
                     self._graphs[bucket] = self._capture(bucket)
+                except torch.OutOfMemoryError:  # a full device, for now: this question fails (503), the next retries
+                    raise
                 except RuntimeError as exc:  # a capture the driver refuses: eager passes from now on
                     log.warning("CUDA graph capture of the question pass failed (%s); running it eagerly", exc)
                     self._graphs = None
@@ -114,21 +116,21 @@ class _StepMarks:
     step is done, so timing a step does not make the host wait for the device between steps."""
 
     def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
+        self._device = device
         self._marks: list = []
         self.mark()
 
     def mark(self) -> None:
-        if self._cuda:
+        if self._device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self._device))
             self._marks.append(event)
         else:
             self._marks.append(time.perf_counter())
 
     def spans_ms(self) -> list[float]:
         """Each step's ms, from one mark to the next."""
-        if not self._cuda:
+        if self._device.type != "cuda":
             return [(after - before) * 1000 for before, after in zip(self._marks, self._marks[1:])]
         self._marks[-1].synchronize()
         return [before.elapsed_time(after) for before, after in zip(self._marks, self._marks[1:])]

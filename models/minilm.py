@@ -219,6 +219,8 @@ class MiniLMEmbedder:
             if graph is None:
                 try:
                     graph = self._graphs[key] = _Graph(self._weights, *key, self.device)
+                except torch.OutOfMemoryError:  # a full device, for now: this call fails, the next retries
+                    raise
                 except RuntimeError as exc:  # a capture the driver refuses: eager forwards from now on
                     log.warning("CUDA graph capture of the query embedder failed (%s); running it eagerly", exc)
                     self._graphs = None

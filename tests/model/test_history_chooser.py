@@ -79,20 +79,31 @@ def test_kept_indexes_are_bounded_by_their_bytes_and_an_evicted_one_is_rebuilt(l
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_gpu_replica_chooses_as_the_cpu_one_with_its_steps_timed_on_the_device(loaded, tmp_path):
-    """On CUDA the chooser runs the question's pass in bf16, the bounds in the fused kernel and times its steps
-    with events (no wait between steps): its choice for a clear question holds the same evidence turn."""
+def test_a_gpu_replica_scores_chunks_as_the_cpu_one_and_keeps_the_evidence_turn(loaded, tmp_path):
+    """On CUDA the chooser scores chunks with the fused bounds kernel: the same question's float32 queries give the
+    CPU index's chunk masses; its own choice (bf16 pass, steps timed by events) keeps the evidence turn."""
+    from kvcore.history import chunk_mass
+
     store = LocalFactStore(tmp_path)
     records = _chunk_records(loaded, "t1", "history-a")
     store.put_many(records)
     question = "What is the name of Maya's cat?"
-    chosen = {}
-    for device in ("cpu", "cuda"):
-        chooser = HistoryChooser(loaded.path, store, loaded.tokenizer, device=device)
-        index = chooser.index_records("t1", "history-a", records)
-        choice = chooser.choose("t1", "history-a", question, budget=48)
-        assert choice.question_ms > 0 and choice.retrieval_ms > 0 and choice.bounds_ms > 0
-        start, end = index.turns[next(i for i, t in enumerate(MAYA) if "Pixel" in t.text)]
-        chosen[device] = {i.record_id for i in choice.items}
-        assert any(s < end and start < e for s, e in (index.spans[index.record_ids.index(r)] for r in chosen[device]))
-    assert len(chosen["cuda"] & chosen["cpu"]) >= 0.8 * len(chosen["cpu"])  # bf16 pass against float32
+    choosers = {
+        device: HistoryChooser(loaded.path, store, loaded.tokenizer, device=device) for device in ("cpu", "cuda")
+    }
+    indexes = {device: c.index_records("t1", "history-a", records) for device, c in choosers.items()}
+    queries = choosers["cpu"].question_pass(loaded.tokenizer.encode(question, add_special_tokens=False))
+    masses = {}
+    for device, index in indexes.items():
+        group = queries.shape[1] // index.summaries.norms.shape[2]
+        asked = queries[: index.scoring_layers].to(device)
+        masses[device] = chunk_mass(index.summaries, asked, len(index.token_ids), index.rope, group, index.bounds).cpu()
+    assert indexes["cuda"].bounds is not indexes["cpu"].bounds  # the kernel on CUDA, torch on the CPU
+    assert torch.allclose(masses["cuda"], masses["cpu"], rtol=1e-4, atol=1e-6)
+
+    choice = choosers["cuda"].choose("t1", "history-a", question, budget=48)
+    assert choice.question_ms > 0 and choice.retrieval_ms > 0 and choice.bounds_ms > 0
+    index = indexes["cuda"]
+    start, end = index.turns[next(i for i, t in enumerate(MAYA) if "Pixel" in t.text)]
+    spans = [index.spans[index.record_ids.index(item.record_id)] for item in choice.items]
+    assert any(s < end and start < e for s, e in spans)
