@@ -146,13 +146,15 @@ def start_cluster(
     engine_kwargs: dict | None = None,
     llm_args: dict | None = None,
     early_layers: int = 0,
+    ingress_replicas: int = 4,
 ):
     """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
     on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
     CUDA's multi-process service `engine_sm_percent` holds the engine to that share of the SMs (the rest stay
     free for the ingress's query embeddings); `query_embedding`: the ingress embeds questions in a process of
     its own or in a thread; `engine_kwargs` go to vLLM over the defaults (a longer context, say), `llm_args` to
-    the LLM deployment over its defaults; a shape gets random weights of its first `early_layers` layers."""
+    the LLM deployment over its defaults; a shape gets random weights of its first `early_layers` layers; on a GPU
+    `ingress_replicas` ingress replicas (each one event loop: more of them, less time a request waits for one)."""
     import os
 
     from ray import serve
@@ -187,7 +189,7 @@ def start_cluster(
         llm["device_cache_bytes"] = 48 << 30
         llm["max_encodes_in_flight"] = 32  # 5,000 facts to encode before anything is measured
         ingress |= {
-            "num_replicas": 4,
+            "num_replicas": ingress_replicas,
             "embed_device": embed_device,
             "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.02} if embed_device == "cuda" else {"num_cpus": 2},
         }

@@ -352,6 +352,12 @@ def main() -> None:
         help="the ingress embeds questions in a process of its own (default) or in a thread of the replica",
     )
     p.add_argument(
+        "--ingress-replicas",
+        type=int,
+        default=4,
+        help="on a GPU, the ingress replicas (each one event loop, with its own query embedder)",
+    )
+    p.add_argument(
         "--engine-sm-percent",
         type=int,
         choices=range(1, 101),
@@ -374,7 +380,14 @@ def main() -> None:
     clock = Phases()
     state = Path(scratch_dir(prefix="serve-bench-"))
     base, admin, redis, app_args = start_cluster(
-        state, cuda, args.config, args.proxy, args.embed_device, args.engine_sm_percent, args.query_embedding
+        state,
+        cuda,
+        args.config,
+        args.proxy,
+        args.embed_device,
+        args.engine_sm_percent,
+        args.query_embedding,
+        ingress_replicas=args.ingress_replicas,
     )
     probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
     clock.done("deploy")
@@ -392,6 +405,7 @@ def main() -> None:
         "cuda": cuda,
         "embed_device": app_args["ingress"].get("embed_device", "cpu"),
         "query_embedding": app_args["ingress"]["query_embedding"],
+        "ingress_replicas": app_args["ingress"].get("num_replicas", 1),
         "engine_sm_percent": args.engine_sm_percent,
         "model": str(args.config) if args.config else "SmolLM2-135M",
         "phase_s": clock.seconds,
