@@ -7,7 +7,6 @@ the Triton kernels where they load, and the capture of encoded facts. The vLLM c
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import socket
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from config.connector import ConnectorConfig
+from deployments.triton_adapter import optional_kernel
 from kvcore.capture import CaptureWorker
 from kvcore.injection import InjectionWorker
 from kvcore.replica_slot import claim_slot
@@ -58,11 +58,11 @@ class ConnectorWorker:
             rope,
             config.device_cache_bytes,
             tiers=tiers,
-            step_writer=_triton_kernel("fused_inject", "fused_row_writer") if kernels else None,
+            step_writer=optional_kernel("fused_inject", "fused_row_writer") if kernels else None,
             placement=placement,
             whole_load_bytes=config.whole_load_bytes,
             device_tenant_bytes=config.device_tenant_bytes,
-            packed_inserter=_triton_kernel("packed_insert", "insert_packed_kernel") if kernels else None,
+            packed_inserter=optional_kernel("packed_insert", "insert_packed_kernel") if kernels else None,
         )
         return cls(
             injection,
@@ -93,16 +93,6 @@ def _placement_writer(replica: str, url: str | None):
         )
         return None
     return PlacementWriter(RedisMeta(url), replica).start()
-
-
-def _triton_kernel(module: str, name: str):
-    """`name` from `deployments.triton_adapter.<module>` (a kernel or its factory), or None where Triton is not
-    installed (the torch paths then)."""
-    try:
-        return getattr(importlib.import_module(f"deployments.triton_adapter.{module}"), name)
-    except ImportError as exc:
-        log.info("Triton kernel %s unavailable: %s", name, exc)
-        return None
 
 
 def _record_dtype(name: str) -> torch.dtype | None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from deployments.memory_prompt import MemoryItem
+from deployments.triton_adapter import optional_kernel
 from kvcore.history import MaxBounds, Span
 from kvcore.history_index import HistoryIndex, chunk_prefix
 from kvcore.query_pass import EarlyLayers, queries_of, question_queries
@@ -264,11 +265,5 @@ class HistoryChooser:
 def chunk_bounds_for(device: torch.device) -> MaxBounds:
     """The fused Triton kernel for the chunks' bounds on a GPU (one launch, where torch writes and reads back a
     float64 term per pair: ~4 ms of a 2,048-chunk history's choice on an H200); the torch path elsewhere."""
-    if device.type != "cuda":
-        return max_upper_bounds
-    try:
-        from deployments.triton_adapter.chunk_bounds import fused_max_upper_bounds
-    except ImportError as exc:
-        log.info("chunk bounds: torch path (%s)", exc)
-        return max_upper_bounds
-    return fused_max_upper_bounds
+    fused = optional_kernel("chunk_bounds", "fused_max_upper_bounds") if device.type == "cuda" else None
+    return fused or max_upper_bounds

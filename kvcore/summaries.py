@@ -45,6 +45,11 @@ class ChunkSummaries:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.spans, self.norms, self.low, self.high))
 
+    @property
+    def span_end(self) -> int:
+        """Where the last chunk ends inside the fact (0 without chunks): how far its rotation angles reach."""
+        return int(self.spans[:, 1].max()) if len(self.spans) else 0
+
 
 def pair_index(rope: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Channel indices (first, second) of each rotary pair, neox or GPT-J style."""
@@ -204,8 +209,7 @@ def _blocks(
     read (an L1 norm) and a matmul.
     """
     cached = queries.device.type == "cpu" if cached is None else cached
-    span_end = int(summaries.spans[:, 1].max()) if len(summaries.spans) else 0
-    rows = QueryRows.of(queries, query_positions, fact_start, span_end, rope)
+    rows = QueryRows.of(queries, query_positions, fact_start, summaries.span_end, rope)
     heads, pairs, count, _ = rows.per_pair.shape
     chunks = summaries.low.shape[0]
     size = block or (_CACHED_BLOCK if cached else _DEVICE_BLOCK)

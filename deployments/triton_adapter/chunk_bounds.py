@@ -97,8 +97,7 @@ def fused_max_upper_bounds(
         log.debug("chunk bounds: torch path (%s)", why)
         return max_upper_bounds(summaries, queries, query_positions, fact_start, rope)
     chunks, layers, heads, dim = summaries.low.shape
-    span_end = int(summaries.spans[:, 1].max()) if len(summaries.spans) else 0
-    rows = QueryRows.of(queries, query_positions, fact_start, span_end, rope)
+    rows = QueryRows.of(queries, query_positions, fact_start, summaries.span_end, rope)
     out = torch.empty(layers * heads, chunks, dtype=torch.float64, device=queries.device)
     if chunks == 0:
         return out.T.reshape(chunks, layers, heads).float()
