@@ -136,6 +136,12 @@ def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     return round(centre - half, 4), round(centre + half, 4)
 
 
+def phase_medians(phases: list[dict[str, float]]) -> dict[str, float]:
+    """Median of each named phase over the samples that report it (the engine's `engine_phases_ms`)."""
+    names = dict.fromkeys(name for sample in phases for name in sample)
+    return {n: round(statistics.median(s[n] for s in phases if n in s), 3) for n in names}
+
+
 def target(name: str, value: float, goal: str) -> dict[str, Any]:
     """`goal` is '>= X' or '<= X'; `met` is computed here so nobody has to trust prose."""
     op, bound = goal.split()

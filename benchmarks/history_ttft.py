@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import engine_shape_defaults, parser, scratch_dir, target, write_report  # noqa: E402
+from benchmarks._common import engine_shape_defaults, parser, phase_medians, scratch_dir, target, write_report  # noqa: E402
 from benchmarks.history_selection import history_lines, history_questions  # noqa: E402
 from benchmarks.quality.devset import conversation  # noqa: E402
 from benchmarks.quality.run import Client  # noqa: E402
@@ -93,6 +93,7 @@ def measure(client: Client, histories: list[dict], budget: int, rounds: int, dea
                         "mode": mode,
                         "ttft_ms": usage["ttft_ms"],
                         "engine_ttft_ms": usage["engine_ttft_ms"],
+                        "engine_phases_ms": usage.get("engine_phases_ms") or {},
                         "prefilled_tokens": usage["prefilled_tokens"],
                         "injected_tokens": usage["injected_tokens"],
                         "history_chunks": usage["history_chunks"],
@@ -120,6 +121,7 @@ def summarize(rows: list[dict], budget: int) -> dict:
             "ttft_ms_p50": round(statistics.median(ttft), 3),
             "ttft_ms_p95": round(_p(ttft, 0.95), 3),
             "engine_ttft_ms_p50": round(statistics.median(r["engine_ttft_ms"] for r in chosen), 3),
+            "engine_phases_ms_p50": phase_medians([r["engine_phases_ms"] for r in chosen]),
             "prefilled_tokens_mean": statistics.fmean(r["prefilled_tokens"] for r in chosen),
             "injected_tokens_mean": statistics.fmean(r["injected_tokens"] for r in chosen),
         }

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._cluster import start_cluster  # noqa: E402
-from benchmarks._common import parser, sampled, scratch_dir, target, write_report  # noqa: E402
+from benchmarks._common import parser, phase_medians, sampled, scratch_dir, target, write_report  # noqa: E402
 from benchmarks._http_load import closed_loop  # noqa: E402
 from benchmarks._process_cpu import PhaseCpu  # noqa: E402
 from benchmarks.proxy_floor import deploy_probe  # noqa: E402
@@ -136,6 +136,7 @@ def sample_rounds(
                     "hop_ms": usage.get("hop_ms", {}),
                     "embed_legs_ms": usage.get("retrieval_embed_legs_ms", {}),
                     "cpu_ms": usage.get("cpu_ms", {}),
+                    "engine_phases_ms": usage.get("engine_phases_ms") or {},
                     **{
                         key: usage[key]
                         for key in (
@@ -507,6 +508,9 @@ def http_figures(
     return {
         "ttft_ms_p50": {mode: statistics.median(s["ttft_ms"] for s in v) for mode, v in samples.items()},
         "engine_ttft_ms_p50": {mode: statistics.median(s["engine_ttft_ms"] for s in v) for mode, v in samples.items()},
+        "engine_phases_ms_p50": {
+            mode: phase_medians([s["engine_phases_ms"] for s in v]) for mode, v in samples.items()
+        },
         "http_minus_engine_ttft_ms": {"p50": statistics.median(over), "p99": pct(over, 0.99)},
         "retrieval_ms": {
             "p50": statistics.median(retrieval),

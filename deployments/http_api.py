@@ -420,6 +420,7 @@ def _usage(
         "retrieval_embed_legs_ms": _embed_legs(prepared.embedded),
         "ttft_ms": round(ttft_ms, 3),
         "engine_ttft_ms": engine.get("engine_ttft_ms", 0.0),
+        "engine_phases_ms": engine.get("engine_phases_ms") or {},
         "memory_fallback": engine.get("memory_fallback"),
         "memory_tiers": tiers,
         "hop_ms": _hop(prepared, engine.get("timeline")),

@@ -39,6 +39,19 @@ from models.chat import build_frame, split_chat
 log = logging.getLogger(__name__)
 
 
+def engine_phases(stats: object, started: float, first_token_back: float) -> dict[str, float]:
+    """The engine TTFT split by vLLM's own request timestamps (its core's monotonic clock, which this process shares
+    on one host): `submit` (input processing, the way to the core, the request's build there), `queue` (waiting for
+    the scheduler, the connector's lookups included), `step` (the forward that makes the first token, injection's
+    loads included) and `back` (the token's way out to this loop). Empty when vLLM kept no stats."""
+    queued, scheduled, first = (getattr(stats, n, 0.0) for n in ("queued_ts", "scheduled_ts", "first_token_ts"))
+    if not (queued and scheduled and first and first_token_back):
+        return {}
+    edges = {"submit": (started, queued), "queue": (queued, scheduled), "step": (scheduled, first)}
+    edges["back"] = (first, first_token_back)
+    return {name: round((end - start) * 1000, 3) for name, (start, end) in edges.items()}
+
+
 class EncodeSlots:
     """At most `limit` encodings inside the engine at once; the rest wait here, in arrival order, outside the
     engine's queue (where chats that arrive later would wait behind every one of them). Counts the peak."""
@@ -227,13 +240,14 @@ class MemoryEngine:
         prompt = TokensPrompt(prompt_token_ids=laid.token_ids, cache_salt=laid.cache_salt)
         engine_start, layout_cpu = time.time(), time.thread_time() - arrived_cpu
         started, ttft, completion, cached, report, finish = time.perf_counter(), None, 0, 0, None, None
+        started_mono, first_mono, stats = time.monotonic(), 0.0, None
         last: dict[str, Any] = {}  # the final piece's text rides on the done event: one streamed message fewer
         async for out in self._engine.generate(prompt, params, f"chat-{uuid.uuid4().hex}"):
             piece = out.outputs[0]
             completion += len(piece.token_ids)
             cached = out.num_cached_tokens or cached
             if ttft is None and piece.token_ids:
-                ttft = (time.perf_counter() - started) * 1000
+                ttft, first_mono = (time.perf_counter() - started) * 1000, time.monotonic()
             event: dict[str, Any] = {}
             if task.logprobs is not None and piece.logprobs:  # every token's, even one whose text is not out yet
                 event = {
@@ -243,7 +257,7 @@ class MemoryEngine:
             elif piece.text:
                 event = {"delta": piece.text}
             if out.finished:
-                finish = piece.finish_reason
+                finish, stats = piece.finish_reason, out.metrics
                 report = (out.kv_transfer_params or {}).get("inferscale")
                 last = event
             elif event:
@@ -265,6 +279,7 @@ class MemoryEngine:
                 "prefix_cached_tokens": max(0, cached - injected),
                 "prefilled_tokens": len(laid.token_ids) - cached,
                 "engine_ttft_ms": round(ttft or 0.0, 3),
+                "engine_phases_ms": engine_phases(stats, started_mono, first_mono),
                 "memory_fallback": (report or {}).get("fallback"),
                 "timeline": {
                     "arrived": arrived,

@@ -22,6 +22,7 @@ def _row(mode: str, ttft: float, choose: dict | None = None) -> dict:
         "mode": mode,
         "ttft_ms": ttft,
         "engine_ttft_ms": ttft - 1,
+        "engine_phases_ms": {"queue": 0.5, "step": ttft - 1.5},
         "prefilled_tokens": 10,
         "injected_tokens": 0,
         "history_chunks": 0,
@@ -36,6 +37,7 @@ def test_the_targets_are_ratios_of_the_modes_medians():
     rows += [_row("whole_prefill", 700.0)]
     report = summarize(rows, budget=2048)
     assert report["modes"]["history"]["ttft_ms_p50"] == 14.0 and report["modes"]["no_memory"]["ttft_ms_p50"] == 11.0
+    assert report["modes"]["history"]["engine_phases_ms_p50"] == {"queue": 0.5, "step": 12.5}
     by_name = {t["name"]: t for t in report["targets"]}
     ratio = by_name["history TTFT at 2048 tokens / k = 0 TTFT (p50)"]
     assert ratio["value"] == pytest.approx(14 / 11, abs=1e-4) and ratio["met"]

@@ -157,6 +157,9 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
         cpu = usage["cpu_ms"]  # of the layout's and the embedding forward's wall time, their threads' CPU time
         assert 0 < cpu["layout"] <= hop["layout"] + 0.05 and 0 < cpu["embed_forward"], usage
         assert sum(hop.values()) + usage["engine_ttft_ms"] + usage["retrieval_ms"] < usage["ttft_ms"] + 1, usage
+        phases = usage["engine_phases_ms"]  # vLLM's own timestamps split the engine's TTFT, one clock with ours
+        assert set(phases) == {"submit", "queue", "step", "back"} and all(v >= 0 for v in phases.values()), usage
+        assert phases["step"] > 0 and abs(sum(phases.values()) - usage["engine_ttft_ms"]) < 0.5, usage
 
 
 def test_the_official_openai_client_works_unchanged_streaming_included(cluster):
