@@ -4,7 +4,8 @@ A history question scores every chunk of the tenant's history with the best boun
 (`kvcore.summaries.max_upper_bounds`). At the 8B shape (the question's pass over 4 layers of 8 KV heads, 128
 channels; a 32k-token history in 2,048 chunks; 20 question tokens x a GQA group of 4 = 80 queries) the torch
 path took ~4.3 ms of a 6.8 ms choice on the H200 (2026-12-04). This times both on the same inputs and checks
-they agree. On a CPU (`--quick`) a small shape: the torch path timed, the kernel run by Triton's interpreter for
+they agree, and sweeps the kernel's tilings (the default's time is the target; the best is reported so the
+default can follow the measurement). On a CPU (`--quick`) a small shape: the torch path timed, the kernel run by Triton's interpreter for
 the agreement alone (no timing target).
 """
 
@@ -27,11 +28,12 @@ from kvcore.summaries import compact, max_upper_bounds, summarize  # noqa: E402
 
 FULL = {"layers": 4, "kv_heads": 8, "head_dim": 128, "tokens": 32_768, "chunk": 16, "queries": 80}
 QUICK = {"layers": 2, "kv_heads": 4, "head_dim": 64, "tokens": 4_096, "chunk": 16, "queries": 40}
+SWEEP = [(q, c, w) for q in (8, 16, 32) for c in (32, 64, 128) for w in (2, 4, 8)]  # (block_q, block_c, warps)
 
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
-    from deployments.triton_adapter.chunk_bounds import fused_max_upper_bounds
+    from deployments.triton_adapter.chunk_bounds import Tiling, fused_max_upper_bounds
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = QUICK if args.quick or device.type == "cpu" else FULL
@@ -58,8 +60,21 @@ def main() -> None:
     difference = float((got - want).abs().max() / want.abs().max())
     repeats = 5 if device.type == "cpu" else 20
     ms = {"torch_path": device_median_ms(torch_path, device, repeats)}
+    tilings: dict[str, float] = {}
     if device.type == "cuda":
         ms["fused"] = device_median_ms(fused, device, repeats)
+        for q, c, w in SWEEP:
+            tile = Tiling(q, c, w)
+            tilings[f"{q}x{c}/{w}"] = round(
+                device_median_ms(
+                    lambda: fused_max_upper_bounds(summaries, queries, positions, 0, rope, tile), device, repeats
+                ),
+                3,
+            )
+        best = min(tilings, key=tilings.__getitem__)
+        print(
+            f"tilings (block_q x block_c / warps): best {best} {tilings[best]:.3f} ms; default {Tiling()}", flush=True
+        )
     for name, value in ms.items():
         print(f"{name:12s} {value:9.3f} ms", flush=True)
     print(f"largest difference, relative to the largest bound: {difference:.2e}", flush=True)
@@ -79,6 +94,7 @@ def main() -> None:
             "shape": shape,
             "chunks": len(spans),
             "ms": {name: round(value, 3) for name, value in ms.items()},
+            "tilings_ms": tilings,
             "relative_difference": difference,
             "targets": targets,
         },

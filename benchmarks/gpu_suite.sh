@@ -57,8 +57,8 @@ for step in "$@"; do
     ttft) sampled ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" --out "$out/ttft.json" ;;
     inject-kernel) run inject-kernel 150 python3 benchmarks/inject_kernel.py --out "$out/inject_kernel.json"
         grep -E "ms .* GB/s" "$out/inject-kernel.log" ;;
-    chunk-bounds) run chunk-bounds 120 python3 benchmarks/chunk_bounds.py --out "$out/chunk_bounds.json"
-        grep -E " ms$|difference" "$out/chunk-bounds.log" ;;
+    chunk-bounds) run chunk-bounds 240 python3 benchmarks/chunk_bounds.py --out "$out/chunk_bounds.json"
+        grep -E " ms$|difference|tilings" "$out/chunk-bounds.log" ;;
     retrieval) run retrieval 120 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
     injected-records) run injected-records 240 python3 benchmarks/injected_records.py --config "$SHAPE" --out "$out/injected_records.json"
         grep -E "^ *(none|[0-9]+x[0-9]+):" "$out/injected-records.log" ;;

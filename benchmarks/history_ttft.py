@@ -94,6 +94,7 @@ def measure(client: Client, histories: list[dict], budget: int, rounds: int, dea
                         "ttft_ms": usage["ttft_ms"],
                         "engine_ttft_ms": usage["engine_ttft_ms"],
                         "engine_phases_ms": usage.get("engine_phases_ms") or {},
+                        "hop_ms": usage.get("hop_ms") or {},
                         "prefilled_tokens": usage["prefilled_tokens"],
                         "injected_tokens": usage["injected_tokens"],
                         "history_chunks": usage["history_chunks"],
@@ -122,6 +123,7 @@ def summarize(rows: list[dict], budget: int) -> dict:
             "ttft_ms_p95": round(_p(ttft, 0.95), 3),
             "engine_ttft_ms_p50": round(statistics.median(r["engine_ttft_ms"] for r in chosen), 3),
             "engine_phases_ms_p50": phase_medians([r["engine_phases_ms"] for r in chosen]),
+            "hop_ms_p50": phase_medians([r.get("hop_ms", {}) for r in chosen]),  # the ingress-replica legs
             "prefilled_tokens_mean": statistics.fmean(r["prefilled_tokens"] for r in chosen),
             "injected_tokens_mean": statistics.fmean(r["injected_tokens"] for r in chosen),
         }

@@ -3,9 +3,9 @@
 `kvcore.summaries.max_upper_bounds` sums, per (layer and KV head, query, chunk), min(a - b, 0) over the rotary
 pairs; torch has no fused form of that sum, so it writes every pair's term (a float64 `[LH, P, Q, C]` block,
 ~2.7 GB for an 8B model's 2,048-chunk history and an 80-query question) and reads it back: ~4 ms on an H200,
-the largest part of choosing. Here each program keeps a tile of (query, chunk) sums in registers, loops over
-the pairs reading the chunks' summaries where they lie (bf16 boxes and norms, `[C, L, H, D]` and `[C, L, H, P]`)
-and the queries' float64 rows, and keeps only the best over the queries: the same float64 bound, written once.
+the largest part of choosing. Here each program keeps a tile of (query, chunk) sums in registers and loops over
+the pairs, reading the queries' float64 rows and the chunks' summaries (bf16 boxes and norms, copied once a call
+to run along chunks), and keeps only the best over the queries: the same float64 bound, written once.
 
 Scope: full rotary (every channel in a pair). Else the torch path.
 """
@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import threading
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -26,7 +27,6 @@ from kvcore.summaries import ChunkSummaries, QueryRows, max_upper_bounds
 
 log = logging.getLogger(__name__)
 
-BLOCK_Q, BLOCK_C = 16, 64
 _LAUNCH = threading.Lock()  # questions are chosen in worker threads: one compiles the kernel, the others wait
 _SUMMARY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # widened exactly to float64 in the kernel
 
@@ -41,7 +41,6 @@ def _best_bounds(
     out_ptr,
     queries,
     chunks,
-    LH: tl.constexpr,
     DIM: tl.constexpr,
     PAIRS: tl.constexpr,
     PAIR_STRIDE: tl.constexpr,
@@ -51,37 +50,48 @@ def _best_bounds(
 ):
     """Program (layer and head, block of chunks): max over every query of Σ_pairs min(a - b, 0) + Σ_pairs n·norm.
 
-    rows `[LH, P, Q, 5]` (q'+ first, q'+ second, q'- first, q'- second, -|q|), norm rows `[LH, Q, P]`; a pair's
-    channels are `p * PAIR_STRIDE` and that plus `SECOND`."""
+    rows `[LH, P, 5, Q]` (q'+ first, q'+ second, q'- first, q'- second, -|q|), norm rows `[LH, P, Q]`; boxes
+    `[LH, D, C]` and norms `[LH, P, C]`: every load runs along queries or chunks, one cache line for many lanes. A
+    pair's channels are `p * PAIR_STRIDE` and that plus `SECOND`."""
     lh = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < chunks
-    box = (c.to(tl.int64) * LH + lh) * DIM  # where chunk c's box of this layer and head starts
-    norm_at = (c.to(tl.int64) * LH + lh) * PAIRS
+    boxes = lh.to(tl.int64) * DIM * chunks + c  # channel 0 of this layer and head's boxes, at chunk c
+    norms_at = lh.to(tl.int64) * PAIRS * chunks + c
     best = tl.full([BLOCK_C], float("-inf"), tl.float64)
     for q0 in range(0, queries, BLOCK_Q):
         q = q0 + tl.arange(0, BLOCK_Q)
         q_ok = q < queries
         total = tl.zeros([BLOCK_Q, BLOCK_C], tl.float64)
         for p in range(PAIRS):
-            row = rows_ptr + ((lh * PAIRS + p) * queries + q) * 5
+            row = rows_ptr + (lh * PAIRS + p) * 5 * queries + q
             up_f = tl.load(row, mask=q_ok, other=0.0)[:, None]
-            up_s = tl.load(row + 1, mask=q_ok, other=0.0)[:, None]
-            down_f = tl.load(row + 2, mask=q_ok, other=0.0)[:, None]
-            down_s = tl.load(row + 3, mask=q_ok, other=0.0)[:, None]
-            minus_norm = tl.load(row + 4, mask=q_ok, other=0.0)[:, None]
-            scaled_norm = tl.load(norm_rows_ptr + (lh * queries + q) * PAIRS + p, mask=q_ok, other=0.0)[:, None]
-            first = box + p * PAIR_STRIDE
+            up_s = tl.load(row + queries, mask=q_ok, other=0.0)[:, None]
+            down_f = tl.load(row + 2 * queries, mask=q_ok, other=0.0)[:, None]
+            down_s = tl.load(row + 3 * queries, mask=q_ok, other=0.0)[:, None]
+            minus_norm = tl.load(row + 4 * queries, mask=q_ok, other=0.0)[:, None]
+            scaled_norm = tl.load(norm_rows_ptr + (lh * PAIRS + p) * queries + q, mask=q_ok, other=0.0)[:, None]
+            first = boxes + (p * PAIR_STRIDE) * chunks
+            second = first + SECOND * chunks
             high_f = tl.load(high_ptr + first, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
-            high_s = tl.load(high_ptr + first + SECOND, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
+            high_s = tl.load(high_ptr + second, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
             low_f = tl.load(low_ptr + first, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
-            low_s = tl.load(low_ptr + first + SECOND, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
-            norm = tl.load(norms_ptr + norm_at + p, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
-            a_minus_b = up_f * high_f + up_s * high_s + down_f * low_f + down_s * low_s + minus_norm * norm
-            total += tl.minimum(a_minus_b, 0.0) + scaled_norm * norm
+            low_s = tl.load(low_ptr + second, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
+            norm = tl.load(norms_ptr + norms_at + p * chunks, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)
+            a_minus_b = up_f * high_f + up_s * high_s + down_f * low_f + down_s * low_s + minus_norm * norm[None, :]
+            total += tl.minimum(a_minus_b, 0.0) + scaled_norm * norm[None, :]
         total = tl.where(q_ok[:, None], total, float("-inf"))
         best = tl.maximum(best, tl.max(total, axis=0))
     tl.store(out_ptr + lh * chunks + c, best, mask=c_ok)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """The kernel's tile of (queries, chunks) and its warps (`benchmarks/chunk_bounds.py` sweeps them)."""
+
+    block_q: int = 16
+    block_c: int = 64
+    warps: int = 4
 
 
 def fused_max_upper_bounds(
@@ -90,6 +100,7 @@ def fused_max_upper_bounds(
     query_positions: torch.Tensor,
     fact_start: int,
     rope: RopeConfig,
+    tiling: Tiling = Tiling(),
 ) -> torch.Tensor:
     """`kvcore.summaries.max_upper_bounds` `[C, L, H]` in one launch (the torch path where the kernel does not apply)."""
     why = _unsupported(summaries, queries, rope)
@@ -104,24 +115,30 @@ def fused_max_upper_bounds(
     neox = rope.style == "neox"
     on_its_device = torch.cuda.device(queries.device) if queries.is_cuda else contextlib.nullcontext()
     with _LAUNCH, on_its_device:
-        _best_bounds[(layers * heads, triton.cdiv(chunks, BLOCK_C))](
-            rows.per_pair,
-            rows.norm,
-            summaries.high.contiguous(),
-            summaries.low.contiguous(),
-            summaries.norms.contiguous(),
+        _best_bounds[(layers * heads, triton.cdiv(chunks, tiling.block_c))](
+            rows.per_pair.transpose(2, 3).contiguous(),  # [LH, P, 5, Q]
+            rows.norm.transpose(1, 2).contiguous(),  # [LH, P, Q]
+            _along_chunks(summaries.high),
+            _along_chunks(summaries.low),
+            _along_chunks(summaries.norms),
             out,
             queries.shape[0],
             chunks,
-            LH=layers * heads,
             DIM=dim,
             PAIRS=rope.dim // 2,
             PAIR_STRIDE=1 if neox else 2,
             SECOND=rope.dim // 2 if neox else 1,
-            BLOCK_Q=BLOCK_Q,
-            BLOCK_C=BLOCK_C,
+            BLOCK_Q=tiling.block_q,
+            BLOCK_C=tiling.block_c,
+            num_warps=tiling.warps,
         )
     return out.T.reshape(chunks, layers, heads).float()  # rounding is monotone: as the torch path rounds
+
+
+def _along_chunks(summary: torch.Tensor) -> torch.Tensor:
+    """`[C, L, H, X]` as `[L*H, X, C]`, contiguous: a history's summaries laid out along chunks (one copy of a few
+    tens of MB a question at the 8B shape, a few microseconds of the device's bandwidth)."""
+    return summary.flatten(1, 2).permute(1, 2, 0).contiguous()
 
 
 def _unsupported(summaries: ChunkSummaries, queries: torch.Tensor, rope: RopeConfig) -> str:

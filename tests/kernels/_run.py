@@ -9,11 +9,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_check(module: str, device: str, dtype: str, interpret: bool) -> dict:
-    """The JSON line the check prints (`python -m tests.kernels.<module> DEVICE DTYPE`)."""
+def run_check(module: str, device: str, dtype: str, interpret: bool, *extra: str) -> dict:
+    """The JSON line the check prints (`python -m tests.kernels.<module> DEVICE DTYPE [EXTRA...]`)."""
     env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
     done = subprocess.run(
-        [sys.executable, "-m", f"tests.kernels.{module}", device, dtype],
+        [sys.executable, "-m", f"tests.kernels.{module}", device, dtype, *extra],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -1,6 +1,6 @@
 """The Triton chunk-bounds kernel against `kvcore.summaries.max_upper_bounds`, on the same summaries and queries.
 
-Run as a module (`python -m tests.kernels.bounds_check DEVICE STYLE`) so the CPU check can set TRITON_INTERPRET
+Run as a module (`python -m tests.kernels.bounds_check DEVICE STYLE [BLOCK_Q,BLOCK_C,WARPS]`) so the CPU check can set TRITON_INTERPRET
 before Triton is imported; prints one JSON line with what the test asserts on.
 """
 
@@ -17,7 +17,7 @@ from kvcore.summaries import compact, exact_max_scores, max_upper_bounds, summar
 LAYERS, HEADS, TOKENS, DIM, QUERIES = 2, 3, 460, 16, 21  # queries and chunks past one kernel block each
 
 
-def main(device: str, style: str) -> None:
+def main(device: str, style: str, tiling: str = "") -> None:
     from deployments.triton_adapter import chunk_bounds
 
     rope = RopeConfig(head_dim=DIM, theta=10000.0, style=style)
@@ -32,8 +32,9 @@ def main(device: str, style: str) -> None:
     positions = 400 + torch.arange(QUERIES)
     fact_start = 250
     want = max_upper_bounds(summaries, queries, positions, fact_start, rope)
+    tile = chunk_bounds.Tiling(*map(int, tiling.split(","))) if tiling else chunk_bounds.Tiling()
     got = chunk_bounds.fused_max_upper_bounds(
-        on_device, queries.to(device), positions.to(device), fact_start, rope
+        on_device, queries.to(device), positions.to(device), fact_start, rope, tile
     ).cpu()
     exact = torch.stack(
         [exact_max_scores(keys, spans, queries[q], int(positions[q]), fact_start, rope) for q in range(QUERIES)]
@@ -52,4 +53,4 @@ def main(device: str, style: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
