@@ -191,7 +191,11 @@ def start_cluster(
         ingress |= {
             "num_replicas": ingress_replicas,
             "embed_device": embed_device,
-            "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.02} if embed_device == "cuda" else {"num_cpus": 2},
+            # the ingress replicas share the GPU's last tenth (0.02 each up to 4: 8 of them at 0.02 had asked for
+            # 1.06 GPUs with the LLM's 0.9, and Serve waited for room that never came)
+            "ray_actor_options": {"num_cpus": 1, "num_gpus": min(0.02, 0.08 / ingress_replicas)}
+            if embed_device == "cuda"
+            else {"num_cpus": 2},
         }
     if shape is not None:
         path, fingerprint = shaped_model(shape, state / "model", early_layers)

@@ -105,11 +105,13 @@ class Choice:
     question_ms: float  # the question's pass through the first layers
     retrieval_ms: float  # its embedding and the turns' similarities
     bounds_ms: float  # every chunk's bound, and the selection within the budget
+    wall_ms: float = 0.0  # the whole choice on the host's clock: the steps, waiting for the device, the items
 
     def timings(self) -> dict[str, float]:
         parts = {"index": self.index_ms, "question": self.question_ms, "retrieval": self.retrieval_ms}
         parts["bounds"] = self.bounds_ms
-        return {name: round(ms, 3) for name, ms in {**parts, "total": sum(parts.values())}.items()}
+        every = {**parts, "total": sum(parts.values()), "wall": self.wall_ms}
+        return {name: round(ms, 3) for name, ms in every.items()}
 
 
 class _StepMarks:
@@ -220,7 +222,8 @@ class HistoryChooser:
         chosen = index.choose(queries, budget, by_retrieval)  # the heads of both orders come back to the host
         marks.mark()
         items = [MemoryItem(index.record_ids[c], index.chunk_tokens(c), index.record_ids[c]) for c in chosen]
-        return Choice(items, index_ms, *marks.spans_ms())
+        spans = marks.spans_ms()
+        return Choice(items, index_ms, *spans, wall_ms=(time.perf_counter() - began) * 1000)
 
     def turn_spans(self, token_ids: tuple[int, ...]) -> list[Span]:
         """The history's lines as token spans: a turn ends with the token that holds its newline."""

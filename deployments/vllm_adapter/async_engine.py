@@ -25,6 +25,7 @@ from config.connector import ConnectorConfig
 from deployments.chat_task import ChatTask, RetrievedFact
 from deployments.history_mode import HistoryChooser
 from deployments.memory_prompt import MemoryItem, lay_out
+from deployments.vllm_adapter.detokenize import install_prompt_suffix_detokenizer
 from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
 from kvcore.conversation import Fact
 from kvcore.errors import KVCoreError
@@ -95,6 +96,7 @@ class MemoryEngine:
         self._store = LocalFactStore(connector.store_root)
         self._tier_root = connector.tiers.disk_cache_dir if connector.tiers is not None else None
         kwargs = {"enable_prefix_caching": True, **(engine_kwargs or {})}
+        install_prompt_suffix_detokenizer()  # the first token's text without decoding the whole prompt again
         self._engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(model=str(model), kv_transfer_config=kv_transfer_config(connector), **kwargs)
         )
@@ -213,10 +215,12 @@ class MemoryEngine:
         if task.mode == "history":
             if task.history_id is None:
                 raise ValueError("history mode needs a history: none is written for this memory")
+            called = time.perf_counter()
             choice = await asyncio.to_thread(
                 self._histories.choose, task.tenant_id, task.history_id, task.question(), task.history_budget
             )
-            items, chosen = choice.items, choice.timings()
+            # `call`: the choice as this loop waited for it (the worker thread's start and the way back included)
+            items, chosen = choice.items, {**choice.timings(), "call": round((time.perf_counter() - called) * 1000, 3)}
         else:
             items = self._items(task.tenant_id, task.facts)
         laid = lay_out(mode, task.tenant_id, task.version, prefix_ids, items, query_ids, frame, task.recompute)
