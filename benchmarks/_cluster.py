@@ -135,6 +135,17 @@ def start_local_serve(proxy: str, num_cpus: int) -> int:
     return port
 
 
+LLM_GPU_SHARE = 0.9  # of the one GPU: the LLM replica's; the ingress replicas embed queries in what is left
+
+
+def ingress_gpu_share(replicas: int) -> float:
+    """Each ingress replica's share of the GPU: 0.02, or less where that many would ask for more than is left
+    (eight at 0.02 beside the LLM's 0.9 asked for 1.06 GPUs, and Serve waited for room that never came)."""
+    if replicas < 1:
+        raise ValueError(f"ingress replicas must be at least 1, got {replicas}")
+    return min(0.02, round(1 - LLM_GPU_SHARE - 0.02, 6) / replicas)
+
+
 def start_cluster(
     state: Path,
     cuda: bool,
@@ -173,7 +184,7 @@ def start_cluster(
         "dtype": "bfloat16" if cuda else "float32",
         "env": env,
         "max_ongoing_requests": 256,
-        "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.9} if cuda else {"num_cpus": 1},
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": LLM_GPU_SHARE} if cuda else {"num_cpus": 1},
     }
     ingress = {
         "rate_per_s": 10_000,
@@ -191,9 +202,7 @@ def start_cluster(
         ingress |= {
             "num_replicas": ingress_replicas,
             "embed_device": embed_device,
-            # the ingress replicas share the GPU's last tenth (0.02 each up to 4: 8 of them at 0.02 had asked for
-            # 1.06 GPUs with the LLM's 0.9, and Serve waited for room that never came)
-            "ray_actor_options": {"num_cpus": 1, "num_gpus": min(0.02, 0.08 / ingress_replicas)}
+            "ray_actor_options": {"num_cpus": 1, "num_gpus": ingress_gpu_share(ingress_replicas)}
             if embed_device == "cuda"
             else {"num_cpus": 2},
         }
