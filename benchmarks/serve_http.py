@@ -261,7 +261,8 @@ def engine_alone(app_args: dict, tasks: list, rounds: list, concurrency: int) ->
         await engine.warm_up()
         for first in range(0, len(tasks), concurrency):  # warm: every tenant's frame and records resident
             await asyncio.gather(*(serve(t) for t in tasks[first : first + concurrency]))
-        ttft = [(await serve(task))["engine_ttft_ms"] for task in rounds]
+        single = [await serve(task) for task in rounds]
+        ttft = [usage["engine_ttft_ms"] for usage in single]
         gate = asyncio.Semaphore(concurrency)
 
         async def gated(task):
@@ -272,7 +273,13 @@ def engine_alone(app_args: dict, tasks: list, rounds: list, concurrency: int) ->
             started = time.perf_counter()
             await asyncio.gather(*(gated(t) for t in tasks))
             qps = len(tasks) / (time.perf_counter() - started)
-        return {"ttft_ms_p50": statistics.median(ttft), "qps": qps, "process_cpu": phase.report(len(tasks))}
+        return {
+            "ttft_ms_p50": statistics.median(ttft),
+            # the same phases as the replica's (`engine_phases_ms_p50`): what the replica's loop adds is there
+            "engine_phases_ms_p50": phase_medians([usage.get("engine_phases_ms") or {} for usage in single]),
+            "qps": qps,
+            "process_cpu": phase.report(len(tasks)),
+        }
 
     try:
         return asyncio.run(run())

@@ -107,32 +107,71 @@ def fused_max_upper_bounds(
     if why:
         log.debug("chunk bounds: torch path (%s)", why)
         return max_upper_bounds(summaries, queries, query_positions, fact_start, rope)
-    chunks, layers, heads, dim = summaries.low.shape
-    rows = QueryRows.of(queries, query_positions, fact_start, summaries.span_end, rope)
-    out = torch.empty(layers * heads, chunks, dtype=torch.float64, device=queries.device)
-    if chunks == 0:
-        return out.T.reshape(chunks, layers, heads).float()
-    neox = rope.style == "neox"
-    on_its_device = torch.cuda.device(queries.device) if queries.is_cuda else contextlib.nullcontext()
-    with _LAUNCH, on_its_device:
-        _best_bounds[(layers * heads, triton.cdiv(chunks, tiling.block_c))](
-            rows.per_pair.transpose(2, 3).contiguous(),  # [LH, P, 5, Q]
-            rows.norm.transpose(1, 2).contiguous(),  # [LH, P, Q]
+    inputs = BoundsInputs.of(summaries, queries, query_positions, fact_start, rope)
+    return inputs.best(tiling).T.reshape(inputs.chunks, *summaries.low.shape[1:3]).float()  # rounding is monotone
+
+
+@dataclass(frozen=True)
+class BoundsInputs:
+    """What the kernel reads, laid out along queries and chunks (its preparation, timed apart by the benchmark)."""
+
+    rows: torch.Tensor  # [LH, P, 5, Q] float64
+    norm_rows: torch.Tensor  # [LH, P, Q] float64
+    high: torch.Tensor  # [LH, D, C]
+    low: torch.Tensor  # [LH, D, C]
+    norms: torch.Tensor  # [LH, P, C]
+    neox: bool
+
+    @property
+    def chunks(self) -> int:
+        return self.high.shape[-1]
+
+    @classmethod
+    def of(
+        cls,
+        summaries: ChunkSummaries,
+        queries: torch.Tensor,
+        query_positions: torch.Tensor,
+        fact_start: int,
+        rope: RopeConfig,
+    ) -> "BoundsInputs":
+        rows = QueryRows.of(queries, query_positions, fact_start, summaries.span_end, rope)
+        return cls(
+            rows.per_pair.transpose(2, 3).contiguous(),
+            rows.norm.transpose(1, 2).contiguous(),
             _along_chunks(summaries.high),
             _along_chunks(summaries.low),
             _along_chunks(summaries.norms),
-            out,
-            queries.shape[0],
-            chunks,
-            DIM=dim,
-            PAIRS=rope.dim // 2,
-            PAIR_STRIDE=1 if neox else 2,
-            SECOND=rope.dim // 2 if neox else 1,
-            BLOCK_Q=tiling.block_q,
-            BLOCK_C=tiling.block_c,
-            num_warps=tiling.warps,
+            rope.style == "neox",
         )
-    return out.T.reshape(chunks, layers, heads).float()  # rounding is monotone: as the torch path rounds
+
+    def best(self, tiling: Tiling = Tiling()) -> torch.Tensor:
+        """float64 `[LH, C]`: each chunk's best bound over the queries, in one launch."""
+        heads, dim, chunks = self.high.shape
+        pairs, queries = self.norm_rows.shape[1:]
+        out = torch.empty(heads, chunks, dtype=torch.float64, device=self.high.device)
+        if chunks == 0:
+            return out
+        on_its_device = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
+        with _LAUNCH, on_its_device:
+            _best_bounds[(heads, triton.cdiv(chunks, tiling.block_c))](
+                self.rows,
+                self.norm_rows,
+                self.high,
+                self.low,
+                self.norms,
+                out,
+                queries,
+                chunks,
+                DIM=dim,
+                PAIRS=pairs,
+                PAIR_STRIDE=1 if self.neox else 2,
+                SECOND=pairs if self.neox else 1,
+                BLOCK_Q=tiling.block_q,
+                BLOCK_C=tiling.block_c,
+                num_warps=tiling.warps,
+            )
+        return out
 
 
 def _along_chunks(summary: torch.Tensor) -> torch.Tensor:
