@@ -71,8 +71,11 @@ def main() -> None:
         ms["fused_prepare"] = device_median_ms(prepare, device, repeats)  # the rows and the copies along chunks
         inputs = prepare()
         ms["fused_kernel"] = device_median_ms(inputs.best, device, repeats)  # the launch alone
+        default = inputs.best()
         for q, c, w in SWEEP:
             tile = Tiling(q, c, w)
+            if not torch.equal(inputs.best(tile), default):  # sums per (query, chunk) and a max: any tile agrees
+                raise AssertionError(f"tiling {tile} gives other bounds than the default")
             tilings[f"{q}x{c}/{w}"] = round(device_median_ms(lambda: inputs.best(tile), device, repeats), 3)
         best = min(tilings, key=tilings.__getitem__)
         print(f"tilings (block_q x block_c / warps, kernel alone): best {best} {tilings[best]:.3f} ms", flush=True)

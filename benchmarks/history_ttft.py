@@ -30,7 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import engine_shape_defaults, parser, phase_medians, scratch_dir, target, write_report  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    engine_shape_defaults,
+    parser,
+    phase_medians,
+    scratch_dir,
+    target,
+    write_report,
+)
 from benchmarks.history_selection import history_lines, history_questions  # noqa: E402
 from benchmarks.quality.devset import conversation  # noqa: E402
 from benchmarks.quality.run import Client  # noqa: E402

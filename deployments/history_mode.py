@@ -105,7 +105,7 @@ class Choice:
     question_ms: float  # the question's pass through the first layers
     retrieval_ms: float  # its embedding and the turns' similarities
     bounds_ms: float  # every chunk's bound, and the selection within the budget
-    wall_ms: float = 0.0  # the whole choice on the host's clock: the steps, waiting for the device, the items
+    wall_ms: float  # the whole choice on the host's clock: the steps, waiting for the device, the items
 
     def timings(self) -> dict[str, float]:
         parts = {"index": self.index_ms, "question": self.question_ms, "retrieval": self.retrieval_ms}

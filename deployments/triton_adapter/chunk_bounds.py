@@ -64,13 +64,14 @@ def _best_bounds(
         q_ok = q < queries
         total = tl.zeros([BLOCK_Q, BLOCK_C], tl.float64)
         for p in range(PAIRS):
-            row = rows_ptr + (lh * PAIRS + p) * 5 * queries + q
+            row = rows_ptr + (lh.to(tl.int64) * PAIRS + p) * 5 * queries + q
             up_f = tl.load(row, mask=q_ok, other=0.0)[:, None]
             up_s = tl.load(row + queries, mask=q_ok, other=0.0)[:, None]
             down_f = tl.load(row + 2 * queries, mask=q_ok, other=0.0)[:, None]
             down_s = tl.load(row + 3 * queries, mask=q_ok, other=0.0)[:, None]
             minus_norm = tl.load(row + 4 * queries, mask=q_ok, other=0.0)[:, None]
-            scaled_norm = tl.load(norm_rows_ptr + (lh * PAIRS + p) * queries + q, mask=q_ok, other=0.0)[:, None]
+            norm_row = norm_rows_ptr + (lh.to(tl.int64) * PAIRS + p) * queries + q
+            scaled_norm = tl.load(norm_row, mask=q_ok, other=0.0)[:, None]
             first = boxes + (p * PAIR_STRIDE) * chunks
             second = first + SECOND * chunks
             high_f = tl.load(high_ptr + first, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
@@ -82,7 +83,7 @@ def _best_bounds(
             total += tl.minimum(a_minus_b, 0.0) + scaled_norm * norm[None, :]
         total = tl.where(q_ok[:, None], total, float("-inf"))
         best = tl.maximum(best, tl.max(total, axis=0))
-    tl.store(out_ptr + lh * chunks + c, best, mask=c_ok)
+    tl.store(out_ptr + lh.to(tl.int64) * chunks + c, best, mask=c_ok)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ class Tiling:
     block_q: int = 16
     block_c: int = 64
     warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name, value in (("block_q", self.block_q), ("block_c", self.block_c), ("warps", self.warps)):
+            if value < 1 or value & (value - 1):  # Triton's tiles and warp counts are powers of two
+                raise ValueError(f"tiling {name} must be a power of two, got {value}")
 
 
 def fused_max_upper_bounds(
@@ -175,8 +181,8 @@ class BoundsInputs:
 
 
 def _along_chunks(summary: torch.Tensor) -> torch.Tensor:
-    """`[C, L, H, X]` as `[L*H, X, C]`, contiguous: a history's summaries laid out along chunks (one copy of a few
-    tens of MB a question at the 8B shape, a few microseconds of the device's bandwidth)."""
+    """`[C, L, H, X]` as `[L*H, X, C]`, contiguous: a history's summaries laid out along chunks (one copy of ~42 MB
+    a question at the 8B shape: tens of microseconds of the device's bandwidth; kept with the index if it shows)."""
     return summary.flatten(1, 2).permute(1, 2, 0).contiguous()
 
 

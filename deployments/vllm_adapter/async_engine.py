@@ -20,12 +20,13 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.stats import RequestStateStats
 
 from config.connector import ConnectorConfig
 from deployments.chat_task import ChatTask, RetrievedFact
 from deployments.history_mode import HistoryChooser
 from deployments.memory_prompt import MemoryItem, lay_out
-from deployments.vllm_adapter.detokenize import install_prompt_suffix_detokenizer
+from deployments.vllm_adapter.detokenize import install_prompt_suffix_detokenizer, installed
 from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
 from kvcore.conversation import Fact
 from kvcore.errors import KVCoreError
@@ -40,16 +41,19 @@ from models.chat import build_frame, split_chat
 log = logging.getLogger(__name__)
 
 
-def engine_phases(stats: object, started: float, first_token_back: float) -> dict[str, float]:
+def engine_phases(stats: RequestStateStats | None, started: float, first_token_back: float) -> dict[str, float]:
     """The engine TTFT split by vLLM's own request timestamps (its core's monotonic clock, which this process shares
     on one host): `submit` (input processing, the way to the core, the request's build there), `queue` (waiting for
     the scheduler, the connector's lookups included), `step` (the forward that makes the first token, injection's
-    loads included) and `back` (the token's way out to this loop). Empty when vLLM kept no stats."""
+    loads included; a preempted request's second wait too) and `back` (the token's way out to this loop). Empty
+    when vLLM kept no stats, or when the clocks disagree (an engine core on another host)."""
     queued, scheduled, first = (getattr(stats, n, 0.0) for n in ("queued_ts", "scheduled_ts", "first_token_ts"))
     if not (queued and scheduled and first and first_token_back):
         return {}
     edges = {"submit": (started, queued), "queue": (queued, scheduled), "step": (scheduled, first)}
     edges["back"] = (first, first_token_back)
+    if any(end < start for start, end in edges.values()):
+        return {}
     return {name: round((end - start) * 1000, 3) for name, (start, end) in edges.items()}
 
 
@@ -100,6 +104,8 @@ class MemoryEngine:
         self._engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(model=str(model), kv_transfer_config=kv_transfer_config(connector), **kwargs)
         )
+        if not installed():  # a tokenizer backend loaded with the engine replaced it again
+            log.warning("vLLM's detokenizer decodes each whole prompt at its first token (DecodeStream replaced)")
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
@@ -243,15 +249,16 @@ class MemoryEngine:
             params.extra_args = {"kv_transfer_params": laid.plan.to_params()}
         prompt = TokensPrompt(prompt_token_ids=laid.token_ids, cache_salt=laid.cache_salt)
         engine_start, layout_cpu = time.time(), time.thread_time() - arrived_cpu
-        started, ttft, completion, cached, report, finish = time.perf_counter(), None, 0, 0, None, None
-        started_mono, first_mono, stats = time.monotonic(), 0.0, None
+        started, ttft, completion, cached, report, finish = time.monotonic(), None, 0, 0, None, None
+        first, stats = 0.0, None  # vLLM's request timestamps are on this clock too (`engine_phases`)
         last: dict[str, Any] = {}  # the final piece's text rides on the done event: one streamed message fewer
         async for out in self._engine.generate(prompt, params, f"chat-{uuid.uuid4().hex}"):
             piece = out.outputs[0]
             completion += len(piece.token_ids)
             cached = out.num_cached_tokens or cached
             if ttft is None and piece.token_ids:
-                ttft, first_mono = (time.perf_counter() - started) * 1000, time.monotonic()
+                first = time.monotonic()
+                ttft = (first - started) * 1000
             event: dict[str, Any] = {}
             if task.logprobs is not None and piece.logprobs:  # every token's, even one whose text is not out yet
                 event = {
@@ -283,7 +290,7 @@ class MemoryEngine:
                 "prefix_cached_tokens": max(0, cached - injected),
                 "prefilled_tokens": len(laid.token_ids) - cached,
                 "engine_ttft_ms": round(ttft or 0.0, 3),
-                "engine_phases_ms": engine_phases(stats, started_mono, first_mono),
+                "engine_phases_ms": engine_phases(stats, started, first),
                 "memory_fallback": (report or {}).get("fallback"),
                 "timeline": {
                     "arrived": arrived,

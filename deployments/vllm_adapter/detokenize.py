@@ -16,31 +16,40 @@ a backend can replace it; this installs a replacement there, once per process.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import tokenizers.decoders
 
 log = logging.getLogger(__name__)
 
-PROMPT_CONTEXT = 32  # prompt tokens the stream is primed with
+PROMPT_CONTEXT = 32  # prompt tokens each stream is primed with
 
 
-class _Original:
-    stream: Any = None  # the library's DecodeStream, kept when the replacement is installed
+def prompt_suffix_stream(library: Callable[..., Any], context: int = PROMPT_CONTEXT) -> Callable[..., Any]:
+    """A stand-in for `library` (tokenizers' `DecodeStream`) that primes each stream with the last `context` ids."""
+
+    def stream(ids: Sequence[int] | None = None, skip_special_tokens: bool = False, **kwargs: Any) -> Any:
+        if ids is not None and len(ids) > context:
+            ids = list(ids[-context:])
+        return library(ids=ids, skip_special_tokens=skip_special_tokens, **kwargs)
+
+    stream.primes_from = library  # type: ignore[attr-defined]  # what `installed` and a second install look for
+    return stream
 
 
-def prompt_suffix_stream(ids: Sequence[int] | None = None, skip_special_tokens: bool = False, **kwargs: Any) -> Any:
-    """A `DecodeStream` primed with the last `PROMPT_CONTEXT` of `ids`."""
-    stream = _Original.stream or tokenizers.decoders.DecodeStream
-    if ids is not None and len(ids) > PROMPT_CONTEXT:
-        ids = list(ids[-PROMPT_CONTEXT:])
-    return stream(ids=ids, skip_special_tokens=skip_special_tokens, **kwargs)
+def library_stream() -> Callable[..., Any]:
+    """tokenizers' own `DecodeStream`, whether or not the replacement is installed."""
+    current = tokenizers.decoders.DecodeStream
+    return getattr(current, "primes_from", current)
+
+
+def installed() -> bool:
+    """Whether vLLM's detokenizer in this process builds its streams through the replacement."""
+    return hasattr(tokenizers.decoders.DecodeStream, "primes_from")
 
 
 def install_prompt_suffix_detokenizer() -> None:
     """Make vLLM's detokenizer in this process prime its streams with the prompt's tail (idempotent)."""
-    if _Original.stream is not None:
-        return
-    _Original.stream = tokenizers.decoders.DecodeStream
-    tokenizers.decoders.DecodeStream = prompt_suffix_stream
-    log.debug("streaming detokenizer primed with the last %d prompt tokens", PROMPT_CONTEXT)
+    if not installed():
+        tokenizers.decoders.DecodeStream = prompt_suffix_stream(tokenizers.decoders.DecodeStream)
+        log.debug("streaming detokenizer primed with the last %d prompt tokens", PROMPT_CONTEXT)

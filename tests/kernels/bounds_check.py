@@ -1,7 +1,7 @@
 """The Triton chunk-bounds kernel against `kvcore.summaries.max_upper_bounds`, on the same summaries and queries.
 
-Run as a module (`python -m tests.kernels.bounds_check DEVICE STYLE [BLOCK_Q,BLOCK_C,WARPS]`) so the CPU check can set TRITON_INTERPRET
-before Triton is imported; prints one JSON line with what the test asserts on.
+Run as a module (`python -m tests.kernels.bounds_check DEVICE STYLE [BLOCK_Q,BLOCK_C,WARPS]`) so the CPU check
+can set TRITON_INTERPRET before Triton is imported; prints one JSON line with what the test asserts on.
 """
 
 from __future__ import annotations

@@ -22,6 +22,15 @@ def test_another_tiling_gives_the_same_bounds():
     assert got["max_abs_diff"] <= 1e-5 * got["scale"] and got["sound"]
 
 
+def test_a_tiling_that_is_not_a_power_of_two_is_refused():
+    from deployments.triton_adapter.chunk_bounds import Tiling
+
+    with pytest.raises(ValueError, match="block_c must be a power of two, got 48"):
+        Tiling(16, 48, 4)
+    with pytest.raises(ValueError, match="warps must be a power of two, got 0"):
+        Tiling(16, 64, 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("style", ["neox", "gptj"])

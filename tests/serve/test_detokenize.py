@@ -1,10 +1,12 @@
 """The streaming detokenizer primed with the prompt's tail gives the text of one primed with the whole prompt."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import tokenizers.decoders
 from tokenizers import Tokenizer
+from vllm import SamplingParams
 
 from config import load_settings
 from deployments.vllm_adapter import detokenize
@@ -46,10 +48,11 @@ def _pieces(stream, tokenizer: Tokenizer, continuation: list[int]) -> list[str |
     return [stream.step(tokenizer, t) for t in continuation]
 
 
-def _differences(tokenizer: Tokenizer, skip_special: bool) -> int:
-    whole = detokenize._Original.stream or tokenizers.decoders.DecodeStream
+def _differences(tokenizer: Tokenizer, skip_special: bool, context: int = detokenize.PROMPT_CONTEXT) -> int:
+    whole = detokenize.library_stream()
+    tail = detokenize.prompt_suffix_stream(whole, context)
     return sum(
-        _pieces(detokenize.prompt_suffix_stream(ids=p, skip_special_tokens=skip_special), tokenizer, c)
+        _pieces(tail(ids=p, skip_special_tokens=skip_special), tokenizer, c)
         != _pieces(whole(ids=p, skip_special_tokens=skip_special), tokenizer, c)
         for p, c in _cases(tokenizer)
     )
@@ -61,18 +64,38 @@ def test_the_prompts_tail_gives_the_same_pieces_as_the_whole_prompt(tokenizer, s
     assert _differences(tokenizer, skip_special) == 0
 
 
-def test_one_token_of_context_is_not_enough(tokenizer, monkeypatch):
+def test_one_token_of_context_is_not_enough(tokenizer):
     """The cases need the prompt's context: primed with its last token alone, some first pieces change."""
-    monkeypatch.setattr(detokenize, "PROMPT_CONTEXT", 1)
-    assert _differences(tokenizer, True) > 0
+    assert _differences(tokenizer, True, context=1) > 0
 
 
-def test_install_replaces_the_stream_vllm_looks_up_once(monkeypatch):
-    monkeypatch.setattr(detokenize._Original, "stream", None)
-    library = detokenize._Original.stream or tokenizers.decoders.DecodeStream  # the library's, installed or not
-    monkeypatch.setattr(tokenizers.decoders, "DecodeStream", library)
+def test_vllms_detokenizer_builds_its_stream_from_the_prompts_tail(monkeypatch):
+    """vLLM's own detokenizer, given a 100-token prompt, primes its stream through the replacement with 32 ids."""
+    from vllm.tokenizers import get_tokenizer
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer, IncrementalDetokenizer
+
+    primed: list[int] = []
+    library = detokenize.library_stream()
+
+    def spy(ids=None, **kwargs):
+        primed.append(len(ids or ()))
+        return library(ids=ids, **kwargs)
+
+    monkeypatch.setattr(tokenizers.decoders, "DecodeStream", spy)
     detokenize.install_prompt_suffix_detokenizer()
-    detokenize.install_prompt_suffix_detokenizer()
-    assert tokenizers.decoders.DecodeStream is detokenize.prompt_suffix_stream
-    assert detokenize._Original.stream is library  # not the replacement itself: no recursion
-    assert detokenize.prompt_suffix_stream(skip_special_tokens=True).step is not None  # no prompt (vLLM's reset)
+    assert detokenize.installed() and tokenizers.decoders.DecodeStream is not spy
+    vllm_tokenizer = get_tokenizer(str(model_path(load_settings().model)))
+    params = SamplingParams(max_tokens=4, skip_special_tokens=True)
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(1000, 1100)), sampling_params=params)
+    made = IncrementalDetokenizer.from_new_request(vllm_tokenizer, request)
+    assert isinstance(made, FastIncrementalDetokenizer)
+    assert primed == [detokenize.PROMPT_CONTEXT]
+    detokenize.install_prompt_suffix_detokenizer()  # a second install wraps nothing twice
+    made.decode_next(2000)
+    assert primed == [detokenize.PROMPT_CONTEXT]
+
+
+def test_without_a_prompt_the_stream_starts_empty():
+    """vLLM's reset after a decoding error builds a stream with no ids."""
+    stream = detokenize.prompt_suffix_stream(detokenize.library_stream())(skip_special_tokens=True)
+    assert stream.step is not None
