@@ -21,13 +21,15 @@ def build(url, folder):
 
 
 def test_acknowledged_facts_survive_kill_9_of_redis(tmp_path):
-    server = LocalRedis(tmp_path / "data").start()  # default appendfsync everysec
+    """With `appendfsync always`: under the default `everysec` Redis may hold a write back in its own memory while
+    a slow fsync runs (up to ~2 s, replies already sent), and a kill -9 then loses it (seen once in CI)."""
+    server = LocalRedis(tmp_path / "data", appendfsync="always").start()
     try:
         service = build(server.url, tmp_path)
         _, key = service.create_tenant(service.ensure_admin_key(), "alice")
         acked = [service.authenticate(key).add_fact(f"fact number {i}").id for i in range(200)]
         server.kill()
-        server = LocalRedis(tmp_path / "data", port=server.port).start()
+        server = LocalRedis(tmp_path / "data", port=server.port, appendfsync="always").start()
         again = build(server.url, tmp_path).authenticate(key)
         assert {f.id for f in again.list_facts(limit=1000)} == set(acked)
         assert again.usage()["facts"] == 200
