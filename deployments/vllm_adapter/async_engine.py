@@ -20,14 +20,15 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.metrics.stats import RequestStateStats
 
 from config.connector import ConnectorConfig
 from deployments.chat_task import ChatTask, RetrievedFact
+from deployments.encode_slots import EncodeSlots
 from deployments.history_mode import HistoryChooser
 from deployments.memory_prompt import MemoryItem, lay_out
 from deployments.vllm_adapter.detokenize import install_prompt_suffix_detokenizer, installed
 from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
+from deployments.vllm_adapter.engine_phases import engine_phases
 from kvcore.conversation import Fact
 from kvcore.errors import KVCoreError
 from kvcore.history_index import HISTORY_CHUNK, capture_spans
@@ -39,42 +40,6 @@ from kvcore.tier_disk import advise_willneed, tier_files
 from models.chat import build_frame, split_chat
 
 log = logging.getLogger(__name__)
-
-
-def engine_phases(stats: RequestStateStats | None, started: float, first_token_back: float) -> dict[str, float]:
-    """The engine TTFT split by vLLM's own request timestamps (its core's monotonic clock, which this process shares
-    on one host): `submit` (input processing, the way to the core, the request's build there), `queue` (waiting for
-    the scheduler, the connector's lookups included), `step` (the forward that makes the first token, injection's
-    loads included; a preempted request's second wait too) and `back` (the token's way out to this loop). Empty
-    when vLLM kept no stats, or when the clocks disagree (an engine core on another host)."""
-    queued, scheduled, first = (getattr(stats, n, 0.0) for n in ("queued_ts", "scheduled_ts", "first_token_ts"))
-    if not (queued and scheduled and first and first_token_back):
-        return {}
-    edges = {"submit": (started, queued), "queue": (queued, scheduled), "step": (scheduled, first)}
-    edges["back"] = (first, first_token_back)
-    if any(end < start for start, end in edges.values()):
-        return {}
-    return {name: round((end - start) * 1000, 3) for name, (start, end) in edges.items()}
-
-
-class EncodeSlots:
-    """At most `limit` encodings inside the engine at once; the rest wait here, in arrival order, outside the
-    engine's queue (where chats that arrive later would wait behind every one of them). Counts the peak."""
-
-    def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"max_encodes_in_flight must be at least 1, got {limit}")
-        self._slots = asyncio.Semaphore(limit)
-        self.in_flight = self.peak = 0
-
-    async def __aenter__(self) -> None:
-        await self._slots.acquire()
-        self.in_flight += 1
-        self.peak = max(self.peak, self.in_flight)
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.in_flight -= 1
-        self._slots.release()
 
 
 def _device() -> str:

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from deployments.vllm_adapter.async_engine import EncodeSlots, MemoryEngine
+from deployments.encode_slots import EncodeSlots
+from deployments.vllm_adapter.async_engine import MemoryEngine
 
 pytestmark = pytest.mark.vllm  # imports vLLM
 
