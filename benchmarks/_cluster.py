@@ -135,15 +135,16 @@ def start_local_serve(proxy: str, num_cpus: int) -> int:
     return port
 
 
-LLM_GPU_SHARE = 0.9  # of the one GPU: the LLM replica's; the ingress replicas embed queries in what is left
+LLM_GPU_SHARE = 0.9  # of the one GPU: the LLM replica's
+INGRESS_GPU_SHARE = 0.08  # what all ingress replicas embed queries in, together
 
 
 def ingress_gpu_share(replicas: int) -> float:
-    """Each ingress replica's share of the GPU: 0.02, or less where that many would ask for more than is left
+    """Each ingress replica's share of the GPU: 0.02, or less where that many would ask for more than their part
     (eight at 0.02 beside the LLM's 0.9 asked for 1.06 GPUs, and Serve waited for room that never came)."""
     if replicas < 1:
         raise ValueError(f"ingress replicas must be at least 1, got {replicas}")
-    return min(0.02, round(1 - LLM_GPU_SHARE - 0.02, 6) / replicas)
+    return min(0.02, INGRESS_GPU_SHARE / replicas)
 
 
 def start_cluster(

@@ -136,7 +136,7 @@ def sample_rounds(
                     "hop_ms": usage.get("hop_ms", {}),
                     "embed_legs_ms": usage.get("retrieval_embed_legs_ms", {}),
                     "cpu_ms": usage.get("cpu_ms", {}),
-                    "engine_phases_ms": usage.get("engine_phases_ms") or {},
+                    "engine_phases_ms": usage.get("engine_phases_ms", {}),
                     **{
                         key: usage[key]
                         for key in (
@@ -276,7 +276,7 @@ def engine_alone(app_args: dict, tasks: list, rounds: list, concurrency: int) ->
         return {
             "ttft_ms_p50": statistics.median(ttft),
             # the same phases as the replica's (`engine_phases_ms_p50`): what the replica's loop adds is there
-            "engine_phases_ms_p50": phase_medians([usage.get("engine_phases_ms") or {} for usage in single]),
+            "engine_phases_ms_p50": phase_medians([usage["engine_phases_ms"] for usage in single]),
             "qps": qps,
             "process_cpu": phase.report(len(tasks)),
         }

@@ -14,8 +14,12 @@ def engine_phases(stats: RequestStateStats | None, started: float, first_token_b
     queued, scheduled, first = (getattr(stats, n, 0.0) for n in ("queued_ts", "scheduled_ts", "first_token_ts"))
     if not (queued and scheduled and first and first_token_back):
         return {}
-    edges = {"submit": (started, queued), "queue": (queued, scheduled), "step": (scheduled, first)}
-    edges["back"] = (first, first_token_back)
+    edges = {
+        "submit": (started, queued),
+        "queue": (queued, scheduled),
+        "step": (scheduled, first),
+        "back": (first, first_token_back),
+    }
     if any(end < start for start, end in edges.values()):
         return {}
     return {name: round((end - start) * 1000, 3) for name, (start, end) in edges.items()}
