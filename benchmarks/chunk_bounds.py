@@ -6,8 +6,10 @@ channels; a 32k-token history in 2,048 chunks; 20 question tokens x a GQA group 
 path took ~4.3 ms of a 6.8 ms choice on the H200 (2026-12-04), the kernel's first version 2.34. This times
 both on the same inputs and checks they agree; it times the kernel's launch and its inputs' preparation apart
 and sweeps the kernel's tilings (the default's whole time is the target; the best tiling is reported so the
-default can follow the measurement). On a CPU (`--quick`) a small shape: the torch path timed, the kernel run by
-Triton's interpreter for the agreement alone (no timing target).
+default can follow the measurement). The kernel's float32 sums (`accumulate="float32"`: twice float64's FMA rate,
+plus a rounding margin) are timed and swept too, checked at or above the float64 bound everywhere, and their
+slack over it reported relative to the largest bound. On a CPU (`--quick`) a small shape: the torch path timed,
+the kernel run by Triton's interpreter for the agreement, the float32 check and slack alone (no timing target).
 """
 
 from __future__ import annotations
@@ -24,18 +26,18 @@ if not torch.cuda.is_available():  # before Triton is imported: its interpreter 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import device_median_ms, parser, target, write_report  # noqa: E402
+from deployments.triton_adapter.chunk_bounds import BoundsInputs, Tiling, fused_max_upper_bounds  # noqa: E402
 from kvcore.rope import RopeConfig  # noqa: E402
 from kvcore.summaries import compact, max_upper_bounds, summarize  # noqa: E402
 
 FULL = {"layers": 4, "kv_heads": 8, "head_dim": 128, "tokens": 32_768, "chunk": 16, "queries": 80}
 QUICK = {"layers": 2, "kv_heads": 4, "head_dim": 64, "tokens": 4_096, "chunk": 16, "queries": 40}
 SWEEP = [(q, c, w) for q in (8, 16, 32) for c in (32, 64, 128) for w in (2, 4, 8)]  # (block_q, block_c, warps)
+SWEEP_FLOAT32 = [(q, c, w) for q in (16, 32) for c in (64, 128) for w in (4, 8)]
 
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
-    from deployments.triton_adapter.chunk_bounds import BoundsInputs, Tiling, fused_max_upper_bounds
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = QUICK if args.quick or device.type == "cpu" else FULL
     rope = RopeConfig(head_dim=shape["head_dim"], theta=500_000.0)
@@ -57,36 +59,42 @@ def main() -> None:
     def fused() -> torch.Tensor:
         return fused_max_upper_bounds(summaries, queries, positions, 0, rope)
 
+    def fused_float32() -> torch.Tensor:
+        return fused_max_upper_bounds(summaries, queries, positions, 0, rope, accumulate="float32")
+
+    def prepare() -> BoundsInputs:
+        return BoundsInputs.of(summaries, queries, positions, 0, rope)
+
     want, got = torch_path(), fused()
     difference = float((got - want).abs().max() / want.abs().max())
+    inputs = prepare()
+    slack = float32_slack(inputs.best(), inputs.best(accumulate="float32"))
     repeats = 5 if device.type == "cpu" else 20
     ms = {"torch_path": device_median_ms(torch_path, device, repeats)}
     tilings: dict[str, float] = {}
+    tilings_float32: dict[str, float] = {}
     if device.type == "cuda":
         ms["fused"] = device_median_ms(fused, device, repeats)
-
-        def prepare() -> BoundsInputs:
-            return BoundsInputs.of(summaries, queries, positions, 0, rope)
-
+        ms["fused_float32"] = device_median_ms(fused_float32, device, repeats)
         ms["fused_prepare"] = device_median_ms(prepare, device, repeats)  # the rows and the copies along chunks
-        inputs = prepare()
         ms["fused_kernel"] = device_median_ms(inputs.best, device, repeats)  # the launch alone
-        default = inputs.best()
-        for q, c, w in SWEEP:
-            tile = Tiling(q, c, w)
-            if not torch.equal(inputs.best(tile), default):  # sums per (query, chunk) and a max: any tile agrees
-                raise AssertionError(f"tiling {tile} gives other bounds than the default")
-            tilings[f"{q}x{c}/{w}"] = round(device_median_ms(lambda: inputs.best(tile), device, repeats), 3)
-        best = min(tilings, key=tilings.__getitem__)
-        print(f"tilings (block_q x block_c / warps, kernel alone): best {best} {tilings[best]:.3f} ms", flush=True)
+        ms["fused_float32_kernel"] = device_median_ms(lambda: inputs.best(accumulate="float32"), device, repeats)
+        tilings = sweep(inputs, SWEEP, "float64", repeats)
+        tilings_float32 = sweep(inputs, SWEEP_FLOAT32, "float32", repeats)
     for name, value in ms.items():
-        print(f"{name:12s} {value:9.3f} ms", flush=True)
+        print(f"{name:20s} {value:9.3f} ms", flush=True)
     print(f"largest difference, relative to the largest bound: {difference:.2e}", flush=True)
-    targets = [target("fused / torch bounds, largest difference relative to the largest bound", difference, "<= 1e-6")]
+    print(f"float32 slack over float64, relative to the largest bound: {slack:.2e}", flush=True)
+    targets = [
+        target("fused / torch bounds, largest difference relative to the largest bound", difference, "<= 1e-6"),
+        target("float32 bound slack relative to the largest bound", slack, "<= 1e-3"),
+    ]
     if "fused" in ms:
         targets += [
             target("fused bounds ms (8B shape, 2,048 chunks, 80 queries)", ms["fused"], "<= 1.0"),
             target("fused / torch path time", ms["fused"] / ms["torch_path"], "<= 0.25"),
+            target("fused float32 bounds ms (8B shape, 2,048 chunks, 80 queries)", ms["fused_float32"], "<= 1.0"),
+            target("fused float32 / torch path time", ms["fused_float32"] / ms["torch_path"], "<= 0.25"),
         ]
     write_report(
         args.out,
@@ -99,10 +107,37 @@ def main() -> None:
             "chunks": len(spans),
             "ms": {name: round(value, 3) for name, value in ms.items()},
             "tilings_ms": tilings,
+            "tilings_float32_ms": tilings_float32,
             "relative_difference": difference,
+            "float32_slack": slack,
             "targets": targets,
         },
     )
+
+
+def float32_slack(float64: torch.Tensor, float32: torch.Tensor) -> float:
+    """How far the float32 bounds sit above the float64 ones, relative to the largest bound; below them is unsound."""
+    if not bool((float32 >= float64).all()):
+        raise AssertionError("float32 bounds fall below the float64 bounds: the rounding margin is too small")
+    return float((float32 - float64).max() / float64.abs().max())
+
+
+def sweep(inputs: BoundsInputs, tiles: list[tuple[int, int, int]], accumulate: str, repeats: int) -> dict[str, float]:
+    """The kernel's launch alone, ms, at each tiling (every one checked to give the default tiling's bounds)."""
+    default = inputs.best(accumulate=accumulate)
+    tilings = {}
+    for q, c, w in tiles:
+        tile = Tiling(q, c, w)
+        if not torch.equal(inputs.best(tile, accumulate), default):  # sums per (query, chunk) and a max: tiles agree
+            raise AssertionError(f"tiling {tile} gives other {accumulate} bounds than the default")
+        ms = device_median_ms(lambda: inputs.best(tile, accumulate), inputs.high.device, repeats)
+        tilings[f"{q}x{c}/{w}"] = round(ms, 3)
+    best = min(tilings, key=tilings.__getitem__)
+    print(
+        f"{accumulate} tilings (block_q x block_c / warps, kernel alone): best {best} {tilings[best]:.3f} ms",
+        flush=True,
+    )
+    return tilings
 
 
 if __name__ == "__main__":

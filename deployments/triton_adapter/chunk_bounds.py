@@ -8,6 +8,17 @@ the pairs, reading the queries' float64 rows and the chunks' summaries (bf16 box
 to run along chunks), and keeps only the best over the queries: the same float64 bound, written once.
 
 Scope: full rotary (every channel in a pair). Else the torch path.
+
+`accumulate="float32"` sums in float32 (twice the FMA rate of float64, the float64 kernel's floor) and adds a
+margin that keeps the result a sound upper bound of the float64 one. Per (query q, chunk c) the float32 total
+B32 differs from the exact B by at most γ_n·S, with S = Σ |r|·|x| over every product of a query-side value r
+(the 5 rows and the norm row of each pair) and its chunk-side x (high_f, high_s, low_f, low_s, norm; norm):
+each a - b is a 5-term chain plus the row's float32 rounding, min(·, 0) is monotone and 1-Lipschitz, the
+accumulation over the 2P terms adds γ_2P; n = 2P + 10 covers it all (γ_n = n·u / (1 - n·u), u = 2^-24). By
+Cauchy-Schwarz S <= ‖r_q‖·‖x_c‖, so max_q B <= max_q B32 + γ_n·R·X_c with R = max_q ‖r_q‖ and X_c = ‖x_c‖, both
+in float64 (the factor 1.01 covers the float64 additions' rounding). A result below float32's smallest normal may
+be flushed to zero on the GPU: n·2^-126 more covers that. No float32 overflow is assumed (keys and queries are
+nowhere near 3e38).
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import triton
@@ -28,7 +40,10 @@ from kvcore.summaries import ChunkSummaries, QueryRows, max_upper_bounds
 log = logging.getLogger(__name__)
 
 _LAUNCH = threading.Lock()  # questions are chosen in worker threads: one compiles the kernel, the others wait
-_SUMMARY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # widened exactly to float64 in the kernel
+_SUMMARY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # widened exactly to float32 and float64
+_ACCUMULATORS = {"float64": (torch.float64, tl.float64), "float32": (torch.float32, tl.float32)}
+_FLOAT32_ULP = 2.0**-24  # u: float32's unit roundoff
+_FLOAT32_TINY = 2.0**-126  # float32's smallest normal: what a flush to zero may lose at one step
 
 
 @triton.jit
@@ -47,8 +62,10 @@ def _best_bounds(
     SECOND: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ACC: tl.constexpr,
 ):
-    """Program (layer and head, block of chunks): max over every query of Σ_pairs min(a - b, 0) + Σ_pairs n·norm.
+    """Program (layer and head, block of chunks): max over every query of Σ_pairs min(a - b, 0) + Σ_pairs n·norm,
+    summed in `ACC` (the rows' dtype).
 
     rows `[LH, P, 5, Q]` (q'+ first, q'+ second, q'- first, q'- second, -|q|), norm rows `[LH, P, Q]`; boxes
     `[LH, D, C]` and norms `[LH, P, C]`: every load runs along queries or chunks, one cache line for many lanes. A
@@ -58,11 +75,11 @@ def _best_bounds(
     c_ok = c < chunks
     boxes = lh.to(tl.int64) * DIM * chunks + c  # channel 0 of this layer and head's boxes, at chunk c
     norms_at = lh.to(tl.int64) * PAIRS * chunks + c
-    best = tl.full([BLOCK_C], float("-inf"), tl.float64)
+    best = tl.full([BLOCK_C], float("-inf"), ACC)
     for q0 in range(0, queries, BLOCK_Q):
         q = q0 + tl.arange(0, BLOCK_Q)
         q_ok = q < queries
-        total = tl.zeros([BLOCK_Q, BLOCK_C], tl.float64)
+        total = tl.zeros([BLOCK_Q, BLOCK_C], ACC)
         for p in range(PAIRS):
             row = rows_ptr + (lh.to(tl.int64) * PAIRS + p) * 5 * queries + q
             up_f = tl.load(row, mask=q_ok, other=0.0)[:, None]
@@ -74,11 +91,11 @@ def _best_bounds(
             scaled_norm = tl.load(norm_row, mask=q_ok, other=0.0)[:, None]
             first = boxes + (p * PAIR_STRIDE) * chunks
             second = first + SECOND * chunks
-            high_f = tl.load(high_ptr + first, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
-            high_s = tl.load(high_ptr + second, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
-            low_f = tl.load(low_ptr + first, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
-            low_s = tl.load(low_ptr + second, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)[None, :]
-            norm = tl.load(norms_ptr + norms_at + p * chunks, mask=c_ok, other=0.0).to(tl.float32).to(tl.float64)
+            high_f = tl.load(high_ptr + first, mask=c_ok, other=0.0).to(tl.float32).to(ACC)[None, :]
+            high_s = tl.load(high_ptr + second, mask=c_ok, other=0.0).to(tl.float32).to(ACC)[None, :]
+            low_f = tl.load(low_ptr + first, mask=c_ok, other=0.0).to(tl.float32).to(ACC)[None, :]
+            low_s = tl.load(low_ptr + second, mask=c_ok, other=0.0).to(tl.float32).to(ACC)[None, :]
+            norm = tl.load(norms_ptr + norms_at + p * chunks, mask=c_ok, other=0.0).to(tl.float32).to(ACC)
             a_minus_b = up_f * high_f + up_s * high_s + down_f * low_f + down_s * low_s + minus_norm * norm[None, :]
             total += tl.minimum(a_minus_b, 0.0) + scaled_norm * norm[None, :]
         total = tl.where(q_ok[:, None], total, float("-inf"))
@@ -107,14 +124,18 @@ def fused_max_upper_bounds(
     fact_start: int,
     rope: RopeConfig,
     tiling: Tiling = Tiling(),
+    accumulate: str = "float64",
 ) -> torch.Tensor:
-    """`kvcore.summaries.max_upper_bounds` `[C, L, H]` in one launch (the torch path where the kernel does not apply)."""
+    """`kvcore.summaries.max_upper_bounds` `[C, L, H]` in one launch (the torch path where the kernel does not apply);
+    `accumulate="float32"`: a bound at or above it, faster (the module's docstring)."""
+    _accumulators(accumulate)
     why = _unsupported(summaries, queries, rope)
     if why:
         log.debug("chunk bounds: torch path (%s)", why)
         return max_upper_bounds(summaries, queries, query_positions, fact_start, rope)
     inputs = BoundsInputs.of(summaries, queries, query_positions, fact_start, rope)
-    return inputs.best(tiling).T.reshape(inputs.chunks, *summaries.low.shape[1:3]).float()  # rounding is monotone
+    best = inputs.best(tiling, accumulate)
+    return best.T.reshape(inputs.chunks, *summaries.low.shape[1:3]).float()  # rounding is monotone
 
 
 @dataclass(frozen=True)
@@ -151,18 +172,38 @@ class BoundsInputs:
             rope.style == "neox",
         )
 
-    def best(self, tiling: Tiling = Tiling()) -> torch.Tensor:
-        """float64 `[LH, C]`: each chunk's best bound over the queries, in one launch."""
+    @cached_property
+    def float32_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows in float32, converted once for every float32 launch."""
+        return self.rows.float(), self.norm_rows.float()
+
+    @cached_property
+    def float32_margin(self) -> torch.Tensor:
+        """float64 `[LH, C]`: 1.01·γ_n·R·X_c + n·2^-126, what float32 sums may miss of the float64 bound (module
+        docstring)."""
+        pairs = self.norm_rows.shape[1]
+        n_ulps = (2 * pairs + 10) * _FLOAT32_ULP
+        gamma = n_ulps / (1 - n_ulps)
+        query_sq = _squares(self.rows, (1, 2)) + _squares(self.norm_rows, 1)  # [LH, Q]
+        chunk_sq = _squares(self.high, 1) + _squares(self.low, 1) + 2 * _squares(self.norms, 1)  # [LH, C]
+        flushed = (2 * pairs + 10) * _FLOAT32_TINY
+        return 1.01 * gamma * query_sq.amax(-1).sqrt()[:, None] * chunk_sq.sqrt() + flushed
+
+    def best(self, tiling: Tiling = Tiling(), accumulate: str = "float64") -> torch.Tensor:
+        """float64 `[LH, C]`: each chunk's best bound over the queries, in one launch (summed in `accumulate`; the
+        float32 sums plus their margin)."""
+        dtype, acc = _accumulators(accumulate)
+        rows, norm_rows = self.float32_rows if dtype == torch.float32 else (self.rows, self.norm_rows)
         heads, dim, chunks = self.high.shape
         pairs, queries = self.norm_rows.shape[1:]
-        out = torch.empty(heads, chunks, dtype=torch.float64, device=self.high.device)
+        out = torch.empty(heads, chunks, dtype=dtype, device=self.high.device)
         if chunks == 0:
-            return out
+            return out.double()
         on_its_device = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
         with _LAUNCH, on_its_device:
             _best_bounds[(heads, triton.cdiv(chunks, tiling.block_c))](
-                self.rows,
-                self.norm_rows,
+                rows,
+                norm_rows,
                 self.high,
                 self.low,
                 self.norms,
@@ -175,9 +216,22 @@ class BoundsInputs:
                 SECOND=pairs if self.neox else 1,
                 BLOCK_Q=tiling.block_q,
                 BLOCK_C=tiling.block_c,
+                ACC=acc,
                 num_warps=tiling.warps,
             )
-        return out
+        return out if dtype == torch.float64 else out.double() + self.float32_margin
+
+
+def _accumulators(accumulate: str) -> tuple[torch.dtype, tl.dtype]:
+    """The torch and Triton dtypes that `accumulate` names (refused before the torch path can hide a typo)."""
+    if accumulate not in _ACCUMULATORS:
+        raise ValueError(f"accumulate must be 'float64' or 'float32', got {accumulate!r}")
+    return _ACCUMULATORS[accumulate]
+
+
+def _squares(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
+    """Σ x² over `dim` in float64: the margin's own rounding stays far inside its 1 %."""
+    return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64).square()
 
 
 def _along_chunks(summary: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,30 @@ def test_another_tiling_gives_the_same_bounds():
     assert got["max_abs_diff"] <= 1e-5 * got["scale"] and got["sound"]
 
 
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_interpreted_float32_sums_stay_sound_above_the_float64_bound(style):
+    got = run_check("bounds_check", "cpu", style, True, "", "float32")
+    _assert_float32_bounds(got)
+
+
+def _assert_float32_bounds(got: dict) -> None:
+    """Sound against the exact scores, at or above float64's bound everywhere, the margin small but there."""
+    assert got["shape"] == [66, 2, 3]
+    assert got["sound"] and got["above_float64"]
+    assert 0 < got["slack_vs_float64"] <= 1e-3
+
+
+def test_an_unknown_accumulation_is_refused():
+    from deployments.triton_adapter.chunk_bounds import fused_max_upper_bounds
+    from kvcore.rope import RopeConfig
+    from kvcore.summaries import summarize
+
+    rope = RopeConfig(head_dim=4, theta=10000.0)
+    summaries = summarize(torch.randn(1, 1, 8, 4), [(0, 8)], rope)
+    with pytest.raises(ValueError, match="accumulate must be 'float64' or 'float32', got 'float16'"):
+        fused_max_upper_bounds(summaries, torch.randn(1, 1, 1, 4), torch.tensor([8]), 0, rope, accumulate="float16")
+
+
 def test_a_tiling_that_is_not_a_power_of_two_is_refused():
     from deployments.triton_adapter.chunk_bounds import Tiling
 
@@ -38,3 +62,11 @@ def test_compiled_kernel_gives_the_torch_paths_sound_bounds_on_cuda(style):
     got = run_check("bounds_check", "cuda", style, interpret=False)
     assert got["shape"] == [66, 2, 3]
     assert got["max_abs_diff"] <= 1e-5 * got["scale"] and got["sound"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_compiled_float32_sums_stay_sound_above_the_float64_bound_on_cuda(style):
+    got = run_check("bounds_check", "cuda", style, False, "", "float32")
+    _assert_float32_bounds(got)
