@@ -19,9 +19,10 @@ from typing import Annotated, Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.event_stream import DONE, EventStream
 from deployments.gateway import Gateway, PreparedChat
 from deployments.mem0_api import mem0_router
 from deployments.query_batcher import Embedded, EmbedderProcessError
@@ -244,9 +245,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                _sse(gateway, first, events, base, received, prepared, include_usage, body.memory.mode, shape),
-                media_type="text/event-stream",
+            return EventStream(
+                _sse(gateway, first, events, base, received, prepared, include_usage, body.memory.mode, shape)
             )
         text, ttft_ms, final = [], None, None
         entries: list | None = [] if body.logprob_count() is not None else None
@@ -543,18 +543,27 @@ async def _sse(
             body["usage"] = usage
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
 
-    ttft_ms, final, sent, offset = None, None, False, 0
+    ttft_ms, final, sent, offset, held = None, None, False, 0, b""
     async for event in _chain(first, events):
+        piece = b""
         if "delta" in event:
             ttft_ms = ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000
-            yield chunk(shape.piece(event["delta"], not sent, shape.logprobs(event.get("logprobs"), offset)))
+            piece = chunk(shape.piece(event["delta"], not sent, shape.logprobs(event.get("logprobs"), offset)))
             offset += len(event["delta"])
             sent = True
-        if event.get("done"):  # it may carry the last delta too
-            final = event
-        elif "error" in event:
-            yield f"data: {json.dumps({'error': {'code': 'engine_error', 'message': event['error']['message']}})}\n\n".encode()
+        if "error" in event and not event.get("done"):
+            yield (
+                piece
+                + f"data: {json.dumps({'error': {'code': 'engine_error', 'message': event['error']['message']}})}\n\n".encode()
+            )
             return
+        if event.get("done"):  # it may carry the last delta too: sent with the tail, when nothing delays the tail
+            final = event
+            if prepared.tiers is None or prepared.tiers.done():
+                held = piece
+                continue
+        if piece:
+            yield piece
     usage = _usage(
         final,
         prepared,
@@ -562,7 +571,5 @@ async def _sse(
         await prepared.memory_tiers(),
     )
     gateway.observe_usage(usage, mode)
-    yield chunk(shape.last(sent), (final or {}).get("finish_reason", "stop"))
-    if include_usage:
-        yield chunk(None, usage=usage)
-    yield b"data: [DONE]\n\n"
+    tail = chunk(shape.last(sent), (final or {}).get("finish_reason", "stop"))
+    yield held + tail + (chunk(None, usage=usage) if include_usage else b"") + DONE  # one write ends the response
