@@ -159,6 +159,7 @@ def start_cluster(
     llm_args: dict | None = None,
     early_layers: int = 0,
     ingress_replicas: int = 4,
+    chat_transport: str = "auto",
 ):
     """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
     on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
@@ -166,7 +167,8 @@ def start_cluster(
     free for the ingress's query embeddings); `query_embedding`: the ingress embeds questions in a process of
     its own or in a thread; `engine_kwargs` go to vLLM over the defaults (a longer context, say), `llm_args` to
     the LLM deployment over its defaults; a shape gets random weights of its first `early_layers` layers; on a GPU
-    `ingress_replicas` ingress replicas (each one event loop: more of them, less time a request waits for one)."""
+    `ingress_replicas` ingress replicas (each one event loop: more of them, less time a request waits for one);
+    `chat_transport`: how chats reach the LLM replica (`ingress.chat_transport`: its channel, or Serve's handle)."""
     import os
 
     from ray import serve
@@ -193,6 +195,7 @@ def start_cluster(
         "max_ongoing_requests": 512,
         "first_event_timeout_s": 900,
         "query_embedding": query_embedding,
+        "chat_transport": chat_transport,
     }  # a cold start of 100 tenants reads ~40 GB of records: not a lost replica
     if cuda:  # the GPU also embeds queries (a sliver of it per ingress replica), as a GPU deployment would
         llm["engine_kwargs"] = {"gpu_memory_utilization": 0.45, "max_model_len": 4096}

@@ -6,7 +6,9 @@ reports, per request: the task's way to the replica (`to_replica`, the downstrea
 ingress's), the first event's way back, and the client's whole HTTP time; beside it, the same ingress
 answering by itself (`direct`: HTTP without the hop). The hop goes over the transport of the Serve mode
 (gRPC in high-throughput mode) and, beside it, over Ray actor calls (`via_actor`), the transport a handle
-keeps when the driver that made it lacked the mode's switches. Runs in seconds (no model), so the hop can be
+keeps when the driver that made it lacked the mode's switches, and over the downstream's own chat channel
+(`via_channel`: `deployments/chat_channel.py`, a socket with no Serve code on either side); each with both
+processes' CPU time a call (`ingress_cpu_ms`, `downstream_cpu_ms`). Runs in seconds (no model), so the hop can be
 profiled apart from the serving benchmark (`serve_http.py`, whose `hop_ms` has the same legs under load).
 """
 
@@ -33,11 +35,24 @@ def build(facts_text: str):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
+    from deployments.chat_channel import ChannelAddress, ChannelPool, ChannelServer
     from deployments.chat_task import ChatTask, RetrievedFact
     from deployments.ray_serve.transport import in_this_mode
 
     class Downstream:
-        """A trivial downstream deployment: what the hop costs without any work behind it."""
+        """A trivial downstream deployment: what the hop costs without any work behind it; beside Serve's handle,
+        its own chat channel (`deployments/chat_channel.py`, `via=channel`)."""
+
+        async def __init__(self) -> None:
+            self._channel = ChannelServer(self.chat, "127.0.0.1")
+            await self._channel.start()
+
+        def channel(self) -> ChannelAddress:
+            return self._channel.address
+
+        def cpu_s(self) -> float:
+            """This replica process's CPU time so far (all threads)."""
+            return time.process_time()
 
         async def chat(self, task: ChatTask):
             yield {"arrived": time.time(), "facts": len(task.facts)}
@@ -48,13 +63,27 @@ def build(facts_text: str):
         """A trivial ingress that calls the downstream deployment through a handle."""
 
         def __init__(self, down) -> None:
+            self._down = in_this_mode(down)
             self._via = {
-                "mode": in_this_mode(down).options(stream=True),
+                "mode": self._down.options(stream=True),
                 "actor": down.options(stream=True, _by_reference=True),
             }
+            self._channels = ChannelPool()
+            self._address: ChannelAddress | None = None
+
+        async def _over_channel(self, task: ChatTask):
+            if self._address is None:
+                self._address = await self._down.channel.remote()
+            async for event in self._channels.client(self._address).chat(task):
+                yield event
 
         def __serve_build_asgi_app__(self):
             app = FastAPI()
+
+            @app.get("/cpu")
+            async def cpu() -> dict:
+                """Both processes' CPU time so far (the ingress's, the downstream's): their cost a call."""
+                return {"ingress": time.process_time(), "downstream": await self._down.cpu_s.remote()}
 
             @app.get("/direct")
             async def direct() -> dict:
@@ -69,7 +98,7 @@ def build(facts_text: str):
                     tuple(RetrievedFact(f"f{i}", facts_text.format(i=i), f"r{i}", 0.5) for i in range(facts)),
                 )
                 sent = time.time()
-                events = self._via[via].chat.remote(task)
+                events = self._over_channel(task) if via == "channel" else self._via[via].chat.remote(task)
                 first = await events.__anext__()
                 back = time.time()
                 async for _ in events:
@@ -97,7 +126,9 @@ def measure(base: str, calls: int, facts: int, via: str = "mode") -> dict:
         answer = session.get(f"{base}/hop", params={"facts": facts, "via": via}, timeout=60).json()
         rows.append({**answer, "http_ms": (time.perf_counter() - started) * 1000})
 
+    cpu_before = session.get(f"{base}/cpu", timeout=60).json()
     timed_ms(hop, calls, warm=30)
+    cpu_after = session.get(f"{base}/cpu", timeout=60).json()
     direct = timed_ms(lambda: session.get(f"{base}/direct", timeout=60).raise_for_status(), calls, warm=30)
     rows = rows[30:]  # the first ones open the connection and warm the router's caches
     p50 = {key: round(statistics.median(r[key] for r in rows), 3) for key in rows[0]}
@@ -105,6 +136,10 @@ def measure(base: str, calls: int, facts: int, via: str = "mode") -> dict:
         **p50,
         "direct_http_ms": round(statistics.median(direct), 3),
         "hop_http_extra_ms": round(p50["http_ms"] - statistics.median(direct), 3),
+        # each process's CPU a call (HTTP in, the hop, HTTP out on the ingress; the call alone on the downstream)
+        **{
+            f"{side}_cpu_ms": round((cpu_after[side] - cpu_before[side]) * 1000 / (calls + 30), 3) for side in cpu_after
+        },
     }
 
 
@@ -127,16 +162,23 @@ def main() -> None:
             "no_facts": measure(base, calls, 0),
             f"facts_{args.facts}": measure(base, calls, args.facts),
             f"facts_{args.facts}_via_actor": measure(base, calls, args.facts, via="actor"),
+            f"facts_{args.facts}_via_channel": measure(base, calls, args.facts, via="channel"),
         }
     finally:
         serve.shutdown()
         ray.shutdown()
-    with_facts = report[f"facts_{args.facts}"]
+    with_facts, channel = report[f"facts_{args.facts}"], report[f"facts_{args.facts}_via_channel"]
     # the serving targets leave HTTP - engine <= 3 ms for floor, retrieval and the hop together: the hop's share
     # is what is left after the H200's floor (2.5 ms) and retrieval (1.3 ms): nothing, so any hop counts
     report["targets"] = [
         target(f"task to the replica p50, ms ({args.facts} facts)", with_facts["to_replica_ms"], "<= 1"),
         target("HTTP with the hop - HTTP without, p50 ms", with_facts["hop_http_extra_ms"], "<= 1"),
+        target("HTTP with the hop over the chat channel - HTTP without, p50 ms", channel["hop_http_extra_ms"], "<= 1"),
+        target(
+            "chat channel / Serve's handle: the downstream's CPU a call",
+            channel["downstream_cpu_ms"] / with_facts["downstream_cpu_ms"],
+            "<= 0.5",
+        ),
     ]
     write_report(args.out, report)
 

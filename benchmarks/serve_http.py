@@ -366,6 +366,12 @@ def main() -> None:
         help="on a GPU, the ingress replicas (each one event loop, with its own query embedder)",
     )
     p.add_argument(
+        "--chat-transport",
+        choices=["auto", "channel", "serve"],
+        default="auto",
+        help="how chats reach the LLM replica: its own chat channel (auto, here) or Serve's handle (gRPC)",
+    )
+    p.add_argument(
         "--engine-sm-percent",
         type=int,
         choices=range(1, 101),
@@ -396,6 +402,7 @@ def main() -> None:
         args.engine_sm_percent,
         args.query_embedding,
         ingress_replicas=args.ingress_replicas,
+        chat_transport=args.chat_transport,
     )
     probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
     clock.done("deploy")
@@ -414,6 +421,7 @@ def main() -> None:
         "embed_device": app_args["ingress"].get("embed_device", "cpu"),
         "query_embedding": app_args["ingress"]["query_embedding"],
         "ingress_replicas": app_args["ingress"].get("num_replicas", 1),
+        "chat_transport": app_args["ingress"]["chat_transport"],
         "engine_sm_percent": args.engine_sm_percent,
         "model": str(args.config) if args.config else "SmolLM2-135M",
         "phase_s": clock.seconds,

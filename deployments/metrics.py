@@ -62,7 +62,8 @@ class Metrics:
         )
         self.llm_transport = Gauge(
             "inferscale_llm_transport",
-            "1 for how this ingress calls the LLM servers (grpc in Serve's high-throughput mode, actor otherwise)",
+            "1 for each way this ingress calls the LLM servers: Serve's handle (grpc in its high-throughput mode, actor "
+            "otherwise) and, when chats go over the replicas' own sockets, channel",
             ["transport"],
             registry=self.registry,
         )

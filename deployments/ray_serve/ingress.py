@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from config.settings import load_settings
 from deployments.app_args import AppArgs
+from deployments.chat_channel import ChannelAddress, ChannelClosed, ChannelPool
 from deployments.chat_task import ChatTask
 from deployments.gateway import Gateway
 from deployments.http_api import create_app
@@ -40,28 +42,63 @@ QUERY_BATCH = 32  # most questions embedded in one forward
 REPLICA_GONE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
 
 
-class ServeLLMBackend:
-    """The LLM server deployment seen through its handle (streaming chats, encodings)."""
+class ChannelRoutes:
+    """Which LLM replica's channel a tenant's chats go to: asked of Serve (its tenant-affinity router picks the
+    replica, as for a handle call) and kept `ttl_s`, so that a replica added takes its tenants within that time;
+    forgotten at once when the connection to it breaks."""
 
-    def __init__(self, handle: DeploymentHandle, first_event_timeout_s: float = 30.0) -> None:
+    def __init__(self, handle: DeploymentHandle, ttl_s: float) -> None:
+        self._handle, self._ttl_s = handle, ttl_s
+        self._routes: dict[str, tuple[ChannelAddress, float]] = {}
+
+    async def address(self, tenant_id: str) -> ChannelAddress:
+        known = self._routes.get(tenant_id)
+        now = time.monotonic()
+        if known is not None and known[1] > now:
+            return known[0]
+        address = await self._handle.channel.remote(tenant_id=tenant_id)
+        self._routes[tenant_id] = (address, now + self._ttl_s)
+        return address
+
+    def forget(self, address: ChannelAddress) -> None:
+        self._routes = {tenant: route for tenant, route in self._routes.items() if route[0] != address}
+
+
+class ServeLLMBackend:
+    """The LLM server deployment seen through its handle (encodings; chats too, unless they go over the replicas'
+    own channels)."""
+
+    def __init__(
+        self, handle: DeploymentHandle, first_event_timeout_s: float = 30.0, channel_ttl_s: float | None = None
+    ) -> None:
+        """`channel_ttl_s`: chats over the replicas' channels, each tenant's replica kept that long (None: Serve's
+        handle)."""
         self._handle = in_this_mode(handle)
         self._stream = self._handle.options(stream=True)
-        self.transport = "grpc" if uses_grpc(self._handle) else "actor"
-        log.info("calls to the LLM servers go over %s", self.transport)
+        self._routes = ChannelRoutes(self._handle, channel_ttl_s) if channel_ttl_s is not None else None
+        self._channels = ChannelPool()
+        self.transports = ["grpc" if uses_grpc(self._handle) else "actor"] + (["channel"] if self._routes else [])
+        log.info("calls to the LLM servers go over %s", " and ".join(self.transports))
         self._first_event_timeout_s = first_event_timeout_s
 
     async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
         """The replica's events; a replica that dies or is unavailable mid-request ends them with a retryable 503,
         and so does a chat that no replica starts within `first_event_timeout_s` (none is running: the only one
         is being replaced), rather than waiting for the replacement."""
-        events = self._stream.chat.remote(task)
+        address: ChannelAddress | None = None
+        events: AsyncIterator[dict[str, Any]] | None = None
         try:
+            if self._routes is not None:
+                address = await self._routes.address(task.tenant_id)
+                events = self._channels.client(address).chat(task)
+            else:
+                events = self._stream.chat.remote(task)
             try:
                 first = await asyncio.wait_for(events.__anext__(), self._first_event_timeout_s)
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
-                events.cancel()
+                await _cancel(events)
                 log.warning("no model replica started a chat within %.0f s", self._first_event_timeout_s)
                 yield {
                     "error": {
@@ -74,9 +111,14 @@ class ServeLLMBackend:
             yield first
             async for event in events:
                 yield event
-        except REPLICA_GONE as exc:
+        except (*REPLICA_GONE, ChannelClosed) as exc:
+            if address is not None and isinstance(exc, ChannelClosed):
+                self._routes.forget(address)  # type: ignore[union-attr]
             log.warning("chat ended by an unavailable model replica: %s", type(exc).__name__)
             yield {"error": {"status": 503, "message": "the model replica became unavailable; retry the request"}}
+        finally:
+            if events is not None and hasattr(events, "aclose"):  # the channel's: a chat left early is cancelled there
+                await events.aclose()
 
     async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]:
         return await self._handle.encode.remote({"api_key": api_key, "tenant_id": tenant_id, "facts": facts})
@@ -87,6 +129,14 @@ class ServeLLMBackend:
         except REPLICA_GONE as exc:
             log.warning("history encoding ended by an unavailable model replica: %s", type(exc).__name__)
             return {"error": {"status": 503, "message": "the model replica became unavailable; retry the request"}}
+
+
+async def _cancel(events: Any) -> None:
+    """Stop a chat's events: Serve's response generator cancels; the channel's iterator closes (cancelling it there)."""
+    if hasattr(events, "aclose"):
+        await events.aclose()
+    else:
+        events.cancel()
 
 
 def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Callable[[dict], None]], dict]:
@@ -148,8 +198,10 @@ class Ingress:
             service.install_admin_key(admin_key)
         elif (created := service.ensure_admin_key()) is not None:
             log.warning("admin key created (shown once; keep it, set INFERSCALE_ADMIN_KEY): %s", created)
-        backend, metrics = ServeLLMBackend(llm, self.args.ingress.first_event_timeout_s), Metrics()
-        metrics.llm_transport.labels(transport=backend.transport).set(1)
+        channel_ttl_s = self.args.ingress.channel_route_ttl_s if self.args.chat_over_channel else None
+        backend, metrics = ServeLLMBackend(llm, self.args.ingress.first_event_timeout_s, channel_ttl_s), Metrics()
+        for transport in backend.transports:
+            metrics.llm_transport.labels(transport=transport).set(1)
         metrics.query_embedder_restarts.set_function(lambda: getattr(forwarder, "restarts", 0))
         self.gateway = Gateway(
             service,

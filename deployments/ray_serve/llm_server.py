@@ -13,11 +13,13 @@ import uuid
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
 
+import ray
 import torch
 
 from config.connector import ConnectorConfig
 from config.settings import load_settings
 from deployments.app_args import AppArgs
+from deployments.chat_channel import ChannelAddress, ChannelServer
 from deployments.chat_task import ChatTask
 from deployments.ray_serve.loopback import bind_replica_grpc_to_node
 from deployments.vllm_adapter.async_engine import MemoryEngine
@@ -74,6 +76,9 @@ class LLMServer:
             self.args.redis(settings), self.args.state_dir, MiniLMEmbedder(), settings.tenants
         )
         await self.engine.warm_up()
+        # chats may come over this replica's own socket instead of Serve's handle (`ingress.chat_transport`)
+        self._channel = ChannelServer(self.chat, ray.util.get_node_ip_address(), self.args.llm.max_ongoing_requests)
+        await self._channel.start()
         log.info(
             "LLM server ready: %s (fingerprint %s, %s)",
             self.engine.model_name,
@@ -90,6 +95,11 @@ class LLMServer:
         except torch.OutOfMemoryError:  # the device is shared (engine, arena, history indexes, embedders)
             log.warning("chat for tenant %s ran out of device memory", task.tenant_id)
             yield {"error": {"status": 503, "message": _OUT_OF_MEMORY}}
+
+    def channel(self, tenant_id: str) -> ChannelAddress:
+        """Where this replica's chat channel listens (asked through Serve, so the tenant-affinity router picks the
+        replica that serves `tenant_id`, and the token travels on Ray's own connections)."""
+        return self._channel.address
 
     async def encode(self, request: dict[str, Any]) -> dict[str, str]:
         """Encode a tenant's facts with this replica's engine and attach their K/V (the caller's key opens the tenant)."""
@@ -134,6 +144,9 @@ class LLMServer:
         await self.engine.check_health()
 
     def __del__(self) -> None:
+        channel = getattr(self, "_channel", None)
+        if channel is not None:
+            channel.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

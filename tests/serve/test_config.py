@@ -73,3 +73,14 @@ def test_the_connector_config_round_trips_and_refuses_what_it_does_not_know():
             ConnectorConfig.from_extra(bad)
     with pytest.raises(ValidationError, match="tiers"):
         AppArgs(state_dir="/srv", llm={"tiers": {"disk_cache_dir": "/t", "host_cache": 1}})
+
+
+def test_chats_go_over_the_channel_unless_the_llm_replicas_autoscale():
+    autoscaled = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}
+    assert AppArgs(state_dir="/s").chat_over_channel
+    assert not AppArgs(state_dir="/s", llm=autoscaled).chat_over_channel  # auto: Serve's autoscaler must see chats
+    assert not AppArgs(state_dir="/s", ingress={"chat_transport": "serve"}).chat_over_channel
+    with pytest.raises(ValidationError, match="'channel' cannot go with llm.autoscaling_config"):
+        AppArgs(state_dir="/s", llm=autoscaled, ingress={"chat_transport": "channel"})
+    with pytest.raises(ValidationError, match="chat_transport"):
+        AppArgs(state_dir="/s", ingress={"chat_transport": "grpc"})

@@ -311,9 +311,11 @@ def test_tenant_admin_and_metrics(cluster):
     assert {"/v1/tenants/{tenant_id}", "/v1/jobs/{job_id}", "unrouted"} <= routes, routes
     assert not {r for r in routes if "frank" in r or "job-4f1c9e" in r or "7d2a" in r}, routes
     assert all(r == "unrouted" or r.startswith("/") for r in routes), routes
-    # the LLM servers are called over the Serve mode's transport, whatever the driver that built the app had
+    # the LLM servers are called over the Serve mode's transport, whatever the driver that built the app had, and
+    # chats over the replicas' own channels (the default where the LLM deployment does not autoscale)
     transport = "grpc" if load_settings().serve.proxy == "haproxy" else "actor"
     assert f'inferscale_llm_transport{{transport="{transport}"}} 1.0' in metrics
+    assert 'inferscale_llm_transport{transport="channel"} 1.0' in metrics
     assert requests.get(f"{cluster.base}/healthz").json()["redis"] is True
 
 

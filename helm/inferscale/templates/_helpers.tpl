@@ -150,6 +150,7 @@ applications:
         burst: {{ .Values.serve.ingress.burst }}
         max_body_bytes: {{ .Values.serve.ingress.maxBodyBytes | int64 }}
         default_recompute: {{ .Values.serve.ingress.defaultRecompute | int }}
+        chat_transport: {{ .Values.serve.ingress.chatTransport }}
         ray_actor_options:
           num_cpus: 1
 {{- end }}

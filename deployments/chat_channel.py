@@ -1,0 +1,232 @@
+"""A chat's way from the ingress to an LLM replica over a socket of the replica's own: no Serve code on either side.
+
+Ray Serve's streamed handle call (over gRPC in high-throughput mode) costs a chat ~1.3 ms on a 2-core CPU and
+~2.5 ms on the H200 host before any work (`benchmarks/serve_hop.py`), and its replica-side handling is ~1 ms of
+CPU a chat on the LLM replica's event loop, the loop that bounds the cluster's QPS. Here one connection per
+(ingress replica, LLM replica) carries many chats at once: a frame is (length, request id, kind) and a pickle.
+
+- The connection opens with the replica's token (random, handed out through Serve, the trusted path): nothing is
+  unpickled from a peer that has not shown it.
+- A chat the ingress stops reading (its client left) is cancelled on the replica; a connection that breaks ends
+  every chat on it with `ChannelClosed` (the ingress answers a retryable 503, as for a replica that dies).
+- Pure asyncio: the Ray adapter (`ray_serve/llm_server.py`, `ray_serve/ingress.py`) says where the server listens
+  and which replica a tenant's chats go to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import pickle
+import secrets
+import struct
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<IIB")  # payload length, request id, kind
+HELLO, TASK, CANCEL, EVENT, END = range(5)
+MAX_FRAME = 64 << 20  # a chat task carries texts, never K/V
+HELLO_TIMEOUT_S = 5.0
+Handler = Callable[[Any], AsyncIterator[dict[str, Any]]]
+
+
+class ChannelClosed(ConnectionError):
+    """The connection to the replica broke (or it refused the token) before the chat ended."""
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    """Where a replica's channel listens, and the token that opens it."""
+
+    host: str
+    port: int
+    token: bytes
+
+
+def _frame(request_id: int, kind: int, payload: bytes = b"") -> bytes:
+    return _HEADER.pack(len(payload), request_id, kind) + payload
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
+    size, request_id, kind = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if size > MAX_FRAME:
+        raise ChannelClosed(f"a frame of {size} bytes is over the channel's {MAX_FRAME}")
+    return request_id, kind, await reader.readexactly(size) if size else b""
+
+
+class ChannelServer:
+    """The replica's end: runs `handler(task)` for each chat that arrives and streams its events back."""
+
+    def __init__(self, handler: Handler, host: str, max_ongoing: int = 64) -> None:
+        """`max_ongoing`: chats the handler runs at once; later ones wait here (as Serve queues beyond the
+        deployment's `max_ongoing_requests`)."""
+        self._handler, self._host = handler, host
+        self._token = secrets.token_bytes(32)
+        self._server: asyncio.Server | None = None
+        self._slots = asyncio.Semaphore(max_ongoing)
+        self.ongoing = 0  # chats running now, over every connection
+
+    async def start(self) -> ChannelAddress:
+        self._server = await asyncio.start_server(self._serve, self._host, 0)
+        return self.address
+
+    @property
+    def address(self) -> ChannelAddress:
+        if self._server is None:
+            raise RuntimeError("the channel server has not started")
+        return ChannelAddress(self._host, self._server.sockets[0].getsockname()[1], self._token)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        chats: dict[int, asyncio.Task] = {}
+        try:
+            _, kind, token = await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S)
+            if kind != HELLO or not hmac.compare_digest(token, self._token):
+                log.warning("chat channel: a connection without the token was closed")
+                return
+            while True:
+                request_id, kind, payload = await _read_frame(reader)
+                if kind == TASK and request_id not in chats:
+                    chat = asyncio.create_task(self._run(request_id, pickle.loads(payload), writer))
+                    chats[request_id] = chat
+                    chat.add_done_callback(lambda _, rid=request_id: chats.pop(rid, None))
+                elif kind == CANCEL and request_id in chats:
+                    chats[request_id].cancel()
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
+            pass  # the ingress went away (or never said hello): its chats end below
+        except Exception:  # noqa: BLE001 - a frame that does not unpickle: this connection is not ours to serve
+            log.warning("chat channel: closing a connection that sent a bad frame", exc_info=True)
+        finally:
+            for chat in list(chats.values()):
+                chat.cancel()
+            writer.close()
+
+    async def _run(self, request_id: int, task: Any, writer: asyncio.StreamWriter) -> None:
+        async with self._slots:
+            await self._answer(request_id, task, writer)
+
+    async def _answer(self, request_id: int, task: Any, writer: asyncio.StreamWriter) -> None:
+        self.ongoing += 1
+        try:
+            try:
+                async for event in self._handler(task):
+                    writer.write(_frame(request_id, EVENT, pickle.dumps(event, protocol=5)))
+                    await writer.drain()
+            except ConnectionError:
+                return  # the ingress went away; cancelling (its client left) ends the task as cancelled
+            except Exception:  # noqa: BLE001 - the chat's own fault: it ends with an error event, the rest go on
+                log.exception("chat %d over the channel failed", request_id)
+                error = {"error": {"status": 500, "message": "the model replica failed this request"}}
+                writer.write(_frame(request_id, EVENT, pickle.dumps(error, protocol=5)))
+            writer.write(_frame(request_id, END))
+        finally:
+            self.ongoing -= 1
+
+
+class _End:
+    """Put on a chat's queue when the replica has sent its last event."""
+
+
+class ChannelClient:
+    """The ingress's end of one connection to one replica: `chat(task)` streams that chat's events."""
+
+    def __init__(self, address: ChannelAddress) -> None:
+        self.address = address
+        self._ids = itertools.count(1)
+        self._chats: dict[int, asyncio.Queue] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task | None = None
+        self._connecting = asyncio.Lock()
+        self.closed = False
+
+    async def chat(self, task: Any) -> AsyncIterator[dict[str, Any]]:
+        """The chat's events; `ChannelClosed` if the connection breaks first. Closing the iterator early (the
+        caller's client left) cancels the chat on the replica."""
+        writer = await self._connected()
+        request_id = next(self._ids) & 0xFFFFFFFF
+        queue: asyncio.Queue = asyncio.Queue()
+        self._chats[request_id] = queue
+        ended = False
+        try:
+            if self.closed:  # broke while this chat waited for the connection
+                raise ChannelClosed(f"the channel to {self.address.host}:{self.address.port} is closed")
+            writer.write(_frame(request_id, TASK, pickle.dumps(task, protocol=5)))
+            while True:
+                item = await queue.get()
+                if isinstance(item, _End):
+                    ended = True
+                    return
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                yield item
+        finally:
+            self._chats.pop(request_id, None)
+            if not ended and not self.closed:
+                writer.write(_frame(request_id, CANCEL))
+
+    async def _connected(self) -> asyncio.StreamWriter:
+        async with self._connecting:
+            if self.closed:
+                raise ChannelClosed(f"the channel to {self.address.host}:{self.address.port} is closed")
+            if self._writer is None:
+                try:
+                    reader, writer = await asyncio.open_connection(self.address.host, self.address.port)
+                except OSError as exc:
+                    self.closed = True
+                    raise ChannelClosed(f"cannot reach {self.address.host}:{self.address.port}: {exc}") from exc
+                writer.write(_frame(0, HELLO, self.address.token))
+                self._writer = writer
+                self._reading = asyncio.create_task(self._read(reader))
+            return self._writer
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        why: BaseException = ChannelClosed(f"the replica at {self.address.host}:{self.address.port} closed")
+        try:
+            while True:
+                request_id, kind, payload = await _read_frame(reader)
+                queue = self._chats.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(pickle.loads(payload) if kind == EVENT else _End())
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            if isinstance(exc, ChannelClosed):
+                why = exc
+        finally:
+            self._close(why)
+
+    def _close(self, why: BaseException) -> None:
+        self.closed = True
+        for queue in self._chats.values():
+            queue.put_nowait(ChannelClosed(str(why)))
+        if self._writer is not None:
+            self._writer.close()
+
+    def close(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
+        self._close(ChannelClosed("closed by the ingress"))
+
+
+class ChannelPool:
+    """One client per replica address, made on first use and replaced once its connection has broken."""
+
+    def __init__(self) -> None:
+        self._clients: dict[ChannelAddress, ChannelClient] = {}
+
+    def client(self, address: ChannelAddress) -> ChannelClient:
+        client = self._clients.get(address)
+        if client is None or client.closed:
+            client = self._clients[address] = ChannelClient(address)
+        return client
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()

@@ -1,0 +1,244 @@
+"""The chat channel carries many chats on one connection, each with its own events in order; it refuses a peer
+without the token, cancels a chat its reader left, and ends every chat of a broken connection with `ChannelClosed`."""
+
+import asyncio
+import struct
+from types import SimpleNamespace
+
+import pytest
+
+from deployments.chat_channel import (
+    HELLO,
+    MAX_FRAME,
+    TASK,
+    ChannelAddress,
+    ChannelClosed,
+    ChannelPool,
+    ChannelServer,
+)
+from deployments.chat_task import ChatTask
+
+
+def _task(tenant: str, question: str) -> ChatTask:
+    return ChatTask(tenant, 1, (("user", question),))
+
+
+async def _echo(task: ChatTask):
+    """Three events that name their chat, with a yield to the loop between them (so chats interleave)."""
+    for i in range(3):
+        await asyncio.sleep(0.001)
+        yield {"delta": f"{task.question()}-{i}"}
+    yield {"done": True, "tenant": task.tenant_id}
+
+
+async def _collect(events) -> list[dict]:
+    return [event async for event in events]
+
+
+def test_concurrent_chats_share_one_connection_and_keep_their_own_events():
+    async def main():
+        server = ChannelServer(_echo, "127.0.0.1")
+        address = await server.start()
+        pool = ChannelPool()
+        client = pool.client(address)
+        got = await asyncio.gather(*(_collect(client.chat(_task(f"t{i}", f"q{i}"))) for i in range(20)))
+        same = pool.client(address) is client
+        pool.close()
+        server.close()
+        return got, same, server.ongoing
+
+    got, same, ongoing = asyncio.run(main())
+    for i, events in enumerate(got):
+        assert events == [
+            {"delta": f"q{i}-0"},
+            {"delta": f"q{i}-1"},
+            {"delta": f"q{i}-2"},
+            {"done": True, "tenant": f"t{i}"},
+        ]
+    assert same and ongoing == 0
+
+
+def test_a_peer_without_the_token_is_closed_before_anything_is_unpickled():
+    ran = []
+
+    async def handler(task):
+        ran.append(task)
+        yield {"done": True}
+
+    async def main():
+        server = ChannelServer(handler, "127.0.0.1")
+        address = await server.start()
+        wrong = ChannelAddress(address.host, address.port, b"x" * 32)
+        with pytest.raises(ChannelClosed):
+            await _collect(ChannelPool().client(wrong).chat(_task("t", "q")))
+        server.close()
+
+    asyncio.run(main())
+    assert ran == []
+
+
+def test_a_chat_whose_reader_leaves_is_cancelled_on_the_replica():
+    async def main():
+        seen = asyncio.Event()
+
+        async def slow(task):
+            yield {"delta": "first"}
+            try:
+                await asyncio.sleep(60 if task.question() == "q" else 0)
+            except asyncio.CancelledError:
+                seen.set()
+                raise
+            yield {"done": True}
+
+        server = ChannelServer(slow, "127.0.0.1")
+        client = ChannelPool().client(await server.start())
+        events = client.chat(_task("t", "q"))
+        first = await events.__anext__()
+        await events.aclose()  # the HTTP client left
+        await asyncio.wait_for(seen.wait(), 5)
+        after = await _collect(client.chat(_task("t", "again")))  # the connection still serves
+        server.close()
+        return first, server.ongoing, after
+
+    first, ongoing, after = asyncio.run(main())
+    assert first == {"delta": "first"} and ongoing == 0
+    assert after == [{"delta": "first"}, {"done": True}]
+
+
+def test_a_broken_connection_ends_its_chats_with_channel_closed_and_the_pool_reconnects():
+    async def main():
+        connections = []
+
+        async def hang(task):
+            yield {"delta": "started"}
+            await asyncio.sleep(60)
+
+        server = ChannelServer(hang, "127.0.0.1")
+        original = server._serve
+
+        async def tracked(reader, writer):  # keeps the replica's end of each connection, to break one
+            connections.append(writer)
+            await original(reader, writer)
+
+        server._serve = tracked  # type: ignore[method-assign]
+        address = await server.start()
+        pool = ChannelPool()
+        events = pool.client(address).chat(_task("t", "q"))
+        assert await events.__anext__() == {"delta": "started"}
+        connections[0].transport.abort()  # the replica's end dies
+        with pytest.raises(ChannelClosed):
+            await events.__anext__()
+        fresh = pool.client(address)
+        first = await fresh.chat(_task("t", "q")).__anext__()
+        server.close()
+        return first, len(connections)
+
+    first, connections = asyncio.run(main())
+    assert first == {"delta": "started"} and connections == 2
+
+
+def test_a_failing_chat_ends_with_an_error_event_and_the_next_one_is_served():
+    async def flaky(task):
+        if task.question() == "boom":
+            raise RuntimeError("engine fault")
+        yield {"done": True}
+
+    async def main():
+        server = ChannelServer(flaky, "127.0.0.1")
+        client = ChannelPool().client(await server.start())
+        failed = await _collect(client.chat(_task("t", "boom")))
+        served = await _collect(client.chat(_task("t", "fine")))
+        server.close()
+        return failed, served
+
+    failed, served = asyncio.run(main())
+    assert failed == [{"error": {"status": 500, "message": "the model replica failed this request"}}]
+    assert served == [{"done": True}]
+
+
+def test_a_frame_over_the_limit_closes_the_connection():
+    async def main():
+        server = ChannelServer(_echo, "127.0.0.1")
+        address = await server.start()
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(struct.pack("<IIB", len(address.token), 0, HELLO) + address.token)
+        writer.write(struct.pack("<IIB", MAX_FRAME + 1, 1, TASK))
+        closed = await asyncio.wait_for(reader.read(), 5)  # b"" once the server closed its end
+        server.close()
+        return closed
+
+    assert asyncio.run(main()) == b""
+
+
+def test_the_replica_runs_at_most_its_share_of_chats_at_once_and_queues_the_rest():
+    async def main():
+        peak, running = [0], [0]
+
+        async def counted(task):
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            await asyncio.sleep(0.01)
+            running[0] -= 1
+            yield {"done": True}
+
+        server = ChannelServer(counted, "127.0.0.1", max_ongoing=2)
+        client = ChannelPool().client(await server.start())
+        done = await asyncio.gather(*(_collect(client.chat(_task("t", f"q{i}"))) for i in range(7)))
+        server.close()
+        return peak[0], done
+
+    peak, done = asyncio.run(main())
+    assert peak == 2 and done == [[{"done": True}]] * 7
+
+
+class _ChannelHandle:
+    """A deployment handle whose `channel.remote(tenant_id=...)` names a live channel server, and counts asks."""
+
+    handle_options = SimpleNamespace(_by_reference=False)
+
+    def __init__(self, address):
+        self.address, self.asked, self.channel = address, [], self
+
+    def options(self, stream=False, **transport):
+        return self
+
+    def remote(self, tenant_id):
+        self.asked.append(tenant_id)
+
+        async def answer():
+            return self.address
+
+        return answer()
+
+
+def test_the_ingress_asks_serve_once_for_a_tenants_replica_and_again_after_its_connection_broke():
+    from deployments.ray_serve.ingress import ServeLLMBackend
+
+    async def main():
+        connections = []
+        server = ChannelServer(_echo, "127.0.0.1")
+        original = server._serve
+
+        async def tracked(reader, writer):
+            connections.append(writer)
+            await original(reader, writer)
+
+        server._serve = tracked  # type: ignore[method-assign]
+        handle = _ChannelHandle(await server.start())
+        backend = ServeLLMBackend(handle, channel_ttl_s=60.0)
+        first = [e async for e in backend.chat(_task("t1", "a"))]
+        again = [e async for e in backend.chat(_task("t1", "b"))]
+        asked_before = list(handle.asked)
+        broken = backend.chat(_task("t1", "c"))
+        assert await broken.__anext__() == {"delta": "c-0"}
+        connections[0].transport.abort()
+        ended = [e async for e in broken]
+        after = [e async for e in backend.chat(_task("t1", "d"))]
+        server.close()
+        return first, again, asked_before, ended, after, handle.asked, backend.transports
+
+    first, again, asked_before, ended, after, asked, transports = asyncio.run(main())
+    assert first[-1] == again[-1] == {"done": True, "tenant": "t1"} and asked_before == ["t1"]
+    assert ended[-1]["error"]["status"] == 503 and "retry" in ended[-1]["error"]["message"]
+    assert after[-1] == {"done": True, "tenant": "t1"} and asked == ["t1", "t1"]  # asked again after the break
+    assert "channel" in transports
