@@ -127,11 +127,14 @@ class IngressArgs(Strict):
         "auto",
         description="How a chat reaches its LLM replica: `channel`, the replica's own socket (no Serve code on "
         "either side: ~1 ms less a chat, and a quarter of the replica's CPU for it), its replica chosen through Serve's "
-        "tenant-affinity router and kept `channel_route_ttl_s`; `serve`, Serve's handle (its autoscaling and "
+        "tenant-affinity router (asked again past `channel_route_ttl_s`); `serve`, Serve's handle (its autoscaling and "
         "spill count only the requests it routes); `auto`: `channel` unless the LLM deployment autoscales.",
     )
     channel_route_ttl_s: float = Field(
-        5.0, gt=0, description="How long the ingress keeps the replica chosen for a tenant's chats over the channel."
+        5.0,
+        gt=0,
+        description="Age after which the replica chosen for a tenant's chats over the channel is asked for again "
+        "(beside the chat, which goes where the older answer says).",
     )
 
 

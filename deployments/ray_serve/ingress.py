@@ -44,24 +44,38 @@ REPLICA_GONE = (RayActorError, BackPressureError, DeploymentUnavailableError, Re
 
 class ChannelRoutes:
     """Which LLM replica's channel a tenant's chats go to: asked of Serve (its tenant-affinity router picks the
-    replica, as for a handle call) and kept `ttl_s`, so that a replica added takes its tenants within that time;
-    forgotten at once when the connection to it breaks."""
+    replica, as for a handle call). Only a tenant's first chat waits for the answer: one older than `ttl_s` is still
+    used while a new one is asked for beside it (a tenant chatting every few seconds never waits), so a replica
+    added takes its tenants from their first chat after `ttl_s`; a route to a replica whose connection broke is
+    forgotten at once."""
 
     def __init__(self, handle: DeploymentHandle, ttl_s: float) -> None:
         self._handle, self._ttl_s = handle, ttl_s
         self._routes: dict[str, tuple[ChannelAddress, float]] = {}
+        self._refreshing: dict[str, asyncio.Task] = {}
 
     async def address(self, tenant_id: str) -> ChannelAddress:
         known = self._routes.get(tenant_id)
-        now = time.monotonic()
-        if known is not None and known[1] > now:
-            return known[0]
-        address = await self._handle.channel.remote(tenant_id=tenant_id)
-        self._routes[tenant_id] = (address, now + self._ttl_s)
-        return address
+        if known is None:
+            return await self._ask(tenant_id)
+        if known[1] <= time.monotonic() and tenant_id not in self._refreshing:
+            refresh = asyncio.ensure_future(self._ask(tenant_id))
+            self._refreshing[tenant_id] = refresh
+            refresh.add_done_callback(lambda done: self._refreshed(tenant_id, done))
+        return known[0]
 
     def forget(self, address: ChannelAddress) -> None:
         self._routes = {tenant: route for tenant, route in self._routes.items() if route[0] != address}
+
+    async def _ask(self, tenant_id: str) -> ChannelAddress:
+        address = await self._handle.channel.remote(tenant_id=tenant_id)
+        self._routes[tenant_id] = (address, time.monotonic() + self._ttl_s)
+        return address
+
+    def _refreshed(self, tenant_id: str, done: asyncio.Task) -> None:
+        self._refreshing.pop(tenant_id, None)
+        if not done.cancelled() and done.exception() is not None:  # the route in hand stays; the next chat asks again
+            log.warning("asking for tenant %s's LLM replica failed: %s", tenant_id, type(done.exception()).__name__)
 
 
 class ServeLLMBackend:

@@ -242,3 +242,33 @@ def test_the_ingress_asks_serve_once_for_a_tenants_replica_and_again_after_its_c
     assert ended[-1]["error"]["status"] == 503 and "retry" in ended[-1]["error"]["message"]
     assert after[-1] == {"done": True, "tenant": "t1"} and asked == ["t1", "t1"]  # asked again after the break
     assert "channel" in transports
+
+
+def test_a_tenants_route_past_its_time_is_used_while_a_new_one_is_asked_for_beside_the_chat():
+    from deployments.ray_serve.ingress import ChannelRoutes
+
+    class SlowHandle(_ChannelHandle):
+        def remote(self, tenant_id):
+            self.asked.append(tenant_id)
+
+            async def answer():
+                await asyncio.sleep(0.3)  # Serve answers slowly: no chat after the first may wait for it
+                return self.address
+
+            return answer()
+
+    async def main():
+        server = ChannelServer(_echo, "127.0.0.1")
+        routes = ChannelRoutes(SlowHandle(await server.start()), ttl_s=0.2)
+        first = await routes.address("t")  # fresh for 0.2 s from the answer
+        await asyncio.sleep(0.3)  # the route is now past its time
+        started = asyncio.get_running_loop().time()
+        again = await routes.address("t")
+        waited = asyncio.get_running_loop().time() - started
+        await asyncio.sleep(0.35)  # the new answer arrives beside (0.3 s), fresh for 0.2 s
+        third = await routes.address("t")  # fresh again: no new question
+        server.close()
+        return first == again == third, waited, routes._handle.asked
+
+    same, waited, asked = asyncio.run(main())
+    assert same and waited < 0.05 and asked == ["t", "t"]
