@@ -16,6 +16,7 @@ CPU a chat on the LLM replica's event loop, the loop that bounds the cluster's Q
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import logging
@@ -116,11 +117,12 @@ class ChannelServer:
         self.ongoing += 1
         try:
             try:
-                async for event in self._handler(task):
-                    writer.write(_frame(request_id, EVENT, pickle.dumps(event, protocol=5)))
-                    await writer.drain()
+                async with contextlib.aclosing(self._handler(task)) as events:  # a chat left early ends at once
+                    async for event in events:
+                        writer.write(_frame(request_id, EVENT, pickle.dumps(event, protocol=5)))
+                        await writer.drain()
             except ConnectionError:
-                return  # the ingress went away; cancelling (its client left) ends the task as cancelled
+                return  # the ingress went away: no one reads this chat's events
             except Exception:  # noqa: BLE001 - the chat's own fault: it ends with an error event, the rest go on
                 log.exception("chat %d over the channel failed", request_id)
                 error = {"error": {"status": 500, "message": "the model replica failed this request"}}
