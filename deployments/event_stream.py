@@ -4,8 +4,8 @@ Each body message an ASGI app sends is one write to the socket (a system call, a
 relay and for the client to wake up on). Starlette's `StreamingResponse` ends every response with an empty message
 of its own after the last chunk: for a one-token chat that is a fifth write, after the headers, the token, the
 finish chunk and `[DONE]`. Here the piece that ends with `[DONE]` ends the response in its own write, and the
-caller (`http_api._sse`) joins the pieces that are known together (the token that rides on the done event, the
-finish chunk, the usage, `[DONE]`): a one-token chat is the headers and one write.
+caller (`http_api._sse`) joins what follows the last token (the finish chunk, the usage, `[DONE]`) into that one
+piece: a one-token chat is the headers, the token (written at once) and one write for the rest.
 """
 
 from __future__ import annotations

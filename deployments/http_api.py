@@ -543,27 +543,18 @@ async def _sse(
             body["usage"] = usage
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
 
-    ttft_ms, final, sent, offset, held = None, None, False, 0, b""
+    ttft_ms, final, sent, offset = None, None, False, 0
     async for event in _chain(first, events):
-        piece = b""
         if "delta" in event:
             ttft_ms = ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000
-            piece = chunk(shape.piece(event["delta"], not sent, shape.logprobs(event.get("logprobs"), offset)))
+            yield chunk(shape.piece(event["delta"], not sent, shape.logprobs(event.get("logprobs"), offset)))
             offset += len(event["delta"])
             sent = True
-        if "error" in event and not event.get("done"):
-            yield (
-                piece
-                + f"data: {json.dumps({'error': {'code': 'engine_error', 'message': event['error']['message']}})}\n\n".encode()
-            )
-            return
-        if event.get("done"):  # it may carry the last delta too: sent with the tail, when nothing delays the tail
+        if event.get("done"):  # it may carry the last delta too
             final = event
-            if prepared.tiers is None or prepared.tiers.done():
-                held = piece
-                continue
-        if piece:
-            yield piece
+        elif "error" in event:
+            yield f"data: {json.dumps({'error': {'code': 'engine_error', 'message': event['error']['message']}})}\n\n".encode()
+            return
     usage = _usage(
         final,
         prepared,
@@ -572,4 +563,4 @@ async def _sse(
     )
     gateway.observe_usage(usage, mode)
     tail = chunk(shape.last(sent), (final or {}).get("finish_reason", "stop"))
-    yield held + tail + (chunk(None, usage=usage) if include_usage else b"") + DONE  # one write ends the response
+    yield tail + (chunk(None, usage=usage) if include_usage else b"") + DONE  # one write ends the response

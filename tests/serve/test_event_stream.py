@@ -39,8 +39,9 @@ def test_a_stream_that_ends_without_done_still_ends():
     assert [(m["body"], m["more_body"]) for m in sent[1:]] == [(b'data: {"error": "engine"}\n\n', True), (b"", False)]
 
 
-def test_a_token_that_rides_on_the_done_event_goes_out_with_the_whole_tail():
-    """A one-token chat's events are known at once: the token, the finish chunk, the usage and DONE, one piece."""
+def test_the_first_token_goes_out_at_once_and_the_whole_tail_in_one_piece():
+    """A one-token chat: its token as soon as it is known (nothing before it), then the finish chunk, the usage
+    and DONE together."""
     import json
     from types import SimpleNamespace
 
@@ -59,10 +60,10 @@ def test_a_token_that_rides_on_the_done_event_goes_out_with_the_whole_tail():
         base = {"id": "chatcmpl-1", "created": 0, "model": "m"}
         return [p async for p in _sse(gateway, first, nothing_more(), base, 0.0, prepared, True, "inject", CHAT)]
 
-    got = asyncio.run(pieces())
-    assert len(got) == 1 and got[0].endswith(DONE)
-    events = [
-        json.loads(line[len("data: ") :]) for line in got[0].decode().split("\n\n") if line and "[DONE]" not in line
-    ]
-    assert events[0]["choices"][0]["delta"]["content"] == "Hello"
-    assert events[1]["choices"][0]["finish_reason"] == "length" and events[2]["usage"]["prompt_tokens"] == 3
+    def events(piece: bytes) -> list[dict]:
+        return [json.loads(e[len("data: ") :]) for e in piece.decode().split("\n\n") if e and "[DONE]" not in e]
+
+    token, tail = asyncio.run(pieces())
+    assert [e["choices"][0]["delta"]["content"] for e in events(token)] == ["Hello"]
+    assert tail.endswith(DONE) and len(events(tail)) == 2
+    assert events(tail)[0]["choices"][0]["finish_reason"] == "length" and events(tail)[1]["usage"]["prompt_tokens"] == 3
