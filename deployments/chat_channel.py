@@ -70,6 +70,7 @@ class ChannelServer:
         self._server: asyncio.Server | None = None
         self._slots = asyncio.Semaphore(max_ongoing)
         self.ongoing = 0  # chats running now, over every connection
+        self.in_flight = 0  # chats running or waiting for a slot: the replica's load as the router reads it
 
     async def start(self) -> ChannelAddress:
         self._server = await asyncio.start_server(self._serve, self._host, 0)
@@ -110,8 +111,12 @@ class ChannelServer:
             writer.close()
 
     async def _run(self, request_id: int, task: Any, writer: asyncio.StreamWriter) -> None:
-        async with self._slots:
-            await self._answer(request_id, task, writer)
+        self.in_flight += 1
+        try:
+            async with self._slots:
+                await self._answer(request_id, task, writer)
+        finally:
+            self.in_flight -= 1
 
     async def _answer(self, request_id: int, task: Any, writer: asyncio.StreamWriter) -> None:
         self.ongoing += 1

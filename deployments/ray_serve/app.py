@@ -23,7 +23,9 @@ def build_app(args: dict[str, Any]) -> Application:
         "max_ongoing_requests": parsed.llm.max_ongoing_requests,
         "ray_actor_options": parsed.llm.ray_actor_options,
         "request_router_config": RequestRouterConfig(
-            request_router_class=ROUTER_CLASS, request_router_kwargs={"spill_queue_gap": parsed.llm.spill_queue_gap}
+            request_router_class=ROUTER_CLASS,
+            request_router_kwargs={"spill_queue_gap": parsed.llm.spill_queue_gap},
+            request_routing_stats_period_s=1.0,  # the channel's chats (LLMServer.record_routing_stats), fresh
         ),
         "health_check_period_s": 10,
         "health_check_timeout_s": 60,

@@ -22,6 +22,7 @@ from deployments.app_args import AppArgs
 from deployments.chat_channel import ChannelAddress, ChannelServer
 from deployments.chat_task import ChatTask
 from deployments.ray_serve.loopback import bind_replica_grpc_to_node
+from deployments.ray_serve.router import CHANNEL_CHATS
 from deployments.vllm_adapter.async_engine import MemoryEngine
 from kvcore.errors import KVCoreError
 from models.loader import checkpoint_fingerprint, model_path
@@ -100,6 +101,12 @@ class LLMServer:
         """Where this replica's chat channel listens (asked through Serve, so the tenant-affinity router picks the
         replica that serves `tenant_id`, and the token travels on Ray's own connections)."""
         return self._channel.address
+
+    def record_routing_stats(self) -> dict[str, int]:
+        """The chats this replica's channel holds (running or queued), which Serve's own queue length does not
+        count: the tenant-affinity router adds them when it weighs a tenant's home against the others."""
+        channel = getattr(self, "_channel", None)  # None until the replica has started
+        return {CHANNEL_CHATS: channel.in_flight if channel is not None else 0}
 
     async def encode(self, request: dict[str, Any]) -> dict[str, str]:
         """Encode a tenant's facts with this replica's engine and attach their K/V (the caller's key opens the tenant)."""

@@ -3,7 +3,8 @@
 Each tenant has a home replica chosen by rendezvous hashing over the live replicas (so adding or losing
 a replica moves only the tenants it gains or held) and the rest ranked the same way. The home replica
 is tried first unless its queue exceeds the least loaded replica's by more than `spill_queue_gap`
-requests; then the least loaded goes first. A full replica makes Serve move on to the next rank.
+requests; then the least loaded goes first. A full replica makes Serve move on to the next rank. A replica's
+queue counts the chats its own channel holds too (its routing stats, at most a second old).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, List, Optional, Sequence
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 log = logging.getLogger(__name__)
+CHANNEL_CHATS = "channel_chats"  # the routing stat an LLM replica reports: chats its own channel holds
 
 
 def tenant_of(args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
@@ -35,6 +37,15 @@ def rendezvous_order(key: str, replica_ids: Sequence[str]) -> list[str]:
         return hashlib.blake2b(f"{replica_id}\x00{key}".encode(), digest_size=8).digest()
 
     return sorted(replica_ids, key=weight, reverse=True)
+
+
+def replica_load(queue_len: int | None, routing_stats: dict[str, Any] | None) -> int | None:
+    """A replica's requests as the router weighs them: Serve's queue (the calls it routed) plus the chats the
+    replica's own channel holds (`LLMServer.record_routing_stats`); None while neither is known."""
+    channel = (routing_stats or {}).get(CHANNEL_CHATS)
+    if queue_len is None and channel is None:
+        return None
+    return (queue_len or 0) + int(channel or 0)
 
 
 def rank_with_spill(order: Sequence[str], queue_len: dict[str, int | None], gap: int) -> list[str]:
@@ -73,4 +84,6 @@ class TenantAffinityRouter(RequestRouter):
         return [[by_id[r]] for r in order]
 
     def _queue_len(self, replica: RunningReplica) -> int | None:
-        return self._replica_queue_len_cache.get(replica.replica_id)
+        return replica_load(
+            self._replica_queue_len_cache.get(replica.replica_id), getattr(replica, "routing_stats", None)
+        )
