@@ -5,10 +5,14 @@ Ray Serve's streamed handle call (over gRPC in high-throughput mode) costs a cha
 CPU a chat on the LLM replica's event loop, the loop that bounds the cluster's QPS. Here one connection per
 (ingress replica, LLM replica) carries many chats at once: a frame is (length, request id, kind) and a pickle.
 
-- The connection opens with the replica's token (random, handed out through Serve, the trusted path): nothing is
-  unpickled from a peer that has not shown it.
-- A chat the ingress stops reading (its client left) is cancelled on the replica; a connection that breaks ends
-  every chat on it with `ChannelClosed` (the ingress answers a retryable 503, as for a replica that dies).
+- The connection opens with the replica's token (random, handed out through Serve, the trusted path): the replica
+  reads nothing but that token's 32 bytes, and unpickles nothing, from a peer that has not shown it. The ingress
+  trusts the address Serve gave it, as it trusts Serve.
+- A chat the ingress stops reading (its client left) is cancelled on the replica; a connection that breaks, or
+  goes silent (TCP keepalive, ~25 s), ends every chat on it with `ChannelClosed` (the ingress answers a retryable
+  503, as for a replica that dies).
+- A replica that stops (`ChannelServer.drain`) starts no new chat (each is refused at once, so the ingress asks
+  Serve for another replica), lets the running ones finish for a while, then closes its connections.
 - Pure asyncio: the Ray adapter (`ray_serve/llm_server.py`, `ray_serve/ingress.py`) says where the server listens
   and which replica a tenant's chats go to.
 """
@@ -22,16 +26,19 @@ import itertools
 import logging
 import pickle
 import secrets
+import socket
 import struct
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<IIB")  # payload length, request id, kind
-HELLO, TASK, CANCEL, EVENT, END = range(5)
+_HEADER = struct.Struct("<IQB")  # payload length, request id (64 bits: never reused on a connection), kind
+HELLO, TASK, CANCEL, EVENT, END, REFUSED = range(6)
 MAX_FRAME = 64 << 20  # a chat task carries texts, never K/V
+TOKEN_BYTES = 32
 HELLO_TIMEOUT_S = 5.0
+_KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))  # a silent peer is dead after ~25 s
 Handler = Callable[[Any], AsyncIterator[dict[str, Any]]]
 
 
@@ -52,11 +59,25 @@ def _frame(request_id: int, kind: int, payload: bytes = b"") -> bytes:
     return _HEADER.pack(len(payload), request_id, kind) + payload
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
+async def _read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> tuple[int, int, bytes]:
     size, request_id, kind = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if size > MAX_FRAME:
-        raise ChannelClosed(f"a frame of {size} bytes is over the channel's {MAX_FRAME}")
+    if size > limit:
+        raise ChannelClosed(f"a frame of {size} bytes is over the channel's {limit}")
     return request_id, kind, await reader.readexactly(size) if size else b""
+
+
+def _keep_alive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive on the connection, so a peer that vanished (a node lost, no FIN) is noticed."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in _KEEPALIVE:
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError as exc:  # a platform without these options: the OS's defaults apply
+        log.debug("chat channel: keepalive not set (%s)", exc)
 
 
 class ChannelServer:
@@ -69,6 +90,8 @@ class ChannelServer:
         self._token = secrets.token_bytes(32)
         self._server: asyncio.Server | None = None
         self._slots = asyncio.Semaphore(max_ongoing)
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._draining = False
         self.ongoing = 0  # chats running now, over every connection
         self.in_flight = 0  # chats running or waiting for a slot: the replica's load as the router reads it
 
@@ -83,19 +106,36 @@ class ChannelServer:
         return ChannelAddress(self._host, self._server.sockets[0].getsockname()[1], self._token)
 
     def close(self) -> None:
+        """Take no new connection (those open go on: `drain` ends them)."""
         if self._server is not None:
             self._server.close()
 
+    async def drain(self, timeout_s: float) -> None:
+        """Before the replica stops: refuse every new chat (the ingress asks Serve for another replica), give the
+        running ones up to `timeout_s` to finish, then close every connection (what is left ends with a 503)."""
+        self._draining = True
+        self.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for writer in list(self._writers):
+            writer.close()
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         chats: dict[int, asyncio.Task] = {}
+        self._writers.add(writer)
         try:
-            _, kind, token = await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S)
+            _, kind, token = await asyncio.wait_for(_read_frame(reader, TOKEN_BYTES), HELLO_TIMEOUT_S)
             if kind != HELLO or not hmac.compare_digest(token, self._token):
                 log.warning("chat channel: a connection without the token was closed")
                 return
+            _keep_alive(writer)
             while True:
                 request_id, kind, payload = await _read_frame(reader)
-                if kind == TASK and request_id not in chats:
+                if kind == TASK and self._draining:
+                    writer.write(_frame(request_id, REFUSED))
+                elif kind == TASK and request_id not in chats:
                     chat = asyncio.create_task(self._run(request_id, pickle.loads(payload), writer))
                     chats[request_id] = chat
                     chat.add_done_callback(lambda _, rid=request_id: chats.pop(rid, None))
@@ -106,6 +146,7 @@ class ChannelServer:
         except Exception:  # noqa: BLE001 - a frame that does not unpickle: this connection is not ours to serve
             log.warning("chat channel: closing a connection that sent a bad frame", exc_info=True)
         finally:
+            self._writers.discard(writer)
             for chat in list(chats.values()):
                 chat.cancel()
             writer.close()
@@ -157,7 +198,7 @@ class ChannelClient:
         """The chat's events; `ChannelClosed` if the connection breaks first. Closing the iterator early (the
         caller's client left) cancels the chat on the replica."""
         writer = await self._connected()
-        request_id = next(self._ids) & 0xFFFFFFFF
+        request_id = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._chats[request_id] = queue
         ended = False
@@ -190,21 +231,32 @@ class ChannelClient:
                     self.closed = True
                     raise ChannelClosed(f"cannot reach {self.address.host}:{self.address.port}: {exc}") from exc
                 writer.write(_frame(0, HELLO, self.address.token))
+                _keep_alive(writer)
                 self._writer = writer
                 self._reading = asyncio.create_task(self._read(reader))
             return self._writer
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        why: BaseException = ChannelClosed(f"the replica at {self.address.host}:{self.address.port} closed")
+        where = f"{self.address.host}:{self.address.port}"
+        why: BaseException = ChannelClosed(f"the replica at {where} closed")
         try:
             while True:
                 request_id, kind, payload = await _read_frame(reader)
                 queue = self._chats.get(request_id)
-                if queue is not None:
-                    queue.put_nowait(pickle.loads(payload) if kind == EVENT else _End())
+                if queue is None:
+                    continue
+                if kind == EVENT:
+                    queue.put_nowait(pickle.loads(payload))
+                elif kind == END:
+                    queue.put_nowait(_End())
+                elif kind == REFUSED:
+                    queue.put_nowait(ChannelClosed(f"the replica at {where} is stopping"))
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if isinstance(exc, ChannelClosed):
                 why = exc
+        except Exception as exc:  # noqa: BLE001 - an event that does not unpickle here: every chat on it ends
+            log.exception("chat channel: a bad frame from %s; closing the connection", where)
+            why = ChannelClosed(f"a bad frame from the replica at {where}: {exc!r}")
         finally:
             self._close(why)
 
@@ -230,6 +282,7 @@ class ChannelPool:
     def client(self, address: ChannelAddress) -> ChannelClient:
         client = self._clients.get(address)
         if client is None or client.closed:
+            self._clients = {a: c for a, c in self._clients.items() if not c.closed}  # replicas gone stay gone
             client = self._clients[address] = ChannelClient(address)
         return client
 

@@ -101,18 +101,24 @@ class ServeLLMBackend:
         is being replaced), rather than waiting for the replacement."""
         address: ChannelAddress | None = None
         events: AsyncIterator[dict[str, Any]] | None = None
-        try:
+
+        async def first_event() -> dict[str, Any]:  # the replica's choice and its first event, under one deadline
+            nonlocal address, events
             if self._routes is not None:
-                address = await self._routes.address(task.tenant_id)
+                address = await self._routes.address(task.tenant_id)  # waits while no replica runs
                 events = self._channels.client(address).chat(task)
             else:
                 events = self._stream.chat.remote(task)
+            return await events.__anext__()
+
+        try:
             try:
-                first = await asyncio.wait_for(events.__anext__(), self._first_event_timeout_s)
+                first = await asyncio.wait_for(first_event(), self._first_event_timeout_s)
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
-                await _cancel(events)
+                if events is not None:
+                    await _cancel(events)
                 log.warning("no model replica started a chat within %.0f s", self._first_event_timeout_s)
                 yield {
                     "error": {
@@ -133,6 +139,10 @@ class ServeLLMBackend:
         finally:
             if events is not None and hasattr(events, "aclose"):  # the channel's: a chat left early is cancelled there
                 await events.aclose()
+
+    def close(self) -> None:
+        """Close the connections to the replicas' channels (the ingress replica stops)."""
+        self._channels.close()
 
     async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]:
         return await self._handle.encode.remote({"api_key": api_key, "tenant_id": tenant_id, "facts": facts})
@@ -214,6 +224,7 @@ class Ingress:
             log.warning("admin key created (shown once; keep it, set INFERSCALE_ADMIN_KEY): %s", created)
         channel_ttl_s = self.args.ingress.channel_route_ttl_s if self.args.chat_over_channel else None
         backend, metrics = ServeLLMBackend(llm, self.args.ingress.first_event_timeout_s, channel_ttl_s), Metrics()
+        self._llm_backend = backend
         for transport in backend.transports:
             metrics.llm_transport.labels(transport=transport).set(1)
         metrics.query_embedder_restarts.set_function(lambda: getattr(forwarder, "restarts", 0))
@@ -256,6 +267,9 @@ class Ingress:
         gateway = getattr(self, "gateway", None)
         if gateway is not None:
             gateway.queries.close()
+        backend = getattr(self, "_llm_backend", None)
+        if backend is not None:
+            backend.close()
 
     def __serve_build_asgi_app__(self):
         return create_app(self.gateway)

@@ -63,6 +63,7 @@ def build_engine(args: AppArgs) -> MemoryEngine:
 
 
 _OUT_OF_MEMORY = "the model replica is out of device memory for this request; retry later"
+CHANNEL_DRAIN_S = 15.0  # of the deployment's 20 s graceful shutdown: what the channel's running chats get to end
 
 
 class LLMServer:
@@ -150,10 +151,12 @@ class LLMServer:
     async def check_health(self) -> None:
         await self.engine.check_health()
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve's shutdown of this replica (after the requests Serve routed have ended): the channel's chats are
+        let finish first, new ones sent elsewhere, then the engine stops."""
         channel = getattr(self, "_channel", None)
         if channel is not None:
-            channel.close()
+            await channel.drain(CHANNEL_DRAIN_S)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -16,15 +16,19 @@ B32 differs from the exact B by at most γ_n·S, with S = Σ |r|·|x| over every
 each a - b is a 5-term chain plus the row's float32 rounding, min(·, 0) is monotone and 1-Lipschitz, the
 accumulation over the 2P terms adds γ_2P; n = 2P + 10 covers it all (γ_n = n·u / (1 - n·u), u = 2^-24). By
 Cauchy-Schwarz S <= ‖r_q‖·‖x_c‖, so max_q B <= max_q B32 + γ_n·R·X_c with R = max_q ‖r_q‖ and X_c = ‖x_c‖, both
-in float64 (the factor 1.01 covers the float64 additions' rounding). A result below float32's smallest normal may
-be flushed to zero on the GPU: n·2^-126 more covers that. No float32 overflow is assumed (keys and queries are
-nowhere near 3e38).
+in float64 (the factor 1.01 covers the float64 additions' rounding and the float64 kernel's own, ~1e-16 relative,
+so the result is at or above that kernel's bound too). On the GPU a value below float32's smallest normal may be
+flushed to zero: each of the ~12P operations of a (query, chunk) may then lose 2^-126, and a flushed input r or x
+loses at most 2^-126·|x| or 2^-126·|r| over its products, in all at most 2^-126·√(6P)·(‖r_q‖ + ‖x_c‖) (ℓ1 <= √m·ℓ2
+over the 6P products); the margin adds 2^-126·(12P + √(6P)·(R + X_c)). No float32 overflow is assumed (keys and
+queries are nowhere near 3e38).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -43,7 +47,7 @@ _LAUNCH = threading.Lock()  # questions are chosen in worker threads: one compil
 _SUMMARY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # widened exactly to float32 and float64
 _ACCUMULATORS = {"float64": (torch.float64, tl.float64), "float32": (torch.float32, tl.float32)}
 _FLOAT32_ULP = 2.0**-24  # u: float32's unit roundoff
-_FLOAT32_TINY = 2.0**-126  # float32's smallest normal: what a flush to zero may lose at one step
+_FLOAT32_TINY = 2.0**-126  # float32's smallest normal: what a flush to zero may lose of one value
 
 
 @triton.jit
@@ -179,15 +183,16 @@ class BoundsInputs:
 
     @cached_property
     def float32_margin(self) -> torch.Tensor:
-        """float64 `[LH, C]`: 1.01·γ_n·R·X_c + n·2^-126, what float32 sums may miss of the float64 bound (module
-        docstring)."""
+        """float64 `[LH, C]`: 1.01·(γ_n·R·X_c + 2^-126·(12P + √(6P)·(R + X_c))), what float32 sums may miss of the
+        float64 bound (module docstring)."""
         pairs = self.norm_rows.shape[1]
         n_ulps = (2 * pairs + 10) * _FLOAT32_ULP
         gamma = n_ulps / (1 - n_ulps)
         query_sq = _squares(self.rows, (1, 2)) + _squares(self.norm_rows, 1)  # [LH, Q]
         chunk_sq = _squares(self.high, 1) + _squares(self.low, 1) + 2 * _squares(self.norms, 1)  # [LH, C]
-        flushed = (2 * pairs + 10) * _FLOAT32_TINY
-        return 1.01 * gamma * query_sq.amax(-1).sqrt()[:, None] * chunk_sq.sqrt() + flushed
+        query_norm, chunk_norm = query_sq.amax(-1).sqrt()[:, None], chunk_sq.sqrt()
+        flushed = _FLOAT32_TINY * (12 * pairs + math.sqrt(6 * pairs) * (query_norm + chunk_norm))
+        return 1.01 * (gamma * query_norm * chunk_norm + flushed)
 
     def best(self, tiling: Tiling = Tiling(), accumulate: str = "float64") -> torch.Tensor:
         """float64 `[LH, C]`: each chunk's best bound over the queries, in one launch (summed in `accumulate`; the

@@ -161,8 +161,8 @@ def test_a_frame_over_the_limit_closes_the_connection():
         server = ChannelServer(_echo, "127.0.0.1")
         address = await server.start()
         reader, writer = await asyncio.open_connection(address.host, address.port)
-        writer.write(struct.pack("<IIB", len(address.token), 0, HELLO) + address.token)
-        writer.write(struct.pack("<IIB", MAX_FRAME + 1, 1, TASK))
+        writer.write(struct.pack("<IQB", len(address.token), 0, HELLO) + address.token)
+        writer.write(struct.pack("<IQB", MAX_FRAME + 1, 1, TASK))
         closed = await asyncio.wait_for(reader.read(), 5)  # b"" once the server closed its end
         server.close()
         return closed
@@ -272,3 +272,78 @@ def test_a_tenants_route_past_its_time_is_used_while_a_new_one_is_asked_for_besi
 
     same, waited, asked = asyncio.run(main())
     assert same and waited < 0.05 and asked == ["t", "t"]
+
+
+def test_a_hello_longer_than_a_token_is_closed_before_its_body_is_read():
+    async def main():
+        server = ChannelServer(_echo, "127.0.0.1")
+        address = await server.start()
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(struct.pack("<IQB", 1 << 30, 0, HELLO))  # "a 1 GiB token": refused on its header
+        closed = await asyncio.wait_for(reader.read(), 5)
+        server.close()
+        return closed
+
+    assert asyncio.run(main()) == b""
+
+
+def test_a_stopping_replica_finishes_its_chats_refuses_new_ones_and_closes():
+    async def main():
+        release = asyncio.Event()
+
+        async def held(task):
+            yield {"delta": "started"}
+            await release.wait()
+            yield {"done": True}
+
+        server = ChannelServer(held, "127.0.0.1")
+        client = ChannelPool().client(await server.start())
+        running = client.chat(_task("t", "running"))
+        assert await running.__anext__() == {"delta": "started"}
+        draining = asyncio.ensure_future(server.drain(timeout_s=5))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ChannelClosed, match="stopping"):
+            await _collect(client.chat(_task("t", "new")))  # refused at once, not after the drain
+        release.set()
+        rest = await _collect(running)
+        await draining
+        await asyncio.sleep(0.05)
+        return rest, client.closed, server.in_flight
+
+    rest, closed, in_flight = asyncio.run(main())
+    assert rest == [{"done": True}] and closed and in_flight == 0
+
+
+def test_both_ends_keep_the_connection_alive_so_a_silent_peer_is_noticed():
+    import socket
+
+    async def main():
+        server = ChannelServer(_echo, "127.0.0.1")
+        client = ChannelPool().client(await server.start())
+        await _collect(client.chat(_task("t", "q")))
+        sock = client._writer.get_extra_info("socket")
+        on = sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) if hasattr(socket, "TCP_KEEPIDLE") else 10
+        server.close()
+        return on, idle
+
+    on, idle = asyncio.run(main())
+    assert on and idle == 10
+
+
+def test_a_chat_waiting_for_serve_to_name_a_replica_is_a_503_after_the_first_event_timeout():
+    from deployments.ray_serve.ingress import ServeLLMBackend
+
+    class NoReplica(_ChannelHandle):
+        def remote(self, tenant_id):
+            self.asked.append(tenant_id)
+            return asyncio.sleep(60)  # no replica runs: Serve holds the call
+
+    async def main():
+        backend = ServeLLMBackend(NoReplica(None), first_event_timeout_s=0.2, channel_ttl_s=5.0)
+        started = asyncio.get_running_loop().time()
+        events = [e async for e in backend.chat(_task("t", "q"))]
+        return events, asyncio.get_running_loop().time() - started
+
+    events, waited = asyncio.run(main())
+    assert len(events) == 1 and events[0]["error"]["status"] == 503 and waited < 2
