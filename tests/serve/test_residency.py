@@ -13,11 +13,13 @@ def _residency(cluster, auth, fact_id):
     return found.json()
 
 
-def _wait(cluster, auth, fact_ids, kv, timeout_s=60):
+def _wait(cluster, auth, fact_ids, kv, timeout_s=60, uses=0):
+    """The facts' states once each is `kv` and counted `uses` times (counts reach Redis at the ingress's next flush,
+    which may come after a re-encode the count itself set off)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         states = [_residency(cluster, auth, i) for i in fact_ids]
-        if all(s["residency"]["kv"] == kv for s in states):
+        if all(s["residency"]["kv"] == kv and s["residency"].get("uses", 0) >= uses for s in states):
             return states
         time.sleep(0.2)
     raise AssertionError(f"facts not {kv} in time: {[s['residency'] for s in states]}")
@@ -50,7 +52,7 @@ def test_cold_facts_are_served_by_text_and_get_their_k_v_back_once_warm(cluster)
     assert usage["memory_tiers"] == {"text": 2}  # not where their dropped K/V last sat
     reencodes_before = _metric(cluster, "inferscale_kv_reencodes_total")
     assert cluster.chat(ivy, "Does Ivy have a cat?", memory={"k": 2}).status_code == 200  # the second use
-    for state in _wait(cluster, ivy, ids, "kept"):
+    for state in _wait(cluster, ivy, ids, "kept", uses=2):
         assert state["kv_ready"] and state["residency"]["uses"] >= 2 and state["residency"]["last_used"]
     assert _metric(cluster, "inferscale_kv_reencodes_total") >= reencodes_before + 2
     again = cluster.chat(ivy, "What is the name of Ivy's cat?", memory={"k": 2})
