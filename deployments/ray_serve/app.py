@@ -11,7 +11,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.app_args import AppArgs
 from deployments.ray_serve.ingress import Ingress
-from deployments.ray_serve.llm_server import LLMServer
+from deployments.ray_serve.llm_server import GRACEFUL_SHUTDOWN_S, LLMServer
 
 ROUTER_CLASS = "deployments.ray_serve.router.TenantAffinityRouter"
 
@@ -29,7 +29,7 @@ def build_app(args: dict[str, Any]) -> Application:
         ),
         "health_check_period_s": 10,
         "health_check_timeout_s": 60,
-        "graceful_shutdown_timeout_s": 20,
+        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
     }
     if parsed.llm.autoscaling_config is not None:
         llm_options["autoscaling_config"] = parsed.llm.autoscaling_config

@@ -117,8 +117,8 @@ class ServeLLMBackend:
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
-                if events is not None:
-                    await _cancel(events)
+                if hasattr(events, "cancel"):  # Serve's response generator; the channel's is closed below
+                    events.cancel()
                 log.warning("no model replica started a chat within %.0f s", self._first_event_timeout_s)
                 yield {
                     "error": {
@@ -153,14 +153,6 @@ class ServeLLMBackend:
         except REPLICA_GONE as exc:
             log.warning("history encoding ended by an unavailable model replica: %s", type(exc).__name__)
             return {"error": {"status": 503, "message": "the model replica became unavailable; retry the request"}}
-
-
-async def _cancel(events: Any) -> None:
-    """Stop a chat's events: Serve's response generator cancels; the channel's iterator closes (cancelling it there)."""
-    if hasattr(events, "aclose"):
-        await events.aclose()
-    else:
-        events.cancel()
 
 
 def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Callable[[dict], None]], dict]:

@@ -63,7 +63,8 @@ def build_engine(args: AppArgs) -> MemoryEngine:
 
 
 _OUT_OF_MEMORY = "the model replica is out of device memory for this request; retry later"
-CHANNEL_DRAIN_S = 15.0  # of the deployment's 20 s graceful shutdown: what the channel's running chats get to end
+GRACEFUL_SHUTDOWN_S = 20  # Serve's wait for a stopping replica (`build_app`)
+CHANNEL_DRAIN_S = GRACEFUL_SHUTDOWN_S - 5  # of it, what the channel's running chats get to end
 
 
 class LLMServer:

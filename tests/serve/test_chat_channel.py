@@ -35,6 +35,18 @@ async def _collect(events) -> list[dict]:
     return [event async for event in events]
 
 
+def _tracking(server: ChannelServer) -> list:
+    """The replica's end of each connection the server takes from now on, in order (to break one, to count them)."""
+    connections, serve = [], server._serve
+
+    async def tracked(reader, writer):
+        connections.append(writer)
+        await serve(reader, writer)
+
+    server._serve = tracked  # type: ignore[method-assign]
+    return connections
+
+
 def test_concurrent_chats_share_one_connection_and_keep_their_own_events():
     async def main():
         server = ChannelServer(_echo, "127.0.0.1")
@@ -107,20 +119,12 @@ def test_a_chat_whose_reader_leaves_is_cancelled_on_the_replica():
 
 def test_a_broken_connection_ends_its_chats_with_channel_closed_and_the_pool_reconnects():
     async def main():
-        connections = []
-
         async def hang(task):
             yield {"delta": "started"}
             await asyncio.sleep(60)
 
         server = ChannelServer(hang, "127.0.0.1")
-        original = server._serve
-
-        async def tracked(reader, writer):  # keeps the replica's end of each connection, to break one
-            connections.append(writer)
-            await original(reader, writer)
-
-        server._serve = tracked  # type: ignore[method-assign]
+        connections = _tracking(server)
         address = await server.start()
         pool = ChannelPool()
         events = pool.client(address).chat(_task("t", "q"))
@@ -215,15 +219,8 @@ def test_the_ingress_asks_serve_once_for_a_tenants_replica_and_again_after_its_c
     from deployments.ray_serve.ingress import ServeLLMBackend
 
     async def main():
-        connections = []
         server = ChannelServer(_echo, "127.0.0.1")
-        original = server._serve
-
-        async def tracked(reader, writer):
-            connections.append(writer)
-            await original(reader, writer)
-
-        server._serve = tracked  # type: ignore[method-assign]
+        connections = _tracking(server)
         handle = _ChannelHandle(await server.start())
         backend = ServeLLMBackend(handle, channel_ttl_s=60.0)
         first = [e async for e in backend.chat(_task("t1", "a"))]
