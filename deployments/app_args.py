@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from config.connector import DEFAULT_DEVICE_CACHE_BYTES, RecordDtype, TierConfig
 from deployments.memory_prompt import FactOrder
@@ -127,8 +127,8 @@ class IngressArgs(Strict):
         "auto",
         description="How a chat reaches its LLM replica: `channel`, the replica's own socket (no Serve code on "
         "either side: ~1 ms less a chat, and a quarter of the replica's CPU for it), its replica chosen through Serve's "
-        "tenant-affinity router (asked again past `channel_route_ttl_s`); `serve`, Serve's handle (its autoscaling and "
-        "spill count only the requests it routes); `auto`: `channel` unless the LLM deployment autoscales.",
+        "tenant-affinity router (asked again past `channel_route_ttl_s`), its chats counted by the router's spill and "
+        "the LLM deployment's autoscaling (`ray_serve/channel_load.py`); `serve`, Serve's handle; `auto`: `channel`.",
     )
     channel_route_ttl_s: float = Field(
         5.0,
@@ -158,21 +158,10 @@ class AppArgs(Strict):
     llm: LLMArgs = Field(default_factory=LLMArgs)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
 
-    @model_validator(mode="after")
-    def _transport_fits_scaling(self) -> "AppArgs":
-        if self.ingress.chat_transport == "channel" and self.llm.autoscaling_config is not None:
-            raise ValueError(
-                "ingress.chat_transport 'channel' cannot go with llm.autoscaling_config: Serve's autoscaler counts "
-                "only the requests it routes; use 'serve' or 'auto'"
-            )
-        return self
-
     @property
     def chat_over_channel(self) -> bool:
         """Whether chats reach the LLM replicas over their own channel (`ingress.chat_transport`)."""
-        return self.ingress.chat_transport == "channel" or (
-            self.ingress.chat_transport == "auto" and self.llm.autoscaling_config is None
-        )
+        return self.ingress.chat_transport != "serve"
 
     def redis(self, settings: Any) -> str:
         """The Redis URL: given here, or from the settings tree (kept out of the Serve config when it holds a password)."""

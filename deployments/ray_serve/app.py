@@ -10,6 +10,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.app_args import AppArgs
+from deployments.ray_serve.channel_load import with_channel_policy
 from deployments.ray_serve.ingress import Ingress
 from deployments.ray_serve.llm_server import GRACEFUL_SHUTDOWN_S, LLMServer
 
@@ -32,7 +33,8 @@ def build_app(args: dict[str, Any]) -> Application:
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
     }
     if parsed.llm.autoscaling_config is not None:
-        llm_options["autoscaling_config"] = parsed.llm.autoscaling_config
+        scaling = parsed.llm.autoscaling_config
+        llm_options["autoscaling_config"] = with_channel_policy(scaling) if parsed.chat_over_channel else scaling
     else:
         llm_options["num_replicas"] = parsed.llm.num_replicas
     llm = serve.deployment(LLMServer, name="LLMServer").options(**llm_options).bind(plain)

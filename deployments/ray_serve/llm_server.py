@@ -21,8 +21,8 @@ from config.settings import load_settings
 from deployments.app_args import AppArgs
 from deployments.chat_channel import ChannelAddress, ChannelServer
 from deployments.chat_task import ChatTask
+from deployments.ray_serve.channel_load import ReportsChannelLoad
 from deployments.ray_serve.loopback import bind_replica_grpc_to_node
-from deployments.ray_serve.router import CHANNEL_CHATS
 from deployments.vllm_adapter.async_engine import MemoryEngine
 from kvcore.errors import KVCoreError
 from models.loader import checkpoint_fingerprint, model_path
@@ -67,7 +67,7 @@ GRACEFUL_SHUTDOWN_S = 20  # Serve's wait for a stopping replica (`build_app`)
 CHANNEL_DRAIN_S = GRACEFUL_SHUTDOWN_S - 5  # of it, what the channel's running chats get to end
 
 
-class LLMServer:
+class LLMServer(ReportsChannelLoad):
     """The Serve deployment hosting one vLLM engine with the memory connector."""
 
     async def __init__(self, args: dict[str, Any]) -> None:
@@ -103,12 +103,6 @@ class LLMServer:
         """Where this replica's chat channel listens (asked through Serve, so the tenant-affinity router picks the
         replica that serves `tenant_id`, and the token travels on Ray's own connections)."""
         return self._channel.address
-
-    def record_routing_stats(self) -> dict[str, int]:
-        """The chats this replica's channel holds (running or queued), which Serve's own queue length does not
-        count: the tenant-affinity router adds them when it weighs a tenant's home against the others."""
-        channel = getattr(self, "_channel", None)  # None until the replica has started
-        return {CHANNEL_CHATS: channel.in_flight if channel is not None else 0}
 
     async def encode(self, request: dict[str, Any]) -> dict[str, str]:
         """Encode a tenant's facts with this replica's engine and attach their K/V (the caller's key opens the tenant)."""
@@ -155,9 +149,8 @@ class LLMServer:
     async def __del__(self) -> None:
         """Serve's shutdown of this replica (after the requests Serve routed have ended): the channel's chats are
         let finish first, new ones sent elsewhere, then the engine stops."""
-        channel = getattr(self, "_channel", None)
-        if channel is not None:
-            await channel.drain(CHANNEL_DRAIN_S)
+        if self._channel is not None:
+            await self._channel.drain(CHANNEL_DRAIN_S)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -15,8 +15,9 @@ from typing import Any, List, Optional, Sequence
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from deployments.ray_serve.channel_load import CHANNEL_CHATS
+
 log = logging.getLogger(__name__)
-CHANNEL_CHATS = "channel_chats"  # the routing stat an LLM replica reports: chats its own channel holds
 
 
 def tenant_of(args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:

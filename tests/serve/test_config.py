@@ -75,12 +75,18 @@ def test_the_connector_config_round_trips_and_refuses_what_it_does_not_know():
         AppArgs(state_dir="/srv", llm={"tiers": {"disk_cache_dir": "/t", "host_cache": 1}})
 
 
-def test_chats_go_over_the_channel_unless_the_llm_replicas_autoscale():
+def test_chats_go_over_the_channel_unless_serves_handle_is_asked_for_and_autoscaling_counts_them():
+    from deployments.ray_serve.channel_load import POLICY, with_channel_policy
+
     autoscaled = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}
     assert AppArgs(state_dir="/s").chat_over_channel
-    assert not AppArgs(state_dir="/s", llm=autoscaled).chat_over_channel  # auto: Serve's autoscaler must see chats
+    assert AppArgs(state_dir="/s", llm=autoscaled).chat_over_channel  # the policy counts the channel's chats
+    assert AppArgs(state_dir="/s", llm=autoscaled, ingress={"chat_transport": "channel"}).chat_over_channel
     assert not AppArgs(state_dir="/s", ingress={"chat_transport": "serve"}).chat_over_channel
-    with pytest.raises(ValidationError, match="'channel' cannot go with llm.autoscaling_config"):
-        AppArgs(state_dir="/s", llm=autoscaled, ingress={"chat_transport": "channel"})
+    scaling = with_channel_policy(autoscaled["autoscaling_config"])
+    assert scaling == {"min_replicas": 1, "max_replicas": 2, "policy": {"policy_function": POLICY}}
+    assert autoscaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 2}  # the caller's dict untouched
+    own = {"max_replicas": 3, "policy": {"policy_function": "mine:policy"}}
+    assert with_channel_policy(own) == own  # a policy of the user's own is kept
     with pytest.raises(ValidationError, match="chat_transport"):
         AppArgs(state_dir="/s", ingress={"chat_transport": "grpc"})

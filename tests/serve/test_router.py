@@ -41,7 +41,8 @@ def test_a_replica_added_takes_its_share_and_only_those_tenants_move():
 
 
 def test_a_replica_counts_the_chats_its_channel_holds_beside_serves_queue():
-    from deployments.ray_serve.router import CHANNEL_CHATS, replica_load
+    from deployments.ray_serve.channel_load import CHANNEL_CHATS
+    from deployments.ray_serve.router import replica_load
 
     assert replica_load(None, None) is None and replica_load(None, {}) is None  # nothing known yet
     assert replica_load(3, None) == 3 and replica_load(None, {CHANNEL_CHATS: 5}) == 5
@@ -51,13 +52,13 @@ def test_a_replica_counts_the_chats_its_channel_holds_beside_serves_queue():
     assert rank_with_spill(["r2", "r1"], home_busy, gap=8) == ["r1", "r2"]
 
 
-def test_the_llm_replica_reports_its_channels_chats_running_and_queued():
+def test_the_llm_replica_reports_its_channels_chats_running_and_queued_to_the_router_and_the_autoscaler():
     import asyncio
 
     from deployments.chat_channel import ChannelPool, ChannelServer
     from deployments.chat_task import ChatTask
+    from deployments.ray_serve.channel_load import CHANNEL_CHATS
     from deployments.ray_serve.llm_server import LLMServer
-    from deployments.ray_serve.router import CHANNEL_CHATS
 
     async def main():
         release = asyncio.Event()
@@ -80,6 +81,7 @@ def test_the_llm_replica_reports_its_channels_chats_running_and_queued():
             if server._channel.in_flight == 5:
                 break
         during = server.record_routing_stats()
+        assert server.record_autoscaling_stats() == during
         release.set()
         await asyncio.gather(*chats)
         after = server.record_routing_stats()
