@@ -82,10 +82,19 @@ class HeldChats(ReportsChannelLoad):
         return self._channel.address
 
 
-def test_serves_autoscaler_adds_a_replica_for_chats_that_came_over_the_channel(cluster):
+class Front:
+    """The app's ingress (Serve refuses a custom router on an app's ingress deployment in high-throughput mode)."""
+
+    def __init__(self, held: Any) -> None:
+        self._held = held
+
+
+def test_the_autoscaler_adds_a_replica_for_chats_serve_never_routed_and_it_takes_its_share_of_tenants(cluster):
     from ray import serve
+    from ray.serve.config import RequestRouterConfig
 
     from deployments.chat_channel import ChannelClient
+    from deployments.ray_serve.app import ROUTER_CLASS
 
     scaling = with_channel_policy(
         {
@@ -98,15 +107,27 @@ def test_serves_autoscaler_adds_a_replica_for_chats_that_came_over_the_channel(c
             "downscale_delay_s": 600,
         }
     )
-    held = serve.deployment(HeldChats, name="HeldChats")  # no CPU of the session's Ray taken from the tests after
-    app = held.options(autoscaling_config=scaling, ray_actor_options={"num_cpus": 0}).bind()
-    handle = serve.run(app, name="channel-autoscaling", route_prefix=None)
+    router = RequestRouterConfig(  # as the LLM deployment's, without the spill: homes alone
+        request_router_class=ROUTER_CLASS, request_router_kwargs={"spill_queue_gap": 1000}
+    )
+    no_cpu = {"num_cpus": 0}  # none of the session's Ray taken from the tests after
+    held = serve.deployment(HeldChats, name="HeldChats").options(
+        autoscaling_config=scaling, request_router_config=router, ray_actor_options=no_cpu
+    )
+    app = serve.deployment(Front, name="Front").options(ray_actor_options=no_cpu).bind(held.bind())
+    serve.run(app, name="channel-autoscaling", route_prefix=None)
+    handle = serve.get_deployment_handle("HeldChats", "channel-autoscaling")
+    tenants = [f"tenant-{i}" for i in range(40)]
 
     def running() -> int:
         deployment = serve.status().applications["channel-autoscaling"].deployments["HeldChats"]
         return deployment.replica_states.get("RUNNING", 0)
 
-    async def load_until_scaled() -> tuple[int, int]:
+    async def homes() -> dict[str, int]:
+        addresses = await asyncio.gather(*(handle.channel.remote(t) for t in tenants))
+        return {t: a.port for t, a in zip(tenants, addresses)}
+
+    async def load_until_scaled() -> tuple[int, int, dict[str, int], dict[str, int]]:
         address = await handle.channel.remote("tenant")  # the one call Serve routes
         client = ChannelClient(address)
 
@@ -116,6 +137,7 @@ def test_serves_autoscaler_adds_a_replica_for_chats_that_came_over_the_channel(c
 
         chats = [asyncio.ensure_future(chat()) for _ in range(8)]
         first = await asyncio.to_thread(running)
+        before = await homes()
         deadline = time.monotonic() + 60
         replicas = first
         while replicas < 2 and time.monotonic() < deadline:
@@ -125,11 +147,20 @@ def test_serves_autoscaler_adds_a_replica_for_chats_that_came_over_the_channel(c
             pending.cancel()
         await asyncio.gather(*chats, return_exceptions=True)
         client.close()
-        return first, replicas
+        after = await homes()
+        while len(set(after.values())) < 2 and time.monotonic() < deadline:  # until the router has seen it
+            await asyncio.sleep(0.2)
+            after = await homes()
+        return first, replicas, before, after
 
     try:
-        first, scaled = asyncio.run(load_until_scaled())
+        first, scaled, before, after = asyncio.run(load_until_scaled())
     finally:
         # an app's own ingress drains for 30 s in high-throughput mode (an LLM deployment, behind the ingress, does not)
         serve.delete("channel-autoscaling", _blocking=False)
     assert (first, scaled) == (1, 2)  # 8 held chats over the channel, 2 a replica: Serve routed none of them
+    assert len(set(before.values())) == 1  # one replica, every tenant's home
+    new_port = (set(after.values()) - set(before.values())).pop()
+    moved = [t for t in tenants if after[t] != before[t]]
+    assert all(after[t] == new_port for t in moved)  # only to the new replica, none between the old
+    assert 8 <= len(moved) <= 32  # about half of 40, its share by rendezvous hashing (outside: p < 1e-4)
