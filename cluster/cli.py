@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from config import load_settings
+from config.connector import STORED_DTYPES
 from encoder_jobs.inputs import JobInputError
 from kvcore.errors import KVCoreError
 from tenants.errors import TenantError
@@ -47,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=1, help="encoding actors (on a GPU, encoding.actors_per_gpu of them share one)"
     )
     encode.add_argument("--batch-size", type=int, default=16, help="facts per actor call")
+    encode.add_argument(
+        "--record-dtype",
+        choices=STORED_DTYPES,
+        default=None,
+        help="what the records are stored in: the serving app's llm.record_dtype (default: the encoding model's dtype)",
+    )
     encode.add_argument(
         "--submit",
         metavar="DASHBOARD_URL",

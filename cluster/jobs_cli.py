@@ -71,6 +71,7 @@ def run_encode(settings: Settings, args: argparse.Namespace) -> int:
             neighbours=args.neighbours,
             workers=args.workers,
             batch_size=args.batch_size,
+            record_dtype=args.record_dtype,
             progress=_progress,
         )
     print(file=sys.stderr)
@@ -109,7 +110,11 @@ def _submit(args: argparse.Namespace) -> int:
         "--batch-size",
         str(args.batch_size),
     ]
-    for flag, value in (("--window", args.window), ("--neighbours", args.neighbours)):
+    for flag, value in (
+        ("--window", args.window),
+        ("--neighbours", args.neighbours),
+        ("--record-dtype", args.record_dtype),
+    ):
         if value is not None:
             command += [flag, str(value)]
     env = {k: v for k, v in os.environ.items() if k.startswith("INFERSCALE_")}

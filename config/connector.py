@@ -20,6 +20,16 @@ DEFAULT_WHOLE_LOAD_BYTES = 1 << 30
 
 
 RecordDtype = Literal["float32", "engine", "bfloat16", "float16"]
+STORED_DTYPES = ("float32", "bfloat16", "float16")  # a record dtype by name (`engine` resolves to one of them)
+
+
+def stored_dtype(configured: RecordDtype, engine_dtype: str) -> str:
+    """The dtype records are stored in: the one configured, or the engine's (`engine_dtype`, "bfloat16" or
+    "torch.bfloat16") for `engine`."""
+    name = engine_dtype.removeprefix("torch.") if configured == "engine" else configured
+    if name not in STORED_DTYPES:
+        raise ValueError(f"records cannot be stored in {name!r}: one of {', '.join(STORED_DTYPES)}")
+    return name
 
 
 class Frozen(BaseModel):

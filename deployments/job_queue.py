@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from deployments.background import BackgroundTasks
 from deployments.schemas import Message, SubmitJob
@@ -19,8 +19,10 @@ from tenants.tenant import Tenant
 
 log = logging.getLogger(__name__)
 
-# (job id, key, tenant, input file, window, neighbours (None: the tenant's), progress) -> the job's report
-JobRunner = Callable[[str, str, str, Path, "int | None", "int | None", Callable[[dict], None]], dict]
+# (job id, key, tenant, input file, window, neighbours (None: the tenant's), record dtype (None: the encoding
+# model's), progress) -> the job's report
+JobRunner = Callable[[str, str, str, Path, "int | None", "int | None", "str | None", Callable[[dict], None]], dict]
+RecordDtypeOf = Callable[[], Awaitable[str]]  # what the serving engine stores records in, asked before each job
 
 
 class JobQueue:
@@ -33,9 +35,12 @@ class JobQueue:
         extraction_window: int | None,
         max_fact_chars: int,
         background: BackgroundTasks,
+        record_dtype: RecordDtypeOf | None = None,
     ) -> None:
+        """`record_dtype`: the dtype jobs store records in, so that they match the records the LLM replicas encode
+        themselves (None: the encoding model's own)."""
         self._jobs_dir, self._run_job, self._extraction_window = jobs_dir, run_job, extraction_window
-        self._max_fact_chars, self._background = max_fact_chars, background
+        self._max_fact_chars, self._background, self._record_dtype = max_fact_chars, background, record_dtype
 
     def submit(self, tenant: Tenant, api_key: str, body: SubmitJob) -> dict[str, Any]:
         """An encoding job over an input in the job file format (explicit facts with turns, or LoCoMo),
@@ -73,17 +78,19 @@ class JobQueue:
         def progress(report: dict) -> None:
             tenant.record_job(job_id, {"id": job_id, "status": "running", "report": report})
 
-        def run() -> None:
+        def run(record_dtype: str | None) -> None:
+            report = self._run_job(job_id, api_key, tenant.id, path, window, neighbours, record_dtype, progress)
+            tenant.record_job(job_id, {"id": job_id, "status": "succeeded", "report": report, "finished": time.time()})
+
+        async def start() -> None:
             try:
-                report = self._run_job(job_id, api_key, tenant.id, path, window, neighbours, progress)
-                tenant.record_job(
-                    job_id, {"id": job_id, "status": "succeeded", "report": report, "finished": time.time()}
-                )
+                record_dtype = await self._record_dtype() if self._record_dtype is not None else None
+                await asyncio.get_running_loop().run_in_executor(None, run, record_dtype)
             except Exception as exc:  # noqa: BLE001 - the job's status carries the reason
-                log.exception("extraction job failed")
+                log.exception("encoding job failed")
                 tenant.record_job(job_id, {"id": job_id, "status": "failed", "error": str(exc)[:500]})
             finally:
                 path.unlink(missing_ok=True)
 
-        self._background.keep(asyncio.get_running_loop().run_in_executor(None, run))
+        self._background.start(start())  # apart from the request: it answers before the job runs
         return {"results": [], "job_id": job_id, "status": "queued"}

@@ -36,9 +36,12 @@ class HistoryTooLongError(ValueError):
     """The history has more tokens than the encoding model's positions hold behind the chat frame."""
 
 
-def encode_history_records(settings: dict[str, Any], store_root: str, tenant_id: str, text: str) -> dict[str, Any]:
-    """On an encoding actor: prefill the frame and the history, write the history's chunk records into the record
-    store at `store_root` under a new history id; returns that id and the history's token and chunk counts."""
+def encode_history_records(
+    settings: dict[str, Any], store_root: str, tenant_id: str, text: str, record_dtype: str | None = None
+) -> dict[str, Any]:
+    """On an encoding actor: prefill the frame and the history, write the history's chunk records (in
+    `record_dtype`; None: the model's) into the record store at `store_root` under a new history id; returns that
+    id and the history's token and chunk counts."""
     config = Settings(**settings)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_model(config.model.model_copy(update={"device": device}))
@@ -57,7 +60,7 @@ def encode_history_records(settings: dict[str, Any], store_root: str, tenant_id:
         loaded.spec,
         tenant_id=tenant_id,
         window=0,
-        dtype=loaded.dtype,
+        dtype=getattr(torch, record_dtype) if record_dtype else loaded.dtype,
         max_batch_tokens=max(config.encoding.max_batch_tokens, job.length),
     )
     chunks = history_chunks(record, history_id)

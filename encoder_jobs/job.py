@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from config.connector import STORED_DTYPES
 from config.settings import Settings
 from encoder_jobs.extract import extract_facts
 from encoder_jobs.history import encode_history_records, name_history
@@ -64,15 +65,20 @@ def run_job(
     neighbours: int | None = None,
     workers: int = 1,
     batch_size: int = 16,
+    record_dtype: str | None = None,
     progress: Callable[[JobReport], None] = lambda report: None,
 ) -> JobReport:
-    """`window` turns and `neighbours` nearest facts before each fact (None: the tenant's settings)."""
+    """`window` turns and `neighbours` nearest facts before each fact (None: the tenant's settings); records in
+    `record_dtype` (the serving engine's records', so that both ways of encoding store the same bytes; None: the
+    encoding model's dtype)."""
+    if record_dtype not in (None, *STORED_DTYPES):
+        raise ValueError(f"record_dtype must be one of {', '.join(STORED_DTYPES)}, got {record_dtype!r}")
     job_input = load_input(input_path, settings.tenants.max_fact_chars)  # before anything is written
     embedder = MiniLMEmbedder()
     service = connect_service(redis_url, settings.state_dir, embedder, settings.tenants)
     tenant = service.open_tenant(key, tenant_id)
     if job_input.history is not None:
-        return _history_job(settings, tenant, service.records, job_input.history, progress)
+        return _history_job(settings, tenant, service.records, job_input.history, progress, record_dtype)
     window = tenant.entry.window if window is None else window
     neighbours = tenant.entry.neighbours if neighbours is None else neighbours
     if window < 0 or neighbours < 0:
@@ -108,7 +114,9 @@ def run_job(
             row["neighbours"] = by_id[row["fact_id"]]
     progress(report)
     if todo:
-        _run_on_ray(settings, redis_url, key, tenant_id, window, todo, workers, batch_size, report, progress)
+        _run_on_ray(
+            settings, redis_url, key, tenant_id, window, record_dtype, todo, workers, batch_size, report, progress
+        )
     return report
 
 
@@ -126,7 +134,12 @@ def _neighbours(tenant: Tenant, embedder: MiniLMEmbedder, texts: list[str], coun
 
 
 def _history_job(
-    settings: Settings, tenant: Tenant, store: LocalFactStore, text: str, progress: Callable[[JobReport], None]
+    settings: Settings,
+    tenant: Tenant,
+    store: LocalFactStore,
+    text: str,
+    progress: Callable[[JobReport], None],
+    record_dtype: str | None,
 ) -> JobReport:
     """Encode a history on one encoding actor (a GPU share when one is free), then name it in the tenant's entry."""
     import ray
@@ -138,7 +151,7 @@ def _history_job(
     _ray()
     share = encoder_gpu_share(ray.cluster_resources().get("GPU", 0.0), ray.available_resources().get("GPU", 0.0), 1, 1)
     task = ray.remote(num_cpus=0 if share else 1, num_gpus=share, max_retries=0)(encode_history_records)
-    ref = task.remote(settings.model_dump(mode="json"), str(store.root), tenant.id, text)
+    ref = task.remote(settings.model_dump(mode="json"), str(store.root), tenant.id, text, record_dtype)
     try:
         encoded = ray.get(ref, timeout=HISTORY_JOB_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -172,6 +185,7 @@ def _run_on_ray(
     key: str,
     tenant_id: str,
     window: int,
+    record_dtype: str | None,
     rows: list[dict],
     workers: int,
     batch_size: int,
@@ -205,6 +219,7 @@ def _run_on_ray(
             "key": key,
             "tenant_id": tenant_id,
             "window": window,
+            "record_dtype": record_dtype,
         },
     )
     for batch in dataset.iter_batches(batch_size=None, batch_format="default"):

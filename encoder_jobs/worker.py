@@ -34,10 +34,20 @@ CRASH_ENV = "INFERSCALE_ENCODER_CRASH_AFTER"  # tests: SIGKILL this worker after
 class EncodeWorker:
     """A Ray actor that encodes one tenant's facts (K/V and embeddings) on its node's device."""
 
-    def __init__(self, settings: dict[str, Any], redis_url: str, key: str, tenant_id: str, window: int) -> None:
+    def __init__(
+        self,
+        settings: dict[str, Any],
+        redis_url: str,
+        key: str,
+        tenant_id: str,
+        window: int,
+        record_dtype: str | None = None,
+    ) -> None:
+        """`record_dtype`: what the records are stored in (the serving engine's, say); None: the model's own."""
         self._settings = Settings(**settings)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU actor encodes and embeds on its GPU
         self._loaded = load_model(self._settings.model.model_copy(update={"device": device}))
+        self._record_dtype = getattr(torch, record_dtype) if record_dtype else self._loaded.dtype
         self._forward = HFKVForward(self._loaded)
         self._frame = build_frame(self._loaded.tokenizer, self._settings.system_prompt)
         self._encoder = TokenizerEncoder(self._loaded.tokenizer)
@@ -105,7 +115,7 @@ class EncodeWorker:
             self._loaded.spec,
             tenant_id=self._tenant.id,
             window=self._window,
-            dtype=self._loaded.dtype,
+            dtype=self._record_dtype,
             max_batch_tokens=self._settings.encoding.max_batch_tokens,
         )
         return [(row, record) for (row, _), record in zip(planned, records)]

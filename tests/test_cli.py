@@ -74,7 +74,8 @@ def test_tenant_then_encode_on_the_embedded_default(tmp_path):
     )
     assert refused.returncode == 2 and "inferscale: error:" in refused.stderr and "not valid JSON" in refused.stderr
     done = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "encode", "--tenant", "maya", "--input", str(path)],
+        [sys.executable, "-m", "cluster.cli", "encode", "--tenant", "maya", "--input", str(path)]
+        + ["--record-dtype", "bfloat16"],  # as a serving app with llm.record_dtype bfloat16 stores its own
         env=env,
         capture_output=True,
         text=True,
@@ -83,6 +84,10 @@ def test_tenant_then_encode_on_the_embedded_default(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert (report["total"], report["encoded"], report["failed"]) == (4, 4, 0) and "encoding [" in done.stderr
+    from kvcore.store import LocalFactStore
+
+    store = LocalFactStore(tmp_path / "state" / "records")
+    assert {str(store.get("maya", r).k.dtype) for r in store.record_ids("maya")} == {"torch.bfloat16"}
 
 
 @pytest.mark.model

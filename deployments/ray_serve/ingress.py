@@ -28,6 +28,7 @@ from deployments.chat_channel import ChannelAddress, ChannelClosed, ChannelPool
 from deployments.chat_task import ChatTask
 from deployments.gateway import Gateway
 from deployments.http_api import create_app
+from deployments.job_queue import JobRunner
 from deployments.metrics import Metrics
 from deployments.query_batcher import Forwarder, ProcessForwarder, QueryBatcher
 from deployments.ray_serve.loopback import bind_replica_grpc_to_node
@@ -83,10 +84,15 @@ class ServeLLMBackend:
     own channels)."""
 
     def __init__(
-        self, handle: DeploymentHandle, first_event_timeout_s: float = 30.0, channel_ttl_s: float | None = None
+        self,
+        handle: DeploymentHandle,
+        first_event_timeout_s: float = 30.0,
+        channel_ttl_s: float | None = None,
+        record_dtype: str = "float32",
     ) -> None:
         """`channel_ttl_s`: chats over the replicas' channels, each tenant's replica kept that long (None: Serve's
-        handle)."""
+        handle); `record_dtype`: the LLM replicas' `llm.record_dtype` (`engine` is asked of one, once)."""
+        self._record_dtype = record_dtype
         self._handle = in_this_mode(handle)
         self._stream = self._handle.options(stream=True)
         self._routes = ChannelRoutes(self._handle, channel_ttl_s) if channel_ttl_s is not None else None
@@ -144,6 +150,11 @@ class ServeLLMBackend:
         """Close the connections to the replicas' channels (the ingress replica stops)."""
         self._channels.close()
 
+    async def record_dtype(self) -> str:
+        if self._record_dtype == "engine":  # the served dtype, which only a replica's engine knows for sure
+            self._record_dtype = await self._handle.record_dtype.remote()
+        return self._record_dtype
+
     async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]:
         return await self._handle.encode.remote({"api_key": api_key, "tenant_id": tenant_id, "facts": facts})
 
@@ -155,7 +166,7 @@ class ServeLLMBackend:
             return {"error": {"status": 503, "message": "the model replica became unavailable; retry the request"}}
 
 
-def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Callable[[dict], None]], dict]:
+def _job_runner(args: AppArgs) -> JobRunner:
     """An encoding job (explicit facts, or extraction from a conversation) on this Ray cluster."""
     from encoder_jobs.job import run_job
 
@@ -169,6 +180,7 @@ def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Cal
         path: Path,
         window: int | None,
         neighbours: int | None,
+        record_dtype: str | None,
         progress: Callable[[dict], None],
     ) -> dict:
         report = run_job(
@@ -179,6 +191,7 @@ def _job_runner(args: AppArgs) -> Callable[[str, str, str, Path, int | None, Cal
             input_path=path,
             window=window,
             neighbours=neighbours,
+            record_dtype=record_dtype,
             progress=lambda r: progress(r.to_dict()),
         )
         return report.to_dict()
@@ -215,7 +228,8 @@ class Ingress:
         elif (created := service.ensure_admin_key()) is not None:
             log.warning("admin key created (shown once; keep it, set INFERSCALE_ADMIN_KEY): %s", created)
         channel_ttl_s = self.args.ingress.channel_route_ttl_s if self.args.chat_over_channel else None
-        backend, metrics = ServeLLMBackend(llm, self.args.ingress.first_event_timeout_s, channel_ttl_s), Metrics()
+        timeout_s, record_dtype = self.args.ingress.first_event_timeout_s, self.args.llm.record_dtype
+        backend, metrics = ServeLLMBackend(llm, timeout_s, channel_ttl_s, record_dtype), Metrics()
         self._llm_backend = backend
         for transport in backend.transports:
             metrics.llm_transport.labels(transport=transport).set(1)

@@ -104,6 +104,10 @@ class LLMServer(ReportsChannelLoad):
         replica that serves `tenant_id`, and the token travels on Ray's own connections)."""
         return self._channel.address
 
+    def record_dtype(self) -> str:
+        """The dtype this replica's captures store records in (`llm.record_dtype`, `engine` resolved)."""
+        return self.engine.record_dtype
+
     async def encode(self, request: dict[str, Any]) -> dict[str, str]:
         """Encode a tenant's facts with this replica's engine and attach their K/V (the caller's key opens the tenant)."""
         try:

@@ -21,7 +21,7 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from config.connector import ConnectorConfig
+from config.connector import ConnectorConfig, stored_dtype
 from deployments.chat_task import ChatTask, RetrievedFact
 from deployments.encode_slots import EncodeSlots
 from deployments.history_mode import HistoryChooser
@@ -62,6 +62,7 @@ class MemoryEngine:
     ) -> None:
         self.fingerprint = connector.fingerprint
         self.model_name = str(model)
+        self._record_dtype = connector.record_dtype
         self._store = LocalFactStore(connector.store_root)
         self._tier_root = connector.tiers.disk_cache_dir if connector.tiers is not None else None
         kwargs = {"enable_prefix_caching": True, **(engine_kwargs or {})}
@@ -84,6 +85,11 @@ class MemoryEngine:
         self.max_model_len = self._engine.model_config.max_model_len
         # on a GPU replica the question's pass and the bounds run beside the engine, on the same device
         self._histories = HistoryChooser(Path(model), self._store, self.tokenizer, _device())
+
+    @property
+    def record_dtype(self) -> str:
+        """The dtype the engine's captures store records in: the configured one, or the engine's own."""
+        return stored_dtype(self._record_dtype, str(self._engine.model_config.dtype))
 
     async def warm_up(self) -> None:
         """One short generation, so the first real request does not pay for lazy initialisation."""

@@ -135,6 +135,37 @@ def test_a_killed_worker_is_finished_by_resubmitting_exactly_once(ray_local, job
     assert len(facts) == 4 and all(f.kv_ready for f in facts) and len(service.records.record_ids("maya")) == 4
 
 
+def test_a_job_stores_its_records_in_the_dtype_the_serving_engine_stores_its_own(ray_local, job_env, tmp_path):
+    """`record_dtype` bf16 (the serving app's `llm.record_dtype`): the same K/V as float32 records, rounded once."""
+    settings, service, admin = job_env
+    report = run(job_env, write_input(tmp_path / "in.json", facts=FACTS[:2]), record_dtype="bfloat16")
+    assert (report.encoded, report.failed) == (2, 0), report.errors
+    loaded = load_model(settings.model)
+    frame = build_frame(loaded.tokenizer, settings.system_prompt)
+    turns = [Turn(s, t, f"2026-03-0{i + 1}") for i, session in enumerate(SESSIONS) for s, t in session]
+    from models.transformers_adapter import HFKVForward
+
+    jobs = plan_fact_jobs(
+        turns,
+        [Fact(f"f{i}", t, n) for i, (t, n) in enumerate(FACTS[:2])],
+        window=2,
+        prefix_ids=frame.prefix_ids,
+        tokenizer=TokenizerEncoder(loaded.tokenizer),
+        limits=FactLimits(),
+    )
+    exact = encode_jobs(jobs, HFKVForward(loaded), loaded.spec, tenant_id="maya", window=2, dtype=torch.float32)
+    stored = {f.text: f for f in service.tenant_for_admin(admin, "maya").list_facts()}
+    for (text, _), expected in zip(FACTS, exact):
+        record = service.records.get("maya", stored[text].record_id)
+        assert record.k.dtype == record.v.dtype == torch.bfloat16 and record.params.dtype == "bfloat16"
+        # one rounding of the float32 values: within half a bf16 ulp (2^-9 relative), and not equal to them
+        assert torch.allclose(record.k.float(), expected.k, rtol=2**-8, atol=1e-6)
+        assert torch.allclose(record.v.float(), expected.v, rtol=2**-8, atol=1e-6)
+        assert not torch.equal(record.k.float(), expected.k)
+    with pytest.raises(ValueError, match="record_dtype must be one of"):
+        run(job_env, write_input(tmp_path / "in.json"), record_dtype="int8")
+
+
 def test_bad_facts_are_reported_and_the_rest_continue(ray_local, job_env, tmp_path):
     settings, service, admin = job_env
     too_long = " ".join(["word"] * 400)  # more tokens than a fact may have
