@@ -7,7 +7,7 @@
 # A device call runs at most 600 s: serve-http, locust, tenants-gpu and history-ttft (up to 590 s each) take a call of their own,
 # after the call that ends with `setup` (the machine stays warm 30 s between calls: send the next one at once).
 #   steps: setup gpu-tests inject-kernel chunk-bounds retrieval injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
-#          profile-tiers (or profile-host, profile-disk) profile-encode quality history-quality history-ttft mps-on mps-off
+#          profile-tiers (or profile-host, profile-disk) profile-encode quality record-precision history-quality history-ttft mps-on mps-off
 # QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own;
 # INGRESS_REPLICAS=N runs serve-http with N ingress replicas (default 4: each an event loop where requests queue).
 # CHAT_TRANSPORT=serve has serve-http's chats reach the LLM replica through Serve's handle (default: its chat channel).
@@ -75,6 +75,10 @@ for step in "$@"; do
         run quality "${QUALITY_LIMIT:-560}" python3 benchmarks/quality/run.py --data /tmp/devset.json --out "$out/quality.json" --concurrency "${QUALITY_CONCURRENCY:-16}" \
             --modes "${QUALITY_MODES:-inject_w0,inject_w5,inject_w20,inject_w5_m1,inject_w5_m3,inject_w5_m5,prompt,off}" --ks "${QUALITY_KS:-10,50}"
         grep -E "^conversation" "$out/quality.log" | tail -3 ;;
+    record-precision)  # answers with bf16 against float32 records (SmolLM2 in bf16, one question at a time)
+        run record-precision 590 python3 benchmarks/record_precision.py --conversations "${PRECISION_CONVERSATIONS:-10}" \
+            --ks "${PRECISION_KS:-10,50}" --out "$out/record_precision.json"
+        grep -E "records:" "$out/record-precision.log" ;;
     history-ttft) run history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --tenants "${HISTORY_TTFT_TENANTS:-4}" --out "$out/history_ttft.json"
         tail -30 "$out/history-ttft.log" ;;
     history-quality) run history-quality 400 python3 benchmarks/history_quality.py --tenants "${HISTORY_TENANTS:-4}" --out "$out/history_quality.json"
