@@ -3,10 +3,11 @@
 One cluster in this process (local Ray, redis-server, SmolLM2 on CPU or CUDA vLLM) is deployed twice, the same in
 all but `llm.record_dtype`: float32 records (re-rotation gives the engine's own keys bit for bit), then
 `--candidate` records (bf16 by default: half the bytes in every tier). Each time the generated dev set's facts are
-encoded behind their w=5 context by an encoding job and every question is asked greedily in inject mode, one at a
-time (a batch's mix would otherwise change greedy answers by itself). Paired over the same questions: the
-candidate's F1 over float32's with a bootstrap interval, the share of identical answers with a Wilson interval, and
-the records' bytes in each store. `--quick`: the first conversation at k=10.
+encoded behind their w=5 context by an encoding job, and every question is asked greedily in the inject modes
+(pure injection, and the serving default with the best-scored fact prefilled), one at a time (a batch's mix would
+change greedy answers by itself). Paired over the same questions: the candidate's F1 over float32's with a bootstrap
+interval, the share of identical answers with a Wilson interval, and the records' bytes in each store. `--quick`:
+the first conversation at k=10, the serving default only.
 """
 
 from __future__ import annotations
@@ -46,25 +47,33 @@ def redeploy(args: dict[str, Any], record_dtype: str, state_dir: Path) -> None:
     serve.run(build_app(changed), name="inferscale", route_prefix="/")
 
 
-def compare(reference: list[dict], candidate: list[dict], ks: tuple[int, ...], name: str) -> dict[str, Any]:
-    """Per k: the candidate's F1 over the reference's on the same questions, and their identical answers."""
-    rows = [{**r, "mode": REFERENCE} for r in reference] + [{**r, "mode": name} for r in candidate]
-    out: dict[str, Any] = {}
-    for k in ks:
-        answers = {(r["sample"], r["question"]): r["prediction"] for r in reference if r["k"] == k}
-        theirs = {(r["sample"], r["question"]): r["prediction"] for r in candidate if r["k"] == k}
-        both = answers.keys() & theirs.keys()
-        same = sum(answers[q] == theirs[q] for q in both)
-        out[str(k)] = {
-            "f1_ratio": paired_ratio(rows, name, REFERENCE, k),
-            "f1": {
-                mode: sum(r["f1"] for r in rows if r["mode"] == mode and r["k"] == k) / max(len(both), 1)
-                for mode in (REFERENCE, name)
-            },
-            "identical_answers": same / max(len(both), 1),
-            "identical_ci95": wilson(same, len(both)),
-            "questions": len(both),
-        }
+def compare(
+    reference: list[dict], candidate: list[dict], modes: tuple[str, ...], ks: tuple[int, ...], name: str
+) -> dict[str, dict[str, Any]]:
+    """Per mode and k: the candidate's F1 over the reference's on the same questions, and their identical answers."""
+    rows = [{**r, "mode": f"{r['mode']}/{REFERENCE}"} for r in reference]
+    rows += [{**r, "mode": f"{r['mode']}/{name}"} for r in candidate]
+    out: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        out[mode] = {}
+        for k in ks:
+
+            def answers(dtype: str) -> dict[tuple[str, str], dict]:
+                return {(r["sample"], r["question"]): r for r in rows if r["mode"] == f"{mode}/{dtype}" and r["k"] == k}
+
+            ours, theirs = answers(REFERENCE), answers(name)
+            both = ours.keys() & theirs.keys()
+            same = sum(ours[q]["prediction"] == theirs[q]["prediction"] for q in both)
+            out[mode][str(k)] = {
+                "f1_ratio": paired_ratio(rows, f"{mode}/{name}", f"{mode}/{REFERENCE}", k),
+                "f1": {
+                    dtype: sum(found[q]["f1"] for q in both) / max(len(both), 1)
+                    for dtype, found in ((REFERENCE, ours), (name, theirs))
+                },
+                "identical_answers": same / max(len(both), 1),
+                "identical_ci95": wilson(same, len(both)),
+                "questions": len(both),
+            }
     return out
 
 
@@ -72,16 +81,23 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--conversations", type=int, default=10, help="of the generated dev set (36 questions each)")
     p.add_argument("--ks", default="10,50", help="comma-separated k values")
+    p.add_argument(
+        "--modes",
+        default="inject_w5,inject_w5_m1",
+        help="the quality harness's inject modes (inject_w5_m1: the best-scored fact prefilled, the serving default)",
+    )
     p.add_argument("--candidate", default="bfloat16", choices=("bfloat16", "float16", "engine"))
     p.add_argument("--engine-dtype", help="the engine's dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     engine_dtype = args.engine_dtype or ("bfloat16" if cuda else "float32")
-    conversations, ks = (1, "10") if args.quick else (args.conversations, args.ks)
+    conversations, ks, modes = (1, "10", "inject_w5_m1") if args.quick else (args.conversations, args.ks, args.modes)
     data = Path(scratch_dir(prefix="precision-data-")) / "devset.json"
     data.write_text(json.dumps(dataset(conversations)))
     samples = load_samples(data)
-    plan = Plan.parse("inject_w5", ks)
+    plan = Plan.parse(modes, ks)
+    if any(not mode.startswith("inject") for mode in plan.modes):
+        p.error("--modes: inject modes only (records are what is compared)")
     root = Path(scratch_dir(prefix="precision-"))
     started = time.monotonic()
     base, admin, redis, app_args = start_cluster(
@@ -108,13 +124,14 @@ def main() -> None:
 
         serve.shutdown()
         redis.stop()
-    by_k = compare(runs[REFERENCE]["rows"], runs[args.candidate]["rows"], plan.ks, args.candidate)
+    by_mode = compare(runs[REFERENCE]["rows"], runs[args.candidate]["rows"], plan.modes, plan.ks, args.candidate)
     bytes_ratio = runs[args.candidate]["store_bytes"] / max(runs[REFERENCE]["store_bytes"], 1)
     targets = [
         {
-            **target(f"F1 {args.candidate} records / float32 records, k={k}", r["f1_ratio"]["ratio"], ">= 0.97"),
+            **target(f"F1 {args.candidate} / float32 records, {mode}, k={k}", r["f1_ratio"]["ratio"], ">= 0.97"),
             "ci95": r["f1_ratio"]["ci95"],
         }
+        for mode, by_k in by_mode.items()
         for k, r in by_k.items()
     ] + [target(f"store bytes {args.candidate} / float32", bytes_ratio, "<= 0.55")]
     write_report(
@@ -126,7 +143,7 @@ def main() -> None:
             "engine_dtype": engine_dtype,
             "candidate": args.candidate,
             "conversations": conversations,
-            "by_k": by_k,
+            "modes": by_mode,
             "store_bytes": {name: run["store_bytes"] for name, run in runs.items()},
             "seconds": {name: run["seconds"] for name, run in runs.items()},
             "total_s": round(time.monotonic() - started, 1),

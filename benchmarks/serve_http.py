@@ -133,6 +133,7 @@ def sample_rounds(
             samples[mode].append(
                 {
                     "ttft_ms": ms,
+                    "server_ttft_ms": usage["ttft_ms"],  # from the ingress handler's start to its first token
                     "hop_ms": usage.get("hop_ms", {}),
                     "embed_legs_ms": usage.get("retrieval_embed_legs_ms", {}),
                     "cpu_ms": usage.get("cpu_ms", {}),
@@ -513,6 +514,24 @@ def stop_cluster() -> None:
     ray.shutdown()
 
 
+def gap_legs(inject: list[dict]) -> dict[str, float]:
+    """HTTP TTFT - engine TTFT, p50 of each leg: outside the ingress's handler (the proxy, HTTP, the client),
+    retrieval, the rest of the handler's work before the task leaves (auth, parsing, the task), the way to the
+    replica, its layout, the first token's way back (the legs of one request sum to its gap)."""
+    timed = [s for s in inject if all(leg in s["hop_ms"] for leg in ("to_replica", "layout", "first_token_back"))]
+    if not timed:
+        return {}
+    legs = {
+        "outside_handler": [s["ttft_ms"] - s["server_ttft_ms"] for s in timed],
+        "retrieval": [s["retrieval_ms"] for s in timed],
+        "handler_other": [
+            s["server_ttft_ms"] - s["engine_ttft_ms"] - s["retrieval_ms"] - sum(s["hop_ms"].values()) for s in timed
+        ],
+        **{leg: [s["hop_ms"][leg] for s in timed] for leg in ("to_replica", "layout", "first_token_back")},
+    }
+    return {leg: round(statistics.median(values), 3) for leg, values in legs.items()}
+
+
 def http_figures(
     samples: dict[str, list[dict]], floor: list[float], mode_floor: list[float], qps: dict[str, float], rounds: int
 ) -> dict:
@@ -538,6 +557,7 @@ def http_figures(
                 if all(leg in s["embed_legs_ms"] for s in inject)
             },
         },
+        "gap_ms_p50": gap_legs(inject),
         "hop_ms_p50": {
             leg: statistics.median(s["hop_ms"][leg] for s in inject if leg in s["hop_ms"])
             for leg in ("to_replica", "layout", "first_token_back")
