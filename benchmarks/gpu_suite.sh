@@ -75,8 +75,9 @@ for step in "$@"; do
         run quality "${QUALITY_LIMIT:-560}" python3 benchmarks/quality/run.py --data /tmp/devset.json --out "$out/quality.json" --concurrency "${QUALITY_CONCURRENCY:-16}" \
             --modes "${QUALITY_MODES:-inject_w0,inject_w5,inject_w20,inject_w5_m1,inject_w5_m3,inject_w5_m5,prompt,off}" --ks "${QUALITY_KS:-10,50}"
         grep -E "^conversation" "$out/quality.log" | tail -3 ;;
-    record-precision)  # answers with bf16 against float32 records (SmolLM2 in bf16, one question at a time)
-        run record-precision 590 python3 benchmarks/record_precision.py --conversations "${PRECISION_CONVERSATIONS:-10}" \
+    record-precision)  # answers with bf16 against float32 records (SmolLM2 in bf16, one question at a time;
+        # 4 conversations x 36 questions x 2 modes x 2 k x 2 dtypes fit one call, a report written after each dtype)
+        run record-precision 590 python3 benchmarks/record_precision.py --conversations "${PRECISION_CONVERSATIONS:-4}" \
             --ks "${PRECISION_KS:-10,50}" --out "$out/record_precision.json"
         grep -E "records:" "$out/record-precision.log" ;;
     history-ttft) run history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --tenants "${HISTORY_TTFT_TENANTS:-4}" --out "$out/history_ttft.json"

@@ -104,6 +104,14 @@ def main() -> None:
         root / REFERENCE, cuda=cuda, shape=None, llm_args={"dtype": engine_dtype, "record_dtype": REFERENCE}
     )
     runs: dict[str, dict[str, Any]] = {}
+    about = {
+        "benchmark": "record_precision",
+        "quick": args.quick,
+        "cuda": cuda,
+        "engine_dtype": engine_dtype,
+        "candidate": args.candidate,
+        "conversations": conversations,
+    }
     try:
         for record_dtype in (REFERENCE, args.candidate):
             state = root / record_dtype
@@ -119,38 +127,40 @@ def main() -> None:
             print(
                 f"{record_dtype} records: {len(report['rows'])} answers, {runs[record_dtype]['seconds']} s", flush=True
             )
+            # after each run: a run cut short (a device call's limit) leaves the answers it has
+            write_report(
+                args.out, about | summary(runs, plan, args.candidate) | {"total_s": time.monotonic() - started}
+            )
     finally:
         from ray import serve
 
         serve.shutdown()
         redis.stop()
-    by_mode = compare(runs[REFERENCE]["rows"], runs[args.candidate]["rows"], plan.modes, plan.ks, args.candidate)
-    bytes_ratio = runs[args.candidate]["store_bytes"] / max(runs[REFERENCE]["store_bytes"], 1)
-    targets = [
+
+
+def summary(runs: dict[str, dict[str, Any]], plan: Plan, candidate: str) -> dict[str, Any]:
+    """The report's figures: per mode and k, once both runs are in; the answers and bytes of those that are."""
+    out: dict[str, Any] = {
+        "store_bytes": {name: run["store_bytes"] for name, run in runs.items()},
+        "seconds": {name: run["seconds"] for name, run in runs.items()},
+        "answers": {name: run["rows"] for name, run in runs.items()},
+        "complete": candidate in runs,
+        "targets": [],
+    }
+    if candidate not in runs:
+        return out
+    by_mode = compare(runs[REFERENCE]["rows"], runs[candidate]["rows"], plan.modes, plan.ks, candidate)
+    bytes_ratio = runs[candidate]["store_bytes"] / max(runs[REFERENCE]["store_bytes"], 1)
+    out["modes"] = by_mode
+    out["targets"] = [
         {
-            **target(f"F1 {args.candidate} / float32 records, {mode}, k={k}", r["f1_ratio"]["ratio"], ">= 0.97"),
+            **target(f"F1 {candidate} / float32 records, {mode}, k={k}", r["f1_ratio"]["ratio"], ">= 0.97"),
             "ci95": r["f1_ratio"]["ci95"],
         }
         for mode, by_k in by_mode.items()
         for k, r in by_k.items()
-    ] + [target(f"store bytes {args.candidate} / float32", bytes_ratio, "<= 0.55")]
-    write_report(
-        args.out,
-        {
-            "benchmark": "record_precision",
-            "quick": args.quick,
-            "cuda": cuda,
-            "engine_dtype": engine_dtype,
-            "candidate": args.candidate,
-            "conversations": conversations,
-            "modes": by_mode,
-            "store_bytes": {name: run["store_bytes"] for name, run in runs.items()},
-            "seconds": {name: run["seconds"] for name, run in runs.items()},
-            "total_s": round(time.monotonic() - started, 1),
-            "answers": {name: run["rows"] for name, run in runs.items()},
-            "targets": targets,
-        },
-    )
+    ] + [target(f"store bytes {candidate} / float32", bytes_ratio, "<= 0.55")]
+    return out
 
 
 if __name__ == "__main__":

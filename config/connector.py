@@ -9,7 +9,7 @@ defaults from here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -20,12 +20,12 @@ DEFAULT_WHOLE_LOAD_BYTES = 1 << 30
 
 
 RecordDtype = Literal["float32", "engine", "bfloat16", "float16"]
-STORED_DTYPES = ("float32", "bfloat16", "float16")  # a record dtype by name (`engine` resolves to one of them)
+STORED_DTYPES = tuple(d for d in get_args(RecordDtype) if d != "engine")  # `engine` resolves to one of them
 
 
 def stored_dtype(configured: RecordDtype, engine_dtype: str) -> str:
-    """The dtype records are stored in: the one configured, or the engine's (`engine_dtype`, "bfloat16" or
-    "torch.bfloat16") for `engine`."""
+    """The dtype records are stored in: the one configured, or the engine's K/V cache's (`engine_dtype`,
+    "bfloat16" or "torch.bfloat16"; a quantized cache's, "fp8" say, is refused) for `engine`."""
     name = engine_dtype.removeprefix("torch.") if configured == "engine" else configured
     if name not in STORED_DTYPES:
         raise ValueError(f"records cannot be stored in {name!r}: one of {', '.join(STORED_DTYPES)}")

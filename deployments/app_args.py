@@ -128,7 +128,8 @@ class IngressArgs(Strict):
         description="How a chat reaches its LLM replica: `channel`, the replica's own socket (no Serve code on "
         "either side: ~1 ms less a chat, and a quarter of the replica's CPU for it), its replica chosen through Serve's "
         "tenant-affinity router (asked again past `channel_route_ttl_s`), its chats counted by the router's spill and "
-        "the LLM deployment's autoscaling (`ray_serve/channel_load.py`); `serve`, Serve's handle; `auto`: `channel`.",
+        "the LLM deployment's autoscaling unless `llm.autoscaling_config` names a policy of its own "
+        "(`ray_serve/channel_load.py`); `serve`, Serve's handle; `auto`: `channel`.",
     )
     channel_route_ttl_s: float = Field(
         5.0,

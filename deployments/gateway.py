@@ -95,8 +95,9 @@ class Gateway:
         self.queries = queries or QueryBatcher(service.embedder)  # type: ignore[arg-type]
         self._limiter = RateLimiter(args.rate_per_s, args.burst)
         background = BackgroundTasks()
+        record_dtype = llm.record_dtype if llm is not None else None  # None: a gateway that only builds tasks
         self.jobs = JobQueue(
-            jobs_dir, run_job, extraction_window, service.max_fact_chars, background, record_dtype=llm.record_dtype
+            jobs_dir, run_job, extraction_window, service.max_fact_chars, background, record_dtype=record_dtype
         )
         self.memories = Memories(service, FactEncoder(llm, metrics, background), self.jobs, residency)
         self.admin = TenantAdmin(service)

@@ -78,19 +78,28 @@ class JobQueue:
         def progress(report: dict) -> None:
             tenant.record_job(job_id, {"id": job_id, "status": "running", "report": report})
 
-        def run(record_dtype: str | None) -> None:
-            report = self._run_job(job_id, api_key, tenant.id, path, window, neighbours, record_dtype, progress)
-            tenant.record_job(job_id, {"id": job_id, "status": "succeeded", "report": report, "finished": time.time()})
-
-        async def start() -> None:
+        def run(record_dtype: str | None, unknown: Exception | None) -> None:
             try:
-                record_dtype = await self._record_dtype() if self._record_dtype is not None else None
-                await asyncio.get_running_loop().run_in_executor(None, run, record_dtype)
+                if unknown is not None:
+                    raise unknown
+                report = self._run_job(job_id, api_key, tenant.id, path, window, neighbours, record_dtype, progress)
+                tenant.record_job(
+                    job_id, {"id": job_id, "status": "succeeded", "report": report, "finished": time.time()}
+                )
             except Exception as exc:  # noqa: BLE001 - the job's status carries the reason
                 log.exception("encoding job failed")
                 tenant.record_job(job_id, {"id": job_id, "status": "failed", "error": str(exc)[:500]})
             finally:
                 path.unlink(missing_ok=True)
+
+        async def start() -> None:
+            record_dtype, unknown = None, None
+            if self._record_dtype is not None:
+                try:
+                    record_dtype = await self._record_dtype()
+                except Exception as exc:  # noqa: BLE001 - the job fails with it, in its thread
+                    unknown = exc
+            await asyncio.get_running_loop().run_in_executor(None, run, record_dtype, unknown)
 
         self._background.start(start())  # apart from the request: it answers before the job runs
         return {"results": [], "job_id": job_id, "status": "queued"}

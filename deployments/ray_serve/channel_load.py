@@ -2,9 +2,9 @@
 
 Serve counts only the requests it routes; chats over the channel (`deployments/chat_channel.py`) bypass it. Each
 replica reports the chats its channel holds twice: as a routing stat (every second, added to the queue length the
-tenant-affinity router weighs) and as an autoscaling stat (every `metrics_interval_s`), which
-`count_channel_chats`, the LLM deployment's autoscaling policy when chats go over the channel, adds to the
-requests Serve saw before applying Serve's own rule.
+tenant-affinity router weighs) and as an autoscaling stat (sampled and pushed to Serve's controller on the
+autoscaling config's schedule), which `count_channel_chats`, the LLM deployment's autoscaling policy when chats go
+over the channel, adds to the requests Serve saw before applying Serve's own rule.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ class ReportsChannelLoad:
 
 
 def channel_chats(ctx: AutoscalingContext) -> float:
-    """The chats the running replicas' channels held, each averaged over Serve's look-back window."""
+    """The chats the running replicas' channels held, each replica's aggregated over Serve's look-back window by the
+    config's `aggregation_function` and then summed (the same total as Serve's own count under the default `mean`;
+    under `max` or `min` each replica's peak or trough)."""
     per_replica = (ctx.aggregated_metrics or {}).get(CHANNEL_CHATS, {})
     return float(sum(per_replica.get(replica, 0.0) for replica in ctx.running_replicas))
 

@@ -93,6 +93,7 @@ class ServeLLMBackend:
         """`channel_ttl_s`: chats over the replicas' channels, each tenant's replica kept that long (None: Serve's
         handle); `record_dtype`: the LLM replicas' `llm.record_dtype` (`engine` is asked of one, once)."""
         self._record_dtype = record_dtype
+        self._asking_record_dtype: asyncio.Future | None = None
         self._handle = in_this_mode(handle)
         self._stream = self._handle.options(stream=True)
         self._routes = ChannelRoutes(self._handle, channel_ttl_s) if channel_ttl_s is not None else None
@@ -151,9 +152,23 @@ class ServeLLMBackend:
         self._channels.close()
 
     async def record_dtype(self) -> str:
-        if self._record_dtype == "engine":  # the served dtype, which only a replica's engine knows for sure
-            self._record_dtype = await self._handle.record_dtype.remote()
-        return self._record_dtype
+        if self._record_dtype != "engine":
+            return self._record_dtype
+        if self._asking_record_dtype is None:  # the served dtype, which only a replica's engine knows for sure
+            self._asking_record_dtype = asyncio.ensure_future(self._ask_record_dtype())
+        return await asyncio.shield(self._asking_record_dtype)
+
+    async def _ask_record_dtype(self) -> str:
+        try:
+            answer = await asyncio.wait_for(self._handle.record_dtype.remote(), self._first_event_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"no model replica named its record dtype within {self._first_event_timeout_s:g} s; resubmit the job"
+            ) from None
+        finally:
+            self._asking_record_dtype = None  # asked again next time, unless this answer is kept below
+        self._record_dtype = answer
+        return answer
 
     async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]:
         return await self._handle.encode.remote({"api_key": api_key, "tenant_id": tenant_id, "facts": facts})

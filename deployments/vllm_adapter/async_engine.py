@@ -89,7 +89,8 @@ class MemoryEngine:
     @property
     def record_dtype(self) -> str:
         """The dtype the engine's captures store records in: the configured one, or the engine's own."""
-        return stored_dtype(self._record_dtype, str(self._engine.model_config.dtype))
+        cache = self._engine.vllm_config.cache_config.cache_dtype  # "auto": the model's dtype, as captures see it
+        return stored_dtype(self._record_dtype, str(self._engine.model_config.dtype) if cache == "auto" else cache)
 
     async def warm_up(self) -> None:
         """One short generation, so the first real request does not pay for lazy initialisation."""

@@ -158,7 +158,7 @@ def test_a_job_stores_its_records_in_the_dtype_the_serving_engine_stores_its_own
     for (text, _), expected in zip(FACTS, exact):
         record = service.records.get("maya", stored[text].record_id)
         assert record.k.dtype == record.v.dtype == torch.bfloat16 and record.params.dtype == "bfloat16"
-        # one rounding of the float32 values: within half a bf16 ulp (2^-9 relative), and not equal to them
+        # one rounding of the float32 values: within a bf16 ulp (2^-8 relative), and not equal to them
         assert torch.allclose(record.k.float(), expected.k, rtol=2**-8, atol=1e-6)
         assert torch.allclose(record.v.float(), expected.v, rtol=2**-8, atol=1e-6)
         assert not torch.equal(record.k.float(), expected.k)

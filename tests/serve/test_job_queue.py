@@ -39,7 +39,7 @@ def submit_and_finish(tmp_path: Path, record_dtype: Any) -> tuple[Holder, list[A
         holder, background = Holder(), BackgroundTasks()
         queue = JobQueue(tmp_path / "jobs", runner, None, 2000, background, record_dtype=record_dtype)
         queue.submit(holder, "key", SubmitJob(input=JOB_INPUT))  # type: ignore[arg-type]
-        while holder.jobs and next(iter(holder.jobs.values()))["status"] == "queued":
+        while background._running:  # until the job's task is done: its status written and its file removed
             await asyncio.sleep(0.01)
         return holder
 
@@ -92,6 +92,37 @@ def test_the_ingress_asks_a_replica_for_the_engines_dtype_once_and_never_for_a_n
 
     answers, named = asyncio.run(main())
     assert answers == ["bfloat16", "bfloat16"] and named == "float16" and Handle.asked == 1
+
+
+def test_a_replica_that_never_names_its_record_dtype_fails_the_job_in_time_and_is_asked_again():
+    from deployments.ray_serve.ingress import ServeLLMBackend
+
+    class Silent:
+        asked = 0
+
+        def __getattr__(self, name: str) -> Any:
+            return self
+
+        def options(self, **kwargs: Any) -> "Silent":
+            return self
+
+        def remote(self) -> Any:
+            Silent.asked += 1
+            return asyncio.get_running_loop().create_future()  # never answered
+
+    async def main() -> list[str]:
+        backend = ServeLLMBackend(Silent(), first_event_timeout_s=0.05, record_dtype="engine")
+        errors = []
+        for _ in range(2):
+            try:
+                await backend.record_dtype()
+            except TimeoutError as exc:
+                errors.append(str(exc))
+        return errors
+
+    errors = asyncio.run(main())
+    assert len(errors) == 2 and "no model replica named its record dtype within 0.05 s" in errors[0]
+    assert Silent.asked == 2  # a failed ask is not kept: the next job asks again
 
 
 def test_engine_resolves_to_the_engines_dtype_and_a_named_one_stays():
