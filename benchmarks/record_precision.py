@@ -129,7 +129,8 @@ def main() -> None:
             )
             # after each run: a run cut short (a device call's limit) leaves the answers it has
             write_report(
-                args.out, about | summary(runs, plan, args.candidate) | {"total_s": time.monotonic() - started}
+                args.out,
+                about | summary(runs, plan, args.candidate) | {"total_s": round(time.monotonic() - started, 1)},
             )
     finally:
         from ray import serve
