@@ -67,51 +67,48 @@ def test_a_job_whose_record_dtype_cannot_be_learned_fails_with_the_reason_and_ru
     assert left == []  # its input file is removed
 
 
+class RecordDtypeHandle:
+    """The LLM deployment's handle as `ServeLLMBackend.record_dtype` uses it: `record_dtype.remote()` answers
+    `answer`, or never (None); `asked` counts the calls."""
+
+    def __init__(self, answer: str | None) -> None:
+        self.answer, self.asked = answer, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return self
+
+    def options(self, **kwargs: Any) -> "RecordDtypeHandle":
+        return self
+
+    def remote(self) -> Any:
+        self.asked += 1
+        future = asyncio.get_running_loop().create_future()
+        if self.answer is not None:
+            future.set_result(self.answer)
+        return future
+
+
 def test_the_ingress_asks_a_replica_for_the_engines_dtype_once_and_never_for_a_named_one():
     from deployments.ray_serve.ingress import ServeLLMBackend
 
-    class Handle:
-        asked = 0
-
-        def __getattr__(self, name: str) -> Any:
-            return self
-
-        def options(self, **kwargs: Any) -> "Handle":
-            return self
-
-        def remote(self) -> Any:
-            Handle.asked += 1
-            future = asyncio.get_running_loop().create_future()
-            future.set_result("bfloat16")
-            return future
+    handle = RecordDtypeHandle("bfloat16")
 
     async def main() -> tuple[list[str], str]:
-        engine = ServeLLMBackend(Handle(), record_dtype="engine")
-        named = ServeLLMBackend(Handle(), record_dtype="float16")
+        engine = ServeLLMBackend(handle, record_dtype="engine")
+        named = ServeLLMBackend(handle, record_dtype="float16")
         return [await engine.record_dtype(), await engine.record_dtype()], await named.record_dtype()
 
     answers, named = asyncio.run(main())
-    assert answers == ["bfloat16", "bfloat16"] and named == "float16" and Handle.asked == 1
+    assert answers == ["bfloat16", "bfloat16"] and named == "float16" and handle.asked == 1
 
 
 def test_a_replica_that_never_names_its_record_dtype_fails_the_job_in_time_and_is_asked_again():
     from deployments.ray_serve.ingress import ServeLLMBackend
 
-    class Silent:
-        asked = 0
-
-        def __getattr__(self, name: str) -> Any:
-            return self
-
-        def options(self, **kwargs: Any) -> "Silent":
-            return self
-
-        def remote(self) -> Any:
-            Silent.asked += 1
-            return asyncio.get_running_loop().create_future()  # never answered
+    silent = RecordDtypeHandle(None)
 
     async def main() -> list[str]:
-        backend = ServeLLMBackend(Silent(), first_event_timeout_s=0.05, record_dtype="engine")
+        backend = ServeLLMBackend(silent, first_event_timeout_s=0.05, record_dtype="engine")
         errors = []
         for _ in range(2):
             try:
@@ -122,7 +119,7 @@ def test_a_replica_that_never_names_its_record_dtype_fails_the_job_in_time_and_i
 
     errors = asyncio.run(main())
     assert len(errors) == 2 and "no model replica named its record dtype within 0.05 s" in errors[0]
-    assert Silent.asked == 2  # a failed ask is not kept: the next job asks again
+    assert silent.asked == 2  # a failed ask is not kept: the next job asks again
 
 
 def test_engine_resolves_to_the_engines_dtype_and_a_named_one_stays():
