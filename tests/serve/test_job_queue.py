@@ -136,5 +136,7 @@ def test_engine_resolves_to_the_engines_dtype_and_a_named_one_stays():
 def test_the_llm_replica_names_its_record_dtype(cluster):
     from ray import serve
 
-    handle = serve.get_deployment_handle("LLMServer", "inferscale")
-    assert handle.record_dtype.remote().result(timeout_s=60) == "float32"  # the session cluster's llm.record_dtype
+    async def ask() -> str:  # in high-throughput mode a handle routes on the caller's event loop
+        return await serve.get_deployment_handle("LLMServer", "inferscale").record_dtype.remote()
+
+    assert asyncio.run(ask()) == "float32"  # the session cluster's llm.record_dtype
