@@ -19,6 +19,7 @@ from config.connector import ConnectorConfig
 from deployments.triton_adapter import optional_kernel
 from kvcore.capture import CaptureWorker
 from kvcore.injection import InjectionWorker
+from kvcore.record import dtype_by_name
 from kvcore.replica_slot import claim_slot
 from kvcore.rope import RopeConfig
 from kvcore.store import LocalFactStore
@@ -97,4 +98,4 @@ def _placement_writer(replica: str, url: str | None):
 
 def _record_dtype(name: str) -> torch.dtype | None:
     """The configured record dtype as torch's; None for the engine's own."""
-    return None if name == "engine" else getattr(torch, name)
+    return None if name == "engine" else dtype_by_name(name)

@@ -22,6 +22,7 @@ import torch
 from config.settings import Settings
 from kvcore.encoding import EncodingJob, encode_jobs
 from kvcore.history_index import chunk_prefix, history_chunks
+from kvcore.record import dtype_by_name
 from kvcore.store import LocalFactStore
 from models.chat import build_frame
 from models.loader import load_model
@@ -60,7 +61,7 @@ def encode_history_records(
         loaded.spec,
         tenant_id=tenant_id,
         window=0,
-        dtype=getattr(torch, record_dtype) if record_dtype else loaded.dtype,
+        dtype=dtype_by_name(record_dtype) if record_dtype else loaded.dtype,
         max_batch_tokens=max(config.encoding.max_batch_tokens, job.length),
     )
     chunks = history_chunks(record, history_id)

@@ -20,6 +20,7 @@ from config.settings import Settings
 from kvcore.conversation import Fact, FactLimits, Turn
 from kvcore.encoding import encode_jobs, plan_fact_jobs
 from kvcore.errors import KVCoreError
+from kvcore.record import dtype_by_name
 from models.chat import TokenizerEncoder, build_frame
 from models.loader import load_model
 from models.minilm import MiniLMEmbedder
@@ -47,7 +48,7 @@ class EncodeWorker:
         self._settings = Settings(**settings)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU actor encodes and embeds on its GPU
         self._loaded = load_model(self._settings.model.model_copy(update={"device": device}))
-        self._record_dtype = getattr(torch, record_dtype) if record_dtype else self._loaded.dtype
+        self._record_dtype = dtype_by_name(record_dtype) if record_dtype else self._loaded.dtype
         self._forward = HFKVForward(self._loaded)
         self._frame = build_frame(self._loaded.tokenizer, self._settings.system_prompt)
         self._encoder = TokenizerEncoder(self._loaded.tokenizer)

@@ -33,6 +33,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise IncompatibleRecordsError(f"K/V dtype {dtype} is not supported (use float32, bfloat16 or float16)")
 
 
+def dtype_by_name(name: str) -> torch.dtype:
+    """The K/V dtype a name gives ("bfloat16"): `dtype_name`'s inverse."""
+    if name not in _DTYPE_NAMES:
+        raise IncompatibleRecordsError(f"K/V dtype {name!r} is not supported (use float32, bfloat16 or float16)")
+    return _DTYPE_NAMES[name]
+
+
 @dataclass(frozen=True)
 class EncodingParams:
     """How a record was made: enough to decide whether it may be served by a given model."""
