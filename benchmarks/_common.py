@@ -146,7 +146,8 @@ def target(name: str, value: float, goal: str) -> dict[str, Any]:
     """`goal` is '>= X' or '<= X'; `met` is computed here so nobody has to trust prose."""
     op, bound = goal.split()
     met = value >= float(bound) if op == ">=" else value <= float(bound)
-    return {"name": name, "value": round(value, 4), "goal": goal, "met": bool(met)}
+    shown = round(value, 4) if abs(value) >= 1e-3 else float(f"{value:.4g}")  # a small value keeps its digits
+    return {"name": name, "value": shown, "goal": goal, "met": bool(met)}
 
 
 def write_report(path: Path, payload: dict[str, Any]) -> None:

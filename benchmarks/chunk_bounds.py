@@ -33,7 +33,7 @@ from kvcore.summaries import compact, max_upper_bounds, summarize  # noqa: E402
 FULL = {"layers": 4, "kv_heads": 8, "head_dim": 128, "tokens": 32_768, "chunk": 16, "queries": 80}
 QUICK = {"layers": 2, "kv_heads": 4, "head_dim": 64, "tokens": 4_096, "chunk": 16, "queries": 40}
 SWEEP = [(q, c, w) for q in (8, 16, 32) for c in (32, 64, 128) for w in (2, 4, 8)]  # (block_q, block_c, warps)
-SWEEP_FLOAT32 = [(q, c, w) for q in (16, 32) for c in (64, 128) for w in (4, 8)]
+SWEEP_FLOAT32 = [(q, c, w) for q in (16, 32) for c in (64, 128) for w in (2, 4, 8)]
 
 
 def main() -> None:
@@ -71,16 +71,12 @@ def main() -> None:
     slack = float32_slack(inputs.best(), inputs.best(accumulate="float32"))
     repeats = 5 if device.type == "cpu" else 20
     ms = {"torch_path": device_median_ms(torch_path, device, repeats)}
-    tilings: dict[str, float] = {}
-    tilings_float32: dict[str, float] = {}
     if device.type == "cuda":
         ms["fused"] = device_median_ms(fused, device, repeats)
         ms["fused_float32"] = device_median_ms(fused_float32, device, repeats)
         ms["fused_prepare"] = device_median_ms(prepare, device, repeats)  # the rows and the copies along chunks
         ms["fused_kernel"] = device_median_ms(inputs.best, device, repeats)  # the launch alone
         ms["fused_float32_kernel"] = device_median_ms(lambda: inputs.best(accumulate="float32"), device, repeats)
-        tilings = sweep(inputs, SWEEP, "float64", repeats)
-        tilings_float32 = sweep(inputs, SWEEP_FLOAT32, "float32", repeats)
     for name, value in ms.items():
         print(f"{name:20s} {value:9.3f} ms", flush=True)
     print(f"largest difference, relative to the largest bound: {difference:.2e}", flush=True)
@@ -96,6 +92,17 @@ def main() -> None:
             target("fused float32 bounds ms (8B shape, 2,048 chunks, 80 queries)", ms["fused_float32"], "<= 1.0"),
             target("fused float32 / torch path time", ms["fused_float32"] / ms["torch_path"], "<= 0.25"),
         ]
+    report = {"ms": ms, "difference": difference, "slack": slack, "targets": targets}
+    write(args, device, shape, len(spans), report, {}, {})  # the timings above survive a sweep that fails
+    if device.type == "cuda":
+        tilings = sweep(inputs, SWEEP, "float64", repeats)
+        tilings_float32 = sweep(inputs, SWEEP_FLOAT32, "float32", repeats)
+        write(args, device, shape, len(spans), report, tilings, tilings_float32)
+
+
+def write(
+    args, device: torch.device, shape: dict, chunks: int, report: dict, tilings: dict, tilings_float32: dict
+) -> None:
     write_report(
         args.out,
         {
@@ -104,13 +111,13 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "interpreted": device.type == "cpu",
             "shape": shape,
-            "chunks": len(spans),
-            "ms": {name: round(value, 3) for name, value in ms.items()},
+            "chunks": chunks,
+            "ms": {name: round(value, 3) for name, value in report["ms"].items()},
             "tilings_ms": tilings,
             "tilings_float32_ms": tilings_float32,
-            "relative_difference": difference,
-            "float32_slack": slack,
-            "targets": targets,
+            "relative_difference": report["difference"],
+            "float32_slack": report["slack"],
+            "targets": report["targets"],
         },
     )
 
@@ -123,13 +130,18 @@ def float32_slack(float64: torch.Tensor, float32: torch.Tensor) -> float:
 
 
 def sweep(inputs: BoundsInputs, tiles: list[tuple[int, int, int]], accumulate: str, repeats: int) -> dict[str, float]:
-    """The kernel's launch alone, ms, at each tiling (every one checked to give the default tiling's bounds)."""
-    default = inputs.best(accumulate=accumulate)
+    """The kernel's launch alone, ms, at each tiling. Every float64 tiling is checked to give the default tiling's
+    bounds bit for bit; a float32 tiling sums in another order (its rounding differs), so it is checked to stay at
+    or above the float64 bounds, as its margin promises."""
+    float64 = inputs.best()
     tilings = {}
     for q, c, w in tiles:
         tile = Tiling(q, c, w)
-        if not torch.equal(inputs.best(tile, accumulate), default):  # sums per (query, chunk) and a max: tiles agree
-            raise AssertionError(f"tiling {tile} gives other {accumulate} bounds than the default")
+        bounds = inputs.best(tile, accumulate)
+        if accumulate == "float64" and not torch.equal(bounds, float64):
+            raise AssertionError(f"tiling {tile} gives other float64 bounds than the default")
+        if accumulate == "float32":
+            float32_slack(float64, bounds)  # raises where a bound falls below the float64 one
         ms = device_median_ms(lambda: inputs.best(tile, accumulate), inputs.high.device, repeats)
         tilings[f"{q}x{c}/{w}"] = round(ms, 3)
     best = min(tilings, key=tilings.__getitem__)

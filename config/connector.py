@@ -65,9 +65,10 @@ class ConnectorConfig(Frozen):
     )
     fused_kernel: bool = Field(True, description="Triton writers on CUDA where the cache layout allows them.")
     record_dtype: RecordDtype = Field(
-        "float32",
-        description="The dtype of the records the engine encodes: float32 (re-rotation gives the cached values bit "
-        "for bit), or the engine's own (half the bytes in every tier at bf16), or one named.",
+        "engine",
+        description="The dtype of the records the engine encodes and its device arena holds: the engine's own (half "
+        "the bytes in every tier at bf16; answers measured as good), float32 (re-rotation gives the cached values "
+        "bit for bit), or one named.",
     )
     tiers: TierConfig | None = None
     report_placement: bool = Field(False, description="Record where each fact's K/V is held in Redis.")

@@ -51,7 +51,7 @@ class LLMArgs(Strict):
     )
     tiers: TierConfig | None = Field(None, description="Lower tiers under the device arena (pinned host, then disk).")
     record_dtype: RecordDtype = Field(
-        "float32", description="The dtype of the records the engine encodes (`engine`: the served dtype)."
+        "engine", description="The dtype of the records the engine encodes (`engine`: the served dtype)."
     )
     num_replicas: int | Literal["auto"] = 1
     autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve autoscaling, as given.")

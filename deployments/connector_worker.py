@@ -52,7 +52,7 @@ class ConnectorWorker:
             )
             replica = slot.name
         placement = _placement_writer(replica, config.placement_redis_url) if config.report_placement else None
-        kernels = config.fused_kernel
+        kernels, record_dtype = config.fused_kernel, _record_dtype(config.record_dtype)
         injection = InjectionWorker(
             store,
             config.fingerprint,
@@ -64,12 +64,11 @@ class ConnectorWorker:
             whole_load_bytes=config.whole_load_bytes,
             device_tenant_bytes=config.device_tenant_bytes,
             packed_inserter=optional_kernel("packed_insert", "insert_packed_kernel") if kernels else None,
+            record_dtype=record_dtype,
         )
         return cls(
             injection,
-            CaptureWorker(
-                store, config.fingerprint, rope, _record_dtype(config.record_dtype), on_stored=injection.admit_captured
-            ),
+            CaptureWorker(store, config.fingerprint, rope, record_dtype, on_stored=injection.admit_captured),
             tiers,
             placement,
         )

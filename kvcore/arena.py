@@ -35,8 +35,9 @@ class _Entry:
 class DeviceArena:
     """A byte-bounded, paged pool of records' K/V on one device (allocated at the first insert).
 
-    Records are kept in their own dtype (captured records are float32: a bf16 cache re-rotated from them is
-    bit-exact, which bf16 pre-RoPE keys would not be). Evicted records are handed to `on_evict` with a thunk
+    The arena holds one dtype, the engine's record dtype (`dtype`): a record stored in another (written before
+    the deployment's record dtype changed, say) is converted as it comes in, so a store that mixes dtypes serves
+    the same whatever order its records are loaded in. Evicted records are handed to `on_evict` with a thunk
     that reads their K/V, so a listener that already keeps a copy (a lower tier) costs the device nothing.
     With `tenant_bytes`, no tenant (the first part of a `(tenant, record)` key) holds more than that: a tenant
     at its share makes room from its own least recently used records, so one busy tenant cannot push every
@@ -49,6 +50,7 @@ class DeviceArena:
         head_dim: int,
         device: torch.device,
         capacity_bytes: int,
+        dtype: torch.dtype,
         page_tokens: int = 16,
         on_evict: Callable[[Hashable, Hashable, Callable[[], tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
         on_change: Callable[[Hashable, Hashable, bool], None] | None = None,
@@ -56,7 +58,7 @@ class DeviceArena:
     ) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.device, self.page_tokens = torch.device(device), page_tokens
-        self._capacity_bytes = capacity_bytes
+        self._capacity_bytes, self.dtype = capacity_bytes, dtype
         self._tenant_bytes = tenant_bytes
         self._tenant_pages_cap: int | None = None  # tenant_bytes in pages, once the page size is known
         self._tenant_pages: dict[Hashable, int] = {}
@@ -109,7 +111,7 @@ class DeviceArena:
         self.check_shape(k.shape[0], k.shape[1], k.shape[3])
         if v.shape != k.shape:
             raise IncompatibleRecordsError(f"record K {tuple(k.shape)} and V {tuple(v.shape)} differ")
-        self._allocate(k.dtype)
+        self._allocate()
         rows: list[int] = []
         placed: list[tuple[Hashable, Hashable]] = []
         try:
@@ -123,10 +125,10 @@ class DeviceArena:
                 self.v.index_copy_(1, index, v[:, :, : len(rows)].to(self.device, self.v.dtype).permute(0, 2, 1, 3))
             self._announce(placed)
 
-    def reserve_many(self, items: list[tuple[Hashable, Hashable]], lengths: list[int], dtype: torch.dtype) -> list[int]:
+    def reserve_many(self, items: list[tuple[Hashable, Hashable]], lengths: list[int]) -> list[int]:
         """Rows for several records of `lengths` tokens, all or none (`ArenaFullError`), for a caller that
-        writes their K/V itself (a device kernel, `kvcore.packed`) before anything reads them."""
-        self._allocate(dtype)
+        writes their K/V itself, in the arena's dtype (a device kernel, `kvcore.packed`), before anything reads them."""
+        self._allocate()
         rows: list[int] = []
         placed: list[tuple[Hashable, Hashable]] = []
         try:
@@ -166,11 +168,10 @@ class DeviceArena:
             for key, stamp in placed:
                 self._on_change(key, stamp, True)
 
-    def _allocate(self, dtype: torch.dtype) -> None:
+    def _allocate(self) -> None:
         if self.k is not None:
-            if dtype != self.k.dtype:
-                log.warning("record dtype %s stored as the arena's %s", dtype, self.k.dtype)
             return
+        dtype = self.dtype
         per_token = self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size() * 2
         pages = self._capacity_bytes // (per_token * self.page_tokens)
         if pages < 1:

@@ -60,8 +60,12 @@ class InjectionWorker:
         whole_load_bytes: int = 1 << 30,
         device_tenant_bytes: int | None = None,
         packed_inserter: PackedInserter | None = None,
+        record_dtype: torch.dtype | None = torch.float32,
     ) -> None:
+        """`record_dtype`: the records' dtype, which the device arena holds them in (None: the engine cache's own,
+        as `CaptureWorker` reads it); a record stored in another is converted as the arena takes it."""
         self._store = store
+        self._record_dtype = record_dtype
         self._fingerprint = fingerprint
         self._rope = rope
         self._device_cache_bytes = device_cache_bytes
@@ -106,6 +110,7 @@ class InjectionWorker:
             layout.head_dim,
             first.device,
             self._device_cache_bytes,
+            self._record_dtype or first.dtype,
             on_evict=self._spill if self._tiers is not None else None,
             on_change=on_change,
             tenant_bytes=self._device_tenant_bytes,

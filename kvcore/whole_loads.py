@@ -44,9 +44,7 @@ def load_whole(
     arena.check_shape(packed.layers, packed.heads, packed.dim)
     lengths = [b - a for a, b in zip(packed.starts, packed.starts[1:])]
     try:
-        rows = arena.reserve_many(
-            [((tenant, record_id), stamp) for record_id, stamp, _ in parts], lengths, packed.dtype
-        )
+        rows = arena.reserve_many([((tenant, record_id), stamp) for record_id, stamp, _ in parts], lengths)
     except ArenaFullError:
         return False
     index = long_tensor(rows)

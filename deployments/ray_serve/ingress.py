@@ -88,7 +88,7 @@ class ServeLLMBackend:
         handle: DeploymentHandle,
         first_event_timeout_s: float = 30.0,
         channel_ttl_s: float | None = None,
-        record_dtype: str = "float32",
+        record_dtype: str = "engine",
     ) -> None:
         """`channel_ttl_s`: chats over the replicas' channels, each tenant's replica kept that long (None: Serve's
         handle); `record_dtype`: the LLM replicas' `llm.record_dtype` (`engine` is asked of one, once)."""

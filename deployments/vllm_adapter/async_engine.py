@@ -62,13 +62,17 @@ class MemoryEngine:
     ) -> None:
         self.fingerprint = connector.fingerprint
         self.model_name = str(model)
-        self._record_dtype = connector.record_dtype
         self._store = LocalFactStore(connector.store_root)
         self._tier_root = connector.tiers.disk_cache_dir if connector.tiers is not None else None
         kwargs = {"enable_prefix_caching": True, **(engine_kwargs or {})}
         install_prompt_suffix_detokenizer()  # the first token's text without decoding the whole prompt again
         self._engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(model=str(model), kv_transfer_config=kv_transfer_config(connector), **kwargs)
+        )
+        cache = self._engine.vllm_config.cache_config.cache_dtype  # "auto": the model's dtype, as captures see it
+        # the dtype the captures store records in and the arena holds (a quantized cache's refused here, at start)
+        self.record_dtype = stored_dtype(
+            connector.record_dtype, str(self._engine.model_config.dtype) if cache == "auto" else cache
         )
         if not installed():  # a tokenizer backend loaded with the engine replaced it again
             log.warning("vLLM's detokenizer decodes each whole prompt at its first token (DecodeStream replaced)")
@@ -85,12 +89,6 @@ class MemoryEngine:
         self.max_model_len = self._engine.model_config.max_model_len
         # on a GPU replica the question's pass and the bounds run beside the engine, on the same device
         self._histories = HistoryChooser(Path(model), self._store, self.tokenizer, _device())
-
-    @property
-    def record_dtype(self) -> str:
-        """The dtype the engine's captures store records in: the configured one, or the engine's own."""
-        cache = self._engine.vllm_config.cache_config.cache_dtype  # "auto": the model's dtype, as captures see it
-        return stored_dtype(self._record_dtype, str(self._engine.model_config.dtype) if cache == "auto" else cache)
 
     async def warm_up(self) -> None:
         """One short generation, so the first real request does not pay for lazy initialisation."""

@@ -20,7 +20,7 @@ def read(arena, rows):
 
 
 def test_rows_read_back_what_was_inserted_and_stamps_must_match():
-    arena = DeviceArena(L, H, D, torch.device("cpu"), 4 * PER_PAGE, page_tokens=PAGE)
+    arena = DeviceArena(L, H, D, torch.device("cpu"), 4 * PER_PAGE, torch.float32, page_tokens=PAGE)
     arena.begin_step()
     k, v = kv(6, seed=1)
     rows = arena.insert("a", (1,), k, v)
@@ -33,7 +33,7 @@ def test_rows_read_back_what_was_inserted_and_stamps_must_match():
 
 
 def test_least_recently_used_records_make_room():
-    arena = DeviceArena(L, H, D, torch.device("cpu"), 4 * PER_PAGE, page_tokens=PAGE)
+    arena = DeviceArena(L, H, D, torch.device("cpu"), 4 * PER_PAGE, torch.float32, page_tokens=PAGE)
     for step, name in enumerate("abcd"):
         arena.begin_step()
         arena.insert(name, (0,), *kv(PAGE, seed=step))
@@ -46,7 +46,7 @@ def test_least_recently_used_records_make_room():
 
 
 def test_records_of_the_current_step_are_never_evicted():
-    arena = DeviceArena(L, H, D, torch.device("cpu"), 2 * PER_PAGE, page_tokens=PAGE)
+    arena = DeviceArena(L, H, D, torch.device("cpu"), 2 * PER_PAGE, torch.float32, page_tokens=PAGE)
     arena.begin_step()
     first = arena.insert("a", (0,), *kv(PAGE, seed=0))
     arena.insert("b", (0,), *kv(PAGE, seed=1))
@@ -62,7 +62,7 @@ def test_records_of_the_current_step_are_never_evicted():
 
 
 def test_a_record_of_another_shape_is_refused():
-    arena = DeviceArena(L, H, D, torch.device("cpu"), 4 * PER_PAGE, page_tokens=PAGE)
+    arena = DeviceArena(L, H, D, torch.device("cpu"), 4 * PER_PAGE, torch.float32, page_tokens=PAGE)
     arena.begin_step()
     k = torch.zeros(L + 1, H, 3, D)
     with pytest.raises(IncompatibleRecordsError, match="do not fit"):
@@ -72,7 +72,9 @@ def test_a_record_of_another_shape_is_refused():
 def test_a_tenant_at_its_share_evicts_its_own_records_not_other_tenants():
     """Tenant A fills its two-page share; its next record pushes out A's oldest, while B's record, older than
     all of them, stays. A record larger than a share is refused."""
-    arena = DeviceArena(L, H, D, torch.device("cpu"), 6 * PER_PAGE, page_tokens=PAGE, tenant_bytes=2 * PER_PAGE)
+    arena = DeviceArena(
+        L, H, D, torch.device("cpu"), 6 * PER_PAGE, torch.float32, page_tokens=PAGE, tenant_bytes=2 * PER_PAGE
+    )
     arena.begin_step()
     arena.insert(("B", "b1"), (0,), *kv(PAGE, seed=0))
     for step, name in enumerate(("a1", "a2", "a3"), start=1):
@@ -100,11 +102,12 @@ def test_reserving_rows_is_all_or_nothing_and_announced_once_placed():
         D,
         torch.device("cpu"),
         3 * PER_PAGE,
+        torch.float32,
         page_tokens=PAGE,
         on_change=lambda key, stamp, resident: changes.append((key, resident)),
     )
     arena.begin_step()
-    rows = arena.reserve_many([("a", 1), ("b", 1)], [5, 3], torch.float32)
+    rows = arena.reserve_many([("a", 1), ("b", 1)], [5, 3])
     assert (
         len(rows) == 8
         and len(set(rows)) == 8
@@ -113,7 +116,27 @@ def test_reserving_rows_is_all_or_nothing_and_announced_once_placed():
     )
     assert changes == [("a", True), ("b", True)]
     with pytest.raises(ArenaFullError):  # "c" fits in the one free page, "d" only by evicting this step's records
-        arena.reserve_many([("c", 1), ("d", 1)], [4, 4], torch.float32)
+        arena.reserve_many([("c", 1), ("d", 1)], [4, 4])
     assert arena.rows("c", 1) is None and arena.records == 2 and changes == [("a", True), ("b", True)]
     arena.begin_step()
-    assert arena.reserve_many([("c", 1)], [4], torch.float32) and arena.rows("c", 1) is not None
+    assert arena.reserve_many([("c", 1)], [4]) and arena.rows("c", 1) is not None
+
+
+@pytest.mark.parametrize("first", [torch.float32, torch.bfloat16])
+def test_records_of_either_dtype_are_held_in_the_arenas_dtype_whatever_came_first(first):
+    """A store written before the record dtype changed holds both dtypes: the arena keeps its own (bf16 here), so
+    a float32 record is rounded once as it comes in, and the same records read back the same in either order."""
+    k32, v32 = kv(PAGE, seed=1)
+    k16, v16 = (t.to(torch.bfloat16) for t in kv(PAGE, seed=2))
+    records = {torch.float32: ("f32", k32, v32), torch.bfloat16: ("b16", k16, v16)}
+    arena = DeviceArena(L, H, D, torch.device("cpu"), 4 * PER_PAGE, torch.bfloat16, page_tokens=PAGE)
+    arena.begin_step()
+    for dtype in (first, *(d for d in records if d != first)):
+        name, k, v = records[dtype]
+        arena.insert(name, (0,), k, v)
+    assert arena.k.dtype == arena.v.dtype == torch.bfloat16
+    back_k, back_v = read(arena, list(arena.rows("f32", (0,))))
+    assert torch.equal(back_k, k32.to(torch.bfloat16)) and torch.equal(back_v, v32.to(torch.bfloat16))
+    assert not torch.equal(back_k.float(), k32)  # rounded, not kept at float32
+    back_k, back_v = read(arena, list(arena.rows("b16", (0,))))
+    assert torch.equal(back_k, k16) and torch.equal(back_v, v16)

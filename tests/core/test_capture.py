@@ -73,7 +73,7 @@ def test_engine_cache_round_trips_through_a_record(tmp_path, record_dtype):
     assert record.k.dtype == (record_dtype or torch.bfloat16) and record.token_ids == tuple(range(104, 110))
 
     target = {name: torch.zeros_like(cache) for name, cache in source.items()}
-    worker = InjectionWorker(store, FP, ROPE)
+    worker = InjectionWorker(store, FP, ROPE, record_dtype=record_dtype)
     worker.register(target, layout)
     sched = InjectionScheduler(store, FP)
     memory = MemoryPlan("t1", ("head", "tail"), store.version("t1"))

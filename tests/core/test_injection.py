@@ -398,3 +398,24 @@ def test_a_plans_importance_travels_with_its_records_into_the_tiers(store, tmp_p
     run_step(store, layout, caches, [("r2", MemoryPlan("t1", ("b",), 4, importance=(0.5,)), [2])], worker=worker)
     p_key = tier_key("t1", "p", store.checked_infos("t1", ["p"])[0][0])
     assert tiers.tier_of(p_key) == "cpu" and tiers._entries[p_key].importance == 0.75
+
+
+def test_a_bf16_worker_serves_float32_records_as_their_bf16_copies_would_be_served(store, tmp_path):
+    """After the deployment's record dtype moves to bf16, a store still holds float32 records: the worker's arena
+    holds bf16, so they are served exactly as the same records stored in bf16, whatever was loaded first."""
+    layout = PagedLayout("rows", BS, 2, 8)
+    plan = MemoryPlan("t1", ("p", "a", "b"), 4)
+    halved = LocalFactStore(tmp_path / "bf16")
+    for seed, (fact_id, tokens) in zip((0, 10, 20), (("p", 3), ("a", 5), ("b", 2))):
+        halved.put(make_record(fact_id, tokens, seed=seed, dtype=torch.bfloat16))
+    served = {}
+    for name, source in (("float32", store), ("bfloat16", halved)):
+        caches = {f"l{i}": torch.zeros(6, 2, BS, 16, dtype=torch.bfloat16) for i in range(3)}
+        worker = run_step(source, layout, caches, [("r", plan, [1, 2, 3])], record_dtype=torch.bfloat16)
+        assert worker.take_failed_blocks() == set()
+        served[name] = caches
+    for layer in served["float32"]:
+        assert served["float32"][layer].any() and torch.equal(served["float32"][layer], served["bfloat16"][layer])
+    exact = {f"l{i}": torch.zeros(6, 2, BS, 16, dtype=torch.bfloat16) for i in range(3)}
+    run_step(store, layout, exact, [("r", plan, [1, 2, 3])])  # the float32 arena: not rounded before the rotation
+    assert any(not torch.equal(exact[layer], served["float32"][layer]) for layer in exact)

@@ -15,7 +15,7 @@ import torch
 from kvcore.rope import RopeConfig
 from kvcore.summaries import compact, exact_max_scores, max_upper_bounds, summarize
 
-LAYERS, HEADS, TOKENS, DIM, QUERIES = 2, 3, 460, 16, 21  # queries and chunks past one kernel block each
+LAYERS, HEADS, TOKENS, DIM, QUERIES = 2, 3, 460, 16, 21  # queries past one kernel block (chunks: a smaller tile)
 
 
 def main(device: str, style: str, tiling: str = "", accumulate: str = "float64") -> None:

@@ -37,6 +37,16 @@ def test_the_arena_has_one_default_size():
     assert inspect.signature(InjectionWorker).parameters["device_cache_bytes"].default == DEFAULT_DEVICE_CACHE_BYTES
 
 
+def test_records_are_stored_in_the_served_dtype_unless_one_is_named():
+    """The serving app, the connector and the Helm chart agree: records in the engine's dtype by default."""
+    from config.connector import ConnectorConfig
+
+    values = yaml.safe_load((Path(__file__).parents[2] / "helm/inferscale/values.yaml").read_text())
+    assert AppArgs(state_dir="/srv").llm.record_dtype == "engine"
+    assert ConnectorConfig(store_root="/srv", fingerprint="f").record_dtype == "engine"
+    assert values["serve"]["llm"]["recordDtype"] == "engine"
+
+
 def test_the_connector_config_round_trips_and_refuses_what_it_does_not_know():
     """What the engine builders write into vLLM's extra config is what every connector process parses back; an
     unknown knob, a wrong type or a Redis password fails at engine start, naming the field."""

@@ -139,4 +139,4 @@ def test_the_llm_replica_names_its_record_dtype(cluster):
     async def ask() -> str:  # in high-throughput mode a handle routes on the caller's event loop
         return await serve.get_deployment_handle("LLMServer", "inferscale").record_dtype.remote()
 
-    assert asyncio.run(ask()) == "float32"  # the session cluster's llm.record_dtype
+    assert asyncio.run(ask()) == "float32"  # llm.record_dtype `engine`, resolved: the CPU engine serves float32
