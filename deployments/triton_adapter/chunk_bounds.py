@@ -50,7 +50,7 @@ _FLOAT32_ULP = 2.0**-24  # u: float32's unit roundoff
 _FLOAT32_TINY = 2.0**-126  # float32's smallest normal: what a flush to zero may lose of one value
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["queries"])
 def _best_bounds(
     rows_ptr,
     norm_rows_ptr,
@@ -59,6 +59,7 @@ def _best_bounds(
     norms_ptr,
     out_ptr,
     queries,
+    query_stride,
     chunks,
     DIM: tl.constexpr,
     PAIRS: tl.constexpr,
@@ -73,7 +74,9 @@ def _best_bounds(
 
     rows `[LH, P, 5, Q]` (q'+ first, q'+ second, q'- first, q'- second, -|q|), norm rows `[LH, P, Q]`; boxes
     `[LH, D, C]` and norms `[LH, P, C]`: every load runs along queries or chunks, one cache line for many lanes. A
-    pair's channels are `p * PAIR_STRIDE` and that plus `SECOND`."""
+    pair's channels are `p * PAIR_STRIDE` and that plus `SECOND`. `query_stride` and `chunks` are padded to
+    multiples of 16 and `queries` (a mask's bound alone) is not specialized on, so one compiled kernel serves every
+    history and question (Triton compiles anew for each divisibility of an integer argument: ~0.3 s each)."""
     lh = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < chunks
@@ -85,13 +88,13 @@ def _best_bounds(
         q_ok = q < queries
         total = tl.zeros([BLOCK_Q, BLOCK_C], ACC)
         for p in range(PAIRS):
-            row = rows_ptr + (lh.to(tl.int64) * PAIRS + p) * 5 * queries + q
+            row = rows_ptr + (lh.to(tl.int64) * PAIRS + p) * 5 * query_stride + q
             up_f = tl.load(row, mask=q_ok, other=0.0)[:, None]
-            up_s = tl.load(row + queries, mask=q_ok, other=0.0)[:, None]
-            down_f = tl.load(row + 2 * queries, mask=q_ok, other=0.0)[:, None]
-            down_s = tl.load(row + 3 * queries, mask=q_ok, other=0.0)[:, None]
-            minus_norm = tl.load(row + 4 * queries, mask=q_ok, other=0.0)[:, None]
-            norm_row = norm_rows_ptr + (lh.to(tl.int64) * PAIRS + p) * queries + q
+            up_s = tl.load(row + query_stride, mask=q_ok, other=0.0)[:, None]
+            down_f = tl.load(row + 2 * query_stride, mask=q_ok, other=0.0)[:, None]
+            down_s = tl.load(row + 3 * query_stride, mask=q_ok, other=0.0)[:, None]
+            minus_norm = tl.load(row + 4 * query_stride, mask=q_ok, other=0.0)[:, None]
+            norm_row = norm_rows_ptr + (lh.to(tl.int64) * PAIRS + p) * query_stride + q
             scaled_norm = tl.load(norm_row, mask=q_ok, other=0.0)[:, None]
             first = boxes + (p * PAIR_STRIDE) * chunks
             second = first + SECOND * chunks
@@ -147,16 +150,14 @@ def fused_max_upper_bounds(
 class BoundsInputs:
     """What the kernel reads, laid out along queries and chunks (its preparation, timed apart by the benchmark)."""
 
-    rows: torch.Tensor  # [LH, P, 5, Q] float64
-    norm_rows: torch.Tensor  # [LH, P, Q] float64
-    high: torch.Tensor  # [LH, D, C]
-    low: torch.Tensor  # [LH, D, C]
-    norms: torch.Tensor  # [LH, P, C]
+    rows: torch.Tensor  # [LH, P, 5, Q'] float64, Q' the queries padded to a multiple of 16 (zeros past Q)
+    norm_rows: torch.Tensor  # [LH, P, Q'] float64
+    high: torch.Tensor  # [LH, D, C'], C' the chunks padded alike
+    low: torch.Tensor  # [LH, D, C']
+    norms: torch.Tensor  # [LH, P, C']
     neox: bool
-
-    @property
-    def chunks(self) -> int:
-        return self.high.shape[-1]
+    queries: int  # Q
+    chunks: int  # C
 
     @classmethod
     def of(
@@ -169,12 +170,14 @@ class BoundsInputs:
     ) -> "BoundsInputs":
         rows = QueryRows.of(queries, query_positions, fact_start, summaries.span_end, rope)
         return cls(
-            rows.per_pair.transpose(2, 3).contiguous(),
-            rows.norm.transpose(1, 2).contiguous(),
-            _along_chunks(summaries.high),
-            _along_chunks(summaries.low),
-            _along_chunks(summaries.norms),
+            _padded(rows.per_pair.transpose(2, 3)),
+            _padded(rows.norm.transpose(1, 2)),
+            _padded(_along_chunks(summaries.high)),
+            _padded(_along_chunks(summaries.low)),
+            _padded(_along_chunks(summaries.norms)),
             rope.style == "neox",
+            queries.shape[0],
+            summaries.low.shape[0],
         )
 
     @cached_property
@@ -191,7 +194,7 @@ class BoundsInputs:
         gamma = n_ulps / (1 - n_ulps)
         query_sq = _squares(self.rows, (1, 2)) + _squares(self.norm_rows, 1)  # [LH, Q]
         chunk_sq = _squares(self.high, 1) + _squares(self.low, 1) + 2 * _squares(self.norms, 1)  # [LH, C]
-        query_norm, chunk_norm = query_sq.amax(-1).sqrt()[:, None], chunk_sq.sqrt()
+        query_norm, chunk_norm = query_sq.amax(-1).sqrt()[:, None], chunk_sq[:, : self.chunks].sqrt()
         flushed = _FLOAT32_TINY * (12 * pairs + math.sqrt(6 * pairs) * (query_norm + chunk_norm))
         return 1.01 * (gamma * query_norm * chunk_norm + flushed)
 
@@ -200,22 +203,23 @@ class BoundsInputs:
         float32 sums plus their margin)."""
         dtype, acc = _accumulators(accumulate)
         rows, norm_rows = self.float32_rows if dtype == torch.float32 else (self.rows, self.norm_rows)
-        heads, dim, chunks = self.high.shape
-        pairs, queries = self.norm_rows.shape[1:]
-        out = torch.empty(heads, chunks, dtype=dtype, device=self.high.device)
-        if chunks == 0:
+        heads, dim, padded_chunks = self.high.shape
+        pairs, query_stride = self.norm_rows.shape[1:]
+        out = torch.empty(heads, padded_chunks, dtype=dtype, device=self.high.device)
+        if self.chunks == 0:
             return out.double()
         on_its_device = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
         with _LAUNCH, on_its_device:
-            _best_bounds[(heads, triton.cdiv(chunks, tiling.block_c))](
+            _best_bounds[(heads, triton.cdiv(padded_chunks, tiling.block_c))](
                 rows,
                 norm_rows,
                 self.high,
                 self.low,
                 self.norms,
                 out,
-                queries,
-                chunks,
+                self.queries,
+                query_stride,
+                padded_chunks,
                 DIM=dim,
                 PAIRS=pairs,
                 PAIR_STRIDE=1 if self.neox else 2,
@@ -225,7 +229,17 @@ class BoundsInputs:
                 ACC=acc,
                 num_warps=tiling.warps,
             )
+        out = out[:, : self.chunks]  # the padding's chunks are zero boxes: their bounds mean nothing
         return out if dtype == torch.float64 else out.double() + self.float32_margin
+
+
+def compiled_variants() -> int:
+    """How many compiled versions of the bounds kernel this process holds (one per accumulation dtype and tiling
+    is the design: sizes must not add any)."""
+    caches = getattr(_best_bounds, "device_caches", None)  # Triton >= 3.2: per device, the kernel cache first
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(cache) for cache in _best_bounds.cache.values())
 
 
 def _accumulators(accumulate: str) -> tuple[torch.dtype, tl.dtype]:
@@ -241,9 +255,17 @@ def _squares(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
 
 
 def _along_chunks(summary: torch.Tensor) -> torch.Tensor:
-    """`[C, L, H, X]` as `[L*H, X, C]`, contiguous: a history's summaries laid out along chunks (one copy of ~42 MB
-    a question at the 8B shape: tens of microseconds of the device's bandwidth; kept with the index if it shows)."""
-    return summary.flatten(1, 2).permute(1, 2, 0).contiguous()
+    """`[C, L, H, X]` as `[L*H, X, C]`: a history's summaries laid out along chunks (copied once a question by
+    `_padded`, ~42 MB at the 8B shape: tens of microseconds of the device's bandwidth)."""
+    return summary.flatten(1, 2).permute(1, 2, 0)
+
+
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    """`x` contiguous, its last dimension padded with zeros to a multiple of 16 (one copy either way)."""
+    size = x.shape[-1]
+    out = x.new_zeros(*x.shape[:-1], -(-size // 16) * 16)
+    out[..., :size] = x
+    return out
 
 
 def _unsupported(summaries: ChunkSummaries, queries: torch.Tensor, rope: RopeConfig) -> str:
