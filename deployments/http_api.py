@@ -114,6 +114,7 @@ async def _admin_auth(request: Request) -> str:
 
 
 TenantDep = Annotated[Tenant, Depends(_tenant_auth)]
+ARRIVED, FIRST_BODY = "inferscale_arrived", "inferscale_first_body"  # the middleware's marks in the request's state
 
 
 ScopeQuery = Annotated[Scope | None, Depends(scope_input)]  # the end user a memory route's query names
@@ -139,12 +140,15 @@ class LimitsAndMetrics:
             await response(scope, receive, send)
             self._count(scope, response.status_code)
             return
-        status = 500
+        status, marks = 500, scope.setdefault("state", {})
+        marks[ARRIVED] = time.perf_counter()  # the request's way through FastAPI to its handler starts here
 
         async def observed(message: dict) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif FIRST_BODY not in marks and message.get("body"):
+                marks[FIRST_BODY] = time.perf_counter()  # the first piece leaves for the transport
             await send(message)
 
         try:
@@ -231,8 +235,8 @@ def create_app(gateway: Gateway) -> FastAPI:
             "data": [{"id": gateway.served_name, "object": "model", "created": 0, "owned_by": "inferscale"}],
         }
 
-    async def generate(tenant: Tenant, body: GenerationRequest, shape: "_Shape", api_key: str):
-        received = time.perf_counter()
+    async def generate(tenant: Tenant, body: GenerationRequest, shape: "_Shape", request: Request):
+        received, api_key = time.perf_counter(), _key(request) or ""
         prepared = await gateway.prepare_chat(tenant, body, api_key)
         prepared.dispatched = time.time()
         events = gateway.llm.chat(prepared.task)
@@ -245,8 +249,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         }
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            marks = request.scope.get("state", {})
             return EventStream(
-                _sse(gateway, first, events, base, received, prepared, include_usage, body.memory.mode, shape)
+                _sse(gateway, first, events, base, received, prepared, include_usage, body.memory.mode, shape, marks)
             )
         text, ttft_ms, final = [], None, None
         entries: list | None = [] if body.logprob_count() is not None else None
@@ -284,7 +289,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         },
     )
     async def chat(tenant: TenantDep, body: ChatRequest, request: Request):
-        return await generate(tenant, body, CHAT, _key(request) or "")
+        return await generate(tenant, body, CHAT, request)
 
     @app.post(
         "/v1/completions",
@@ -297,7 +302,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     )
     async def complete(tenant: TenantDep, body: CompletionRequest, request: Request):
         """The prompt continued as it is; the tenant's retrieved memory sits before it (injected or pasted)."""
-        return await generate(tenant, body, TEXT, _key(request) or "")
+        return await generate(tenant, body, TEXT, request)
 
     app.include_router(mem0_router(gateway, _tenant_auth, _key))  # Mem0's clients; their paths end in "/"
 
@@ -430,6 +435,17 @@ def _usage(
     }
 
 
+def _ingress_legs(marks: dict[str, float], received: float, first_token: float | None) -> dict[str, float]:
+    """The ingress's own part of what lies outside the handler: the request's way from the middleware to the handler
+    (routing, auth, the body's parsing and validation) and the first token's from the handler to the transport."""
+    legs = {}
+    if ARRIVED in marks:
+        legs["to_handler"] = round((received - marks[ARRIVED]) * 1000, 3)
+    if FIRST_BODY in marks and first_token is not None:
+        legs["to_transport"] = round((marks[FIRST_BODY] - first_token) * 1000, 3)
+    return legs
+
+
 def _hop(prepared: PreparedChat, timeline: dict[str, float] | None) -> dict[str, float]:
     """What lies between the ingress and the engine, from both sides' wall clocks (one host): the task's way to
     the replica, the replica's layout before the engine starts, the first token's way back to the ingress."""
@@ -532,7 +548,11 @@ async def _sse(
     include_usage: bool,
     mode: str,
     shape: _Shape,
+    marks: dict[str, float] | None = None,
 ) -> AsyncIterator[bytes]:
+    """The chat's events as server-sent events; `marks` (the middleware's, when it ran) time the request's way to
+    the handler and the first token's way to the transport, reported in the usage as `ingress_ms`."""
+
     def chunk(choice: dict[str, Any] | None, finish: str | None = None, usage: dict | None = None) -> bytes:
         body = {
             **base,
@@ -543,10 +563,12 @@ async def _sse(
             body["usage"] = usage
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
 
-    ttft_ms, final, sent, offset = None, None, False, 0
+    ttft_ms, final, sent, offset, first_token = None, None, False, 0, None
     async for event in _chain(first, events):
         if "delta" in event:
-            ttft_ms = ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000
+            if ttft_ms is None:
+                first_token = time.perf_counter()
+                ttft_ms = (first_token - received) * 1000
             yield chunk(shape.piece(event["delta"], not sent, shape.logprobs(event.get("logprobs"), offset)))
             offset += len(event["delta"])
             sent = True
@@ -561,6 +583,7 @@ async def _sse(
         ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
         await prepared.memory_tiers(),
     )
+    usage["ingress_ms"] = _ingress_legs(marks or {}, received, first_token)
     gateway.observe_usage(usage, mode)
     tail = chunk(shape.last(sent), (final or {}).get("finish_reason", "stop"))
     yield tail + (chunk(None, usage=usage) if include_usage else b"") + DONE  # one write ends the response

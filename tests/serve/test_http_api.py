@@ -187,6 +187,11 @@ def test_the_official_openai_client_works_unchanged_streaming_included(cluster):
             usage = chunk.usage
     assert len(pieces) > 1 and "".join(pieces) == reply.choices[0].message.content  # greedy: the same text
     assert usage is not None and usage.model_extra["injected_tokens"] > 0
+    ingress = usage.model_extra["ingress_ms"]  # the ingress app's own part of what lies outside the handler
+    assert set(ingress) == {"to_handler", "to_transport"} and all(
+        0 <= v < usage.model_extra["ttft_ms"] for v in ingress.values()
+    )
+    assert ingress["to_handler"] > 0, ingress  # routing, auth and the body's validation take some time
     # one token: the engine's only event carries the text and the end together; both shapes still get the text
     first = {"model": MODEL, "messages": [{"role": "user", "content": CAT}], "max_tokens": 1}
     one = client.chat.completions.create(**first, extra_body={"memory": {"k": 3}}).choices[0].message.content
