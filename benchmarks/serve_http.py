@@ -158,6 +158,7 @@ def sample_rounds(
                     "hop_ms": usage.get("hop_ms", {}),
                     "ingress_ms": usage.get("ingress_ms", {}),
                     "embed_legs_ms": usage.get("retrieval_embed_legs_ms", {}),
+                    "retrieval_legs_ms": usage.get("retrieval_legs_ms", {}),
                     "cpu_ms": usage.get("cpu_ms", {}),
                     "engine_phases_ms": usage.get("engine_phases_ms", {}),
                     **{
@@ -588,6 +589,11 @@ def http_figures(
                 f"embed_{leg}_p50": statistics.median(s["embed_legs_ms"][leg] for s in inject)
                 for leg in ("wait", "forward", "resume")
                 if all(leg in s["embed_legs_ms"] for s in inject)
+            },
+            **{  # retrieval's steps: before the embedding, the embedding as awaited, the search, the facts after it
+                f"step_{leg}_p50": statistics.median(s["retrieval_legs_ms"][leg] for s in inject)
+                for leg in ("before_embed", "embed", "search", "facts")
+                if all(leg in s.get("retrieval_legs_ms", {}) for s in inject)
             },
         },
         "gap_ms_p50": gap_legs(inject),

@@ -52,6 +52,7 @@ class PreparedChat:
     retrieval_ms: float
     embedded: Embedded | None = None  # the question's embedding, timed (None: no retrieval)
     tiers: "asyncio.Future[dict[str, int]] | None" = None
+    legs_ms: dict[str, float] | None = None  # retrieval cut: before the embedding, the embedding, search, the rest
     dispatched: float | None = None  # wall clock when the task left for the replica
     first_event: float | None = None  # wall clock when the replica's first event came back
 
@@ -135,8 +136,11 @@ class Gateway:
         facts: tuple[RetrievedFact, ...] = ()
         if body.memory.mode not in ("off", "history") and k > 0:
             query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
+            asked = time.perf_counter()
             embedded = await self.queries.embed(query)
+            back = time.perf_counter()
             retrieved = tenant.retrieve(embedded.vector, k)
+            searched = time.perf_counter()
             version = retrieved.version
             hits = order_facts(retrieved.hits, body.memory.order or self.args.default_order)
             facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in hits)
@@ -144,8 +148,17 @@ class Gateway:
                 self._count_uses(self.residency, tenant, [f for f, _ in hits], api_key)
         else:
             version = tenant.version()
-        retrieval_ms = (time.perf_counter() - started) * 1000
+        ended = time.perf_counter()
+        retrieval_ms = (ended - started) * 1000
         self.metrics.retrieval.observe(retrieval_ms / 1000)
+        legs = None
+        if embedded is not None:  # the embedding's own legs (`Embedded`) lie inside `embed`
+            legs = {
+                "before_embed": round((asked - started) * 1000, 3),
+                "embed": round((back - asked) * 1000, 3),
+                "search": round((searched - back) * 1000, 3),
+                "facts": round((ended - searched) * 1000, 3),
+            }
         recompute = next(
             m for m in (body.memory.recompute, tenant.entry.recompute, self.args.default_recompute) if m is not None
         )
@@ -169,7 +182,7 @@ class Gateway:
         tiers = None
         if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
             tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, facts))
-        return PreparedChat(task, retrieval_ms, embedded, tiers)
+        return PreparedChat(task, retrieval_ms, embedded, tiers, legs)
 
     def _history_of(self, tenant: Tenant, body: GenerationRequest) -> tuple[str | None, int]:
         """History mode's history id and token budget for this chat (None, 0 in the other modes)."""

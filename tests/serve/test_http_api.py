@@ -152,6 +152,10 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
         assert 0 < usage["retrieval_embed_ms"] < usage["retrieval_ms"], usage  # the embedding, then the search
         legs = usage["retrieval_embed_legs_ms"]  # waiting for the thread, the forward, the way back to the request
         assert legs["forward"] > 0 and abs(sum(legs.values()) - usage["retrieval_embed_ms"]) < 0.01, usage
+        steps = usage["retrieval_legs_ms"]  # retrieval cut into its steps, which fill it
+        assert set(steps) == {"before_embed", "embed", "search", "facts"} and steps["search"] > 0, usage
+        assert steps["embed"] >= usage["retrieval_embed_ms"] - 0.01, usage
+        assert abs(sum(steps.values()) - usage["retrieval_ms"]) < 0.01, usage
         hop = usage["hop_ms"]  # the legs between the ingress and the engine, each inside the request's own TTFT
         assert set(hop) == {"to_replica", "layout", "first_token_back"} and all(v >= 0 for v in hop.values())
         cpu = usage["cpu_ms"]  # of the layout's and the embedding forward's wall time, their threads' CPU time

@@ -45,3 +45,17 @@ def test_an_empty_or_small_index_returns_what_it_has():
     assert ids.tolist() == [7] and scores.tolist() == [1.0]
     index.upsert(np.array([7]), np.array([[0, 1, 0, 0]], np.float32))  # replaced in place
     assert index.search(np.array([1, 0, 0, 0], np.float32), 3)[0].tolist() == [0.0] and len(index) == 1
+
+
+def test_a_torch_query_finds_what_a_numpy_one_does_even_with_every_row_asked_for():
+    """The ingress hands over its embedder's tensor; a full index asked for all its rows returns them all, ordered."""
+    import torch
+
+    rng = np.random.default_rng(3)
+    index = ExactIndex(8)
+    vectors = _unit(rng, 16)  # exactly its first capacity
+    index.upsert(np.arange(100, 116), vectors)
+    query = _unit(rng, 1)[0]
+    scores, ids = index.search(torch.from_numpy(query), 16)
+    assert ids.tolist() == (100 + np.argsort(-(vectors @ query), kind="stable")).tolist()
+    assert np.all(np.diff(scores) <= 0) and np.array_equal(index.search(query, 16)[1], ids)
