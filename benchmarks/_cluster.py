@@ -106,6 +106,9 @@ def keep_errors(out: Path, *ray_temps: Path, before: int = 2, after: int = 30) -
     out.write_text("\n".join(blocks) + ("\n" if blocks else ""))
 
 
+DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+
+
 def start_local_serve(proxy: str, num_cpus: int) -> int:
     """A local Ray (loopback only) with Serve in `proxy` mode started in this process; returns the HTTP port.
     Ray reads the mode as it starts, so nothing of Ray may have started in this process before."""
@@ -115,6 +118,9 @@ def start_local_serve(proxy: str, num_cpus: int) -> int:
     from deployments.ray_serve.serve_mode import apply_serve_env
 
     os.environ.update(LOOPBACK_ENV)
+    # a benchmark's cluster serves nothing once it stops: its ingress need not drain for Serve's 30 s (each GPU run
+    # spent them at every stop, one step cut at its time limit there)
+    os.environ.setdefault(DRAIN_ENV, "1")
     temp_dir = scratch_dir(prefix="ray-", dir="/tmp")  # short: Ray's and HAProxy's unix sockets live under it
     if os.environ.get(ERRORS_ENV):  # registered after the folder's removal, so it runs before it
         atexit.register(keep_errors, Path(os.environ[ERRORS_ENV]), Path(temp_dir))
@@ -199,8 +205,8 @@ def start_cluster(
     }  # a cold start of 100 tenants reads ~40 GB of records: not a lost replica
     if cuda:  # the GPU also embeds queries (a sliver of it per ingress replica), as a GPU deployment would
         llm["engine_kwargs"] = {"gpu_memory_utilization": 0.45, "max_model_len": 4096}
-        # every tenant's facts stay hot in HBM, as for active tenants: records are float32 (exact re-rotation),
-        # 100 tenants x 51 records of two 16-token pages at the 8B shape's 256 KiB a token come to ~40 GiB
+        # every tenant's facts stay hot in HBM, as for active tenants: records in the served bf16 (the default),
+        # 100 tenants x 51 records of two 16-token pages at the 8B shape's 128 KiB a token come to ~20 GiB
         llm["device_cache_bytes"] = 48 << 30
         llm["max_encodes_in_flight"] = 32  # 5,000 facts to encode before anything is measured
         ingress |= {
