@@ -268,8 +268,12 @@ def locust_run(base: str, admin: str, users: int, seconds: int, k: int, out: Pat
     }
 
 
+ALONE_SPACING_S = 0.03  # the HTTP run's chats arrive about this far apart (one at a time)
+
+
 def engine_alone(app_args: dict, tasks: list, rounds: list, concurrency: int) -> dict:
-    """The same tasks on the same engine class, no HTTP: TTFT of `rounds` (one at a time) and QPS of `tasks`."""
+    """The same tasks on the same engine class, no HTTP: TTFT of `rounds` (one at a time, back to back and again
+    spaced as the HTTP run's chats come, so an idle engine's and device's wake-up shows apart) and QPS of `tasks`."""
     from deployments.app_args import AppArgs
     from deployments.ray_serve.llm_server import build_engine
 
@@ -287,6 +291,10 @@ def engine_alone(app_args: dict, tasks: list, rounds: list, concurrency: int) ->
             await asyncio.gather(*(serve(t) for t in tasks[first : first + concurrency]))
         single = [await serve(task) for task in rounds]
         ttft = [usage["engine_ttft_ms"] for usage in single]
+        spaced = []  # as the HTTP run's chats come: one at a time, ~30 ms apart, the engine idle in between
+        for task in rounds:
+            await asyncio.sleep(ALONE_SPACING_S)
+            spaced.append((await serve(task))["engine_ttft_ms"])
         gate = asyncio.Semaphore(concurrency)
 
         async def gated(task):
@@ -299,6 +307,7 @@ def engine_alone(app_args: dict, tasks: list, rounds: list, concurrency: int) ->
             qps = len(tasks) / (time.perf_counter() - started)
         return {
             "ttft_ms_p50": statistics.median(ttft),
+            "ttft_ms_p50_spaced": statistics.median(spaced),
             # the same phases as the replica's (`engine_phases_ms_p50`): what the replica's loop adds is there
             "engine_phases_ms_p50": phase_medians([usage["engine_phases_ms"] for usage in single]),
             "qps": qps,
