@@ -42,6 +42,7 @@ from kvcore.streaming import TierStreams
 from kvcore.tiers import TieredStore
 
 log = logging.getLogger(__name__)
+RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a record (and the arena) can be held in
 
 
 class InjectionWorker:
@@ -99,6 +100,8 @@ class InjectionWorker:
         if self._joint and self._writer_factory is not None:
             self._writer = self._writer_factory([self._targets[name].kv_rows for name in names], self._rope)
         first = caches[names[0]]
+        if self._record_dtype is None and first.dtype not in RECORD_DTYPES:  # `engine` over a quantized cache
+            raise IncompatibleRecordsError(f"records cannot be held in the engine cache's {first.dtype}")
         self._table = RotationTable(self._rope, first.device, table_dtype_of(first.dtype))
         tracker = self._placement
         on_change = tracker.arena_changed if tracker is not None else None

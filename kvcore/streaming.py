@@ -126,10 +126,9 @@ class TierStreams:
                 key = tier_key(tenant, record_id, stamp)
                 weight = weights.get(record_id)
                 if key not in self._tiers:  # neither here nor there: it joins the load through the tiers
-                    record = fetch(tenant, record_id, stamp, hi)
-                    self._tiers.put(
-                        key, record.k, record.v, importance=weight or 0.0, label=tier_label(record_id, stamp)
-                    )
+                    record = fetch(tenant, record_id, stamp, hi)  # kept in the arena's dtype, as a spill would be
+                    k, v = record.k.to(self._arena.dtype), record.v.to(self._arena.dtype)
+                    self._tiers.put(key, k, v, importance=weight or 0.0, label=tier_label(record_id, stamp))
                 parts.append(_Part(record_id, stamp, lo, hi, None, self._tiers.begin_load(key, weight)))
         except BaseException:
             self._unpin(parts)
@@ -157,7 +156,7 @@ class TierStreams:
         if not parts:
             return
         if stream.batch is None or [id(p) for p in stream.batch[0]] != [id(p) for p in parts]:  # a part dropped since
-            stream.batch = (parts, BatchedReads([p.reader for p in parts], self._tiers))
+            stream.batch = (parts, BatchedReads([p.reader for p in parts], self._tiers, self._arena.dtype))
             stream.joined, stream.order = [], None
         if any(self._ahead.worth_it(p.reader) for p in parts):
             stream.ahead = (index, self._ahead.submit(stream.batch[1], index))
@@ -246,8 +245,8 @@ class TierStreams:
                 values.append(self._arena.v[index].index_select(0, part.rows))
                 continue
             k, v = self._layer_of(stream, part, index)  # host or disk tier: this layer only, on the device
-            keys.append(k[:, part.lo : part.hi].transpose(0, 1))
-            values.append(v[:, part.lo : part.hi].transpose(0, 1))
+            keys.append(k[:, part.lo : part.hi].transpose(0, 1).to(self._arena.dtype))
+            values.append(v[:, part.lo : part.hi].transpose(0, 1).to(self._arena.dtype))
         return torch.cat(keys), torch.cat(values)
 
     def _layer_of(self, stream: _Stream, part: _Part, index: int) -> tuple[torch.Tensor, torch.Tensor]:

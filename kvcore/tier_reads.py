@@ -125,8 +125,9 @@ class BatchedReads:
     (an entry at full precision, shapes or dtypes that differ) are read a layer at a time, entry by entry.
     """
 
-    def __init__(self, readers: list[LayerReader], tiers: "TieredStore") -> None:
-        self.readers, self._tiers = readers, tiers
+    def __init__(self, readers: list[LayerReader], tiers: "TieredStore", dtype: torch.dtype) -> None:
+        """`dtype`: what the layers come in (the device arena's, whatever each entry was stored in)."""
+        self.readers, self._tiers, self.dtype = readers, tiers, dtype
         self._uploaded: _Uploaded | bool | None = None  # None: not tried yet; False: not possible
 
     def joined_layer(self, index: int) -> Joined:
@@ -137,22 +138,24 @@ class BatchedReads:
         if self._uploaded:
             values = self._uploaded.values(index)
             return values[0], values[1], self._uploaded.starts
-        return join([reader.layer(index) for reader in self.readers])
+        return join([_as(self.dtype, *reader.layer(index)) for reader in self.readers])
 
     def _upload(self) -> _Uploaded | None:
-        packed = upload(self._tiers, self.readers)
+        packed = upload(self._tiers, self.readers, self.dtype)
         return _Uploaded.of(packed) if packed is not None else None
 
 
-def upload(tiers: "TieredStore", readers: list[LayerReader]) -> PackedEntries | None:
+def upload(tiers: "TieredStore", readers: list[LayerReader], dtype: torch.dtype) -> PackedEntries | None:
     """The readers' int8 entries on the store's device as one packed buffer (`read_raw`, then `pack`; through
-    page-locked memory on CUDA), or None when they cannot go so: an entry at full precision, or dtypes or
-    shapes that differ. `RecordCorruptError` for a damaged file."""
-    dtypes = {reader.dtype for reader in readers}
-    if len(dtypes) != 1:
-        return None
+    page-locked memory on CUDA) that dequantizes to `dtype` (the arena's: int8 codes of entries stored in other
+    dtypes join one buffer), or None when they cannot go so: an entry at full precision, or shapes that differ.
+    `RecordCorruptError` for a damaged file."""
     entries = tiers.read_raw(readers, pinned=tiers.device.type == "cuda")
-    return pack(entries, dtypes.pop(), tiers.device) if entries is not None else None
+    return pack(entries, dtype, tiers.device) if entries is not None else None
+
+
+def _as(dtype: torch.dtype, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k.to(dtype), v.to(dtype)
 
 
 def join(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Joined:

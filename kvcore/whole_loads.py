@@ -35,7 +35,7 @@ def load_whole(
     if not readers or sum(r.nbytes for r in readers) > whole_load_bytes:
         return False
     try:
-        packed = upload(tiers, readers)
+        packed = upload(tiers, readers, arena.dtype)
     except (KVCoreError, OSError) as exc:
         log.info("tier entries not loaded whole (%s); streaming them", exc)
         return False

@@ -71,9 +71,13 @@ class MemoryEngine:
         )
         cache = self._engine.vllm_config.cache_config.cache_dtype  # "auto": the model's dtype, as captures see it
         # the dtype the captures store records in and the arena holds (a quantized cache's refused here, at start)
-        self.record_dtype = stored_dtype(
-            connector.record_dtype, str(self._engine.model_config.dtype) if cache == "auto" else cache
-        )
+        try:
+            self.record_dtype = stored_dtype(
+                connector.record_dtype, str(self._engine.model_config.dtype) if cache == "auto" else cache
+            )
+        except ValueError:
+            self._engine.shutdown()
+            raise
         if not installed():  # a tokenizer backend loaded with the engine replaced it again
             log.warning("vLLM's detokenizer decodes each whole prompt at its first token (DecodeStream replaced)")
         from transformers import AutoTokenizer

@@ -79,7 +79,7 @@ def test_layers_read_ahead_on_a_side_stream_equal_direct_reads(tmp_path, tier_by
     assert {store.tier_of(key) for key in originals} == {"cpu" if tier_bytes else "disk"}
     ahead = LayerAhead(torch.device("cuda"))
     readers = [store.begin_load(key) for key in originals]
-    batch = BatchedReads(readers, store)
+    batch = BatchedReads(readers, store, torch.bfloat16)
     busy = torch.randn(4096, 4096, device="cuda")
     for layer in range(8):
         future = ahead.submit(batch, layer)

@@ -419,3 +419,51 @@ def test_a_bf16_worker_serves_float32_records_as_their_bf16_copies_would_be_serv
     exact = {f"l{i}": torch.zeros(6, 2, BS, 16, dtype=torch.bfloat16) for i in range(3)}
     run_step(store, layout, exact, [("r", plan, [1, 2, 3])])  # the float32 arena: not rounded before the rotation
     assert any(not torch.equal(exact[layer], served["float32"][layer]) for layer in exact)
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["full-precision", "int8"])
+def test_float32_records_streamed_through_the_tiers_come_in_the_bf16_arenas_dtype(store, tmp_path, compress):
+    """A load the bf16 arena cannot hold goes through the lower tiers: float32 records are rounded to the arena's
+    dtype on the way, so streamed or served from the arena they write the same cache bits (and the tiers keep
+    them at the arena's dtype)."""
+    from kvcore.tiers import TieredStore
+
+    layout = PagedLayout("rows", BS, 2, 8)
+    page_bytes = 3 * 2 * 8 * 2 * 2 * 16  # one 16-token page of 3 layers, bf16 K and V
+    plan_a, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
+
+    def served(device_cache_bytes, tiers):
+        caches = {f"l{i}": torch.zeros(12, 2, BS, 16, dtype=torch.bfloat16) for i in range(3)}
+        worker = run_step(
+            store,
+            layout,
+            caches,
+            [("ra", plan_a, [3, 7]), ("rb", plan_b, [9])],
+            device_cache_bytes=device_cache_bytes,
+            tiers=tiers,
+            record_dtype=torch.bfloat16,
+        )
+        assert worker.take_failed_blocks() == set()
+        return caches
+
+    tiers = TieredStore("cpu", 0, tmp_path / "disk", compress_lower=compress)
+    streamed = served(2 * page_bytes, tiers)  # room for p and a only: b streams
+    in_arena = served(8 * page_bytes, None)
+    key = tier_key("t1", "b", store.checked_infos("t1", ["b"])[0][0])
+    assert key in tiers and tiers.begin_load(key).dtype == torch.bfloat16
+    if compress:  # int8 codes differ from the arena's rows by their rounding; the region is still the arena's dtype
+        for layer in streamed:
+            assert streamed[layer].dtype == torch.bfloat16 and streamed[layer].any()
+    else:
+        for layer in streamed:
+            assert torch.equal(streamed[layer], in_arena[layer])
+
+
+def test_records_in_the_engines_dtype_are_refused_over_a_quantized_cache(store):
+    """`record_dtype=None` means the cache's own dtype: an fp8 cache holds no record, so registering fails clearly."""
+    from kvcore.errors import IncompatibleRecordsError
+
+    worker = InjectionWorker(store, FP, ROPE, record_dtype=None)
+    caches = {"l0": torch.zeros(4, 2, BS, 16, dtype=torch.float8_e4m3fn)}
+    with pytest.raises(IncompatibleRecordsError, match="float8_e4m3fn"):
+        worker.register(caches, PagedLayout("rows", BS, 2, 8))

@@ -76,7 +76,7 @@ def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_pa
         store.put_many([(key, k[:, :, : 2 + i], v[:, :, : 2 + i], "")])
     assert sorted(store.tier_of(key) for key in keys) == ["cpu", "disk", "disk"]
     readers = [store.begin_load(key) for key in keys]
-    batch = BatchedReads(readers, store)
+    batch = BatchedReads(readers, store, torch.float32)
     for layer in range(L):
         k, v, starts = batch.joined_layer(layer)
         assert starts == [0, 2, 5, 9]
@@ -102,7 +102,7 @@ def test_batched_reads_join_host_and_disk_entries_like_reading_each_layer(tmp_pa
     victim.write_bytes(victim.read_bytes()[:-3])  # a truncated file fails the whole read, not a wrong answer
     readers = [store.begin_load(key) for key in keys]
     with pytest.raises(RecordCorruptError):
-        BatchedReads(readers, store).joined_layer(0)
+        BatchedReads(readers, store, torch.float32).joined_layer(0)
     with pytest.raises(RecordCorruptError):
         store.read_raw(readers, pinned=False)
 
