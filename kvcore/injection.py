@@ -25,7 +25,7 @@ from kvcore.injection_scheduler import LoadSpec
 from kvcore.packed import PackedInserter
 from kvcore.paged import CacheTarget, PagedLayout, step_slots
 from kvcore.placement import PlacementTracker, Sink
-from kvcore.record import FactKV
+from kvcore.record import FactKV, dtype_name
 from kvcore.rope import RopeConfig, RotationTable, table_dtype_of
 from kvcore.step_writes import (
     StepPlan,
@@ -42,7 +42,6 @@ from kvcore.streaming import TierStreams
 from kvcore.tiers import TieredStore
 
 log = logging.getLogger(__name__)
-RECORD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a record (and the arena) can be held in
 
 
 class InjectionWorker:
@@ -100,8 +99,8 @@ class InjectionWorker:
         if self._joint and self._writer_factory is not None:
             self._writer = self._writer_factory([self._targets[name].kv_rows for name in names], self._rope)
         first = caches[names[0]]
-        if self._record_dtype is None and first.dtype not in RECORD_DTYPES:  # `engine` over a quantized cache
-            raise IncompatibleRecordsError(f"records cannot be held in the engine cache's {first.dtype}")
+        if self._record_dtype is None:  # `engine`: a quantized cache's dtype (fp8) is refused as a record's is
+            dtype_name(first.dtype)
         self._table = RotationTable(self._rope, first.device, table_dtype_of(first.dtype))
         tracker = self._placement
         on_change = tracker.arena_changed if tracker is not None else None

@@ -52,7 +52,7 @@ class PackedEntries:
     layers: int
     heads: int
     dim: int
-    dtype: torch.dtype  # what the codes dequantize to (the records' own dtype)
+    dtype: torch.dtype  # what the codes dequantize to (the device arena's, whatever the entries were stored in)
 
     @property
     def tokens(self) -> int:

@@ -236,10 +236,7 @@ class BoundsInputs:
 def compiled_variants() -> int:
     """How many compiled versions of the bounds kernel this process holds (one per accumulation dtype and tiling
     is the design: sizes must not add any)."""
-    caches = getattr(_best_bounds, "device_caches", None)  # Triton >= 3.2: per device, the kernel cache first
-    if caches is not None:
-        return sum(len(entry[0]) for entry in caches.values())
-    return sum(len(cache) for cache in _best_bounds.cache.values())
+    return sum(len(entry[0]) for entry in _best_bounds.device_caches.values())  # per device, its kernel cache first
 
 
 def _accumulators(accumulate: str) -> tuple[torch.dtype, tl.dtype]:
