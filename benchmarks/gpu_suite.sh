@@ -16,7 +16,7 @@
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
 # mps-on starts CUDA's multi-process service (every later CUDA process of the call shares the GPU through it,
 # kernels of separate processes side by side instead of time-sliced); mps-off stops it.
-# With SAMPLE_MS set, ttft and serve-http also sample every process's stacks during their timed phases
+# With SAMPLE_MS set, ttft, serve-http and history-ttft also sample every process's stacks during their timed phases
 # (scripts/sampling) and write OUT_DIR/<step>-stacks.txt.
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}
@@ -80,7 +80,7 @@ for step in "$@"; do
         run record-precision 590 python3 benchmarks/record_precision.py --conversations "${PRECISION_CONVERSATIONS:-4}" \
             --ks "${PRECISION_KS:-10,50}" --out "$out/record_precision.json"
         grep -E "records:" "$out/record-precision.log" ;;
-    history-ttft) run history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --tenants "${HISTORY_TTFT_TENANTS:-4}" --out "$out/history_ttft.json"
+    history-ttft) sampled history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --tenants "${HISTORY_TTFT_TENANTS:-4}" --out "$out/history_ttft.json"
         tail -30 "$out/history-ttft.log" ;;
     history-quality) run history-quality 400 python3 benchmarks/history_quality.py --tenants "${HISTORY_TENANTS:-4}" --out "$out/history_quality.json"
         grep -E "^history_|^whole_history" "$out/history-quality.log" ;;

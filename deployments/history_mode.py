@@ -16,6 +16,7 @@ choice reports its pieces' times (`Choice`), so a chat's usage says what choosin
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -104,12 +105,13 @@ class Choice:
     index_ms: float  # the history's index: from memory, or rebuilt from its chunk records
     question_ms: float  # the question's pass through the first layers
     retrieval_ms: float  # its embedding and the turns' similarities
-    bounds_ms: float  # every chunk's bound, and the selection within the budget
+    bounds_ms: float  # every chunk's bound and the chunks' order by them (queued on a GPU)
+    selection_ms: float  # the heads of both orders back on the host, and the chunks within the budget
     wall_ms: float  # the whole choice on the host's clock: the steps, waiting for the device, the items
 
     def timings(self) -> dict[str, float]:
         parts = {"index": self.index_ms, "question": self.question_ms, "retrieval": self.retrieval_ms}
-        parts["bounds"] = self.bounds_ms
+        parts |= {"bounds": self.bounds_ms, "selection": self.selection_ms}
         every = {**parts, "total": sum(parts.values()), "wall": self.wall_ms}
         return {name: round(ms, 3) for name, ms in every.items()}
 
@@ -219,7 +221,9 @@ class HistoryChooser:
         marks.mark()
         by_retrieval = index.by_retrieval(self.embedder.embed_tensor([question])[0]) if question else []
         marks.mark()
-        chosen = index.choose(queries, budget, by_retrieval)  # the heads of both orders come back to the host
+        by_mass = index.mass_order(queries)
+        marks.mark()
+        chosen = index.select(by_mass, budget, by_retrieval)  # the heads of both orders come back to the host
         marks.mark()
         items = [MemoryItem(index.record_ids[c], index.chunk_tokens(c), index.record_ids[c]) for c in chosen]
         spans = marks.spans_ms()
@@ -267,6 +271,8 @@ class HistoryChooser:
 
 def chunk_bounds_for(device: torch.device) -> MaxBounds:
     """The fused Triton kernel for the chunks' bounds on a GPU (one launch, where torch writes and reads back a
-    float64 term per pair: ~4 ms of a 2,048-chunk history's choice on an H200); the torch path elsewhere."""
+    float64 term per pair: ~4 ms of a 2,048-chunk history's choice on an H200), summing in float32 plus the margin
+    that keeps each bound at or above the float64 one (its kernel 0.55 ms against 1.01 at the 8B shape on the H200,
+    the bounds looser by 4e-5 of the largest: `benchmarks/chunk_bounds.py`, 2026-12-05); the torch path elsewhere."""
     fused = optional_kernel("chunk_bounds", "fused_max_upper_bounds") if device.type == "cuda" else None
-    return fused or max_upper_bounds
+    return functools.partial(fused, accumulate="float32") if fused else max_upper_bounds

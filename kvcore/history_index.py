@@ -119,9 +119,9 @@ class HistoryIndex:
     def ranking(self, queries: torch.Tensor) -> list[int]:
         """Chunks by estimated attention mass, highest first, for the question's pre-RoPE queries `[l, H, Q, D]`
         (its first `scoring_layers` layers), as if it followed the whole history."""
-        return self._mass_order(queries).tolist()
+        return self.mass_order(queries).tolist()
 
-    def _mass_order(self, queries: torch.Tensor) -> torch.Tensor:
+    def mass_order(self, queries: torch.Tensor) -> torch.Tensor:
         """`ranking` as a tensor on the summaries' device (nothing waits for the device)."""
         if queries.shape[0] < self.scoring_layers:
             raise ValueError(f"queries of {queries.shape[0]} layers; the summaries need {self.scoring_layers}")
@@ -156,4 +156,14 @@ class HistoryIndex:
         `recent` newest always, up to half the budget to `by_retrieval` (chunks of the turns retrieval ranks
         best), the rest by the bounds. Only the heads of both orders that a budget can reach leave the device;
         the whole orders only when those heads ran out before the budget did."""
-        return select_from_heads(self.spans, budget, self._mass_order(queries), by_retrieval, recent)
+        return self.select(self.mass_order(queries), budget, by_retrieval, recent)
+
+    def select(
+        self,
+        by_mass: torch.Tensor | Sequence[int],
+        budget: int,
+        by_retrieval: torch.Tensor | Sequence[int] = (),
+        recent: int = 1,
+    ) -> list[int]:
+        """`choose` from a `mass_order` already queued (the host waits here for the heads of both orders)."""
+        return select_from_heads(self.spans, budget, by_mass, by_retrieval, recent)

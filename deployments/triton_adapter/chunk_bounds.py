@@ -112,17 +112,21 @@ def _best_bounds(
 
 @dataclass(frozen=True)
 class Tiling:
-    """The kernel's tile of (queries, chunks) and its warps (`benchmarks/chunk_bounds.py` sweeps them). The default
-    is the sweep's fastest of 27 at the 8B shape on the H200 (2026-12-05: 0.83 ms, float64 sums)."""
+    """The kernel's tile of (queries, chunks) and its warps (`benchmarks/chunk_bounds.py` sweeps them)."""
 
-    block_q: int = 16
-    block_c: int = 128
-    warps: int = 2
+    block_q: int
+    block_c: int
+    warps: int
 
     def __post_init__(self) -> None:
         for name, value in (("block_q", self.block_q), ("block_c", self.block_c), ("warps", self.warps)):
             if value < 1 or value & (value - 1):  # Triton's tiles and warp counts are powers of two
                 raise ValueError(f"tiling {name} must be a power of two, got {value}")
+
+
+# Each accumulation's fastest tiling in the sweep at the 8B shape on the H200 (2026-12-05, second lease, the padded
+# kernel): float64 8x64/4 1.01 ms of 27 (16x128/2 1.20), float32 16x64/4 0.55 ms of 12 (16x128/2 0.70)
+TILINGS = {"float64": Tiling(8, 64, 4), "float32": Tiling(16, 64, 4)}
 
 
 def fused_max_upper_bounds(
@@ -131,11 +135,12 @@ def fused_max_upper_bounds(
     query_positions: torch.Tensor,
     fact_start: int,
     rope: RopeConfig,
-    tiling: Tiling = Tiling(),
+    tiling: Tiling | None = None,
     accumulate: str = "float64",
 ) -> torch.Tensor:
     """`kvcore.summaries.max_upper_bounds` `[C, L, H]` in one launch (the torch path where the kernel does not apply);
-    `accumulate="float32"`: a bound at or above it, faster (the module's docstring)."""
+    `accumulate="float32"`: a bound at or above it, faster (the module's docstring); `tiling`: the accumulation's
+    measured best unless given."""
     _accumulators(accumulate)
     why = _unsupported(summaries, queries, rope)
     if why:
@@ -198,10 +203,11 @@ class BoundsInputs:
         flushed = _FLOAT32_TINY * (12 * pairs + math.sqrt(6 * pairs) * (query_norm + chunk_norm))
         return 1.01 * (gamma * query_norm * chunk_norm + flushed)
 
-    def best(self, tiling: Tiling = Tiling(), accumulate: str = "float64") -> torch.Tensor:
+    def best(self, tiling: Tiling | None = None, accumulate: str = "float64") -> torch.Tensor:
         """float64 `[LH, C]`: each chunk's best bound over the queries, in one launch (summed in `accumulate`; the
-        float32 sums plus their margin)."""
+        float32 sums plus their margin), at `tiling` (default: `TILINGS[accumulate]`)."""
         dtype, acc = _accumulators(accumulate)
+        tiling = tiling or TILINGS[accumulate]
         rows, norm_rows = self.float32_rows if dtype == torch.float32 else (self.rows, self.norm_rows)
         heads, dim, padded_chunks = self.high.shape
         pairs, query_stride = self.norm_rows.shape[1:]

@@ -33,7 +33,7 @@ def main(device: str, style: str, tiling: str = "", accumulate: str = "float64")
     positions = 400 + torch.arange(QUERIES)
     fact_start = 250
     want = max_upper_bounds(summaries, queries, positions, fact_start, rope)
-    tile = chunk_bounds.Tiling(*map(int, tiling.split(","))) if tiling else chunk_bounds.Tiling()
+    tile = chunk_bounds.Tiling(*map(int, tiling.split(","))) if tiling else None
 
     def fused(summed_in: str) -> torch.Tensor:
         return chunk_bounds.fused_max_upper_bounds(

@@ -80,8 +80,10 @@ def test_kept_indexes_are_bounded_by_their_bytes_and_an_evicted_one_is_rebuilt(l
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_gpu_replica_scores_chunks_as_the_cpu_one_and_keeps_the_evidence_turn(loaded, tmp_path):
-    """On CUDA the chooser scores chunks with the fused bounds kernel: the same question's float32 queries give the
-    CPU index's chunk masses; its own choice (bf16 pass, steps timed by events) keeps the evidence turn."""
+    """On CUDA the chooser scores chunks with the fused bounds kernel (float32 sums plus their margin: bounds at most
+    ~1e-4 of the largest above the float64 ones, each mass within a few 1e-4 of the CPU's): the same question's
+    float32 queries give the CPU index's chunk masses; its own choice (bf16 pass, steps timed by events) keeps the
+    evidence turn."""
     from kvcore.history import chunk_mass
 
     store = LocalFactStore(tmp_path)
@@ -99,7 +101,8 @@ def test_a_gpu_replica_scores_chunks_as_the_cpu_one_and_keeps_the_evidence_turn(
         asked = queries[: index.scoring_layers].to(device)
         masses[device] = chunk_mass(index.summaries, asked, len(index.token_ids), index.rope, group, index.bounds).cpu()
     assert indexes["cuda"].bounds is not indexes["cpu"].bounds  # the kernel on CUDA, torch on the CPU
-    assert torch.allclose(masses["cuda"], masses["cpu"], rtol=1e-4, atol=1e-6)
+    assert torch.allclose(masses["cuda"], masses["cpu"], rtol=2e-3, atol=1e-6)
+    assert not torch.equal(masses["cuda"], masses["cpu"])  # the margin is there: not the float64 kernel's bounds
 
     choice = choosers["cuda"].choose("t1", "history-a", question, budget=48)
     assert choice.question_ms > 0 and choice.retrieval_ms > 0 and choice.bounds_ms > 0

@@ -49,8 +49,11 @@ def test_a_history_is_written_once_and_chats_attend_to_the_chunks_within_their_b
     assert 16 <= usage["memory_tokens"] <= 64 and usage["history_chunks"] == -(-usage["memory_tokens"] // 16)
     assert "Pixel" in part.json()["choices"][0]["message"]["content"]  # retrieval's half found the cat's turn
     steps = usage["history_choose_ms"]  # what choosing took, step by step, and within the chat's own TTFT
-    assert set(steps) == {"index", "question", "retrieval", "bounds", "total", "wall", "call"} and steps["question"] > 0
-    parts = ("index", "question", "retrieval", "bounds")
+    assert (
+        set(steps) == {"index", "question", "retrieval", "bounds", "selection", "total", "wall", "call"}
+        and steps["question"] > 0
+    )
+    parts = ("index", "question", "retrieval", "bounds", "selection")
     assert steps["total"] == pytest.approx(sum(steps[k] for k in parts), abs=0.01)
     # the host's clock holds the steps; the loop's wait holds the host's; the chat's TTFT holds the wait
     assert 0 < steps["total"] <= steps["wall"] + 0.01 and steps["wall"] <= steps["call"] < usage["ttft_ms"]
