@@ -137,7 +137,7 @@ class Gateway:
         if body.memory.mode not in ("off", "history") and k > 0:
             query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
             asked = time.perf_counter()
-            embedded = await self.queries.embed(query)
+            embedded = await self.queries.embed(query, meanwhile=lambda: tenant.warm_retrieval(k))
             back = time.perf_counter()
             retrieved = tenant.retrieve(embedded.vector, k)
             searched = time.perf_counter()

@@ -403,12 +403,20 @@ class QueryBatcher:
         if watch is not None:
             watch(asyncio.get_running_loop())
 
-    async def embed(self, text: str) -> Embedded:
+    async def embed(self, text: str, meanwhile: Callable[[], object] | None = None) -> Embedded:
+        """`meanwhile`: the caller's own work for the loop while this text's forward runs, called only when the text
+        starts a forward of its own (an idle embedder: no batch of other queries waits for the loop), never when it
+        joins the next batch under load; what it raises is logged, never the embedding's failure."""
         loop = asyncio.get_running_loop()
         waiting = _Waiting(text, loop.create_future(), time.perf_counter())
         self._pending.append(waiting)
         if not self._running:
             self._start_next(loop)
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except Exception:  # noqa: BLE001 - an optimisation's failure must not fail the question
+                    log.warning("work beside a query's embedding failed", exc_info=True)
         vector, started, ended, cpu = await waiting.future
         resumed = time.perf_counter()
         return Embedded(

@@ -142,6 +142,10 @@ class Tenant:
             raise InvalidInputError(f"k must be within 1..{MAX_K}")
         return self._s.indexes.search(self.id, vector, k)
 
+    def warm_retrieval(self, k: int) -> None:
+        """Ready `retrieve` for a query still being embedded (`TenantIndexes.warm`): the same work, answer dropped."""
+        self._s.indexes.warm(self.id, k)
+
     def placement(self, fact_id: str) -> dict[str, dict]:
         """Where serving replicas hold this fact's K/V: {replica: {tier, version, at}} (reported by the replicas)."""
         self._visible_meta(check_id("fact id", fact_id))

@@ -269,3 +269,28 @@ def test_a_watched_process_that_dies_while_idle_is_replaced_before_any_question(
     finally:
         forwarder.close()
     assert embedded.vector[0].item() == 3 and forwarder.restarts == 1
+
+
+def test_work_beside_a_forward_runs_while_it_runs_and_only_for_a_query_that_started_one(caplog):
+    """`meanwhile` (the gateway warms the tenant's search there) runs on the loop once the query's own forward is
+    on its way; a query that joins the next batch under load does not run it; its failure is only logged."""
+    embedder = _Slow()
+    seen: list[tuple[str, list]] = []
+
+    async def main():
+        batcher = QueryBatcher(embedder, max_batch=8)
+        first = asyncio.ensure_future(batcher.embed("a", meanwhile=lambda: seen.append(("a", list(embedder.calls)))))
+        await asyncio.sleep(0.05)
+        joined = asyncio.ensure_future(batcher.embed("bb", meanwhile=lambda: seen.append(("bb", []))))
+        await asyncio.sleep(0.01)
+        embedder.release.set()
+        await first, await joined
+
+        def broken():
+            raise RuntimeError("warm-up broke")
+
+        return await batcher.embed("ccc", meanwhile=broken)
+
+    last = asyncio.run(main())
+    assert seen == [("a", [])] or seen == [("a", [["a"]])]  # called once, for the query that started a forward
+    assert last.vector.tolist() == [3.0, 1.0] and "work beside a query's embedding failed" in caplog.text

@@ -95,3 +95,19 @@ def test_without_a_live_feed_every_search_catches_up_with_redis(make_service):
     for _ in range(3):
         tenant.search("cat", 5)
     assert len(reads) - before <= 1  # quiet again
+
+
+def test_a_warm_up_catches_the_index_up_and_the_search_after_it_reads_no_log(make_service):
+    """The gateway warms a tenant's search while the question is embedded: the warm-up applies what changed, so
+    the search that follows answers from memory, with the change, and without a round trip."""
+    writer, admin, key, reader = _acme(make_service, "Maya has a grey cat called Pixel.")
+    tenant = reader.authenticate(key)
+    assert [f.text for f, _ in tenant.search("cat", 5)] == ["Maya has a grey cat called Pixel."]
+    writer.authenticate(key).add_facts(["Maya works at the aquarium."])
+    time.sleep(0.05)  # the change's announcement reaches the reader's feed
+    reads = _count_log_reads(reader)
+    tenant.warm_retrieval(5)
+    assert reads == ["acme"]  # the warm-up read the change log
+    vector = reader.embedder.embed(["Where does Maya work?"])[0]
+    found = [f.text for f, _ in tenant.retrieve(vector, 5).hits]
+    assert found[0] == "Maya works at the aquarium." and len(found) == 2 and reads == ["acme"]
