@@ -24,6 +24,7 @@ Its tests prove the bound; `kvcore/history.py` chooses a long history's chunks b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -45,9 +46,11 @@ class ChunkSummaries:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.spans, self.norms, self.low, self.high))
 
-    @property
+    @functools.cached_property
     def span_end(self) -> int:
-        """Where the last chunk ends inside the fact (0 without chunks): how far its rotation angles reach."""
+        """Where the last chunk ends inside the fact (0 without chunks): how far its rotation angles reach. Read
+        once: on a GPU it is a device-to-host copy, which would make every later question wait there for the device
+        (a history's index reads it when it is built)."""
         return int(self.spans[:, 1].max()) if len(self.spans) else 0
 
 

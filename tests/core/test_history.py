@@ -207,3 +207,26 @@ def test_a_history_encoded_as_one_record_is_cut_into_the_chunk_records_a_capture
     assert whole.k[:, :, :16].abs().sum() > 0
     index = HistoryIndex.of_records(history_chunks(whole, "history-abc"), ROPE, scoring_layers=2)
     assert index.token_ids == whole.token_ids and index.spans == tuple(fixed_spans(40, 16))
+
+
+def test_a_questions_chunk_order_reads_nothing_back_from_the_device():
+    """`mass_order` only queues work: a read back (an `.item()`, an `int()` of a tensor) would make a GPU replica's
+    host wait there for the device before it can queue the rest (the summaries' extent was one, per question)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvcore.history_index import HistoryIndex
+    from tests.core.factories import ROPE
+
+    class NoReadBack(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+                raise AssertionError(f"{func} reads a value back to the host")
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(3)
+    index = HistoryIndex.of_records(_chunk_records(torch.randn(2, 2, 80, 8), 16), ROPE, scoring_layers=2)
+    queries = torch.randn(2, 4, 3, 8)
+    expected = index.ranking(queries)
+    with NoReadBack():
+        order = index.mass_order(queries)
+    assert order.tolist() == expected

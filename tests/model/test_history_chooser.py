@@ -104,9 +104,19 @@ def test_a_gpu_replica_scores_chunks_as_the_cpu_one_and_keeps_the_evidence_turn(
     assert torch.allclose(masses["cuda"], masses["cpu"], rtol=2e-3, atol=1e-6)
     assert not torch.equal(masses["cuda"], masses["cpu"])  # the margin is there: not the float64 kernel's bounds
 
-    choice = choosers["cuda"].choose("t1", "history-a", question, budget=48)
-    assert choice.question_ms > 0 and choice.retrieval_ms > 0 and choice.bounds_ms > 0
+    cuda = choosers["cuda"]
+    choice = cuda.choose("t1", "history-a", question, budget=48)
+    assert choice.question_ms > 0 and choice.retrieval_ms > 0 and choice.bounds_ms > 0 and choice.retrieval_beside
+    steps = choice.timings()  # retrieval ran on its own stream, beside the question's pass: not in the total
+    assert steps["total"] == pytest.approx(
+        sum(steps[k] for k in ("index", "question", "bounds", "selection")), abs=0.01
+    )
     index = indexes["cuda"]
+    ids = loaded.tokenizer.encode(question, add_special_tokens=False)
+    one_stream = index.choose(
+        cuda.question_pass(ids), 48, index.by_retrieval(cuda.embedder.embed_tensor([question])[0])
+    )
+    assert [item.record_id for item in choice.items] == [index.record_ids[c] for c in one_stream]
     start, end = index.turns[next(i for i, t in enumerate(MAYA) if "Pixel" in t.text)]
     spans = [index.spans[index.record_ids.index(item.record_id)] for item in choice.items]
     assert any(s < end and start < e for s, e in spans)
