@@ -80,6 +80,12 @@ def inverse_frequencies(rope: RopeConfig, seq_len: int | None = None) -> torch.T
     return _inverse_frequencies(rope, seq_len if rope.rope_type == "dynamic" else None, "cpu").clone()
 
 
+def device_inverse_frequencies(rope: RopeConfig, device: torch.device | str) -> torch.Tensor:
+    """`inverse_frequencies(rope)` as kept on `device` (shared: read it, never write it): no host-to-device copy per
+    call, which would make the host wait for the device there, and which a CUDA graph cannot capture."""
+    return _inverse_frequencies(rope, None, str(torch.device(device)))
+
+
 @functools.lru_cache(maxsize=64)
 def _inverse_frequencies(rope: RopeConfig, seq_len: int | None, device: str) -> torch.Tensor:
     """Cached per device, so rotating on a GPU never copies the frequencies from the host."""

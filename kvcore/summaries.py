@@ -30,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-from kvcore.rope import RopeConfig, inverse_frequencies, rotate
+from kvcore.rope import RopeConfig, device_inverse_frequencies, rotate
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ class QueryRows:
         q_norm = torch.sqrt(q[..., first] ** 2 + q[..., second] ** 2)  # [Q, L, H, P]
         # float32 angles p*theta in the engine: a few ulps of the largest angle, times each pair's norm bound
         reach = (abs(fact_start) + span_end + positions.abs()).double()[:, None]
-        inv = inverse_frequencies(rope).double().to(q.device)
+        inv = device_inverse_frequencies(rope, q.device).double()
         slack = (4 * 2.0**-23 * reach * inv + 1e-7)[:, None, None]  # [Q, 1, 1, P]
         up, down = q_rel.clamp(min=0), q_rel.clamp(max=0)
         per_pair = torch.cat((_by_pair(up, rope), _by_pair(down, rope), -q_norm[..., None, :]), dim=-2)

@@ -174,3 +174,27 @@ def test_the_blocked_bounds_equal_the_plain_statement(rope, narrow):
     bounds = upper_bounds(summaries, queries, positions, 29, rope)
     torch.testing.assert_close(bounds, expected.float(), rtol=2**-23, atol=0)
     assert torch.equal(max_upper_bounds(summaries, queries, positions, 29, rope), bounds.amax(0))
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=["smollm2", "llama31", "gptj-partial"])
+def test_the_queries_rows_on_a_device_copy_nothing_from_the_host(rope):
+    """A question's rows are made where its queries are: a copy from the host (the frequencies, once a question)
+    would make a GPU replica's host wait there, and a CUDA graph of the choice could not hold it. Checked on
+    PyTorch's meta device, where every copy from the host shows as one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvcore.summaries import QueryRows
+
+    class NoHostCopies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            sources = [a for a in args if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and sources:
+                raise AssertionError(f"{func} copies a host tensor to the device")
+            return func(*args, **(kwargs or {}))
+
+    queries = torch.empty(6, 2, 3, rope.head_dim, device="meta")
+    positions = torch.arange(100, 106, device="meta")
+    QueryRows.of(queries, positions, 0, 90, rope)  # the device's frequency table, made once
+    with NoHostCopies():
+        rows = QueryRows.of(queries, positions, 0, 90, rope)
+    assert rows.per_pair.device.type == "meta" and rows.per_pair.shape == (6, rope.dim // 2, 6, 5)
