@@ -11,8 +11,8 @@ order, injected at contiguous positions after the chat frame.
 
 On a GPU replica the question's pass (bf16), the turns' embeddings and the indexes' summaries live on the GPU: the
 bounds of a 32k-token history's 2,048 chunks at the 8B shape are ~10^9 multiply-adds, seconds on a CPU core. There
-retrieval's half runs on a second stream beside the question's pass, and nothing in a question's path reads a value
-back before the selection. Each choice reports its pieces' times (`Choice`), so a chat's usage says what choosing
+the question's pass and the chunks' order are CUDA graph replays (`deployments/choice_graphs.py`), retrieval's half
+runs on a second stream beside them, and nothing in a question's path reads a value back before the selection. Each choice reports its pieces' times (`Choice`), so a chat's usage says what choosing
 cost it.
 """
 
@@ -30,11 +30,12 @@ from typing import Iterator
 
 import torch
 
+from deployments.choice_graphs import OrderGraphs, QuestionPass
 from deployments.memory_prompt import MemoryItem
 from deployments.triton_adapter import optional_kernel
 from kvcore.history import MaxBounds, Span
 from kvcore.history_index import HistoryIndex, chunk_prefix
-from kvcore.query_pass import EarlyLayers, queries_of, question_queries
+from kvcore.query_pass import EarlyLayers
 from kvcore.record import FactKV
 from kvcore.store import LocalFactStore
 from kvcore.summaries import max_upper_bounds
@@ -45,60 +46,6 @@ log = logging.getLogger(__name__)
 
 SCORING_LAYERS = 4  # the question's own pass: layers 0-3
 CACHED_INDEX_BYTES = 2 << 30  # what a replica's kept indexes may take (~42 MB each: a 32k-token history, 8B shape)
-
-
-QUESTION_BUCKETS = (16, 32, 64, 128)  # question lengths the GPU pass is captured at; longer ones run eagerly
-
-
-class QuestionPass:
-    """The question's pass through the first layers: eager on the CPU; on CUDA one graph per length bucket, the
-    question padded at its end (the pass is causal: its own tokens' queries stay exact), so its ~100 small kernels
-    cost one launch (6.1 ms a question eagerly at the 8B shape on the H200, 2026-12-04)."""
-
-    def __init__(self, weights: EarlyLayers) -> None:
-        self._weights = weights
-        self._cuda = weights.embed_tokens.device.type == "cuda"
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] | None = (
-            {} if self._cuda else None
-        )
-        self._lock = threading.Lock()  # one replay at a time: a graph's input and output buffers are shared
-
-    @torch.inference_mode()  # the graphs' buffers are inference tensors: only written to in inference mode
-    def __call__(self, token_ids: list[int]) -> torch.Tensor:
-        """Pre-RoPE queries `[L, H, Q, D]` of the question's tokens."""
-        bucket = next((b for b in QUESTION_BUCKETS if b >= len(token_ids)), None)
-        if self._graphs is None or bucket is None or not token_ids:
-            return question_queries(self._weights, token_ids)
-        with self._lock:
-            if bucket not in self._graphs:
-                try:
-                    self._graphs[bucket] = self._capture(bucket)
-                except torch.OutOfMemoryError:  # a full device, for now: this question fails (503), the next retries
-                    raise
-                except RuntimeError as exc:  # a capture the driver refuses: eager passes from now on
-                    log.warning("CUDA graph capture of the question pass failed (%s); running it eagerly", exc)
-                    self._graphs = None
-                    return question_queries(self._weights, token_ids)
-            graph, ids, out = self._graphs[bucket]
-            ids.zero_()
-            ids[: len(token_ids)].copy_(torch.tensor(token_ids, dtype=torch.long))
-            graph.replay()
-            return out[:, :, : len(token_ids)].clone()
-
-    @torch.inference_mode()
-    def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
-        device = self._weights.embed_tokens.device
-        ids = torch.zeros(bucket, dtype=torch.long, device=device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy tables (RoPE's frequencies) are made outside the capture
-                queries_of(self._weights, ids)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads keep using the GPU
-            out = queries_of(self._weights, ids)
-        return graph, ids, out
 
 
 @dataclass(frozen=True)
@@ -169,6 +116,7 @@ class HistoryChooser:
         self._cached_bytes = cached_bytes
         self._early: EarlyLayers | None = None
         self._question_pass: QuestionPass | None = None
+        self._order_graphs: OrderGraphs | None = None
         self._embedder: MiniLMEmbedder | None = None
         self._indexes: OrderedDict[tuple[str, str], HistoryIndex] = OrderedDict()
         self._lock = threading.Lock()  # the choice runs in worker threads
@@ -190,6 +138,18 @@ class HistoryChooser:
             if self._question_pass is None:
                 self._question_pass = QuestionPass(early)
             return self._question_pass
+
+    @property
+    def order_graphs(self) -> OrderGraphs | None:
+        """The choice's graphs on a GPU with the bounds kernel (None elsewhere: the eager path)."""
+        question_pass, rope = self.question_pass, self.early.rope  # each takes the lock: before it is held here
+        with self._lock:
+            if self._order_graphs is None and question_pass.graphed:
+                inputs = optional_kernel("chunk_bounds", "BoundsInputs")
+                if inputs is not None:
+                    along = optional_kernel("chunk_bounds", "along_chunks")
+                    self._order_graphs = OrderGraphs(question_pass, rope, SCORING_LAYERS, inputs, along)
+            return self._order_graphs
 
     @property
     def embedder(self) -> MiniLMEmbedder:
@@ -218,8 +178,9 @@ class HistoryChooser:
     def choose(self, tenant_id: str, history_id: str, question: str, budget: int) -> Choice:
         """The chunks `question` attends to within `budget` tokens, and what choosing them took.
 
-        On a GPU the steps queue back to back (the host prepares the next while the device runs the last); only
-        the choice itself waits for the device, and each step's time comes from events on the device's timeline.
+        On a GPU the question's pass and the chunks' order are two graph replays (`deployments/choice_graphs.py`;
+        eager where they do not serve), retrieval runs beside them on a second stream, and only the selection waits
+        for the device; each step's time comes from events on the device's timeline.
         """
         began = time.perf_counter()
         index = self.index(tenant_id, history_id)
@@ -230,10 +191,13 @@ class HistoryChooser:
             by_retrieval = index.by_retrieval(self.embedder.embed_tensor([question])[0]) if question else []
             retrieval.mark()
         marks = _StepMarks(self.device)
-        queries = self.question_pass(ids)
-        marks.mark()
-        by_mass = index.mass_order(queries)
-        marks.mark()
+        graphs = self.order_graphs
+        by_mass = graphs.order(index, ids, marks.mark) if graphs is not None else None  # two replays on a GPU
+        if by_mass is None:
+            queries = self.question_pass(ids)
+            marks.mark()
+            by_mass = index.mass_order(queries)
+            marks.mark()
         if side is not None:  # the selection reads retrieval's order: the device waits for it, the host does not
             torch.cuda.current_stream(self.device).wait_stream(side)
         chosen = index.select(by_mass, budget, by_retrieval)  # the heads of both orders come back to the host

@@ -156,8 +156,15 @@ class QueryRows:
 
     @classmethod
     def of(
-        cls, queries: torch.Tensor, query_positions: torch.Tensor, fact_start: int, span_end: int, rope: RopeConfig
+        cls,
+        queries: torch.Tensor,
+        query_positions: torch.Tensor,
+        fact_start: int,
+        span_end: int | torch.Tensor,
+        rope: RopeConfig,
     ) -> "QueryRows":
+        """The rows of queries `[Q, L, H, D]` at `query_positions` against keys summarized up to `span_end` after
+        `fact_start` (a device scalar too: a captured graph serves facts of any extent)."""
         q = queries.double()
         positions = query_positions.to(q.device)
         relative = (positions - fact_start).view(-1, 1, 1).expand(*q.shape[:-1])  # one angle per query

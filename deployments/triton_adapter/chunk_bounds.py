@@ -173,16 +173,36 @@ class BoundsInputs:
         fact_start: int,
         rope: RopeConfig,
     ) -> "BoundsInputs":
-        rows = QueryRows.of(queries, query_positions, fact_start, summaries.span_end, rope)
+        along = [_padded(along_chunks(t)) for t in (summaries.high, summaries.low, summaries.norms)]
+        chunks = summaries.low.shape[0]
+        return cls.laid_out(queries, query_positions, fact_start, summaries.span_end, rope, *along, chunks=chunks)
+
+    @classmethod
+    def laid_out(
+        cls,
+        queries: torch.Tensor,
+        query_positions: torch.Tensor,
+        fact_start: int,
+        span_end: int | torch.Tensor,
+        rope: RopeConfig,
+        high: torch.Tensor,
+        low: torch.Tensor,
+        norms: torch.Tensor,
+        chunks: int | None = None,
+    ) -> "BoundsInputs":
+        """From summaries already laid along chunks (`along_chunks`, contiguous, the chunks a multiple of 16), the
+        first `chunks` of them scored (default: all, as a captured graph's buffers are). `span_end` may be a device
+        scalar (the summarized keys' extent, which bounds the rotation angles' rounding)."""
+        rows = QueryRows.of(queries, query_positions, fact_start, span_end, rope)
         return cls(
             _padded(rows.per_pair.transpose(2, 3)),
             _padded(rows.norm.transpose(1, 2)),
-            _padded(_along_chunks(summaries.high)),
-            _padded(_along_chunks(summaries.low)),
-            _padded(_along_chunks(summaries.norms)),
+            high,
+            low,
+            norms,
             rope.style == "neox",
             queries.shape[0],
-            summaries.low.shape[0],
+            high.shape[-1] if chunks is None else chunks,
         )
 
     @cached_property
@@ -257,9 +277,10 @@ def _squares(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64).square()
 
 
-def _along_chunks(summary: torch.Tensor) -> torch.Tensor:
-    """`[C, L, H, X]` as `[L*H, X, C]`: a history's summaries laid out along chunks (copied once a question by
-    `_padded`, ~42 MB at the 8B shape: tens of microseconds of the device's bandwidth)."""
+def along_chunks(summary: torch.Tensor) -> torch.Tensor:
+    """`[C, L, H, X]` as `[L*H, X, C]` (a view): a history's summaries laid out along chunks, as the kernel reads
+    them (copied once a question by `_padded`, ~42 MB at the 8B shape: tens of microseconds of the device's
+    bandwidth)."""
     return summary.flatten(1, 2).permute(1, 2, 0)
 
 

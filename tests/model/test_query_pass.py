@@ -76,7 +76,7 @@ def test_a_question_padded_at_its_end_keeps_its_own_queries(loaded):
 
 @pytest.mark.gpu
 def test_the_graphed_question_pass_equals_the_eager_one_on_cuda(loaded):
-    from deployments.history_mode import QuestionPass
+    from deployments.choice_graphs import QuestionPass
 
     early = load_early_layers(loaded.path, 4, torch.bfloat16, "cuda")
     graphed = QuestionPass(early)
