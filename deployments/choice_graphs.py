@@ -29,7 +29,7 @@ import torch
 
 from kvcore.history_index import HistoryIndex
 from kvcore.query_pass import EarlyLayers, queries_of, question_queries
-from kvcore.rope import RopeConfig
+from kvcore.rope import RopeConfig, device_inverse_frequencies
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,13 @@ class QuestionPass:
         return graph, ids, out
 
 
-def capture(body: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture(
+    body: Callable[[], torch.Tensor], device: torch.device, pool: Any = None
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """`body` captured as a CUDA graph, after two warm-up runs on a side stream (lazy tables, Triton's compile and
-    cuBLAS's workspaces are made outside the capture); the graph and its output."""
+    cuBLAS's workspaces are made outside the capture); the graph and its output. `pool`: a memory pool shared with
+    other graphs, for graphs that never run at the same time and whose outputs are copied out at once after each
+    replay (another graph's replay may reuse what was this one's)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -113,7 +117,7 @@ def capture(body: Callable[[], torch.Tensor], device: torch.device) -> tuple[tor
             body()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads keep using the GPU
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other threads keep using the GPU
         out = body()
     return graph, out
 
@@ -126,6 +130,8 @@ class LaidSummaries:
     high: torch.Tensor
     low: torch.Tensor
     norms: torch.Tensor
+    layers: int
+    kv_heads: int
     holds: Any = None  # a weak reference to the summaries copied in last
 
     @classmethod
@@ -136,14 +142,14 @@ class LaidSummaries:
         def zeros(t: torch.Tensor) -> torch.Tensor:
             return t.new_zeros(layers * kv_heads, t.shape[-1], chunks)
 
-        return cls(zeros(summaries.high), zeros(summaries.low), zeros(summaries.norms))
+        return cls(zeros(summaries.high), zeros(summaries.low), zeros(summaries.norms), layers, kv_heads)
 
     def fits(self, index: HistoryIndex) -> bool:
-        summaries = self.high, self.low, self.norms
+        """Whether `index`'s summaries have these buffers' layers, KV heads, widths and dtypes."""
+        mine = self.high, self.low, self.norms
         theirs = index.summaries.high, index.summaries.low, index.summaries.norms
         return all(
-            mine.dtype == their.dtype and mine.shape[:2] == (their.shape[1] * their.shape[2], their.shape[3])
-            for mine, their in zip(summaries, theirs)
+            a.dtype == b.dtype and b.shape[1:] == (self.layers, self.kv_heads, a.shape[1]) for a, b in zip(mine, theirs)
         )
 
     def hold(self, index: HistoryIndex, along_chunks: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -187,7 +193,7 @@ def padded_order(
     padding = torch.arange(chunks, device=queries.device) >= count
     best = best.masked_fill(padding[:, None, None], float("-inf"))
     mass = torch.softmax(best / math.sqrt(dim), dim=0).mean(-1).mean(-1)  # over KV heads, then layers
-    return mass.masked_fill(padding, -1.0).argsort(descending=True)
+    return mass.masked_fill(padding, -1.0).argsort(descending=True, stable=True)  # as `mass_order` sorts
 
 
 class OrderGraphs:
@@ -211,6 +217,7 @@ class OrderGraphs:
         self._headers: dict[int, tuple[torch.Tensor, torch.Tensor, list]] = {}  # pinned, device, [copy event]
         self._lock = threading.Lock()
         self._broken = False
+        self._pool: Any = None  # one memory pool for every order graph (their replays are serialized)
 
     @torch.inference_mode()
     def order(self, index: HistoryIndex, token_ids: list[int], mark: Callable[[], None]) -> torch.Tensor | None:
@@ -219,8 +226,8 @@ class OrderGraphs:
         bucket = bucket_of(len(token_ids))
         if self._broken or bucket is None or not token_ids or not self._pass.graphed:
             return None
-        if self._rope.dim != index.summaries.low.shape[-1] or len(index.spans) == 0:
-            return None  # partial rotary: the kernel's torch path
+        if not self._serves(index):
+            return None
         chunks = -(-len(index.spans) // CHUNK_STEP) * CHUNK_STEP
         with self._lock, self._pass.lock:
             laid = self._laid.get(chunks)
@@ -248,6 +255,21 @@ class OrderGraphs:
             mark()
             return order
 
+    def _serves(self, index: HistoryIndex) -> bool:
+        """Whether the graphs can order this history: its summaries where the graphs run, in a dtype the kernel
+        widens exactly, full rotary (else the kernel's torch path), the pass's layers and rotary, some chunks."""
+        summaries = index.summaries
+        return (
+            len(index.spans) > 0
+            and index.rope == self._rope
+            and index.scoring_layers == self._layers
+            and self._rope.dim == summaries.low.shape[-1]
+            and all(
+                t.device == self._device and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                for t in (summaries.high, summaries.low, summaries.norms)
+            )
+        )
+
     def _stage(self, bucket: int, token_ids: list[int], index: HistoryIndex) -> torch.Tensor:
         """The question's tokens (zero padded) and the header's scalars on the device, in one copy from pinned
         memory; the pinned buffer is rewritten only once its last copy has left."""
@@ -269,11 +291,13 @@ class OrderGraphs:
     def _capture(
         self, queries: torch.Tensor, header: torch.Tensor, laid: LaidSummaries
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple]:
-        kv_heads = laid.high.shape[0] // self._layers
         layers = queries[: self._layers]
 
         def body() -> torch.Tensor:
-            return padded_order(layers, header, laid, self._rope, kv_heads, self._bounds_inputs)
+            return padded_order(layers, header, laid, self._rope, laid.kv_heads, self._bounds_inputs)
 
-        graph, out = capture(body, self._device)
-        return graph, out, (queries, header, laid)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph, out = capture(body, self._device, self._pool)
+        frequencies = device_inverse_frequencies(self._rope, self._device)  # read by the graph: kept while it is
+        return graph, out, (queries, header, laid, frequencies)

@@ -94,7 +94,7 @@ class HistoryIndex:
             spans.append((at, at + len(r.token_ids)))
             at += len(r.token_ids)
         summaries = compact(summarize(keys, spans, rope))
-        summaries.span_end  # noqa: B018 - read now, not in a question's path (a device-to-host copy)
+        summaries.span_end  # noqa: B018 - read now, not in each question's path
         return cls(
             tuple(r.fact_id for r in records),
             tuple(spans),
@@ -130,7 +130,7 @@ class HistoryIndex:
         queries = queries[: self.scoring_layers].to(self.summaries.norms.device)
         group = queries.shape[1] // self.summaries.norms.shape[2]
         mass = chunk_mass(self.summaries, queries, len(self.token_ids), self.rope, group, self.bounds).mean(0)
-        return mass.argsort(descending=True)
+        return mass.argsort(descending=True, stable=True)  # ties in chunk order, on any device and size
 
     def with_turns(self, turns: Sequence[Span], vectors: torch.Tensor) -> "HistoryIndex":
         """The same index with its turns' spans and retrieval embeddings (one row a turn)."""

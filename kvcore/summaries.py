@@ -49,8 +49,8 @@ class ChunkSummaries:
     @functools.cached_property
     def span_end(self) -> int:
         """Where the last chunk ends inside the fact (0 without chunks): how far its rotation angles reach. Read
-        once: on a GPU it is a device-to-host copy, which would make every later question wait there for the device
-        (a history's index reads it when it is built)."""
+        once (a reduction over every span, which a history question made each time; a history's index reads it
+        when it is built)."""
         return int(self.spans[:, 1].max()) if len(self.spans) else 0
 
 

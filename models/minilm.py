@@ -143,6 +143,7 @@ class _Graph:
         self.mask[:, 0] = 1  # padding rows attend to one token, so they stay finite
         self.staging = torch.zeros((2, batch, tokens), dtype=torch.long).pin_memory()
         self._copied: torch.cuda.Event | None = None  # the staging buffer's last copy out
+        self._done: torch.cuda.Event | None = None  # the last call's output copied out, on whichever stream it ran
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -154,14 +155,23 @@ class _Graph:
             self.out = encode(w, self.ids, self.mask)
 
     def run(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The rows' vectors (a copy), on the current stream. Calls come one at a time (the embedder's lock) but
+        may run on different streams (a history's turns on one, a question beside the pass on another): each
+        waits on the device for the last one's output to be copied out before it rewrites the graph's buffers."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous call's copy has left the staging buffer
+        stream = torch.cuda.current_stream(self.inputs.device)
+        if self._done is not None:
+            stream.wait_event(self._done)
         padded(rows, self.staging.numpy())
         self.inputs.copy_(self.staging, non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(stream)
         self.graph.replay()
-        return self.out[: len(rows)].clone()
+        out = self.out[: len(rows)].clone()
+        self._done = torch.cuda.Event()
+        self._done.record(stream)
+        return out
 
 
 class MiniLMEmbedder:

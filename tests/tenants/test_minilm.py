@@ -64,6 +64,29 @@ def test_cuda_graph_buckets_equal_the_eager_forward():
 
 
 @pytest.mark.gpu
+def test_a_bucket_replayed_on_two_streams_keeps_each_calls_answer():
+    """A history's turns are embedded on one stream while a question is embedded on another (the chooser's second
+    stream): calls one at a time, but their replays of one bucket's graph may overlap on the device unless each
+    waits for the last one's output. Alternating streams, with a large product queued on one to delay it, every
+    answer equals the same text's answer alone."""
+    import torch
+
+    graphed = MiniLMEmbedder(device="cuda")
+    texts = [f"question number {i} about box {i * 7}" for i in range(12)]
+    alone = [graphed.embed_tensor([t])[0].clone() for t in texts]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    busy = torch.randn(4096, 4096, device="cuda")
+    got = []
+    for i, text in enumerate(texts):
+        with torch.cuda.stream(streams[i % 2]):
+            if i % 2 == 0:
+                busy @ busy  # the even stream lags: without the wait the odd one's replay would overtake it
+            got.append(graphed.embed_tensor([text])[0])
+    torch.cuda.synchronize()
+    assert all(torch.allclose(g, a, atol=1e-5) for g, a in zip(got, alone))
+
+
+@pytest.mark.gpu
 def test_search_on_the_device_matches_the_cpu():
     import numpy as np
 
