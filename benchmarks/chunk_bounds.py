@@ -8,7 +8,9 @@ both on the same inputs and checks they agree; it times the kernel's launch and 
 and sweeps the kernel's tilings (the default's whole time is the target; the best tiling is reported so the
 default can follow the measurement). The kernel's float32 sums (`accumulate="float32"`: twice float64's FMA rate,
 plus a rounding margin) are timed and swept too, checked at or above the float64 bound everywhere, and their
-slack over it reported relative to the largest bound. On a CPU (`--quick`) a small shape: the torch path timed,
+slack over it reported relative to the largest bound. On a GPU history mode's whole order step (the rows, the float32
+kernel, its margin, the masses and their sort) is timed eagerly and as one CUDA graph's replay, as the replica runs
+it (`deployments/choice_graphs.py`). On a CPU (`--quick`) a small shape: the torch path timed,
 the kernel run by Triton's interpreter for the agreement, the float32 check and slack alone (no timing target).
 """
 
@@ -83,6 +85,7 @@ def main() -> None:
         ms["fused_kernel"] = device_median_ms(inputs.best, device, repeats)  # the launch alone
         ms["fused_float32_kernel"] = device_median_ms(lambda: inputs.best(accumulate="float32"), device, repeats)
         compiles = new_compiles(summaries, queries, positions, rope)
+        ms |= order_ms(summaries, rope, shape, repeats)
     for name, value in ms.items():
         print(f"{name:20s} {value:9.3f} ms", flush=True)
     print(f"largest difference, relative to the largest bound: {difference:.2e}", flush=True)
@@ -98,6 +101,8 @@ def main() -> None:
             target("fused float32 bounds ms (8B shape, 2,048 chunks, 80 queries)", ms["fused_float32"], "<= 1.0"),
             target("fused float32 / torch path time", ms["fused_float32"] / ms["torch_path"], "<= 0.25"),
             target("kernel compiles for a history and a question of other sizes", compiles, "<= 0"),
+            target("chunk order as one graph replay, ms (history mode's bounds step)", ms["order_graph"], "<= 1.0"),
+            target("chunk order, graph replay / eager", ms["order_graph"] / ms["order_eager"], "<= 0.5"),
         ]
     report = {"ms": ms, "difference": difference, "slack": slack, "targets": targets}
     write(args, device, shape, len(spans), report, {}, {})  # the timings above survive a sweep that fails
@@ -127,6 +132,36 @@ def write(
             "targets": report["targets"],
         },
     )
+
+
+def order_ms(summaries, rope: RopeConfig, shape: dict, repeats: int) -> dict[str, float]:
+    """History mode's whole order step (`deployments/choice_graphs.py` `padded_order`: the question's rows, the
+    float32 kernel and its margin, the masses, the sort) over this history in its chunk bucket, for a question of
+    20 tokens in its 32-token bucket: run eagerly (a launch per operation) and as one captured graph's replay."""
+    from deployments.choice_graphs import CHUNK_STEP, LaidSummaries, capture, padded_order
+    from deployments.triton_adapter.chunk_bounds import BoundsInputs, along_chunks
+    from kvcore.history_index import HistoryIndex
+
+    device = summaries.low.device
+    chunks = summaries.low.shape[0]
+    spans = tuple((int(s), int(e)) for s, e in summaries.spans.tolist())
+    index = HistoryIndex(tuple(f"c{c}" for c in range(chunks)), spans, (0,) * spans[-1][1], summaries, rope)
+    laid = LaidSummaries.empty(index, -(-chunks // CHUNK_STEP) * CHUNK_STEP)
+    laid.hold(index, along_chunks)
+    tokens, bucket, group = 20, 32, 4
+    heads = shape["kv_heads"] * group
+    gen = torch.Generator(device=device).manual_seed(1)
+    queries = torch.randn(shape["layers"], heads, bucket, shape["head_dim"], generator=gen, device=device)
+    header = torch.tensor([0] * bucket + [tokens - 1, chunks, spans[-1][1], spans[-1][1]], device=device)
+
+    def eager() -> torch.Tensor:
+        return padded_order(queries, header, laid, rope, shape["kv_heads"], BoundsInputs)
+
+    graph, _ = capture(eager, device)
+    return {
+        "order_eager": device_median_ms(eager, device, repeats),
+        "order_graph": device_median_ms(graph.replay, device, repeats),
+    }
 
 
 def new_compiles(summaries, queries: torch.Tensor, positions: torch.Tensor, rope: RopeConfig) -> int:
