@@ -12,8 +12,8 @@ order, injected at contiguous positions after the chat frame.
 On a GPU replica the question's pass (bf16), the turns' embeddings and the indexes' summaries live on the GPU: the
 bounds of a 32k-token history's 2,048 chunks at the 8B shape are ~10^9 multiply-adds, seconds on a CPU core. There
 the question's pass and the chunks' order are CUDA graph replays (`deployments/choice_graphs.py`), retrieval's half
-runs on a second stream beside them, and nothing in a question's path reads a value back before the selection. Each choice reports its pieces' times (`Choice`), so a chat's usage says what choosing
-cost it.
+runs on a second stream beside them, and nothing in a question's path reads a value back before the selection.
+Each choice reports its pieces' times (`Choice`), so a chat's usage says what choosing cost it.
 """
 
 from __future__ import annotations
