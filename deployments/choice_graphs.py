@@ -83,7 +83,7 @@ class QuestionPass:
             except torch.OutOfMemoryError:  # a full device, for now: this question fails (503), the next retries
                 raise
             except RuntimeError as exc:
-                log.warning("CUDA graph capture of the question pass failed (%s); running it eagerly", exc)
+                log.warning("CUDA graph capture failed for the question pass (%s); running it eagerly", exc)
                 self._graphs = None
                 return None
         graph, static_ids, out = self._graphs[bucket]
@@ -246,7 +246,7 @@ class OrderGraphs:
                 except torch.OutOfMemoryError:
                     raise
                 except Exception:  # noqa: BLE001 - a capture the driver refuses, or anything else: eager from now on
-                    log.warning("CUDA graph capture of the chunk order failed; ordering eagerly", exc_info=True)
+                    log.warning("CUDA graph capture failed for the chunk order; ordering eagerly", exc_info=True)
                     self._broken = True
                     return None
             mark()  # the pass (and the summaries' copy): from here on nothing falls back
