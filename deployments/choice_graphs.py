@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 QUESTION_BUCKETS = (16, 32, 64, 128)  # question lengths the GPU pass is captured at; longer ones run eagerly
 CHUNK_STEP = 512  # a chunk bucket's multiple: a 2,049-chunk history is scored as 2,560 (a power of two: 4,096)
+BOUNDS_ACCUMULATE = "float32"  # how history mode sums the bounds, eager or graphed (margin kept: sound)
 _HEADER = 4  # after a question's tokens: its last token's index, the history's chunk count, length and extent
 
 
@@ -189,7 +190,7 @@ def padded_order(
     positions = (first + pick).repeat_interleave(group)
     inputs = bounds_inputs.laid_out(grouped, positions, 0, extent, rope, laid.high, laid.low, laid.norms)
     chunks = laid.high.shape[-1]
-    best = inputs.best(accumulate="float32").T.reshape(chunks, layers, kv_heads).float()  # as history mode sums
+    best = inputs.best(accumulate=BOUNDS_ACCUMULATE).T.reshape(chunks, layers, kv_heads).float()
     padding = torch.arange(chunks, device=queries.device) >= count
     best = best.masked_fill(padding[:, None, None], float("-inf"))
     mass = torch.softmax(best / math.sqrt(dim), dim=0).mean(-1).mean(-1)  # over KV heads, then layers

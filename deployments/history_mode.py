@@ -30,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-from deployments.choice_graphs import OrderGraphs, QuestionPass
+from deployments.choice_graphs import BOUNDS_ACCUMULATE, OrderGraphs, QuestionPass
 from deployments.memory_prompt import MemoryItem
 from deployments.triton_adapter import optional_kernel
 from kvcore.history import MaxBounds, Span
@@ -278,4 +278,4 @@ def chunk_bounds_for(device: torch.device) -> MaxBounds:
     that keeps each bound at or above the float64 one (its kernel 0.55 ms against 1.01 at the 8B shape on the H200,
     the bounds looser by 4e-5 of the largest: `benchmarks/chunk_bounds.py`, 2026-12-05); the torch path elsewhere."""
     fused = optional_kernel("chunk_bounds", "fused_max_upper_bounds") if device.type == "cuda" else None
-    return functools.partial(fused, accumulate="float32") if fused else max_upper_bounds
+    return functools.partial(fused, accumulate=BOUNDS_ACCUMULATE) if fused else max_upper_bounds

@@ -93,13 +93,11 @@ class HistoryIndex:
         for r in records:
             spans.append((at, at + len(r.token_ids)))
             at += len(r.token_ids)
-        summaries = compact(summarize(keys, spans, rope))
-        summaries.span_end  # noqa: B018 - read now, not in each question's path
         return cls(
             tuple(r.fact_id for r in records),
             tuple(spans),
             tuple(t for r in records for t in r.token_ids),
-            summaries,
+            compact(summarize(keys, spans, rope)),
             rope,
             bounds=bounds,
         )

@@ -49,8 +49,7 @@ class ChunkSummaries:
     @functools.cached_property
     def span_end(self) -> int:
         """Where the last chunk ends inside the fact (0 without chunks): how far its rotation angles reach. Read
-        once (a reduction over every span, which a history question made each time; a history's index reads it
-        when it is built)."""
+        once per summaries (a reduction over every span, which each history question made before)."""
         return int(self.spans[:, 1].max()) if len(self.spans) else 0
 
 

@@ -212,7 +212,7 @@ def test_a_history_encoded_as_one_record_is_cut_into_the_chunk_records_a_capture
 def test_a_questions_chunk_order_reads_nothing_back_from_the_device():
     """`mass_order` only queues work: a read back (an `.item()`, an `int()` of a tensor) would make a GPU replica's
     host wait there for the device before it can queue the rest (the summaries' extent, a host tensor's `int()`,
-    was read each question: not a wait, but the check cannot tell, so it is read once when the index is built)."""
+    was read each question: not a wait, but the check cannot tell, so it is read once per index)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from kvcore.history_index import HistoryIndex

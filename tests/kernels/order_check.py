@@ -29,11 +29,11 @@ def _index(device: str, rope: RopeConfig, tokens: int, seed: int, bounds) -> His
 
 
 def main(device: str, style: str, graphs: str = "") -> None:
-    from deployments.choice_graphs import LaidSummaries, padded_order
+    from deployments.choice_graphs import BOUNDS_ACCUMULATE, LaidSummaries, padded_order
     from deployments.triton_adapter import chunk_bounds
 
     rope = RopeConfig(head_dim=DIM, theta=10000.0, style=style)
-    bounds = functools.partial(chunk_bounds.fused_max_upper_bounds, accumulate="float32")  # as history mode sums
+    bounds = functools.partial(chunk_bounds.fused_max_upper_bounds, accumulate=BOUNDS_ACCUMULATE)
     index = _index(device, rope, 75 * CHUNK - 5, 1, bounds)
     stale = _index(device, rope, 96 * CHUNK, 2, bounds)
     gen = torch.Generator().manual_seed(3)
