@@ -1,10 +1,11 @@
 """Retrieval on the chat path, piece by piece: embedding a query (alone and in a batch), searching a tenant's
 vectors (a torch matrix product on the device and on the CPU, against FAISS's flat index when faiss is
 installed), catching up with the change log (a Redis round trip, against a change feed that says nothing
-changed), and the whole step over a real redis-server with `--facts` facts a tenant: as the ingress runs it
-(embed on the device, search on the CPU, change feed) and as it ran before (search on the device, a round
-trip each time). Targets: the ingress's whole step p50 <= 1.5 ms on the GPU; on the CPU the figures are
-reported with the same names.
+changed), and the whole step over a real redis-server with `--facts` facts a tenant, as the ingress runs it
+(`QueryBatcher` with its forward in a process of its own, the change feed): the search in the embedder's copy
+beside the forward, against the search on the ingress's host matrix after the vector came back, interleaved,
+back to back and 30 ms apart (as the serving run's chats come). Targets: the whole step p50 <= 1.5 ms on the
+GPU, 30 ms apart; on the CPU the figures are reported with the same names.
 
 Where the serving run's embedding time goes (`embed_ms.under_load`, GPU only): one query embedded while the
 GPU is kept busy by another process (a CUDA context of its own, as vLLM's engine core is to an ingress
@@ -339,7 +340,7 @@ def beside_busy_loop(
     out: dict = {"piece_ms": piece_ms, "busy": busy, "spaced_ms": spaced_ms}
     try:
         for name, forwarder in embedders.items():
-            batcher = QueryBatcher(forwarder, 8, device="cpu")
+            batcher = QueryBatcher(forwarder, 8)
             out[name] = {
                 "idle": asyncio.run(measure(batcher, False)),
                 "spaced": asyncio.run(measure(batcher, False, spaced_ms)),
@@ -348,6 +349,52 @@ def beside_busy_loop(
     finally:
         embedders["process"].close()
     return out
+
+
+def whole_step(service, tenant, device: str, query: str, repeats: int, k: int = 50) -> dict:
+    """The ingress's retrieval (embedding in a process of its own, change feed, facts) with the search in the
+    embedder's copy and on the host after it, interleaved, 2 ms and 30 ms apart: p50 and p99 of each (ms), the
+    share of questions the copy answered, and whether both found the same facts."""
+    import asyncio
+    from functools import partial
+
+    from deployments.query_batcher import ProcessForwarder, QueryBatcher
+    from models.minilm import query_embedder
+    from tenants.index_mirror import SearchAsk
+
+    forwarder = ProcessForwarder(partial(query_embedder, device, 8, 1 if device == "cpu" else None))
+    batcher = QueryBatcher(forwarder, 8)
+    batcher.follow(service.indexes)
+
+    async def one(copy: bool) -> tuple[float, list[str], bool]:
+        started = time.perf_counter()
+        embedded = await batcher.embed(query, SearchAsk(tenant.id, k) if copy else None)
+        hits = tenant.retrieve(embedded.vector, k, embedded.found).hits
+        return (time.perf_counter() - started) * 1000, [f.id for f, _ in hits], embedded.found is not None
+
+    async def measure(gap_ms: float) -> dict:
+        runs: dict[str, list[tuple[float, list[str], bool]]] = {"copy": [], "host": []}
+        for i in range(repeats + 5):
+            for way in ("copy", "host") if i % 2 else ("host", "copy"):
+                run = await one(way == "copy")
+                if i >= 5:
+                    runs[way].append(run)
+                await asyncio.sleep(gap_ms / 1000)
+        out: dict = {way: _p50_p99([r[0] for r in done]) for way, done in runs.items()}
+        out["copy_answered"] = sum(r[2] for r in runs["copy"]) / len(runs["copy"])
+        out["same_facts"] = all(a[1] == b[1] for a, b in zip(runs["copy"], runs["host"]))
+        return out
+
+    try:
+        forwarder.wait_ready()
+        return {"back_to_back": asyncio.run(measure(2.0)), "spaced_30ms": asyncio.run(measure(30.0))}
+    finally:
+        forwarder.close()
+
+
+def _p50_p99(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"p50": round(statistics.median(ordered), 3), "p99": round(ordered[int(0.99 * (len(ordered) - 1))], 3)}
 
 
 def cpu_threads(query: str, repeats: int) -> dict[str, dict[str, float]]:
@@ -418,22 +465,14 @@ def main() -> None:
     state = Path(scratch_dir(prefix="retrieval-"))
     redis = LocalRedis(state / "redis").start()
     try:
-        service = connect_service(redis.url, state, embedder, device=device)  # as before: a round trip each time
-        ingress = connect_service(redis.url, state, embedder, device="cpu", cache_registry=True)  # as the ingress now
+        service = connect_service(redis.url, state, embedder)  # a round trip to the change log each time
+        ingress = connect_service(redis.url, state, embedder, cache_registry=True)  # as the ingress: a change feed
         key = service.create_tenant(service.ensure_admin_key() or "", "bench")[1]
         tenant, served = service.authenticate(key), ingress.authenticate(key)
         texts = [f"Note {i}: the {['red', 'blue', 'green'][i % 3]} box holds item {i * 7}." for i in range(args.facts)]
         for first in range(0, len(texts), 500):
             tenant.add_facts(texts[first : first + 500])
-
-        def as_ingress() -> None:
-            served.retrieve(embedder.embed_tensor([query])[0].cpu(), 50)
-
-        def as_before() -> None:
-            tenant.retrieve(embedder.embed_tensor([query])[0], 50)
-
-        report["retrieval_ms"] = timed(as_ingress, repeats)
-        report["retrieval_ms_before"] = timed(as_before, repeats)
+        report["retrieval_ms"] = whole_step(ingress, served, device, query, 30 if args.quick else min(repeats, 300))
         report["sync_ms"] = {
             "round_trip": timed(lambda: service.indexes.sync("bench"), repeats),
             "change_feed": timed(lambda: ingress.indexes.sync("bench"), repeats),
@@ -450,13 +489,13 @@ def main() -> None:
             "<= 1.2",
         ),
         target(
-            f"retrieval p50, ms (embed on {device} + change feed + search on the CPU, {args.facts} facts)",
-            report["retrieval_ms"]["p50"],
+            f"retrieval p50, ms, questions 30 ms apart (embed and search on {device}, change feed, {args.facts} facts)",
+            report["retrieval_ms"]["spaced_30ms"]["copy"]["p50"],
             "<= 1.5",
         ),
         target(
-            "retrieval as the ingress runs it / as it ran before (search on the device, a round trip)",
-            report["retrieval_ms"]["p50"] / report["retrieval_ms_before"]["p50"],
+            "retrieval p50, search in the embedder's copy / on the ingress's host matrix, 30 ms apart",
+            report["retrieval_ms"]["spaced_30ms"]["copy"]["p50"] / report["retrieval_ms"]["spaced_30ms"]["host"]["p50"],
             "<= 1",
         ),
     ]

@@ -184,6 +184,7 @@ def sample_rounds(
                     "ingress_ms": usage.get("ingress_ms", {}),
                     "embed_legs_ms": usage.get("retrieval_embed_legs_ms", {}),
                     "retrieval_legs_ms": usage.get("retrieval_legs_ms", {}),
+                    "retrieval_in_copy": bool(usage.get("retrieval_in_copy")),
                     "cpu_ms": usage.get("cpu_ms", {}),
                     "engine_phases_ms": usage.get("engine_phases_ms", {}),
                     **{
@@ -628,11 +629,13 @@ def http_figures(
                 for leg in ("wait", "forward", "resume")
                 if all(leg in s["embed_legs_ms"] for s in inject)
             },
-            **{  # retrieval's steps: before the embedding, the embedding as awaited, the search, the facts after it
+            **{  # retrieval's steps: before the embedding, the embedding (with the copy's search beside its forward)
+                # as awaited, the search's answer taken (or, where the copy's was stale, searched again), the facts
                 f"step_{leg}_p50": statistics.median(s["retrieval_legs_ms"][leg] for s in inject)
                 for leg in ("before_embed", "embed", "search", "facts")
                 if all(leg in s.get("retrieval_legs_ms", {}) for s in inject)
             },
+            "searched_in_copy_share": round(sum(s.get("retrieval_in_copy", False) for s in inject) / len(inject), 3),
         },
         "gap_ms_p50": gap_legs(inject),
         "hop_ms_p50": {

@@ -87,11 +87,12 @@ class IngressArgs(Strict):
         description="Where the ingress embeds questions: a child process of its own (its forward never waits "
         "for the event loop's GIL) or a thread of the replica.",
     )
-    index_device: Literal["cpu", "cuda"] = Field(
-        "cpu",
-        description="Where each tenant's retrieval vectors are "
-        "searched (a 1,000-fact search is ~50 µs on one core "
-        "and leaves no CUDA call on the event loop).",
+    search_copy_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="Most bytes of tenants' retrieval vectors the query embedder keeps a copy of, to search beside "
+        "each question's forward on its device (least recently used tenants dropped first; others are searched "
+        "on the ingress's host copy).",
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body accepted (413 above).")
     rate_per_s: float = Field(50.0, gt=0, description="Sustained requests per second per tenant (429 above).")

@@ -30,6 +30,7 @@ from deployments.schemas import GenerationRequest
 from deployments.tenant_admin import TenantAdmin
 from tenants.errors import InvalidInputError, RateLimitedError, TenantError
 from tenants.facts import Fact
+from tenants.index_mirror import SearchAsk
 from tenants.residency import Residency
 from tenants.service import TenantService
 from tenants.tenant import Tenant
@@ -54,6 +55,7 @@ class PreparedChat:
     tiers: "asyncio.Future[dict[str, int]] | None" = None
     legs_ms: dict[str, float] | None = None  # retrieval cut: before the embedding, the embedding, search, the rest
     dispatched: float | None = None  # wall clock when the task left for the replica
+    searched_in_copy: bool = False  # the query embedder's copy answered the search (not the ingress's matrix)
     first_event: float | None = None  # wall clock when the replica's first event came back
 
     @property
@@ -94,6 +96,7 @@ class Gateway:
         self.service, self.llm, self.args, self.served_name, self.metrics = service, llm, args, served_name, metrics
         self.residency = residency
         self.queries = queries or QueryBatcher(service.embedder)  # type: ignore[arg-type]
+        self.queries.follow(service.indexes)  # each chat's search runs beside its question's forward
         self._limiter = RateLimiter(args.rate_per_s, args.burst)
         background = BackgroundTasks()
         record_dtype = llm.record_dtype if llm is not None else None  # None: a gateway that only builds tasks
@@ -134,14 +137,15 @@ class Gateway:
         started = time.perf_counter()
         embedded: Embedded | None = None
         facts: tuple[RetrievedFact, ...] = ()
+        in_copy = False
         if body.memory.mode not in ("off", "history") and k > 0:
             query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
             asked = time.perf_counter()
-            embedded = await self.queries.embed(query, meanwhile=lambda: tenant.warm_retrieval(k))
+            embedded = await self.queries.embed(query, SearchAsk(tenant.id, k))
             back = time.perf_counter()
-            retrieved = tenant.retrieve(embedded.vector, k)
+            retrieved = tenant.retrieve(embedded.vector, k, embedded.found)
             searched = time.perf_counter()
-            version = retrieved.version
+            version, in_copy = retrieved.version, retrieved.from_copy
             hits = order_facts(retrieved.hits, body.memory.order or self.args.default_order)
             facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in hits)
             if self.residency is not None:
@@ -182,7 +186,7 @@ class Gateway:
         tiers = None
         if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
             tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, facts))
-        return PreparedChat(task, retrieval_ms, embedded, tiers, legs)
+        return PreparedChat(task, retrieval_ms, embedded, tiers, legs, searched_in_copy=in_copy)
 
     def _history_of(self, tenant: Tenant, body: GenerationRequest) -> tuple[str | None, int]:
         """History mode's history id and token budget for this chat (None, 0 in the other modes)."""

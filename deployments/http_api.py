@@ -424,6 +424,7 @@ def _usage(
         "retrieval_embed_ms": round(prepared.embed_ms, 3),
         "retrieval_embed_legs_ms": _embed_legs(prepared.embedded),
         "retrieval_legs_ms": prepared.legs_ms or {},
+        "retrieval_in_copy": prepared.searched_in_copy,
         "ttft_ms": round(ttft_ms, 3),
         "engine_ttft_ms": engine.get("engine_ttft_ms", 0.0),
         "engine_phases_ms": engine.get("engine_phases_ms") or {},

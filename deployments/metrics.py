@@ -73,6 +73,12 @@ class Metrics:
             "Times this replica's query embedder process died and was started again",
             registry=self.registry,
         )
+        self.search_copy_bytes = Gauge(
+            "inferscale_search_copy_bytes",
+            "Bytes of tenants' retrieval vectors this replica's query embedder holds a copy of, to search beside "
+            "each question's forward",
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

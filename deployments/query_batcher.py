@@ -12,6 +12,10 @@ torch call while the loop holds it in long pieces (on a CPU, with the loop 60 % 
 forward went from 8.9 to 16.3 ms: `benchmarks/retrieval.py`). `ProcessForwarder` runs the forward in a child
 process, whose interpreter nothing else uses; the loop sees only a socket becoming readable. `Embedded` reports
 each query's legs and the forward's CPU time.
+
+A question can also ask for its tenant's search (`SearchAsk`): the forwarder's side holds a copy of the tenants'
+vectors (`tenants/index_mirror.py`) and searches right after the forward, on the same device. The changes the copy
+needs go ahead of each batch, in the same stream; `Embedded.found` carries the ids and scores.
 """
 
 from __future__ import annotations
@@ -37,12 +41,58 @@ import numpy as np
 import torch
 
 from deployments.message_socket import BlockingSide, LoopSide, socket_pair
+from tenants.index_mirror import (
+    Found,
+    IndexUpdate,
+    MirrorIndexes,
+    MirrorLedger,
+    SearchAsk,
+    pack_hits,
+    pack_updates,
+    unpack_hits,
+    unpack_updates,
+)
 
 log = logging.getLogger(__name__)
 _READY = b"R"  # the child's first message once its embedder is built (else b"E" and why)
-_HEADER = struct.Struct("<?dddI")  # a reply from the embedder's process: ok, started, ended, cpu s, rows; vectors
-# (vectors or failure, started, ended, the forward's CPU time in its thread, s)
-Done = Callable[["torch.Tensor | BaseException", float, float, float], None]
+# a reply from the embedder's process: ok, started, ended, cpu s, rows, dim; then vectors and hits (or the failure)
+_HEADER = struct.Struct("<?dddII")
+_LENGTH = struct.Struct("<I")
+Hits = list["tuple[np.ndarray, np.ndarray] | None"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A batch's vectors (one row a question) and, per question, what the search copy found (None: no search)."""
+
+    vectors: torch.Tensor
+    hits: Hits
+
+
+# (answer or failure, started, ended, the forward's CPU time in its thread, s)
+Done = Callable[["Answer | BaseException", float, float, float], None]
+
+
+@dataclass(frozen=True)
+class EmbedBatch:
+    """What the forwarder runs at once: the copy's updates, the questions' texts and their searches."""
+
+    texts: list[str]
+    asks: list[SearchAsk | None]
+    updates: list[IndexUpdate]
+
+    def to_bytes(self) -> bytes:
+        headers, blob = pack_updates(self.updates)
+        asks = [None if a is None else [a.tenant_id, a.k] for a in self.asks]
+        head = json.dumps({"texts": self.texts, "asks": asks, "updates": headers}).encode()
+        return _LENGTH.pack(len(head)) + head + blob
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "EmbedBatch":
+        (size,) = _LENGTH.unpack_from(data)
+        head = json.loads(data[_LENGTH.size : _LENGTH.size + size])
+        asks = [None if a is None else SearchAsk(a[0], int(a[1])) for a in head["asks"]]
+        return cls(head["texts"], asks, unpack_updates(head["updates"], memoryview(data)[_LENGTH.size + size :]))
 
 
 class TensorEmbedder(Protocol):
@@ -55,7 +105,7 @@ class Forwarder(Protocol):
     """Runs one forward off the event loop and calls `done` on the loop with its outcome, its clock
     (`time.perf_counter`, which is the system's monotonic clock in every process) and its thread's CPU time."""
 
-    def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None: ...
+    def submit(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None: ...
 
     def close(self) -> None: ...
 
@@ -71,35 +121,39 @@ class Embedded:
     forward_ms: float
     resume_ms: float
     forward_cpu_ms: float = 0.0  # of forward_ms, the forward thread's own CPU time (the rest: waiting)
+    found: Found | None = None  # the search the question asked for, where the copy ran it
 
     @property
     def total_ms(self) -> float:
         return self.wait_ms + self.forward_ms + self.resume_ms
 
 
-def _vectors(embedder: TensorEmbedder, texts: list[str], device: torch.device | None = None) -> torch.Tensor:
-    vectors = embedder.embed_tensor(texts)
-    if device is not None:
-        vectors = vectors.to(device)
-    if vectors.is_cuda:  # wait for the device here, off the event loop, not in the search that follows on it
-        torch.cuda.current_stream(vectors.device).synchronize()
-    return vectors
+def _run_batch(embedder: TensorEmbedder, copy: MirrorIndexes, batch: EmbedBatch) -> Answer:
+    """The copy's updates, the forward, the searches, the vectors on the host: one device wait, off the loop."""
+    copy.apply(batch.updates)
+    vectors = embedder.embed_tensor(batch.texts)
+    hits = copy.search(vectors, batch.asks)  # its read-back waits for the forward too
+    return Answer(vectors.float().cpu(), hits)
+
+
+def _device_of(embedder: TensorEmbedder) -> torch.device:
+    return torch.device(getattr(embedder, "device", "cpu"))
 
 
 class ThreadForwarder:
     """The forward in one thread of this process (its Python steps share this process's GIL)."""
 
-    def __init__(self, embedder: TensorEmbedder, device: torch.device | None = None) -> None:
-        self._embedder, self._device = embedder, device
+    def __init__(self, embedder: TensorEmbedder) -> None:
+        self._embedder, self._copy = embedder, MirrorIndexes(_device_of(embedder))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed")
 
-    def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None:
-        self._pool.submit(self._run, loop, texts, done)
+    def submit(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
+        self._pool.submit(self._run, loop, batch, done)
 
-    def _run(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None:
+    def _run(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
-            outcome: torch.Tensor | BaseException = _vectors(self._embedder, texts, self._device)
+            outcome: Answer | BaseException = _run_batch(self._embedder, self._copy, batch)
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
             outcome = exc
         loop.call_soon_threadsafe(done, outcome, started, time.perf_counter(), time.thread_time() - cpu)
@@ -198,7 +252,7 @@ class ProcessForwarder:
         """False once it has given up (a failed start, or too many deaths in a row)."""
         return self._failed is None
 
-    def submit(self, loop: asyncio.AbstractEventLoop, texts: list[str], done: Done) -> None:
+    def submit(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
         if self._failed is None and not self._process.is_alive():  # died while idle: start another first
             self._died(loop, in_flight=None)
         if self._failed is not None:
@@ -208,7 +262,7 @@ class ProcessForwarder:
         self._watch(loop)
         self._done = done
         try:  # before the process is ready it waits in the socket
-            if not self._side.write(json.dumps(texts).encode()):
+            if not self._side.write(batch.to_bytes()):
                 loop.add_writer(self._side.fileno(), self._flush)
         except OSError:
             self._died(loop, in_flight=self._take_done())
@@ -271,13 +325,17 @@ class ProcessForwarder:
                 self._fail(self._take_done(), self._failed)
             return
         done = self._take_done()
-        ok, started, ended, cpu, rows = _HEADER.unpack_from(message)
+        ok, started, ended, cpu, rows, dim = _HEADER.unpack_from(message)
         body = memoryview(message)[_HEADER.size :]
         if ok:
             self._deaths = 0
         if done is not None:
-            vectors = torch.frombuffer(bytearray(body), dtype=torch.float32).view(rows, -1) if ok else None
-            done(vectors if vectors is not None else RuntimeError(bytes(body).decode()), started, ended, cpu)
+            if not ok:
+                done(RuntimeError(bytes(body).decode()), started, ended, cpu)
+                return
+            size = rows * dim * 4
+            vectors = torch.frombuffer(bytearray(body[:size]), dtype=torch.float32).view(rows, dim)
+            done(Answer(vectors, unpack_hits(body[size:], rows)), started, ended, cpu)
 
     def _died(self, loop: asyncio.AbstractEventLoop, in_flight: Done | None) -> None:
         """On the loop: the process is gone. Fail the batch it held, log its exit code once it is known (off
@@ -351,45 +409,57 @@ def _serve(sock: socket.socket, factory: Callable[[], TensorEmbedder]) -> None:
 
 
 def _answer(side: BlockingSide, embedder: TensorEmbedder) -> None:
+    copy = MirrorIndexes(_device_of(embedder))
     while True:
         try:
-            texts = json.loads(side.recv())
+            message = side.recv()
         except (EOFError, OSError):  # the parent closed its end or exited
             return
         started, cpu = time.perf_counter(), time.thread_time()
         try:
-            vectors = np.ascontiguousarray(_vectors(embedder, texts).float().cpu().numpy())
-            header = _HEADER.pack(True, started, time.perf_counter(), time.thread_time() - cpu, len(vectors))
-            side.send(header + vectors.tobytes())
+            answer = _run_batch(embedder, copy, EmbedBatch.from_bytes(message))
+            vectors = np.ascontiguousarray(answer.vectors.numpy())
+            rows, dim = vectors.shape
+            header = _HEADER.pack(True, started, time.perf_counter(), time.thread_time() - cpu, rows, dim)
+            side.send(header + vectors.tobytes() + pack_hits(answer.hits))
         except Exception as exc:  # noqa: BLE001 - the callers get it
-            failed = _HEADER.pack(False, started, time.perf_counter(), time.thread_time() - cpu, 0)
+            failed = _HEADER.pack(False, started, time.perf_counter(), time.thread_time() - cpu, 0, 0)
             side.send(failed + repr(exc).encode())
+
+
+class MirrorSource(Protocol):
+    """Where the copy's updates come from: the owner's indexes (`TenantIndexes.mirror_updates`)."""
+
+    def mirror_updates(
+        self, tenant_ids: list[str], ledger: MirrorLedger
+    ) -> tuple[list[IndexUpdate], dict[str, int]]: ...
 
 
 @dataclass
 class _Waiting:
     text: str
+    ask: SearchAsk | None
     future: asyncio.Future
     since: float  # perf_counter at the call
+    generation: int | None = None  # of the tenant's vectors the copy searches, once its batch starts
 
 
 class QueryBatcher:
-    """`await embed(text)` -> the text's vector on `device` (the search's; None: where the forward left it),
-    batched with concurrent callers, with its timing. `forwarder`: a `TensorEmbedder` runs in a thread."""
+    """`await embed(text)` -> the text's vector, batched with concurrent callers, with its timing; with a
+    `SearchAsk`, its tenant searched too, beside the forward (once `follow` named the indexes).
+    `forwarder`: a `TensorEmbedder` runs in a thread. `copy_bytes`: most bytes of vectors the copy holds."""
 
-    def __init__(
-        self,
-        forwarder: Forwarder | TensorEmbedder,
-        max_batch: int = 32,
-        device: str | torch.device | None = None,
-    ) -> None:
-        self._device = torch.device(device) if device is not None else None
+    def __init__(self, forwarder: Forwarder | TensorEmbedder, max_batch: int = 32, copy_bytes: int = 1 << 30) -> None:
         if not hasattr(forwarder, "submit"):
-            forwarder = ThreadForwarder(forwarder, self._device)  # type: ignore[arg-type]
+            forwarder = ThreadForwarder(forwarder)  # type: ignore[arg-type]
         self._forwarder: Forwarder = forwarder  # type: ignore[assignment]
         self.max_batch = max_batch
         self._pending: list[_Waiting] = []
         self._running = False
+        self._source: MirrorSource | None = None
+        self._ledger = MirrorLedger(copy_bytes)
+        self._copy_starts = self._starts()  # a new process starts with an empty copy
+        self._clear = False  # a batch failed: the copy may not hold what the ledger says
         self.batches = 0  # forwards run so far (tests and metrics read it)
 
     @property
@@ -397,34 +467,45 @@ class QueryBatcher:
         """False once the forwarder can no longer embed (its process died)."""
         return getattr(self._forwarder, "alive", True)
 
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of tenants' vectors the search copy holds (as far as this side knows)."""
+        return self._ledger.held_bytes
+
+    def follow(self, source: MirrorSource) -> None:
+        """Search questions that ask for it beside their forward, in a copy of `source`'s vectors."""
+        self._source = source
+
     def watch(self) -> None:
         """On the loop: have a forwarder with a process of its own follow it from now on (`ProcessForwarder.watch`)."""
         watch = getattr(self._forwarder, "watch", None)
         if watch is not None:
             watch(asyncio.get_running_loop())
 
-    async def embed(self, text: str, meanwhile: Callable[[], object] | None = None) -> Embedded:
-        """`meanwhile`: the caller's own work for the loop while this text's forward runs, called only when the text
-        starts a forward of its own (an idle embedder: no batch of other queries waits for the loop), never when it
-        joins the next batch under load; what it raises is logged, never the embedding's failure."""
+    async def embed(self, text: str, ask: SearchAsk | None = None) -> Embedded:
+        """`ask`: the tenant to search and how many facts; `Embedded.found` is None where the copy did not
+        search (no `follow`, no room, its tenant not caught up, or a process restarted meanwhile)."""
         loop = asyncio.get_running_loop()
-        waiting = _Waiting(text, loop.create_future(), time.perf_counter())
+        waiting = _Waiting(text, ask, loop.create_future(), time.perf_counter())
         self._pending.append(waiting)
         if not self._running:
             self._start_next(loop)
-            if meanwhile is not None:
-                try:
-                    meanwhile()
-                except Exception:  # noqa: BLE001 - an optimisation's failure must not fail the question
-                    log.warning("work beside a query's embedding failed", exc_info=True)
-        vector, started, ended, cpu = await waiting.future
+        vector, found, started, ended, cpu = await waiting.future
         resumed = time.perf_counter()
         return Embedded(
-            vector, (started - waiting.since) * 1000, (ended - started) * 1000, (resumed - ended) * 1000, cpu * 1000
+            vector,
+            (started - waiting.since) * 1000,
+            (ended - started) * 1000,
+            (resumed - ended) * 1000,
+            cpu * 1000,
+            found,
         )
 
     def close(self) -> None:
         self._forwarder.close()
+
+    def _starts(self) -> int:
+        return getattr(self._forwarder, "restarts", 0)
 
     def _start_next(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the loop: hand the next batch to the forwarder, or mark the embedder idle."""
@@ -434,29 +515,63 @@ class QueryBatcher:
         self._running = True
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
         self.batches += 1
+        watch = getattr(self._forwarder, "watch", None)
+        if watch is not None:  # a process that died while idle is replaced now, before the copy's updates are chosen
+            watch(loop)
         self._forwarder.submit(
             loop,
-            [w.text for w in batch],
+            self._batch(batch),
             lambda outcome, started, ended, cpu: self._finish(loop, batch, outcome, started, ended, cpu),
         )
+
+    def _batch(self, batch: list[_Waiting]) -> EmbedBatch:
+        """The batch's texts, and its searches with the copy's updates for them (the tenants caught up now)."""
+        updates: list[IndexUpdate] = []
+        asks = [w.ask for w in batch]
+        if self._source is not None and any(asks):
+            if self._clear or self._starts() != self._copy_starts:
+                self._ledger.reset()
+                self._copy_starts, self._clear = self._starts(), False
+                updates.append(IndexUpdate("", "clear", np.empty(0, np.int64)))
+            try:
+                more, generations = self._source.mirror_updates(
+                    [a.tenant_id for a in asks if a is not None], self._ledger
+                )
+            except Exception:  # noqa: BLE001 - the questions are searched by their callers instead
+                log.exception("the search copy's updates failed; searching beside the caller")
+                self._clear, more, generations = True, [], {}
+            updates += more
+            for waiting in batch:
+                if waiting.ask is not None:
+                    waiting.generation = generations.get(waiting.ask.tenant_id)
+            asks = [w.ask if w.generation is not None else None for w in batch]
+        else:
+            asks = [None] * len(batch)
+        return EmbedBatch([w.text for w in batch], asks, updates)
 
     def _finish(
         self,
         loop: asyncio.AbstractEventLoop,
         batch: list[_Waiting],
-        outcome: torch.Tensor | BaseException,
+        outcome: Answer | BaseException,
         started: float,
         ended: float,
         cpu: float,
     ) -> None:
         """On the loop: resolve the batch's callers, then start the batch that gathered meanwhile."""
-        if isinstance(outcome, torch.Tensor) and self._device is not None and outcome.device != self._device:
-            outcome = outcome.to(self._device)  # a process's vectors arrive on the host
+        if isinstance(outcome, BaseException):
+            self._clear = True
         for i, waiting in enumerate(batch):
             if waiting.future.done():  # the caller gave up (its request was cancelled)
                 continue
             if isinstance(outcome, BaseException):
                 waiting.future.set_exception(outcome)
-            else:
-                waiting.future.set_result((outcome[i], started, ended, cpu))
+                continue
+            found = None
+            hit = outcome.hits[i]
+            if hit is not None and waiting.generation is not None:
+                found = Found(hit[0], hit[1], waiting.generation)
+            elif waiting.ask is not None and waiting.generation is not None:  # the copy lacked it: send it whole
+                self._ledger.forget(waiting.ask.tenant_id)
+            waiting.future.set_result((outcome.vectors[i], found, started, ended, cpu))
         self._start_next(loop)

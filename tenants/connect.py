@@ -17,18 +17,16 @@ def connect_service(
     state_dir: Path,
     embedder: Embedder,
     limits: TenantSettings | None = None,
-    device: str = "cpu",
     cache_registry: bool = False,
 ) -> TenantService:
-    """`device`: where the retrieval vectors live (the ingress keeps them next to its query embedder);
-    `cache_registry`: hold tenant registry entries in memory (the ingress authenticates every request)."""
+    """`cache_registry`: hold tenant registry entries in memory (the ingress authenticates every request)."""
     limits = limits or TenantSettings()
     meta = RedisMeta(redis_url, cache_registry=cache_registry)
     return TenantService(
         meta,
         LocalFactStore(Path(state_dir) / "records"),
         embedder,
-        TenantIndexes(meta, embedder.dim, Path(state_dir) / "indexes", device),
+        TenantIndexes(meta, embedder.dim, Path(state_dir) / "indexes"),
         max_facts=limits.max_facts,
         max_bytes=limits.max_bytes,
         max_fact_chars=limits.max_fact_chars,

@@ -13,6 +13,7 @@ once its announcement has arrived (before the writer's own answer, in practice).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from tenants.facts import VISIBLE, Fact
+from tenants.index_mirror import Found, IndexUpdate, MirrorLedger
 from tenants.redis_feed import ANY
 from tenants.redis_meta import RedisMeta
 from tenants.vector_index import ExactIndex
@@ -39,6 +41,16 @@ class _TenantIndex:
     last_id: str = "0"  # the last change-log entry applied
     version: int = 0  # the tenant's version as of last_id
     lock: threading.Lock = field(default_factory=threading.Lock)
+    generation: int = 0  # changes to `index` so far (unique across tenants and reloads): what a copy searched
+    journal: list[IndexUpdate] | None = None  # changes a copy has not been sent; None: it needs the whole tenant
+
+    def record(self, update: IndexUpdate) -> None:
+        """Keep a change for the copy, or give up on changes once they outgrow what the whole tenant costs."""
+        if self.journal is None:
+            return
+        self.journal.append(update)
+        if sum(len(u.ids) for u in self.journal) > max(64, len(self.index) // 4):
+            self.journal = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,7 @@ class Retrieved:
 
     hits: list[tuple[Fact, float]]
     version: int
+    from_copy: bool = False  # the search copy beside the query embedder found them (`resolve`)
 
 
 class TenantIndexes:
@@ -58,6 +71,7 @@ class TenantIndexes:
         self._quiet: set[str] = set()  # caught up, and no change announced since (only while the feed is live)
         self._heard: dict[str, int] = {}  # announcements per tenant, and of "anything" (ANY), so far
         self._lock = threading.Lock()
+        self._generations = itertools.count(1)
 
     def search(self, tenant_id: str, vector: np.ndarray | torch.Tensor, k: int) -> Retrieved:
         """Up to `k` nearest visible facts, best first, as of the latest committed change."""
@@ -67,14 +81,49 @@ class TenantIndexes:
             hits = [(state.facts[int(i)], float(s)) for s, i in zip(scores, ids) if int(i) in state.facts]
             return Retrieved(hits, state.version)
 
-    def warm(self, tenant_id: str, k: int) -> None:
-        """A search whose answer is dropped, for the loop's idle time while the question is embedded: it brings the
-        tenant up to its change log and its vectors (and the search's own code) into the CPU's caches, so the real
-        search that follows finds them there (inside the H200's serving run a search took 0.41 ms, its first
-        call after a pause, against ~0.03 when repeated at once)."""
-        state = self.sync(tenant_id)
+    def mirror_updates(self, tenant_ids: list[str], ledger: MirrorLedger) -> tuple[list[IndexUpdate], dict[str, int]]:
+        """What a copy of these tenants' vectors needs before it searches them (each caught up with the change log
+        first): their changes since it last saw them, or each whole; and the generation each will be at. A tenant
+        missing from the generations is not searched there (it did not fit `ledger`'s budget, or its catch-up
+        failed: its questions are searched here, where the failure is raised)."""
+        updates: list[IndexUpdate] = []
+        generations: dict[str, int] = {}
+        wanted = set(tenant_ids)
+        for tenant_id in dict.fromkeys(tenant_ids):
+            try:
+                state = self.sync(tenant_id)
+            except Exception:  # noqa: BLE001 - the search here meets it again and answers the request with it
+                log.debug("tenant %s: not caught up for the search copy", tenant_id, exc_info=True)
+                continue
+            with state.lock:
+                whole = state.journal is None or not ledger.holds(tenant_id)
+                nbytes = len(state.index) * (state.index.dim * 4 + 8)
+                fits, drops = ledger.admit(tenant_id, nbytes, keep=wanted)
+                updates += drops
+                if not fits:
+                    state.journal = None
+                    continue
+                if whole:
+                    ids, vectors = state.index.export()
+                    updates.append(IndexUpdate(tenant_id, "snapshot", ids, vectors))
+                else:
+                    updates += state.journal  # type: ignore[operator]
+                state.journal = []
+                generations[tenant_id] = state.generation
+        return updates, generations
+
+    def resolve(self, tenant_id: str, vector: np.ndarray | torch.Tensor, k: int, found: Found | None) -> Retrieved:
+        """`search`, answered by what a copy found where the tenant is still at the generation it searched (else,
+        or with nothing found there, searched here)."""
+        if found is None:
+            return self.search(tenant_id, vector, k)
+        state = self._state(tenant_id)
         with state.lock:
-            state.index.search(torch.zeros(state.index.dim), k)
+            if state.generation == found.generation:
+                facts = state.facts
+                hits = [(facts[int(i)], float(s)) for s, i in zip(found.scores, found.ids) if int(i) in facts]
+                return Retrieved(hits, state.version, from_copy=True)
+        return self.search(tenant_id, vector, k)
 
     def sync(self, tenant_id: str) -> _TenantIndex:
         live = self._announced()
@@ -160,7 +209,7 @@ class TenantIndexes:
             metas = self._meta.records.facts(tenant_id, list(fact_of.values()))
             facts = {i: Fact.from_meta(m) for i, m in zip(fact_of, metas) if m and m["state"] in VISIBLE}
             index.remove(np.array([i for i in fact_of if i not in facts], dtype=np.int64))  # gone since the snapshot
-            return _TenantIndex(index, facts, side["last_id"], int(side["version"]))
+            return _TenantIndex(index, facts, side["last_id"], int(side["version"]), generation=next(self._generations))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             if folder.exists():
                 log.warning("tenant %s: index snapshot unusable (%s); rebuilding from redis", tenant_id, exc)
@@ -191,6 +240,7 @@ class TenantIndexes:
             last_id,
             version,
         )
+        state.generation, state.journal = next(self._generations), None
         log.info("tenant %s: index rebuilt with %d facts", tenant_id, len(visible))
 
     def _apply(self, tenant_id: str, state: _TenantIndex, entries: list[tuple[str, dict[str, str]]]) -> None:
@@ -208,15 +258,19 @@ class TenantIndexes:
             else:
                 found.append((iid, Fact.from_meta(meta), raw))
         if removes:
-            state.index.remove(np.array(removes, dtype=np.int64))
+            ids = np.array(removes, dtype=np.int64)
+            state.index.remove(ids)
+            state.record(IndexUpdate(tenant_id, "remove", ids))
             for iid in removes:
                 state.facts.pop(iid, None)
         if found:
-            state.index.upsert(
-                np.array([i for i, _, _ in found], dtype=np.int64),
-                np.stack([np.frombuffer(raw, dtype=np.float32) for _, _, raw in found]),
-            )
+            ids = np.array([i for i, _, _ in found], dtype=np.int64)
+            vectors = np.stack([np.frombuffer(raw, dtype=np.float32) for _, _, raw in found])
+            state.index.upsert(ids, vectors)
+            state.record(IndexUpdate(tenant_id, "upsert", ids, vectors))
             state.facts.update({iid: fact for iid, fact, _ in found})
+        if removes or found:
+            state.generation = next(self._generations)
         state.last_id = entries[-1][0]
         state.version = max(state.version, *(int(fields.get("v", 0)) for _, fields in entries))
 

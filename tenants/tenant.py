@@ -16,6 +16,7 @@ from kvcore.record import FactKV
 from tenants.errors import ConflictError, FactNotFoundError, InvalidInputError, JobNotFoundError
 from tenants.fact_writes import FactWriter
 from tenants.facts import VISIBLE, Fact, check_id, check_metadata, check_text, new_fact_id
+from tenants.index_mirror import Found
 from tenants.index_sync import Retrieved
 from tenants.tenant_entry import TenantEntry
 
@@ -135,16 +136,13 @@ class Tenant:
         query = check_text(query, self._s.max_fact_chars)
         return self.retrieve(self._s.embedder.embed([query])[0], k).hits
 
-    def retrieve(self, vector: np.ndarray | torch.Tensor, k: int) -> Retrieved:
+    def retrieve(self, vector: np.ndarray | torch.Tensor, k: int, found: Found | None = None) -> Retrieved:
         """The top-k facts for an embedded query (on any device) and the tenant version they were read at:
-        the chat path, which embeds its queries in batches and reads no fact from Redis."""
+        the chat path, which embeds its queries in batches and reads no fact from Redis. `found`: what the
+        search copy beside the embedding found (`TenantIndexes.resolve`)."""
         if not isinstance(k, int) or not 1 <= k <= MAX_K:
             raise InvalidInputError(f"k must be within 1..{MAX_K}")
-        return self._s.indexes.search(self.id, vector, k)
-
-    def warm_retrieval(self, k: int) -> None:
-        """Ready `retrieve` for a query still being embedded (`TenantIndexes.warm`): the same work, answer dropped."""
-        self._s.indexes.warm(self.id, k)
+        return self._s.indexes.resolve(self.id, vector, k, found)
 
     def placement(self, fact_id: str) -> dict[str, dict]:
         """Where serving replicas hold this fact's K/V: {replica: {tier, version, at}} (reported by the replicas)."""

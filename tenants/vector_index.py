@@ -47,22 +47,37 @@ class ExactIndex:
 
     def search(self, query: np.ndarray | torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids) of the `k` nearest, best first; fewer when the index holds fewer."""
+        values, rows = self.top_rows(query, k)
+        return values.cpu().numpy(), self.ids_at(rows.cpu().numpy())
+
+    def top_rows(self, query: np.ndarray | torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, rows) of the `k` nearest, best first, left on the device: a batch of searches reads them
+        back together (`ids_at` names the rows)."""
         k = min(k, len(self))
-        if k <= 0:
-            return np.empty(0, np.float32), np.empty(0, np.int64)
         query = torch.as_tensor(query, dtype=torch.float32).to(self.device, non_blocking=True).reshape(self.dim)
+        if k <= 0:
+            return query.new_empty(0), torch.empty(0, dtype=torch.long, device=self.device)
         scores = self._vectors @ query  # [capacity]
         scores.masked_fill_(~self._live, float("-inf"))
         top = torch.topk(scores, k)
-        values, rows = top.values.cpu().numpy(), top.indices.cpu().numpy()
-        return values, np.array([self._id_at[r] for r in rows], dtype=np.int64)
+        return top.values, top.indices
+
+    def ids_at(self, rows: np.ndarray) -> np.ndarray:
+        """The index ids of rows `top_rows` returned."""
+        return np.array([self._id_at[r] for r in rows.tolist()], dtype=np.int64)
+
+    def export(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, vectors) of every live row, on the host, ids ascending: what a copy of the index starts from."""
+        ids = np.array(sorted(self._row_of), dtype=np.int64)
+        if not len(ids):
+            return ids, np.empty((0, self.dim), np.float32)
+        rows = torch.tensor([self._row_of[int(i)] for i in ids], dtype=torch.long, device=self.device)
+        return ids, self._vectors[rows].cpu().numpy()
 
     def save(self, path: Path) -> None:
         """ids and vectors as one .npz, written whole and renamed into place."""
         path = Path(path)
-        ids = np.array(sorted(self._row_of), dtype=np.int64)
-        rows = torch.tensor([self._row_of[int(i)] for i in ids], dtype=torch.long, device=self.device)
-        vectors = self._vectors[rows].cpu().numpy() if len(ids) else np.empty((0, self.dim), np.float32)
+        ids, vectors = self.export()
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as handle:
             np.savez(handle, ids=ids, vectors=vectors)

@@ -229,13 +229,12 @@ class Ingress:
         if self.args.ingress.query_embedding == "thread":
             embedder.prepare(QUERY_BATCH)
             forwarder = embedder
-        queries = QueryBatcher(forwarder, QUERY_BATCH, device=self.args.ingress.index_device)
+        queries = QueryBatcher(forwarder, QUERY_BATCH, copy_bytes=self.args.ingress.search_copy_bytes)
         service = connect_service(
             self.args.redis(settings),
             self.args.state_dir,
             embedder,
             settings.tenants,
-            device=self.args.ingress.index_device,
             cache_registry=True,
         )
         if admin_key := self.args.admin_key or settings.admin_key:
@@ -249,6 +248,7 @@ class Ingress:
         for transport in backend.transports:
             metrics.llm_transport.labels(transport=transport).set(1)
         metrics.query_embedder_restarts.set_function(lambda: getattr(forwarder, "restarts", 0))
+        metrics.search_copy_bytes.set_function(lambda: queries.copy_bytes)
         self.gateway = Gateway(
             service,
             backend,

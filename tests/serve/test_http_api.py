@@ -156,6 +156,7 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
         assert set(steps) == {"before_embed", "embed", "search", "facts"} and steps["search"] > 0, usage
         assert steps["embed"] >= usage["retrieval_embed_ms"] - 0.01, usage
         assert abs(sum(steps.values()) - usage["retrieval_ms"]) < 0.01, usage
+        assert usage["retrieval_in_copy"] is True, usage  # searched beside the question's forward
         hop = usage["hop_ms"]  # the legs between the ingress and the engine, each inside the request's own TTFT
         assert set(hop) == {"to_replica", "layout", "first_token_back"} and all(v >= 0 for v in hop.values())
         cpu = usage["cpu_ms"]  # of the layout's and the embedding forward's wall time, their threads' CPU time

@@ -6,10 +6,13 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from deployments.query_batcher import EmbedderProcessError, ProcessForwarder, QueryBatcher
+from tenants.index_mirror import IndexUpdate, SearchAsk
+from tenants.vector_index import ExactIndex
 
 
 class _Slow:
@@ -271,26 +274,80 @@ def test_a_watched_process_that_dies_while_idle_is_replaced_before_any_question(
     assert embedded.vector[0].item() == 3 and forwarder.restarts == 1
 
 
-def test_work_beside_a_forward_runs_while_it_runs_and_only_for_a_query_that_started_one(caplog):
-    """`meanwhile` (the gateway warms the tenant's search there) runs on the loop once the query's own forward is
-    on its way; a query that joins the next batch under load does not run it; its failure is only logged."""
-    embedder = _Slow()
-    seen: list[tuple[str, list]] = []
+class _Source:
+    """The owner's side for the copy: every tenant but "stranger" holds the same vectors, sent whole the first time
+    the ledger does not hold them; records what it was asked and what the ledger held then."""
+
+    def __init__(self) -> None:
+        self.index = ExactIndex(2)
+        self.index.upsert(np.array([10, 11, 12]), np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], np.float32))
+        self.calls: list[tuple[list[str], list[bool]]] = []
+
+    def mirror_updates(self, tenant_ids, ledger):
+        self.calls.append((list(tenant_ids), [ledger.holds(t) for t in tenant_ids]))
+        updates, generations = [], {}
+        for tenant_id in dict.fromkeys(t for t in tenant_ids if t != "stranger"):
+            if not ledger.holds(tenant_id):
+                ledger.admit(tenant_id, 1, keep=set(tenant_ids))
+                updates.append(IndexUpdate(tenant_id, "snapshot", *self.index.export()))
+            generations[tenant_id] = 7
+        return updates, generations
+
+
+def _searched_beside(forwarder) -> tuple[list, _Source]:
+    source = _Source()
 
     async def main():
-        batcher = QueryBatcher(embedder, max_batch=8)
-        first = asyncio.ensure_future(batcher.embed("a", meanwhile=lambda: seen.append(("a", list(embedder.calls)))))
-        await asyncio.sleep(0.05)
-        joined = asyncio.ensure_future(batcher.embed("bb", meanwhile=lambda: seen.append(("bb", []))))
-        await asyncio.sleep(0.01)
-        embedder.release.set()
-        await first, await joined
+        batcher = QueryBatcher(forwarder)
+        batcher.follow(source)
+        together = await asyncio.gather(
+            batcher.embed("ab", SearchAsk("t", 2)), batcher.embed("abc"), batcher.embed("a", SearchAsk("stranger", 2))
+        )
+        with pytest.raises(Exception, match="bad text"):
+            await batcher.embed("boom", SearchAsk("t", 2))  # a failed batch: the copy is cleared and sent again
+        return [*together, await batcher.embed("abcd", SearchAsk("t", 3))]
 
-        def broken():
-            raise RuntimeError("warm-up broke")
+    return asyncio.run(main()), source
 
-        return await batcher.embed("ccc", meanwhile=broken)
 
-    last = asyncio.run(main())
-    assert seen == [("a", [])] or seen == [("a", [["a"]])]  # called once, for the query that started a forward
-    assert last.vector.tolist() == [3.0, 1.0] and "work beside a query's embedding failed" in caplog.text
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_question_is_searched_in_the_copy_beside_its_forward(where):
+    """The copy answers as the owner's index does for the vector the question got; a question that asked for no
+    search, or whose tenant the owner kept back, gets none; after a failed batch the copy is built again."""
+    forwarder = ProcessForwarder(_lengths) if where == "process" else _Lengths()
+    try:
+        (asked, plain, kept_back, after), source = _searched_beside(forwarder)
+    finally:
+        if where == "process":
+            forwarder.close()
+    for embedded, k in ((asked, 2), (after, 3)):
+        scores, ids = source.index.search(embedded.vector, k)
+        assert embedded.found is not None and embedded.found.generation == 7
+        assert embedded.found.ids.tolist() == ids.tolist() and np.allclose(embedded.found.scores, scores)
+    assert plain.found is None and kept_back.found is None
+    # the first question ran alone, the next two together; after the failed batch nothing counts as held
+    assert source.calls == [(["t"], [False]), (["stranger"], [False]), (["t"], [True]), (["t"], [False])]
+
+
+def test_after_a_process_restart_the_copy_is_sent_whole_again():
+    source = _Source()
+    forwarder = ProcessForwarder(_lengths)
+
+    async def main():
+        batcher = QueryBatcher(forwarder)
+        batcher.follow(source)
+        first = await batcher.embed("ab", SearchAsk("t", 2))
+        held = [call[1] for call in source.calls]
+        forwarder._process.kill()
+        forwarder._process.join(5)
+        second = await batcher.embed("abc", SearchAsk("t", 2))  # finds it dead, starts another first
+        return first, held, second
+
+    try:
+        first, held, second = asyncio.run(main())
+    finally:
+        forwarder.close()
+    assert held == [[False]] and forwarder.restarts == 1
+    assert (
+        first.found is not None and second.found is not None and second.found.ids.tolist() == first.found.ids.tolist()
+    )

@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 
 import redis
+import torch
 
 from tenants.connect import connect_service
+from tenants.index_mirror import Found, MirrorIndexes, MirrorLedger, SearchAsk
 
 
 def _reader(writer_service):
@@ -97,17 +99,28 @@ def test_without_a_live_feed_every_search_catches_up_with_redis(make_service):
     assert len(reads) - before <= 1  # quiet again
 
 
-def test_a_warm_up_catches_the_index_up_and_the_search_after_it_reads_no_log(make_service):
-    """The gateway warms a tenant's search while the question is embedded: the warm-up applies what changed, so
-    the search that follows answers from memory, with the change, and without a round trip."""
+def test_the_search_copy_gets_each_committed_change_and_a_stale_answer_is_searched_again(make_service):
+    """The embedder's copy starts from the whole tenant, then gets only what changed (a committed fact is in the
+    next batch's updates); an answer from a copy whose tenant changed meanwhile is not used: the ingress's own
+    index answers, without the fact deleted since."""
     writer, admin, key, reader = _acme(make_service, "Maya has a grey cat called Pixel.")
-    tenant = reader.authenticate(key)
-    assert [f.text for f, _ in tenant.search("cat", 5)] == ["Maya has a grey cat called Pixel."]
-    writer.authenticate(key).add_facts(["Maya works at the aquarium."])
+    tenant, copy, ledger = reader.authenticate(key), MirrorIndexes(), MirrorLedger(1 << 20)
+    updates, first = reader.indexes.mirror_updates(["acme"], ledger)
+    assert [u.kind for u in updates] == ["snapshot"] and len(updates[0].ids) == 1
+    copy.apply(updates)
+    added = writer.authenticate(key).add_facts(["Maya works at the aquarium."])[0]
     time.sleep(0.05)  # the change's announcement reaches the reader's feed
-    reads = _count_log_reads(reader)
-    tenant.warm_retrieval(5)
-    assert reads == ["acme"]  # the warm-up read the change log
+    updates, second = reader.indexes.mirror_updates(["acme"], ledger)
+    assert [(u.kind, len(u.ids)) for u in updates] == [("upsert", 1)] and second["acme"] != first["acme"]
+    copy.apply(updates)
     vector = reader.embedder.embed(["Where does Maya work?"])[0]
-    found = [f.text for f, _ in tenant.retrieve(vector, 5).hits]
-    assert found[0] == "Maya works at the aquarium." and len(found) == 2 and reads == ["acme"]
+    ((scores, ids),) = copy.search(torch.as_tensor(vector)[None], [SearchAsk("acme", 5)])
+    found = Found(scores, ids, second["acme"])
+    assert [f.text for f, _ in tenant.retrieve(vector, 5, found).hits] == [
+        f.text for f, _ in tenant.retrieve(vector, 5).hits
+    ]
+    assert tenant.retrieve(vector, 5, found).hits[0][0].text == "Maya works at the aquarium."
+    writer.authenticate(key).delete_fact(added.id)
+    time.sleep(0.05)
+    reader.indexes.sync("acme")  # another question's catch-up: the copy's answer is now stale
+    assert [f.text for f, _ in tenant.retrieve(vector, 5, found).hits] == ["Maya has a grey cat called Pixel."]

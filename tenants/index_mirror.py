@@ -1,0 +1,210 @@
+"""A copy of tenants' retrieval vectors where questions are embedded, so a chat's search runs beside its forward.
+
+The ingress embeds questions in a process of its own, on the GPU where there is one. Its own search read the
+tenant's host matrix after the embedding came back: on the H200 host that took 0.41 ms inside the serving run,
+a matrix gone cold in the ~30 ms between chats, against ~0.05 ms repeated at once. Searched where the question's
+vector is, right after its forward, the product is a few µs of device time and the reply carries ids and scores.
+
+`TenantIndexes` (the ingress's, kept current from Redis's change log) stays the source of truth. It hands each
+tenant's changes since the copy last saw it, or the whole tenant, ahead of the questions that search it, in the
+same ordered stream, so a search sees every change committed before its batch started. `MirrorLedger` is the
+owner's account of what the copy holds (within a byte budget, least recently used tenants dropped first);
+`MirrorIndexes` is the copy. The owner checks each answer against the tenant's generation and searches its own
+matrix when the tenant changed meanwhile or the copy did not search (no room, a restarted process).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+
+from tenants.vector_index import ExactIndex
+
+UpdateKind = Literal["snapshot", "upsert", "remove", "drop", "clear"]
+_COUNT = struct.Struct("<i")
+
+
+@dataclass(frozen=True)
+class IndexUpdate:
+    """One change to a tenant's copy: its whole content (`snapshot`), rows added or replaced, rows removed, the
+    tenant dropped from the copy, or every tenant dropped (`clear`: the owner lost track of what the copy holds)."""
+
+    tenant_id: str
+    kind: UpdateKind
+    ids: np.ndarray  # int64 [n]
+    vectors: np.ndarray | None = None  # float32 [n, dim]: snapshot and upsert
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.nbytes + (self.vectors.nbytes if self.vectors is not None else 0)
+
+
+@dataclass(frozen=True)
+class SearchAsk:
+    """A question's search: its tenant and how many facts."""
+
+    tenant_id: str
+    k: int
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the copy found for one question, best first, and the generation of the tenant's vectors it searched."""
+
+    scores: np.ndarray
+    ids: np.ndarray
+    generation: int
+
+
+class MirrorIndexes:
+    """The copy: one `ExactIndex` per tenant on `device`, changed by updates in their order, searched in batches."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self._indexes: dict[str, ExactIndex] = {}
+
+    def __contains__(self, tenant_id: str) -> bool:
+        return tenant_id in self._indexes
+
+    def apply(self, updates: Sequence[IndexUpdate]) -> None:
+        """Changes for a tenant the copy does not hold are skipped: its searches then answer None, and the owner
+        searches itself (and sends the whole tenant next time)."""
+        for update in updates:
+            if update.kind == "clear":
+                self._indexes.clear()
+            elif update.kind == "drop":
+                self._indexes.pop(update.tenant_id, None)
+            elif update.kind == "snapshot":
+                assert update.vectors is not None
+                index = ExactIndex(update.vectors.shape[1], self.device)
+                index.upsert(update.ids, update.vectors)
+                self._indexes[update.tenant_id] = index
+            elif (index := self._indexes.get(update.tenant_id)) is not None:
+                if update.kind == "upsert":
+                    index.upsert(update.ids, update.vectors)
+                else:
+                    index.remove(update.ids)
+
+    def search(
+        self, vectors: torch.Tensor, asks: Sequence[SearchAsk | None]
+    ) -> list[tuple[np.ndarray, np.ndarray] | None]:
+        """Per question (row of `vectors`), (scores, ids) of its tenant's nearest, or None where it asked for no
+        search or the copy does not hold its tenant; every top-k stays on the device until one read-back."""
+        tops: list[tuple[ExactIndex, torch.Tensor, torch.Tensor] | None] = []
+        for vector, ask in zip(vectors, asks):
+            index = self._indexes.get(ask.tenant_id) if ask is not None else None
+            tops.append(None if index is None else (index, *index.top_rows(vector, ask.k)))  # type: ignore[union-attr]
+        found = [top for top in tops if top is not None]
+        if not found:
+            return [None] * len(tops)
+        scores = torch.cat([values.float() for _, values, _ in found]).cpu().numpy()
+        rows = torch.cat([rows for _, _, rows in found]).cpu().numpy()
+        out: list[tuple[np.ndarray, np.ndarray] | None] = []
+        at = 0
+        for top in tops:
+            if top is None:
+                out.append(None)
+                continue
+            index, values, _ = top
+            n = values.shape[0]
+            out.append((scores[at : at + n], index.ids_at(rows[at : at + n])))
+            at += n
+        return out
+
+
+class MirrorLedger:
+    """The owner's account of the copy: which tenants it holds, by last use, within `budget_bytes`. `reset` when
+    the copy is new (its process restarted): everything is sent whole again."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._held: OrderedDict[str, int] = OrderedDict()  # tenant -> bytes, least recently used first
+        self.held_bytes = 0
+
+    def holds(self, tenant_id: str) -> bool:
+        return tenant_id in self._held
+
+    def reset(self) -> None:
+        self._held.clear()
+        self.held_bytes = 0
+
+    def admit(self, tenant_id: str, nbytes: int, keep: set[str]) -> tuple[bool, list[IndexUpdate]]:
+        """Count `tenant_id` as held (and just used) at `nbytes`: whether it fits, and the drops to send first,
+        the least recently used tenants not in `keep` that make room for it, or, where nothing makes enough, the
+        tenant's own older copy."""
+        self.forget(tenant_id)
+        free = self.budget_bytes - self.held_bytes + sum(b for t, b in self._held.items() if t not in keep)
+        if nbytes > free:
+            return False, [_drop(tenant_id)]
+        drops = []
+        for other in [t for t in self._held if t not in keep]:
+            if self.held_bytes + nbytes <= self.budget_bytes:
+                break
+            self.forget(other)
+            drops.append(_drop(other))
+        self._held[tenant_id] = nbytes
+        self.held_bytes += nbytes
+        return True, drops
+
+    def forget(self, tenant_id: str) -> None:
+        """Count it as not held: it is sent whole next time."""
+        self.held_bytes -= self._held.pop(tenant_id, 0)
+
+
+def _drop(tenant_id: str) -> IndexUpdate:
+    return IndexUpdate(tenant_id, "drop", np.empty(0, np.int64))
+
+
+def pack_updates(updates: Sequence[IndexUpdate]) -> tuple[list[list], bytes]:
+    """Each update's header ([tenant, kind, rows, dim]) and their ids and vectors as one blob, in order."""
+    headers, parts = [], []
+    for u in updates:
+        dim = u.vectors.shape[1] if u.vectors is not None else 0
+        headers.append([u.tenant_id, u.kind, len(u.ids), dim])
+        parts.append(np.ascontiguousarray(u.ids, dtype=np.int64).tobytes())
+        if u.vectors is not None:
+            parts.append(np.ascontiguousarray(u.vectors, dtype=np.float32).tobytes())
+    return headers, b"".join(parts)
+
+
+def unpack_updates(headers: list[list], blob: bytes | memoryview) -> list[IndexUpdate]:
+    updates, at = [], 0
+    for tenant_id, kind, rows, dim in headers:
+        ids = np.frombuffer(blob, dtype=np.int64, count=rows, offset=at).copy()  # writable, as torch wants
+        at += ids.nbytes
+        vectors = None
+        if kind in ("snapshot", "upsert"):
+            vectors = np.frombuffer(blob, dtype=np.float32, count=rows * dim, offset=at).reshape(rows, dim).copy()
+            at += vectors.nbytes
+        updates.append(IndexUpdate(tenant_id, kind, ids, vectors))
+    return updates
+
+
+def pack_hits(hits: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> bytes:
+    """Per question its count (-1: no search), then every score, then every id."""
+    counts = b"".join(_COUNT.pack(-1 if h is None else len(h[0])) for h in hits)
+    scores = b"".join(np.asarray(h[0], dtype=np.float32).tobytes() for h in hits if h is not None)
+    ids = b"".join(np.asarray(h[1], dtype=np.int64).tobytes() for h in hits if h is not None)
+    return counts + scores + ids
+
+
+def unpack_hits(data: bytes | memoryview, questions: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    counts = [_COUNT.unpack_from(data, i * _COUNT.size)[0] for i in range(questions)]
+    total = sum(c for c in counts if c > 0)
+    at = questions * _COUNT.size
+    scores = np.frombuffer(data, dtype=np.float32, count=total, offset=at)
+    ids = np.frombuffer(data, dtype=np.int64, count=total, offset=at + scores.nbytes)
+    out: list[tuple[np.ndarray, np.ndarray] | None] = []
+    start = 0
+    for count in counts:
+        if count < 0:
+            out.append(None)
+        else:
+            out.append((scores[start : start + count], ids[start : start + count]))
+            start += count
+    return out
