@@ -53,14 +53,14 @@ for step in "$@"; do
         repo=$PWD
         (cd /root/stash && bash "$repo/scripts/gpu/install.sh") >"$out/install.log" 2>&1
         echo "install: exit $?"; grep -E "^CHECK|^!!|UNEXPECTED|^no unexpected" "$out/install.log" | tail -6 ;;
-    gpu-tests) run gpu-tests 200 python3 -m pytest tests/core/test_gpu.py tests/kernels tests/tenants/test_minilm.py tests/benchmarks/test_retrieval.py tests/model/test_query_pass.py tests/model/test_history_chooser.py -m gpu -q -p no:cacheprovider ;;
+    gpu-tests) run gpu-tests 200 python3 -m pytest tests/core/test_gpu.py tests/kernels tests/tenants/test_minilm.py tests/tenants/test_index_mirror.py tests/serve/test_query_batcher.py tests/benchmarks/test_retrieval.py tests/model/test_query_pass.py tests/model/test_history_chooser.py -m gpu -q -p no:cacheprovider ;;
     equivalence) run equivalence 200 python3 benchmarks/injection_equivalence.py --out "$out/equivalence.json" ;;
     ttft) sampled ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" --out "$out/ttft.json" ;;
     inject-kernel) run inject-kernel 150 python3 benchmarks/inject_kernel.py --out "$out/inject_kernel.json"
         grep -E "ms .* GB/s" "$out/inject-kernel.log" ;;
     chunk-bounds) run chunk-bounds 240 python3 benchmarks/chunk_bounds.py --out "$out/chunk_bounds.json"
         grep -E " ms$|difference|tilings" "$out/chunk-bounds.log" ;;
-    retrieval) run retrieval 120 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
+    retrieval) run retrieval 180 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
     injected-records) run injected-records 240 python3 benchmarks/injected_records.py --config "$SHAPE" --out "$out/injected_records.json"
         grep -E "^ *(none|[0-9]+x[0-9]+):" "$out/injected-records.log" ;;
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;

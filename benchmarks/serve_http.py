@@ -469,9 +469,7 @@ def main() -> None:
     from models.minilm import MiniLMEmbedder
     from tenants.connect import connect_service
 
-    service = connect_service(
-        redis.url, state, MiniLMEmbedder(device="cuda" if cuda else "cpu"), device="cuda" if cuda else "cpu"
-    )
+    service = connect_service(redis.url, state, MiniLMEmbedder(device="cuda" if cuda else "cpu"))
     report: dict = {
         "k": k,
         "tenants": tenants_n,

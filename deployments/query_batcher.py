@@ -56,17 +56,19 @@ from tenants.index_mirror import (
 log = logging.getLogger(__name__)
 _READY = b"R"  # the child's first message once its embedder is built (else b"E" and why)
 # a reply from the embedder's process: ok, started, ended, cpu s, rows, dim; then vectors and hits (or the failure)
-_HEADER = struct.Struct("<?dddII")
+_HEADER = struct.Struct("<?dddII?")  # ... and whether the search copy failed
 _LENGTH = struct.Struct("<I")
 Hits = list["tuple[np.ndarray, np.ndarray] | None"]
 
 
 @dataclass(frozen=True)
 class Answer:
-    """A batch's vectors (one row a question) and, per question, what the search copy found (None: no search)."""
+    """A batch's vectors (one row a question) and, per question, what the search copy found (None: no search);
+    `copy_failed`: the copy could not take its updates or search (the owner starts it over, smaller)."""
 
     vectors: torch.Tensor
     hits: Hits
+    copy_failed: bool = False
 
 
 # (answer or failure, started, ended, the forward's CPU time in its thread, s)
@@ -129,10 +131,16 @@ class Embedded:
 
 
 def _run_batch(embedder: TensorEmbedder, copy: MirrorIndexes, batch: EmbedBatch) -> Answer:
-    """The copy's updates, the forward, the searches, the vectors on the host: one device wait, off the loop."""
-    copy.apply(batch.updates)
+    """The forward, the copy's updates and searches, the vectors on the host: one device wait, off the loop. A
+    failure of the copy (out of device memory for a tenant sent whole) leaves the questions their vectors."""
     vectors = embedder.embed_tensor(batch.texts)
-    hits = copy.search(vectors, batch.asks)  # its read-back waits for the forward too
+    try:
+        copy.apply(batch.updates)
+        hits = copy.search(vectors, batch.asks)  # its read-back waits for the forward too
+    except Exception:  # noqa: BLE001 - the owner searches these itself
+        log.exception("the search copy failed; its questions are searched by the ingress")
+        copy.apply([IndexUpdate("", "clear", np.empty(0, np.int64))])
+        return Answer(vectors.float().cpu(), [None] * len(batch.texts), copy_failed=True)
     return Answer(vectors.float().cpu(), hits)
 
 
@@ -325,17 +333,22 @@ class ProcessForwarder:
                 self._fail(self._take_done(), self._failed)
             return
         done = self._take_done()
-        ok, started, ended, cpu, rows, dim = _HEADER.unpack_from(message)
+        ok, started, ended, cpu, rows, dim, copy_failed = _HEADER.unpack_from(message)
         body = memoryview(message)[_HEADER.size :]
         if ok:
             self._deaths = 0
-        if done is not None:
+        if done is None:
+            return
+        outcome: Answer | BaseException
+        try:
             if not ok:
-                done(RuntimeError(bytes(body).decode()), started, ended, cpu)
-                return
+                raise RuntimeError(bytes(body).decode())
             size = rows * dim * 4
             vectors = torch.frombuffer(bytearray(body[:size]), dtype=torch.float32).view(rows, dim)
-            done(Answer(vectors, unpack_hits(body[size:], rows)), started, ended, cpu)
+            outcome = Answer(vectors, unpack_hits(body[size:], rows), copy_failed)
+        except Exception as exc:  # noqa: BLE001 - its callers get it, not the loop
+            outcome = exc
+        done(outcome, started, ended, cpu)
 
     def _died(self, loop: asyncio.AbstractEventLoop, in_flight: Done | None) -> None:
         """On the loop: the process is gone. Fail the batch it held, log its exit code once it is known (off
@@ -420,10 +433,12 @@ def _answer(side: BlockingSide, embedder: TensorEmbedder) -> None:
             answer = _run_batch(embedder, copy, EmbedBatch.from_bytes(message))
             vectors = np.ascontiguousarray(answer.vectors.numpy())
             rows, dim = vectors.shape
-            header = _HEADER.pack(True, started, time.perf_counter(), time.thread_time() - cpu, rows, dim)
+            header = _HEADER.pack(
+                True, started, time.perf_counter(), time.thread_time() - cpu, rows, dim, answer.copy_failed
+            )
             side.send(header + vectors.tobytes() + pack_hits(answer.hits))
         except Exception as exc:  # noqa: BLE001 - the callers get it
-            failed = _HEADER.pack(False, started, time.perf_counter(), time.thread_time() - cpu, 0, 0)
+            failed = _HEADER.pack(False, started, time.perf_counter(), time.thread_time() - cpu, 0, 0, False)
             side.send(failed + repr(exc).encode())
 
 
@@ -515,14 +530,18 @@ class QueryBatcher:
         self._running = True
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
         self.batches += 1
-        watch = getattr(self._forwarder, "watch", None)
-        if watch is not None:  # a process that died while idle is replaced now, before the copy's updates are chosen
-            watch(loop)
-        self._forwarder.submit(
-            loop,
-            self._batch(batch),
-            lambda outcome, started, ended, cpu: self._finish(loop, batch, outcome, started, ended, cpu),
-        )
+        try:
+            watch = getattr(self._forwarder, "watch", None)
+            if watch is not None:  # a process that died while idle is replaced now, before the copy's updates
+                watch(loop)
+            self._forwarder.submit(
+                loop,
+                self._batch(batch),
+                lambda outcome, started, ended, cpu: self._finish(loop, batch, outcome, started, ended, cpu),
+            )
+        except Exception as exc:  # noqa: BLE001 - its callers get it; the batcher goes on with the next batch
+            now = time.perf_counter()
+            self._finish(loop, batch, exc, now, now, 0.0)
 
     def _batch(self, batch: list[_Waiting]) -> EmbedBatch:
         """The batch's texts, and its searches with the copy's updates for them (the tenants caught up now)."""
@@ -560,7 +579,11 @@ class QueryBatcher:
     ) -> None:
         """On the loop: resolve the batch's callers, then start the batch that gathered meanwhile."""
         if isinstance(outcome, BaseException):
+            self._clear = True  # the copy may or may not have taken the batch's updates
+        elif outcome.copy_failed:  # it cleared itself: start it over, in half the room
             self._clear = True
+            self._ledger.budget_bytes //= 2
+            log.warning("the search copy failed; its budget is now %d bytes", self._ledger.budget_bytes)
         for i, waiting in enumerate(batch):
             if waiting.future.done():  # the caller gave up (its request was cancelled)
                 continue

@@ -81,7 +81,7 @@ class MirrorIndexes:
                 self._indexes.pop(update.tenant_id, None)
             elif update.kind == "snapshot":
                 assert update.vectors is not None
-                index = ExactIndex(update.vectors.shape[1], self.device)
+                index = ExactIndex(update.vectors.shape[1], self.device, capacity=len(update.ids))
                 index.upsert(update.ids, update.vectors)
                 self._indexes[update.tenant_id] = index
             elif (index := self._indexes.get(update.tenant_id)) is not None:
@@ -115,6 +115,13 @@ class MirrorIndexes:
             out.append((scores[at : at + n], index.ids_at(rows[at : at + n])))
             at += n
         return out
+
+
+def copy_bytes(rows: int, dim: int) -> int:
+    """What a tenant of `rows` vectors costs the copy: its matrix at the capacity it will have grown to (built at
+    its size, doubled as rows come), the live mask and the row ids, with a floor for a tenant's own overhead."""
+    capacity = 1 << max(4, (max(rows, 1) - 1).bit_length())
+    return capacity * (dim * 4 + 1 + 8) + 4096
 
 
 class MirrorLedger:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tenants.facts import VISIBLE, Fact
-from tenants.index_mirror import Found, IndexUpdate, MirrorLedger
+from tenants.index_mirror import Found, IndexUpdate, MirrorLedger, copy_bytes
 from tenants.redis_feed import ANY
 from tenants.redis_meta import RedisMeta
 from tenants.vector_index import ExactIndex
@@ -72,6 +72,7 @@ class TenantIndexes:
         self._heard: dict[str, int] = {}  # announcements per tenant, and of "anything" (ANY), so far
         self._lock = threading.Lock()
         self._generations = itertools.count(1)
+        self._follower: MirrorLedger | None = None  # the one copy's ledger: journals are kept for one copy
 
     def search(self, tenant_id: str, vector: np.ndarray | torch.Tensor, k: int) -> Retrieved:
         """Up to `k` nearest visible facts, best first, as of the latest committed change."""
@@ -86,6 +87,10 @@ class TenantIndexes:
         first): their changes since it last saw them, or each whole; and the generation each will be at. A tenant
         missing from the generations is not searched there (it did not fit `ledger`'s budget, or its catch-up
         failed: its questions are searched here, where the failure is raised)."""
+        if self._follower is None:
+            self._follower = ledger
+        elif ledger is not self._follower:
+            raise ValueError("these indexes already keep one search copy current; a second would miss changes")
         updates: list[IndexUpdate] = []
         generations: dict[str, int] = {}
         wanted = set(tenant_ids)
@@ -97,20 +102,27 @@ class TenantIndexes:
                 continue
             with state.lock:
                 whole = state.journal is None or not ledger.holds(tenant_id)
-                nbytes = len(state.index) * (state.index.dim * 4 + 8)
-                fits, drops = ledger.admit(tenant_id, nbytes, keep=wanted)
+                fits, drops = ledger.admit(tenant_id, copy_bytes(len(state.index), state.index.dim), keep=wanted)
                 updates += drops
-                if not fits:
-                    state.journal = None
-                    continue
-                if whole:
-                    ids, vectors = state.index.export()
-                    updates.append(IndexUpdate(tenant_id, "snapshot", ids, vectors))
-                else:
-                    updates += state.journal  # type: ignore[operator]
-                state.journal = []
-                generations[tenant_id] = state.generation
+                if fits:
+                    if whole:
+                        ids, vectors = state.index.export()
+                        updates.append(IndexUpdate(tenant_id, "snapshot", ids, vectors))
+                    else:
+                        updates += state.journal  # type: ignore[operator]
+                    generations[tenant_id] = state.generation
+                state.journal = [] if fits else None
+            self._stop_journals([d.tenant_id for d in drops if d.tenant_id != tenant_id])
         return updates, generations
+
+    def _stop_journals(self, tenant_ids: list[str]) -> None:
+        """Tenants dropped from the copy go back whole: their changes are no longer kept for it."""
+        for tenant_id in tenant_ids:
+            with self._lock:
+                state = self._tenants.get(tenant_id)
+            if state is not None:
+                with state.lock:
+                    state.journal = None
 
     def resolve(self, tenant_id: str, vector: np.ndarray | torch.Tensor, k: int, found: Found | None) -> Retrieved:
         """`search`, answered by what a copy found where the tenant is still at the generation it searched (else,
@@ -219,6 +231,7 @@ class TenantIndexes:
 
     def _rebuild(self, tenant_id: str, state: _TenantIndex) -> None:
         """Everything committed, from Redis; changes committed meanwhile are replayed after."""
+        state.generation, state.journal = next(self._generations), None
         last_id = self._meta.log.log_last_id(tenant_id) or "0"
         version = self._meta.records.version(tenant_id)
         facts = self._meta.records.all_facts(tenant_id)
@@ -240,10 +253,10 @@ class TenantIndexes:
             last_id,
             version,
         )
-        state.generation, state.journal = next(self._generations), None
         log.info("tenant %s: index rebuilt with %d facts", tenant_id, len(visible))
 
     def _apply(self, tenant_id: str, state: _TenantIndex, entries: list[tuple[str, dict[str, str]]]) -> None:
+        state.generation = next(self._generations)  # first: a change that fails halfway still voids copies' answers
         latest: dict[str, tuple[str, int]] = {}
         for _, fields in entries:
             latest[fields["fid"]] = (fields["op"], int(fields["iid"]))
@@ -269,8 +282,6 @@ class TenantIndexes:
             state.index.upsert(ids, vectors)
             state.record(IndexUpdate(tenant_id, "upsert", ids, vectors))
             state.facts.update({iid: fact for iid, fact, _ in found})
-        if removes or found:
-            state.generation = next(self._generations)
         state.last_id = entries[-1][0]
         state.version = max(state.version, *(int(fields.get("v", 0)) for _, fields in entries))
 

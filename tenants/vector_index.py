@@ -17,13 +17,15 @@ import torch
 class ExactIndex:
     """Add, replace, remove and search normalised vectors by int64 id, on `device`."""
 
-    def __init__(self, dim: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, dim: int, device: str | torch.device = "cpu", capacity: int = 16) -> None:
+        """`capacity`: rows held before the matrix first doubles (a copy of a known tenant is built at its size)."""
         self.dim, self.device = dim, torch.device(device)
-        self._vectors = torch.zeros((16, dim), dtype=torch.float32, device=self.device)  # [capacity, dim]
-        self._live = torch.zeros(16, dtype=torch.bool, device=self.device)  # [capacity]
+        capacity = max(1, capacity)
+        self._vectors = torch.zeros((capacity, dim), dtype=torch.float32, device=self.device)  # [capacity, dim]
+        self._live = torch.zeros(capacity, dtype=torch.bool, device=self.device)  # [capacity]
         self._row_of: dict[int, int] = {}
-        self._id_at: list[int | None] = [None] * 16
-        self._free: list[int] = list(range(15, -1, -1))
+        self._id_at: list[int | None] = [None] * capacity
+        self._free: list[int] = list(range(capacity - 1, -1, -1))
 
     def __len__(self) -> int:
         return len(self._row_of)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from deployments.query_batcher import EmbedderProcessError, ProcessForwarder, QueryBatcher
+from deployments.query_batcher import EmbedBatch, EmbedderProcessError, ProcessForwarder, QueryBatcher, ThreadForwarder
 from tenants.index_mirror import IndexUpdate, SearchAsk
 from tenants.vector_index import ExactIndex
 
@@ -351,3 +351,90 @@ def test_after_a_process_restart_the_copy_is_sent_whole_again():
     assert (
         first.found is not None and second.found is not None and second.found.ids.tolist() == first.found.ids.tolist()
     )
+
+
+class _Recording(ThreadForwarder):
+    """A thread forwarder that keeps every batch it was handed."""
+
+    def __init__(self, embedder) -> None:
+        super().__init__(embedder)
+        self.sent: list[EmbedBatch] = []
+
+    def submit(self, loop, batch, done) -> None:
+        self.sent.append(batch)
+        super().submit(loop, batch, done)
+
+
+def test_a_copy_that_fails_leaves_the_questions_their_vectors_and_is_started_over_smaller(caplog):
+    """A change the copy cannot take (here a vector of the wrong width) fails no question: each gets its vector
+    and no answer from the copy; the next batch clears the copy and sends its tenant whole, in half the budget."""
+    source = _Source()
+    broken = IndexUpdate("t", "upsert", np.array([13]), np.ones((1, 3), np.float32))
+    forwarder = _Recording(_Lengths())
+
+    async def main():
+        batcher = QueryBatcher(forwarder, copy_bytes=1 << 20)
+        batcher.follow(source)
+        first = await batcher.embed("ab", SearchAsk("t", 2))
+        original = source.mirror_updates
+        source.mirror_updates = lambda ids, ledger: ([broken], original(ids, ledger)[1])
+        failed = await batcher.embed("abc", SearchAsk("t", 2))
+        source.mirror_updates = original
+        return first, failed, await batcher.embed("abcd", SearchAsk("t", 2)), batcher
+
+    first, failed, after, batcher = asyncio.run(main())
+    forwarder.close()
+    assert first.found is not None and failed.found is None and failed.vector[0].item() == 3
+    assert after.found is not None and after.found.ids.tolist() == first.found.ids.tolist()
+    assert [u.kind for u in forwarder.sent[-1].updates] == ["clear", "snapshot"]
+    assert batcher._ledger.budget_bytes == 1 << 19 and "search copy failed" in caplog.text
+
+
+def test_a_batch_that_cannot_be_handed_over_fails_its_callers_and_the_next_one_runs():
+    """Nothing that goes wrong before the forwarder takes a batch leaves its callers waiting for ever."""
+
+    class _Refusing(ThreadForwarder):
+        refuse = True
+
+        def submit(self, loop, batch, done) -> None:
+            if self.refuse:
+                self.refuse = False
+                raise RuntimeError("not now")
+            super().submit(loop, batch, done)
+
+    async def main():
+        batcher = QueryBatcher(_Refusing(_Lengths()))
+        with pytest.raises(RuntimeError, match="not now"):
+            await asyncio.wait_for(batcher.embed("ab"), 5)
+        return await asyncio.wait_for(batcher.embed("abc"), 5)
+
+    assert asyncio.run(main()).vector[0].item() == 3
+
+
+@pytest.mark.gpu
+def test_the_embedders_process_searches_its_copy_on_the_gpu():
+    """MiniLM and the copy on CUDA in the child: its answer is the host index's for the vector it returned."""
+    from functools import partial
+
+    from models.minilm import query_embedder
+
+    source = _Source()
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((1000, 384)).astype(np.float32)
+    source.index = ExactIndex(384)
+    source.index.upsert(np.arange(1000), vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
+    forwarder = ProcessForwarder(partial(query_embedder, "cuda", 8))
+
+    async def main():
+        batcher = QueryBatcher(forwarder)
+        batcher.follow(source)
+        return await asyncio.gather(*(batcher.embed(f"question {i}", SearchAsk("t", 50)) for i in range(5)))
+
+    try:
+        answers = asyncio.run(main())
+    finally:
+        forwarder.close()
+    for embedded in answers:
+        scores, ids = source.index.search(embedded.vector, 50)
+        assert embedded.found is not None and embedded.found.ids.tolist() == ids.tolist()
+        assert np.allclose(embedded.found.scores, scores, atol=1e-5)

@@ -11,7 +11,9 @@ import requests
 def _memory_tokens(cluster, auth) -> int:
     answer = cluster.chat(auth, "What does the yellow box hold?", memory={"k": 5})
     assert answer.status_code == 200, answer.text
-    return answer.json()["usage"]["memory_tokens"]
+    usage = answer.json()["usage"]
+    assert usage["retrieval_in_copy"] is True, usage  # the copy's answer was used, not the ingress's own search
+    return usage["memory_tokens"]
 
 
 def test_chats_search_the_copy_and_it_follows_every_write(cluster):

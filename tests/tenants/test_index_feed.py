@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import redis
 import torch
 
 from tenants.connect import connect_service
-from tenants.index_mirror import Found, MirrorIndexes, MirrorLedger, SearchAsk
+from tenants.index_mirror import Found, MirrorIndexes, MirrorLedger, SearchAsk, copy_bytes
 
 
 def _reader(writer_service):
@@ -102,7 +103,7 @@ def test_without_a_live_feed_every_search_catches_up_with_redis(make_service):
 def test_the_search_copy_gets_each_committed_change_and_a_stale_answer_is_searched_again(make_service):
     """The embedder's copy starts from the whole tenant, then gets only what changed (a committed fact is in the
     next batch's updates); an answer from a copy whose tenant changed meanwhile is not used: the ingress's own
-    index answers, without the fact deleted since."""
+    index answers, with the fact added since."""
     writer, admin, key, reader = _acme(make_service, "Maya has a grey cat called Pixel.")
     tenant, copy, ledger = reader.authenticate(key), MirrorIndexes(), MirrorLedger(1 << 20)
     updates, first = reader.indexes.mirror_updates(["acme"], ledger)
@@ -116,11 +117,34 @@ def test_the_search_copy_gets_each_committed_change_and_a_stale_answer_is_search
     vector = reader.embedder.embed(["Where does Maya work?"])[0]
     ((scores, ids),) = copy.search(torch.as_tensor(vector)[None], [SearchAsk("acme", 5)])
     found = Found(scores, ids, second["acme"])
-    assert [f.text for f, _ in tenant.retrieve(vector, 5, found).hits] == [
-        f.text for f, _ in tenant.retrieve(vector, 5).hits
-    ]
-    assert tenant.retrieve(vector, 5, found).hits[0][0].text == "Maya works at the aquarium."
-    writer.authenticate(key).delete_fact(added.id)
+    fresh = tenant.retrieve(vector, 5, found)
+    assert fresh.from_copy and [f.text for f, _ in fresh.hits] == [f.text for f, _ in tenant.retrieve(vector, 5).hits]
+    assert fresh.hits[0][0].text == "Maya works at the aquarium." and fresh.hits[0][0].id == added.id
+    writer.authenticate(key).add_facts(["Maya works at the city aquarium on Sundays."])
     time.sleep(0.05)
     reader.indexes.sync("acme")  # another question's catch-up: the copy's answer is now stale
-    assert [f.text for f, _ in tenant.retrieve(vector, 5, found).hits] == ["Maya has a grey cat called Pixel."]
+    stale = tenant.retrieve(vector, 5, found)
+    assert not stale.from_copy and len(stale.hits) == 3  # searched here: the new fact is in
+    assert "Maya works at the city aquarium on Sundays." in [f.text for f, _ in stale.hits]
+
+
+def test_tenants_take_turns_in_a_small_copy_and_come_back_whole(make_service):
+    """A copy with room for one tenant: the next tenant's snapshot comes with the first one's drop, and the first
+    comes back whole (its changes meanwhile were not kept for the copy); a second copy of the same indexes is
+    refused (its journal would be emptied by the first)."""
+    writer, admin, key, reader = _acme(make_service, "Maya has a grey cat called Pixel.")
+    _, other_key = writer.create_tenant(admin, "globex")
+    writer.authenticate(other_key).add_facts(["Globex sells turbines."])
+    ledger = MirrorLedger(copy_bytes(1, 384) + 100)
+    updates, _ = reader.indexes.mirror_updates(["acme"], ledger)
+    assert [(u.tenant_id, u.kind) for u in updates] == [("acme", "snapshot")]
+    updates, _ = reader.indexes.mirror_updates(["globex"], ledger)
+    assert [(u.tenant_id, u.kind) for u in updates] == [("acme", "drop"), ("globex", "snapshot")]
+    writer.authenticate(key).add_facts(["Maya works at the aquarium."])
+    time.sleep(0.05)
+    updates, generations = reader.indexes.mirror_updates(["acme"], ledger)
+    assert [(u.tenant_id, u.kind, len(u.ids)) for u in updates] == [("globex", "drop", 0), ("acme", "snapshot", 2)]
+    both, _ = reader.indexes.mirror_updates(["acme", "globex"], ledger)  # both wanted, room for one: globex waits
+    assert [(u.tenant_id, u.kind) for u in both] == [("globex", "drop")] and ledger.holds("acme")
+    with pytest.raises(ValueError, match="second"):
+        reader.indexes.mirror_updates(["acme"], MirrorLedger(1 << 20))

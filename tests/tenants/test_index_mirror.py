@@ -4,6 +4,7 @@ its updates and answers survive their wire format, and the owner's ledger keeps 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tenants.index_mirror import (
@@ -109,3 +110,15 @@ def test_the_ledger_drops_the_least_recently_used_tenants_it_may_to_stay_within_
     assert not fits and [(d.tenant_id, d.kind) for d in drops] == [("d", "drop")] and ledger.held_bytes == 80
     ledger.reset()
     assert not ledger.holds("a") and ledger.held_bytes == 0
+
+
+@pytest.mark.gpu
+def test_the_copy_on_the_gpu_answers_as_the_host_index():
+    rng = np.random.default_rng(3)
+    owner, copy = ExactIndex(384), MirrorIndexes("cuda")
+    owner.upsert(np.arange(1000), _unit(rng, 1000, 384))
+    copy.apply([IndexUpdate("t", "snapshot", *owner.export())])
+    queries = torch.from_numpy(_unit(rng, 4, 384))
+    for query, (scores, ids) in zip(queries, copy.search(queries.cuda(), [SearchAsk("t", 50)] * 4)):
+        want_scores, want_ids = owner.search(query, 50)
+        assert ids.tolist() == want_ids.tolist() and np.allclose(scores, want_scores, atol=1e-5)
