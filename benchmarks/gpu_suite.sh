@@ -6,7 +6,7 @@
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
 # A device call runs at most 600 s: serve-http, locust, tenants-gpu and history-ttft (up to 590 s each) take a call of their own,
 # after the call that ends with `setup` (the machine stays warm 30 s between calls: send the next one at once).
-#   steps: setup gpu-tests inject-kernel chunk-bounds retrieval injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
+#   steps: setup gpu-tests inject-kernel chunk-bounds retrieval chat-ahead injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
 #          profile-tiers (or profile-host, profile-disk) profile-encode quality record-precision history-quality history-ttft mps-on mps-off
 # QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own;
 # INGRESS_REPLICAS=N runs serve-http with N ingress replicas (default 4: each an event loop where requests queue).
@@ -61,6 +61,7 @@ for step in "$@"; do
     chunk-bounds) run chunk-bounds 240 python3 benchmarks/chunk_bounds.py --out "$out/chunk_bounds.json"
         grep -E " ms$|difference|tilings" "$out/chunk-bounds.log" ;;
     retrieval) run retrieval 180 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
+    chat-ahead) run chat-ahead 120 python3 benchmarks/chat_ahead.py --out "$out/chat_ahead.json" ;;
     injected-records) run injected-records 240 python3 benchmarks/injected_records.py --config "$SHAPE" --out "$out/injected_records.json"
         grep -E "^ *(none|[0-9]+x[0-9]+):" "$out/injected-records.log" ;;
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;

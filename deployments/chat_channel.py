@@ -13,6 +13,9 @@ CPU a chat on the LLM replica's event loop, the loop that bounds the cluster's Q
   503, as for a replica that dies).
 - A replica that stops (`ChannelServer.drain`) starts no new chat (each is refused at once, so the ingress asks
   Serve for another replica), lets the running ones finish for a while, then closes its connections.
+- A note sent ahead of a chat (`ChannelClient.ahead`, kind AHEAD: no answer, no request of its own) reaches the
+  replica's `ahead` callback at once, with whether the replica is idle: it prepares what it can while the ingress
+  still retrieves.
 - Pure asyncio: the Ray adapter (`ray_serve/llm_server.py`, `ray_serve/ingress.py`) says where the server listens
   and which replica a tenant's chats go to.
 """
@@ -34,12 +37,13 @@ from typing import Any, AsyncIterator, Callable
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<IQB")  # payload length, request id (64 bits: never reused on a connection), kind
-HELLO, TASK, CANCEL, EVENT, END, REFUSED = range(6)
+HELLO, TASK, CANCEL, EVENT, END, REFUSED, AHEAD = range(7)
 MAX_FRAME = 64 << 20  # a chat task carries texts, never K/V
 TOKEN_BYTES = 32
 HELLO_TIMEOUT_S = 5.0
 _KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))  # a silent peer is dead after ~25 s
 Handler = Callable[[Any], AsyncIterator[dict[str, Any]]]
+Ahead = Callable[[Any, bool], None]  # (the note, whether the replica runs no chat now)
 
 
 class ChannelClosed(ConnectionError):
@@ -83,10 +87,10 @@ def _keep_alive(writer: asyncio.StreamWriter) -> None:
 class ChannelServer:
     """The replica's end: runs `handler(task)` for each chat that arrives and streams its events back."""
 
-    def __init__(self, handler: Handler, host: str, max_ongoing: int = 64) -> None:
+    def __init__(self, handler: Handler, host: str, max_ongoing: int = 64, ahead: Ahead | None = None) -> None:
         """`max_ongoing`: chats the handler runs at once; later ones wait here (as Serve queues beyond the
-        deployment's `max_ongoing_requests`)."""
-        self._handler, self._host = handler, host
+        deployment's `max_ongoing_requests`); `ahead`: called on the loop with each note sent ahead of a chat."""
+        self._handler, self._host, self._ahead = handler, host, ahead
         self._token = secrets.token_bytes(32)
         self._server: asyncio.Server | None = None
         self._slots = asyncio.Semaphore(max_ongoing)
@@ -141,6 +145,8 @@ class ChannelServer:
                     chat.add_done_callback(lambda _, rid=request_id: chats.pop(rid, None))
                 elif kind == CANCEL and request_id in chats:
                     chats[request_id].cancel()
+                elif kind == AHEAD and self._ahead is not None and not self._draining:
+                    self._note(pickle.loads(payload))
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
             pass  # the ingress went away (or never said hello): its chats end below
         except Exception:  # noqa: BLE001 - a frame that does not unpickle: this connection is not ours to serve
@@ -150,6 +156,13 @@ class ChannelServer:
             for chat in list(chats.values()):
                 chat.cancel()
             writer.close()
+
+    def _note(self, note: Any) -> None:
+        """A note's preparation is an optimisation: its failure is logged, never the connection's."""
+        try:
+            self._ahead(note, self.ongoing == 0)  # type: ignore[misc]
+        except Exception:  # noqa: BLE001
+            log.warning("chat channel: preparing for a chat failed", exc_info=True)
 
     async def _run(self, request_id: int, task: Any, writer: asyncio.StreamWriter) -> None:
         self.in_flight += 1
@@ -219,6 +232,11 @@ class ChannelClient:
             self._chats.pop(request_id, None)
             if not ended and not self.closed:
                 writer.write(_frame(request_id, CANCEL))
+
+    def ahead(self, note: Any) -> None:
+        """Send `note` ahead of a chat, on a connection already open (none is opened for it); nothing comes back."""
+        if self._writer is not None and not self.closed:
+            self._writer.write(_frame(0, AHEAD, pickle.dumps(note, protocol=5)))
 
     async def _connected(self) -> asyncio.StreamWriter:
         async with self._connecting:

@@ -24,6 +24,16 @@ class RetrievedFact:
 
 
 @dataclass(frozen=True)
+class ChatAhead:
+    """What a chat's replica can know before retrieval ends: its tenant and conversation. Sent ahead, it lets the
+    replica tokenize the question and wake its core and caches while the ingress retrieves (after ~30 ms of idleness
+    the replica's layout ran 3-5x slower than back to back, on this CPU and on the H200 host alike)."""
+
+    tenant_id: str
+    messages: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
 class ChatTask:
     """One chat request after authentication and retrieval."""
 

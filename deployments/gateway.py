@@ -13,11 +13,11 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from deployments.app_args import IngressArgs
 from deployments.background import BackgroundTasks
-from deployments.chat_task import ChatTask, RetrievedFact
+from deployments.chat_task import ChatAhead, ChatTask, RetrievedFact
 from deployments.fact_encoding import FactEncoder
 from deployments.job_queue import JobQueue, JobRunner
 from deployments.llm_backend import LLMBackend
@@ -134,6 +134,7 @@ class Gateway:
         if self.args.max_tokens is not None and max_tokens > self.args.max_tokens:
             raise InvalidInputError(f"max_tokens must be at most {self.args.max_tokens}")
         history_id, budget = self._history_of(tenant, body)
+        conversation = body.conversation()
         started = time.perf_counter()
         embedded: Embedded | None = None
         facts: tuple[RetrievedFact, ...] = ()
@@ -141,7 +142,7 @@ class Gateway:
         if body.memory.mode not in ("off", "history") and k > 0:
             query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
             asked = time.perf_counter()
-            embedded = await self.queries.embed(query, SearchAsk(tenant.id, k))
+            embedded = await self.queries.embed(query, SearchAsk(tenant.id, k), then=self._ahead(tenant, conversation))
             back = time.perf_counter()
             retrieved = tenant.retrieve(embedded.vector, k, embedded.found)
             searched = time.perf_counter()
@@ -169,7 +170,7 @@ class Gateway:
         task = ChatTask(
             tenant.id,
             version,
-            body.conversation(),
+            conversation,
             facts,
             body.memory.mode,
             max_tokens,
@@ -187,6 +188,14 @@ class Gateway:
         if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
             tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, facts))
         return PreparedChat(task, retrieval_ms, embedded, tiers, legs, searched_in_copy=in_copy)
+
+    def _ahead(self, tenant: Tenant, conversation: tuple[tuple[str, str], ...]) -> Callable[[], None] | None:
+        """The note that lets the chat's replica tokenize the conversation and wake up while the question is embedded,
+        sent once the embedding is handed over (this loop then only waits: a replica woken on its core takes nothing
+        from the request)."""
+        if not conversation or self.llm is None:
+            return None
+        return lambda: self.llm.ahead(ChatAhead(tenant.id, conversation))
 
     def _history_of(self, tenant: Tenant, body: GenerationRequest) -> tuple[str | None, int]:
         """History mode's history id and token budget for this chat (None, 0 in the other modes)."""

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Protocol
 
-from deployments.chat_task import ChatTask
+from deployments.chat_task import ChatAhead, ChatTask
 
 
 class LLMBackend(Protocol):
     """What the gateway needs of the LLM deployment: chats streamed, facts and histories encoded."""
 
     def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]: ...
+
+    def ahead(self, note: ChatAhead) -> None:
+        """Tell the replica that will serve the chat what it can prepare before its task comes (or nothing)."""
+        ...
 
     async def encode(self, api_key: str, tenant_id: str, facts: list[tuple[str, int, str]]) -> dict[str, str]: ...
 

@@ -497,14 +497,23 @@ class QueryBatcher:
         if watch is not None:
             watch(asyncio.get_running_loop())
 
-    async def embed(self, text: str, ask: SearchAsk | None = None) -> Embedded:
+    async def embed(
+        self, text: str, ask: SearchAsk | None = None, then: Callable[[], object] | None = None
+    ) -> Embedded:
         """`ask`: the tenant to search and how many facts; `Embedded.found` is None where the copy did not
-        search (no `follow`, no room, its tenant not caught up, or a process restarted meanwhile)."""
+        search (no `follow`, no room, its tenant not caught up, or a process restarted meanwhile). `then`: the
+        caller's own work once the text is handed over (its forward started, or queued behind one), before the
+        wait; what it raises is logged, never the embedding's failure."""
         loop = asyncio.get_running_loop()
         waiting = _Waiting(text, ask, loop.create_future(), time.perf_counter())
         self._pending.append(waiting)
         if not self._running:
             self._start_next(loop)
+        if then is not None:
+            try:
+                then()
+            except Exception:  # noqa: BLE001 - an optimisation's failure must not fail the question
+                log.warning("work beside a question's embedding failed", exc_info=True)
         vector, found, started, ended, cpu = await waiting.future
         resumed = time.perf_counter()
         return Embedded(

@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from config.settings import load_settings
 from deployments.app_args import AppArgs
 from deployments.chat_channel import ChannelAddress, ChannelClosed, ChannelPool
-from deployments.chat_task import ChatTask
+from deployments.chat_task import ChatAhead, ChatTask
 from deployments.gateway import Gateway
 from deployments.http_api import create_app
 from deployments.job_queue import JobRunner
@@ -64,6 +64,11 @@ class ChannelRoutes:
             self._refreshing[tenant_id] = refresh
             refresh.add_done_callback(lambda done: self._refreshed(tenant_id, done))
         return known[0]
+
+    def known(self, tenant_id: str) -> ChannelAddress | None:
+        """The tenant's replica if one is known now (no asking)."""
+        known = self._routes.get(tenant_id)
+        return known[0] if known is not None else None
 
     def forget(self, address: ChannelAddress) -> None:
         self._routes = {tenant: route for tenant, route in self._routes.items() if route[0] != address}
@@ -146,6 +151,12 @@ class ServeLLMBackend:
         finally:
             if events is not None and hasattr(events, "aclose"):  # the channel's: a chat left early is cancelled there
                 await events.aclose()
+
+    def ahead(self, note: ChatAhead) -> None:
+        """Tell the tenant's replica a chat is coming, where its channel is known and open (else nothing)."""
+        address = self._routes.known(note.tenant_id) if self._routes is not None else None
+        if address is not None:
+            self._channels.client(address).ahead(note)
 
     def close(self) -> None:
         """Close the connections to the replicas' channels (the ingress replica stops)."""

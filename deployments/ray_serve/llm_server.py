@@ -80,7 +80,9 @@ class LLMServer(ReportsChannelLoad):
         )
         await self.engine.warm_up()
         # chats may come over this replica's own socket instead of Serve's handle (`ingress.chat_transport`)
-        self._channel = ChannelServer(self.chat, ray.util.get_node_ip_address(), self.args.llm.max_ongoing_requests)
+        self._channel = ChannelServer(
+            self.chat, ray.util.get_node_ip_address(), self.args.llm.max_ongoing_requests, ahead=self.engine.prepare
+        )
         await self._channel.start()
         log.info(
             "LLM server ready: %s (fingerprint %s, %s)",

@@ -344,3 +344,40 @@ def test_a_chat_waiting_for_serve_to_name_a_replica_is_a_503_after_the_first_eve
 
     events, waited = asyncio.run(main())
     assert len(events) == 1 and events[0]["error"]["status"] == 503 and waited < 2
+
+
+def test_a_note_ahead_reaches_the_replica_with_whether_it_is_idle_and_a_failing_one_harms_nothing():
+    """Nothing is sent ahead before the connection is open; once it is, each note reaches the replica's `ahead`
+    with whether a chat runs there; a note whose preparation fails leaves the connection serving."""
+    notes: list[tuple[object, bool]] = []
+    release = asyncio.Event()
+
+    def ahead(note, idle):
+        if note == "boom":
+            raise RuntimeError("cannot prepare")
+        notes.append((note, idle))
+
+    async def held(task):
+        await release.wait()
+        yield {"done": True, "tenant": task.tenant_id}
+
+    async def main():
+        server = ChannelServer(held, "127.0.0.1", ahead=ahead)
+        client = ChannelPool().client(await server.start())
+        client.ahead("before any chat")  # no connection yet: dropped, none is opened for it
+        first = asyncio.ensure_future(_collect(client.chat(_task("t", "q"))))
+        await asyncio.sleep(0.05)
+        client.ahead("while a chat runs")
+        client.ahead("boom")
+        await asyncio.sleep(0.05)
+        release.set()
+        await first
+        client.ahead("idle again")
+        await asyncio.sleep(0.05)
+        after = await _collect(client.chat(_task("t", "q")))
+        client.close()
+        server.close()
+        return after
+
+    assert asyncio.run(main()) == [{"done": True, "tenant": "t"}]
+    assert notes == [("while a chat runs", False), ("idle again", True)]

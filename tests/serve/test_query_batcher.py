@@ -411,6 +411,31 @@ def test_a_batch_that_cannot_be_handed_over_fails_its_callers_and_the_next_one_r
     assert asyncio.run(main()).vector[0].item() == 3
 
 
+def test_the_callers_work_runs_once_its_text_is_handed_over_and_its_failure_is_only_logged(caplog):
+    """`then` (the gateway's note to the chat's replica) runs after the forward has its text, also for a text
+    queued behind a running forward; a failing one leaves the embedding alone."""
+    embedder = _Slow()
+    seen: list[tuple[str, list]] = []
+
+    async def main():
+        batcher = QueryBatcher(embedder, max_batch=8)
+        first = asyncio.ensure_future(batcher.embed("a", then=lambda: seen.append(("a", list(embedder.calls)))))
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(batcher.embed("bb", then=lambda: seen.append(("bb", list(embedder.calls)))))
+        await asyncio.sleep(0.01)
+        embedder.release.set()
+        await first, await queued
+
+        def broken():
+            raise RuntimeError("note broke")
+
+        return await batcher.embed("ccc", then=broken)
+
+    last = asyncio.run(main())
+    assert [name for name, _ in seen] == ["a", "bb"] and seen[1][1] == [["a"]]  # "bb" queued while "a" ran
+    assert last.vector.tolist() == [3.0, 1.0] and "work beside a question's embedding failed" in caplog.text
+
+
 @pytest.mark.gpu
 def test_the_embedders_process_searches_its_copy_on_the_gpu():
     """MiniLM and the copy on CUDA in the child: its answer is the host index's for the vector it returned."""
