@@ -146,7 +146,7 @@ class ChannelServer:
                 elif kind == CANCEL and request_id in chats:
                     chats[request_id].cancel()
                 elif kind == AHEAD and self._ahead is not None and not self._draining:
-                    self._note(pickle.loads(payload))
+                    self._note(payload)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
             pass  # the ingress went away (or never said hello): its chats end below
         except Exception:  # noqa: BLE001 - a frame that does not unpickle: this connection is not ours to serve
@@ -157,12 +157,13 @@ class ChannelServer:
                 chat.cancel()
             writer.close()
 
-    def _note(self, note: Any) -> None:
-        """A note's preparation is an optimisation: its failure is logged, never the connection's."""
+    def _note(self, payload: bytes) -> None:
+        """A note is an optimisation: one that does not unpickle or whose preparation fails is logged (the chat
+        meets the same fault itself), never the connection's end."""
         try:
-            self._ahead(note, self.ongoing == 0)  # type: ignore[misc]
+            self._ahead(pickle.loads(payload), self.ongoing == 0)  # type: ignore[misc]
         except Exception:  # noqa: BLE001
-            log.warning("chat channel: preparing for a chat failed", exc_info=True)
+            log.debug("chat channel: preparing for a chat failed", exc_info=True)
 
     async def _run(self, request_id: int, task: Any, writer: asyncio.StreamWriter) -> None:
         self.in_flight += 1

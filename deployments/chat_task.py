@@ -32,6 +32,12 @@ class ChatAhead:
     tenant_id: str
     messages: tuple[tuple[str, str], ...]
 
+    MAX_CHARS = 8192  # a longer conversation goes with its task alone (its note would cost more than it saves)
+
+    @staticmethod
+    def fits(messages: tuple[tuple[str, str], ...]) -> bool:
+        return sum(len(content) for _, content in messages) <= ChatAhead.MAX_CHARS
+
 
 @dataclass(frozen=True)
 class ChatTask:

@@ -193,7 +193,7 @@ class Gateway:
         """The note that lets the chat's replica tokenize the conversation and wake up while the question is embedded,
         sent once the embedding is handed over (this loop then only waits: a replica woken on its core takes nothing
         from the request)."""
-        if not conversation or self.llm is None:
+        if not conversation or self.llm is None or not ChatAhead.fits(conversation):
             return None
         return lambda: self.llm.ahead(ChatAhead(tenant.id, conversation))
 

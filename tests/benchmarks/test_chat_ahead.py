@@ -1,5 +1,5 @@
 """The note-ahead benchmark lays out real chats through `MemoryEngine.chat` (the bundled tokenizer, a real fact
-store) in each of its conditions, and its chats reach the engine with the prompt the note does not change."""
+store) in each of its conditions, and every chat reaches the engine."""
 
 import pytest
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from deployments.chat_channel import (
+    AHEAD,
     HELLO,
     MAX_FRAME,
     TASK,
@@ -15,6 +16,7 @@ from deployments.chat_channel import (
     ChannelClosed,
     ChannelPool,
     ChannelServer,
+    _frame,
 )
 from deployments.chat_task import ChatTask
 
@@ -369,6 +371,7 @@ def test_a_note_ahead_reaches_the_replica_with_whether_it_is_idle_and_a_failing_
         await asyncio.sleep(0.05)
         client.ahead("while a chat runs")
         client.ahead("boom")
+        client._writer.write(_frame(0, AHEAD, b"not a pickle"))  # a note that does not unpickle: dropped too
         await asyncio.sleep(0.05)
         release.set()
         await first

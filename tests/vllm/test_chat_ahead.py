@@ -30,7 +30,7 @@ class _Frame:
 
     def query_ids(self, tokenizer, question: str) -> list[int]:
         self.tokenized.append(question)
-        return [len(question), 7, 8]
+        return [ord(c) for c in question]
 
 
 class _Engine:
@@ -56,7 +56,7 @@ def _replica(root: Path) -> tuple[MemoryEngine, _Frame, list]:
 
     store.checked_infos = counted  # type: ignore[method-assign]
     engine._store, engine._tier_root, engine._chat_frame, engine.prefix_ids = store, None, frame, (1, 2, 3)
-    engine.tokenizer = None  # the frame tokenizes lone questions; no other text is tokenized here
+    engine.tokenizer, engine._system_prompt = None, "system"  # the frame (or the stubbed template) tokenizes
     engine.frame_id, engine._frames, engine.max_model_len, engine._engine = (
         "chat-frame-x",
         {"acme": True},
@@ -110,3 +110,37 @@ def test_notes_whose_chats_never_come_are_not_kept_for_ever(tmp_path):
     for i in range(300):
         engine.prepare(ChatAhead("acme", (("user", f"question {i}"),)), idle=False)
     assert len(engine._splits) == 256 and (("user", "question 299"),) in engine._splits
+    engine.prepare(ChatAhead("acme", (("user", "x" * (ChatAhead.MAX_CHARS + 1)),)), idle=False)
+    assert (("user", "x" * (ChatAhead.MAX_CHARS + 1)),) not in engine._splits  # too long to be worth a note
+
+
+def test_a_chat_takes_only_what_was_prepared_for_its_own_conversation(tmp_path, monkeypatch):
+    """Keyed by the whole conversation: a note for one question is left alone by a chat for another, and a
+    multi-turn conversation prepared ahead (through the chat template) is taken whole by its own chat."""
+    templated: list[list[dict]] = []
+
+    def split_chat(tokenizer, system_prompt, messages):
+        templated.append(messages)
+        return (9, 9), [ord(c) for m in messages for c in m["content"]]
+
+    monkeypatch.setattr("deployments.vllm_adapter.async_engine.split_chat", split_chat)
+    plain, _, _ = _replica(tmp_path / "plain")
+    engine, frame, _ = _replica(tmp_path / "ahead")
+    engine.prepare(ChatAhead("acme", (("user", "Where is X?"),)), idle=False)
+    assert _chat(engine, _task("Where is Y?")) == _chat(plain, _task("Where is Y?"))
+    assert (("user", "Where is X?"),) in engine._splits  # still waiting for its own chat
+    turns = (("user", "Hi"), ("assistant", "Hello."), ("user", "Where is it?"))
+    multi = ChatTask("acme", 3, turns, _task("").facts, "inject", 4)
+    want = _chat(plain, multi)
+    engine.prepare(ChatAhead("acme", turns), idle=False)
+    before = len(templated)
+    assert _chat(engine, multi) == want and len(templated) == before  # taken, not templated again
+
+
+def test_a_cpu_replica_only_tokenizes_ahead(tmp_path):
+    engine, _, reads = _replica(tmp_path)
+    engine._warm_ahead = False  # as on a CPU replica: the warm-up would take the CPU embedding's core
+    _chat(engine, _task("What is in the box?"))
+    before = len(reads)
+    engine.prepare(ChatAhead("acme", (("user", "Where is it?"),)), idle=True)
+    assert len(reads) == before and (("user", "Where is it?"),) in engine._splits
