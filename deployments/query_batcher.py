@@ -42,7 +42,9 @@ import torch
 
 from deployments.message_socket import BlockingSide, LoopSide, socket_pair
 from tenants.index_mirror import (
+    CLEAR,
     Found,
+    Hits,
     IndexUpdate,
     MirrorIndexes,
     MirrorLedger,
@@ -58,7 +60,6 @@ _READY = b"R"  # the child's first message once its embedder is built (else b"E"
 # a reply from the embedder's process: ok, started, ended, cpu s, rows, dim; then vectors and hits (or the failure)
 _HEADER = struct.Struct("<?dddII?")  # ... and whether the search copy failed
 _LENGTH = struct.Struct("<I")
-Hits = list["tuple[np.ndarray, np.ndarray] | None"]
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def _run_batch(embedder: TensorEmbedder, copy: MirrorIndexes, batch: EmbedBatch)
         hits = copy.search(vectors, batch.asks)  # its read-back waits for the forward too
     except Exception:  # noqa: BLE001 - the owner searches these itself
         log.exception("the search copy failed; its questions are searched by the ingress")
-        copy.apply([IndexUpdate("", "clear", np.empty(0, np.int64))])
+        copy.clear()
         return Answer(vectors.float().cpu(), [None] * len(batch.texts), copy_failed=True)
     return Answer(vectors.float().cpu(), hits)
 
@@ -261,8 +262,7 @@ class ProcessForwarder:
         return self._failed is None
 
     def submit(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
-        if self._failed is None and not self._process.is_alive():  # died while idle: start another first
-            self._died(loop, in_flight=None)
+        """`QueryBatcher` has called `watch` first: a process that died while idle is already replaced."""
         if self._failed is not None:
             now = time.perf_counter()
             loop.call_soon(done, self._failed, now, now, 0.0)
@@ -540,9 +540,7 @@ class QueryBatcher:
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
         self.batches += 1
         try:
-            watch = getattr(self._forwarder, "watch", None)
-            if watch is not None:  # a process that died while idle is replaced now, before the copy's updates
-                watch(loop)
+            self.watch()  # a process that died while idle is replaced now, before the copy's updates are chosen
             self._forwarder.submit(
                 loop,
                 self._batch(batch),
@@ -560,7 +558,7 @@ class QueryBatcher:
             if self._clear or self._starts() != self._copy_starts:
                 self._ledger.reset()
                 self._copy_starts, self._clear = self._starts(), False
-                updates.append(IndexUpdate("", "clear", np.empty(0, np.int64)))
+                updates.append(CLEAR)
             try:
                 more, generations = self._source.mirror_updates(
                     [a.tenant_id for a in asks if a is not None], self._ledger

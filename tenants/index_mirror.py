@@ -27,6 +27,7 @@ from tenants.vector_index import ExactIndex
 
 UpdateKind = Literal["snapshot", "upsert", "remove", "drop", "clear"]
 _COUNT = struct.Struct("<i")
+Hits = list["tuple[np.ndarray, np.ndarray] | None"]  # per question (scores, ids), None where it was not searched
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,15 @@ class MirrorIndexes:
     def __contains__(self, tenant_id: str) -> bool:
         return tenant_id in self._indexes
 
+    def clear(self) -> None:
+        self._indexes.clear()
+
     def apply(self, updates: Sequence[IndexUpdate]) -> None:
         """Changes for a tenant the copy does not hold are skipped: its searches then answer None, and the owner
         searches itself (and sends the whole tenant next time)."""
         for update in updates:
             if update.kind == "clear":
-                self._indexes.clear()
+                self.clear()
             elif update.kind == "drop":
                 self._indexes.pop(update.tenant_id, None)
             elif update.kind == "snapshot":
@@ -90,9 +94,7 @@ class MirrorIndexes:
                 else:
                     index.remove(update.ids)
 
-    def search(
-        self, vectors: torch.Tensor, asks: Sequence[SearchAsk | None]
-    ) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    def search(self, vectors: torch.Tensor, asks: Sequence[SearchAsk | None]) -> Hits:
         """Per question (row of `vectors`), (scores, ids) of its tenant's nearest, or None where it asked for no
         search or the copy does not hold its tenant; every top-k stays on the device until one read-back."""
         tops: list[tuple[ExactIndex, torch.Tensor, torch.Tensor] | None] = []
@@ -104,7 +106,7 @@ class MirrorIndexes:
             return [None] * len(tops)
         scores = torch.cat([values.float() for _, values, _ in found]).cpu().numpy()
         rows = torch.cat([rows for _, _, rows in found]).cpu().numpy()
-        out: list[tuple[np.ndarray, np.ndarray] | None] = []
+        out: Hits = []
         at = 0
         for top in tops:
             if top is None:
@@ -167,6 +169,9 @@ def _drop(tenant_id: str) -> IndexUpdate:
     return IndexUpdate(tenant_id, "drop", np.empty(0, np.int64))
 
 
+CLEAR = IndexUpdate("", "clear", np.empty(0, np.int64))  # every tenant out of the copy
+
+
 def pack_updates(updates: Sequence[IndexUpdate]) -> tuple[list[list], bytes]:
     """Each update's header ([tenant, kind, rows, dim]) and their ids and vectors as one blob, in order."""
     headers, parts = [], []
@@ -192,7 +197,7 @@ def unpack_updates(headers: list[list], blob: bytes | memoryview) -> list[IndexU
     return updates
 
 
-def pack_hits(hits: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> bytes:
+def pack_hits(hits: Hits) -> bytes:
     """Per question its count (-1: no search), then every score, then every id."""
     counts = b"".join(_COUNT.pack(-1 if h is None else len(h[0])) for h in hits)
     scores = b"".join(np.asarray(h[0], dtype=np.float32).tobytes() for h in hits if h is not None)
@@ -200,13 +205,13 @@ def pack_hits(hits: Sequence[tuple[np.ndarray, np.ndarray] | None]) -> bytes:
     return counts + scores + ids
 
 
-def unpack_hits(data: bytes | memoryview, questions: int) -> list[tuple[np.ndarray, np.ndarray] | None]:
+def unpack_hits(data: bytes | memoryview, questions: int) -> Hits:
     counts = [_COUNT.unpack_from(data, i * _COUNT.size)[0] for i in range(questions)]
     total = sum(c for c in counts if c > 0)
     at = questions * _COUNT.size
     scores = np.frombuffer(data, dtype=np.float32, count=total, offset=at)
     ids = np.frombuffer(data, dtype=np.int64, count=total, offset=at + scores.nbytes)
-    out: list[tuple[np.ndarray, np.ndarray] | None] = []
+    out: Hits = []
     start = 0
     for count in counts:
         if count < 0:
