@@ -385,10 +385,13 @@ def whole_step(service, tenant, device: str, query: str, repeats: int, k: int = 
         out["same_facts"] = all(a[1] == b[1] for a, b in zip(runs["copy"], runs["host"]))
         return out
 
-    try:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the host's search as the ingress runs it: Ray gives a 1-CPU replica one thread
+    try:  # (with all of a GPU host's cores, waking torch's thread pool after idleness took ms: 2026-12-05)
         forwarder.wait_ready()
         return {"back_to_back": asyncio.run(measure(2.0)), "spaced_30ms": asyncio.run(measure(30.0))}
     finally:
+        torch.set_num_threads(threads)
         forwarder.close()
 
 

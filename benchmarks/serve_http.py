@@ -347,8 +347,9 @@ def engine_alone(app_args: dict, tasks: list, rounds: list, spaced_rounds: list,
         engine.shutdown()
 
 
-def chat_tasks(service, tenants: list[tuple[str, str]], k: int, mode: str, questions: list[str]) -> list:
-    """The `ChatTask`s the ingress builds for these questions (its own code path, without HTTP)."""
+def chat_tasks(service, tenants: list[tuple[str, str]], k: int, mode: str, batches: list[list[str]]) -> list[list]:
+    """The `ChatTask`s the ingress builds for each batch of questions (its own code path, without HTTP), by one
+    gateway: its query batcher keeps the one search copy that the service's indexes allow."""
     from deployments.app_args import IngressArgs
     from deployments.gateway import Gateway
     from deployments.metrics import Metrics
@@ -356,7 +357,7 @@ def chat_tasks(service, tenants: list[tuple[str, str]], k: int, mode: str, quest
 
     gateway = Gateway(service, None, IngressArgs(max_k=max(k, 1)), MODEL, Metrics(), Path(scratch_dir(prefix="jobs-")))  # type: ignore[arg-type]
 
-    async def build() -> list:
+    async def build(questions: list[str]) -> list:
         out = []
         for i, text in enumerate(questions):
             tenant = service.authenticate(tenants[i % len(tenants)][1])
@@ -366,7 +367,10 @@ def chat_tasks(service, tenants: list[tuple[str, str]], k: int, mode: str, quest
             out.append((await gateway.prepare_chat(tenant, body)).task)
         return out
 
-    return asyncio.run(build())
+    async def build_all() -> list[list]:
+        return [await build(questions) for questions in batches]
+
+    return asyncio.run(build_all())
 
 
 def proxy_floors(redis_url: str, state: Path, admin: str, key: str) -> dict:
@@ -534,12 +538,16 @@ def main() -> None:
     clock.done("cluster_stopped")
     try:
         qps_questions = [question(i) for i in range(total)]
-        inject_tasks = chat_tasks(service, tenants, k, "inject", qps_questions)
-        round_tasks, spaced_tasks = (
-            chat_tasks(
-                service, tenants, k, "inject", [f"What does box {r} hold? ({name} {r})" for r in range(rounds_n)]
-            )
-            for name in ("inject", "inject spaced")  # new questions for each pass: no prefix-cache hit between them
+        inject_tasks, round_tasks, spaced_tasks = chat_tasks(
+            service,
+            tenants,
+            k,
+            "inject",
+            [qps_questions]
+            + [  # new questions for each pass: no prefix-cache hit between them
+                [f"What does box {r} hold? ({name} {r})" for r in range(rounds_n)]
+                for name in ("inject", "inject spaced")
+            ],
         )
         report["engine_alone"] = engine_alone(app_args, inject_tasks, round_tasks, spaced_tasks, tenants_n)
         clock.done("engine_alone")
