@@ -445,6 +445,8 @@ def _answer(side: BlockingSide, embedder: TensorEmbedder) -> None:
 class MirrorSource(Protocol):
     """Where the copy's updates come from: the owner's indexes (`TenantIndexes.mirror_updates`)."""
 
+    def claim(self, ledger: MirrorLedger) -> None: ...
+
     def mirror_updates(
         self, tenant_ids: list[str], ledger: MirrorLedger
     ) -> tuple[list[IndexUpdate], dict[str, int]]: ...
@@ -488,7 +490,9 @@ class QueryBatcher:
         return self._ledger.held_bytes
 
     def follow(self, source: MirrorSource) -> None:
-        """Search questions that ask for it beside their forward, in a copy of `source`'s vectors."""
+        """Search questions that ask for it beside their forward, in a copy of `source`'s vectors (the one copy
+        `source` keeps current: a second batcher following it is refused here, not batch after batch)."""
+        source.claim(self._ledger)
         self._source = source
 
     def watch(self) -> None:

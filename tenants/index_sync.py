@@ -82,15 +82,20 @@ class TenantIndexes:
             hits = [(state.facts[int(i)], float(s)) for s, i in zip(scores, ids) if int(i) in state.facts]
             return Retrieved(hits, state.version)
 
+    def claim(self, ledger: MirrorLedger) -> None:
+        """Make `ledger`'s copy the one these indexes keep change journals for (again a no-op); a second copy is
+        refused, since the changes kept for a copy are handed out once and the other would miss them."""
+        if self._follower is None:
+            self._follower = ledger
+        elif ledger is not self._follower:
+            raise ValueError("these indexes already keep one search copy current; a second would miss changes")
+
     def mirror_updates(self, tenant_ids: list[str], ledger: MirrorLedger) -> tuple[list[IndexUpdate], dict[str, int]]:
         """What a copy of these tenants' vectors needs before it searches them (each caught up with the change log
         first): their changes since it last saw them, or each whole; and the generation each will be at. A tenant
         missing from the generations is not searched there (it did not fit `ledger`'s budget, or its catch-up
         failed: its questions are searched here, where the failure is raised)."""
-        if self._follower is None:
-            self._follower = ledger
-        elif ledger is not self._follower:
-            raise ValueError("these indexes already keep one search copy current; a second would miss changes")
+        self.claim(ledger)
         updates: list[IndexUpdate] = []
         generations: dict[str, int] = {}
         wanted = set(tenant_ids)

@@ -282,6 +282,12 @@ class _Source:
         self.index = ExactIndex(2)
         self.index.upsert(np.array([10, 11, 12]), np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], np.float32))
         self.calls: list[tuple[list[str], list[bool]]] = []
+        self.claimed = None
+
+    def claim(self, ledger):
+        if self.claimed not in (None, ledger):
+            raise ValueError("these indexes already keep one search copy current; a second would miss changes")
+        self.claimed = ledger
 
     def mirror_updates(self, tenant_ids, ledger):
         self.calls.append((list(tenant_ids), [ledger.holds(t) for t in tenant_ids]))
@@ -308,6 +314,16 @@ def _searched_beside(forwarder) -> tuple[list, _Source]:
         return [*together, await batcher.embed("abcd", SearchAsk("t", 3))]
 
     return asyncio.run(main()), source
+
+
+def test_a_second_batcher_following_the_same_indexes_is_refused_when_it_follows():
+    """One copy per set of indexes: the second batcher learns it at `follow`, not batch after batch."""
+    source, first, second = _Source(), QueryBatcher(_Lengths()), QueryBatcher(_Lengths())
+    first.follow(source)
+    first.follow(source)  # the same batcher again: fine
+    with pytest.raises(ValueError, match="second"):
+        second.follow(source)
+    assert source.claimed is first._ledger
 
 
 @pytest.mark.parametrize("where", ["thread", "process"])

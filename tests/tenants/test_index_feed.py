@@ -148,3 +148,6 @@ def test_tenants_take_turns_in_a_small_copy_and_come_back_whole(make_service):
     assert [(u.tenant_id, u.kind) for u in both] == [("globex", "drop")] and ledger.holds("acme")
     with pytest.raises(ValueError, match="second"):
         reader.indexes.mirror_updates(["acme"], MirrorLedger(1 << 20))
+    with pytest.raises(ValueError, match="second"):  # as a second batcher's `follow` asks, before any batch
+        reader.indexes.claim(MirrorLedger(1 << 20))
+    reader.indexes.claim(ledger)  # the copy it keeps: again, fine
