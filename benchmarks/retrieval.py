@@ -305,7 +305,8 @@ def beside_busy_loop(
     import asyncio
     from functools import partial
 
-    from deployments.query_batcher import ProcessForwarder, QueryBatcher
+    from deployments.embed_forwarders import ProcessForwarder
+    from deployments.query_batcher import QueryBatcher
     from models.minilm import query_embedder
 
     async def other_work(stop: asyncio.Event) -> None:
@@ -358,7 +359,8 @@ def whole_step(service, tenant, device: str, query: str, repeats: int, k: int = 
     import asyncio
     from functools import partial
 
-    from deployments.query_batcher import ProcessForwarder, QueryBatcher
+    from deployments.embed_forwarders import ProcessForwarder
+    from deployments.query_batcher import QueryBatcher
     from models.minilm import query_embedder
     from tenants.index_mirror import SearchAsk
 

@@ -22,10 +22,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.embed_forwarders import EmbedderProcessError
 from deployments.event_stream import DONE, EventStream
 from deployments.gateway import Gateway, PreparedChat
 from deployments.mem0_api import mem0_router
-from deployments.query_batcher import Embedded, EmbedderProcessError
+from deployments.query_batcher import Embedded
 from deployments.schemas import (
     UNSUPPORTED,
     AddMemories,

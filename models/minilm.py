@@ -242,7 +242,7 @@ class MiniLMEmbedder:
 
 def query_embedder(device: str, max_batch: int, threads: int | None = None) -> MiniLMEmbedder:
     """An embedder ready for queries (its CUDA graphs captured up to `max_batch`): what a query embedder's
-    process builds (`deployments/query_batcher.py`); `threads`: torch's CPU threads in that process."""
+    process builds (`deployments/embed_forwarders.py`); `threads`: torch's CPU threads in that process."""
     if threads is not None:
         torch.set_num_threads(threads)
     embedder = MiniLMEmbedder(device=device)

@@ -26,11 +26,12 @@ from config.settings import load_settings
 from deployments.app_args import AppArgs
 from deployments.chat_channel import ChannelAddress, ChannelClosed, ChannelPool
 from deployments.chat_task import ChatAhead, ChatTask
+from deployments.embed_forwarders import Forwarder, ProcessForwarder
 from deployments.gateway import Gateway
 from deployments.http_api import create_app
 from deployments.job_queue import JobRunner
 from deployments.metrics import Metrics
-from deployments.query_batcher import Forwarder, ProcessForwarder, QueryBatcher
+from deployments.query_batcher import QueryBatcher
 from deployments.ray_serve.loopback import bind_replica_grpc_to_node
 from deployments.ray_serve.transport import in_this_mode, uses_grpc
 from models.minilm import MiniLMEmbedder, query_embedder

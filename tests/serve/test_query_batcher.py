@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from deployments.query_batcher import EmbedBatch, EmbedderProcessError, ProcessForwarder, QueryBatcher, ThreadForwarder
+from deployments.embed_forwarders import EmbedBatch, EmbedderProcessError, ProcessForwarder, ThreadForwarder
+from deployments.query_batcher import QueryBatcher
 from tenants.index_mirror import IndexUpdate, SearchAsk
 from tenants.vector_index import ExactIndex
 
@@ -60,9 +61,10 @@ def test_the_legs_add_up_and_the_way_back_is_short_on_an_idle_loop():
         return embedded, (time.perf_counter() - started) * 1000
 
     embedded, whole_ms = asyncio.run(main())
-    assert 20 <= embedded.forward_ms < 40 and embedded.resume_ms < 5 and embedded.wait_ms < 5, embedded
+    # bounds with room for a loaded 2-core CI machine; a leg left out would miss the whole by the 20 ms forward
+    assert 20 <= embedded.forward_ms < 60 and embedded.resume_ms < 10 and embedded.wait_ms < 10, embedded
     assert embedded.forward_cpu_ms < 5, embedded  # the forward slept: wall time, not its thread's CPU time
-    assert abs(embedded.total_ms - whole_ms) < 1, (embedded, whole_ms)
+    assert abs(embedded.total_ms - whole_ms) < 3, (embedded, whole_ms)
 
 
 def test_a_caller_that_gave_up_does_not_stop_the_others():

@@ -1,0 +1,410 @@
+"""Where a batch of questions is embedded: a thread of this process or a child process of its own.
+
+A forwarder runs one `EmbedBatch` off the event loop (the forward, then the search copy's updates and searches on the
+same device) and calls back on the loop with its `Answer`. `ThreadForwarder` shares this process's GIL;
+`ProcessForwarder` runs the forward in a child whose interpreter nothing else uses (under load a forward in a thread
+waits for a busy loop's GIL: `query_batcher.py`), fed over a socket the loop watches, answered in raw bytes. The
+child is replaced when it dies; one that keeps dying is given up and reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import json
+import logging
+import multiprocessing
+import multiprocessing.process
+import select
+import signal
+import socket
+import struct
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from deployments.message_socket import BlockingSide, LoopSide, socket_pair
+from tenants.index_mirror import (
+    Hits,
+    IndexUpdate,
+    MirrorIndexes,
+    SearchAsk,
+    pack_hits,
+    pack_updates,
+    unpack_hits,
+    unpack_updates,
+)
+
+log = logging.getLogger(__name__)
+_READY = b"R"  # the child's first message once its embedder is built (else b"E" and why)
+# a reply from the embedder's process: ok, started, ended, cpu s, rows, dim; then vectors and hits (or the failure)
+_HEADER = struct.Struct("<?dddII?")  # ... and whether the search copy failed
+_LENGTH = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A batch's vectors (one row a question) and, per question, what the search copy found (None: no search);
+    `copy_failed`: the copy could not take its updates or search (the owner starts it over, smaller)."""
+
+    vectors: torch.Tensor
+    hits: Hits
+    copy_failed: bool = False
+
+
+# (answer or failure, started, ended, the forward's CPU time in its thread, s)
+Done = Callable[["Answer | BaseException", float, float, float], None]
+
+
+@dataclass(frozen=True)
+class EmbedBatch:
+    """What the forwarder runs at once: the copy's updates, the questions' texts and their searches."""
+
+    texts: list[str]
+    asks: list[SearchAsk | None]
+    updates: list[IndexUpdate]
+
+    def to_bytes(self) -> bytes:
+        headers, blob = pack_updates(self.updates)
+        asks = [None if a is None else [a.tenant_id, a.k] for a in self.asks]
+        head = json.dumps({"texts": self.texts, "asks": asks, "updates": headers}).encode()
+        return _LENGTH.pack(len(head)) + head + blob
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "EmbedBatch":
+        (size,) = _LENGTH.unpack_from(data)
+        head = json.loads(data[_LENGTH.size : _LENGTH.size + size])
+        asks = [None if a is None else SearchAsk(a[0], int(a[1])) for a in head["asks"]]
+        return cls(head["texts"], asks, unpack_updates(head["updates"], memoryview(data)[_LENGTH.size + size :]))
+
+
+class TensorEmbedder(Protocol):
+    """An embedder that returns its vectors as one tensor (on its device)."""
+
+    def embed_tensor(self, texts: Sequence[str]) -> torch.Tensor: ...
+
+
+class Forwarder(Protocol):
+    """Runs one forward off the event loop and calls `done` on the loop with its outcome, its clock
+    (`time.perf_counter`, which is the system's monotonic clock in every process) and its thread's CPU time."""
+
+    def submit(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _run_batch(embedder: TensorEmbedder, copy: MirrorIndexes, batch: EmbedBatch) -> Answer:
+    """The forward, the copy's updates and searches, the vectors on the host: one device wait, off the loop. A
+    failure of the copy (out of device memory for a tenant sent whole) leaves the questions their vectors."""
+    vectors = embedder.embed_tensor(batch.texts)
+    try:
+        copy.apply(batch.updates)
+        hits = copy.search(vectors, batch.asks)  # its read-back waits for the forward too
+    except Exception:  # noqa: BLE001 - the owner searches these itself
+        log.exception("the search copy failed; its questions are searched by the ingress")
+        copy.clear()
+        return Answer(vectors.float().cpu(), [None] * len(batch.texts), copy_failed=True)
+    return Answer(vectors.float().cpu(), hits)
+
+
+def _device_of(embedder: TensorEmbedder) -> torch.device:
+    return torch.device(getattr(embedder, "device", "cpu"))
+
+
+class ThreadForwarder:
+    """The forward in one thread of this process (its Python steps share this process's GIL)."""
+
+    def __init__(self, embedder: TensorEmbedder) -> None:
+        self._embedder, self._copy = embedder, MirrorIndexes(_device_of(embedder))
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed")
+
+    def submit(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
+        self._pool.submit(self._run, loop, batch, done)
+
+    def _run(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            outcome: Answer | BaseException = _run_batch(self._embedder, self._copy, batch)
+        except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
+            outcome = exc
+        loop.call_soon_threadsafe(done, outcome, started, time.perf_counter(), time.thread_time() - cpu)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+class EmbedderProcessError(RuntimeError):
+    """The query embedder's process failed to start, exited, or was restarted too often."""
+
+
+class ProcessForwarder:
+    """The forward in a child process (spawned, so it holds its own CUDA context), fed over a socket.
+
+    `factory` (picklable: a module-level function or a partial of one) builds the embedder in the child. The
+    child exits when the socket closes. If it dies, the batch in flight fails with `EmbedderProcessError` (the
+    HTTP layer answers 503) and a new process is started at once; later batches wait for its start. After
+    `max_restarts` deaths with no batch served in between, it gives up: every caller fails and `alive` turns
+    false (the replica's health check reports it, so Serve replaces the replica). The child writes a dying
+    traceback (Python's and, for a crash, faulthandler's) to its stderr, which is the replica's log. Messages go
+    through `message_socket`, which reads a reply that arrives in pieces whole on any event loop."""
+
+    def __init__(
+        self, factory: Callable[[], TensorEmbedder], start_timeout_s: float = 300.0, max_restarts: int = 3
+    ) -> None:
+        """Spawns the process and returns: its start (loading the model, capturing graphs) overlaps the caller's
+        own; `wait_ready` (or the first forward) waits for it."""
+        self._factory, self._start_timeout_s, self._max_restarts = factory, start_timeout_s, max_restarts
+        self._context = multiprocessing.get_context("spawn")
+        self._done: Done | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failed: EmbedderProcessError | None = None  # given up: raised to every caller
+        self._deaths = 0  # since the last batch served
+        self.restarts = 0  # processes started after the first (metrics and tests read it)
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self._ready = False
+        ours, child = socket_pair()
+        try:
+            self._process = self._context.Process(
+                target=_serve, args=(child, self._factory), name="query-embed", daemon=True
+            )
+            self._process.start()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            child.close()
+        self._side = LoopSide(ours)
+        self._early: list[bytes] = []  # replies that came with the start message (`wait_ready` reads both)
+
+    def wait_ready(self) -> None:
+        """Block until the process has built its embedder; `EmbedderProcessError` with the cause if it failed."""
+        if self._ready:
+            return
+        if self._failed is None:
+            self._failed = self._wait_start()
+            if self._failed is None:
+                return
+            self.close()
+        raise self._failed
+
+    def _wait_start(self) -> EmbedderProcessError | None:
+        deadline = time.monotonic() + self._start_timeout_s
+        while True:
+            try:
+                messages = self._side.read()
+            except (EOFError, OSError):
+                self._process.join(5)
+                return EmbedderProcessError(
+                    f"the query embedder's process exited with code {self._process.exitcode} as it started"
+                )
+            if messages:
+                self._early = messages[1:]  # answered once a loop watches (`_watch`)
+                return self._started(messages[0])
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return EmbedderProcessError(
+                    f"the query embedder's process did not start within {self._start_timeout_s:g} s"
+                )
+            poller = select.poll()  # not select.select: Ray's workers may hold descriptors numbered past 1024
+            poller.register(self._side.fileno(), select.POLLIN)
+            poller.poll(remaining * 1000)
+
+    def _started(self, message: bytes) -> EmbedderProcessError | None:
+        """The child's first message: ready, or why its embedder could not be built."""
+        if message == _READY:
+            self._ready = True
+            return None
+        return EmbedderProcessError(f"the query embedder's process failed to start: {message[1:].decode()}")
+
+    @property
+    def alive(self) -> bool:
+        """False once it has given up (a failed start, or too many deaths in a row)."""
+        return self._failed is None
+
+    def submit(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
+        """`QueryBatcher` has called `watch` first: a process that died while idle is already replaced."""
+        if self._failed is not None:
+            now = time.perf_counter()
+            loop.call_soon(done, self._failed, now, now, 0.0)
+            return
+        self._watch(loop)
+        self._done = done
+        try:  # before the process is ready it waits in the socket
+            if not self._side.write(batch.to_bytes()):
+                loop.add_writer(self._side.fileno(), self._flush)
+        except OSError:
+            self._died(loop, in_flight=self._take_done())
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loop: follow the process from now on, so that its death is answered at once (a new process
+        started) even while no question comes. The replica's health check calls it."""
+        if self._failed is not None:
+            return
+        if self._done is None and not self._process.is_alive():  # died while idle: start another now
+            self._died(loop, in_flight=None)
+            return
+        self._watch(loop)
+
+    def _flush(self) -> None:
+        assert self._loop is not None
+        try:
+            if self._side.flush():
+                self._loop.remove_writer(self._side.fileno())
+        except OSError:
+            self._died(self._loop, in_flight=self._take_done())
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is loop:
+            return
+        self._unwatch()
+        loop.add_reader(self._side.fileno(), self._on_readable)
+        self._loop = loop
+        early, self._early = self._early, []
+        for message in early:
+            loop.call_soon(self._received, message)
+
+    def _unwatch(self) -> None:
+        if self._loop is not None and not self._loop.is_closed() and not self._side.closed:
+            self._loop.remove_reader(self._side.fileno())
+            self._loop.remove_writer(self._side.fileno())
+        self._loop = None
+
+    def _take_done(self) -> Done | None:
+        done, self._done = self._done, None
+        return done
+
+    def _on_readable(self) -> None:
+        assert self._loop is not None
+        try:
+            messages = self._side.read()
+        except (EOFError, OSError):
+            self._died(self._loop, in_flight=self._take_done())
+            return
+        for message in messages:
+            self._received(message)
+
+    def _received(self, message: bytes) -> None:
+        if not self._ready:
+            self._failed = self._started(message)
+            if self._failed is not None:  # given up: its socket is closed, no new process is started
+                log.error("%s", self._failed)
+                self._unwatch()
+                self._side.close()
+                self._fail(self._take_done(), self._failed)
+            return
+        done = self._take_done()
+        ok, started, ended, cpu, rows, dim, copy_failed = _HEADER.unpack_from(message)
+        body = memoryview(message)[_HEADER.size :]
+        if ok:
+            self._deaths = 0
+        if done is None:
+            return
+        outcome: Answer | BaseException
+        try:
+            if not ok:
+                raise RuntimeError(bytes(body).decode())
+            size = rows * dim * 4
+            vectors = torch.frombuffer(bytearray(body[:size]), dtype=torch.float32).view(rows, dim)
+            outcome = Answer(vectors, unpack_hits(body[size:], rows), copy_failed)
+        except Exception as exc:  # noqa: BLE001 - its callers get it, not the loop
+            outcome = exc
+        done(outcome, started, ended, cpu)
+
+    def _died(self, loop: asyncio.AbstractEventLoop, in_flight: Done | None) -> None:
+        """On the loop: the process is gone. Fail the batch it held, log its exit code once it is known (off
+        the loop), and start another unless too many died in a row."""
+        process = self._process
+        self._unwatch()
+        self._side.close()
+        threading.Thread(target=_log_exit, args=(process,), name="query-embed-reaper", daemon=True).start()
+        self._deaths += 1
+        if self._deaths > self._max_restarts:
+            self._failed = EmbedderProcessError(
+                f"the query embedder's process exited {self._deaths} times in a row; not restarted again"
+            )
+        else:
+            try:
+                self._spawn()
+            except Exception as exc:  # noqa: BLE001 - no process (out of descriptors, memory): give up
+                self._failed = EmbedderProcessError(f"the query embedder's process could not be restarted: {exc}")
+            else:
+                self.restarts += 1
+                self._watch(loop)
+                loop.call_later(self._start_timeout_s, self._overdue, self._process)
+        self._fail(
+            in_flight, self._failed or EmbedderProcessError("the query embedder's process exited; restarting it")
+        )
+
+    def _overdue(self, process: multiprocessing.process.BaseProcess) -> None:
+        if process is self._process and not self._ready and process.is_alive():
+            log.error("the query embedder's process did not start within %g s; killing it", self._start_timeout_s)
+            process.kill()  # its socket closes: the loop sees a death
+
+    @staticmethod
+    def _fail(done: Done | None, error: EmbedderProcessError) -> None:
+        if done is not None:
+            now = time.perf_counter()
+            done(error, now, now, 0.0)
+
+    def close(self) -> None:
+        """Close the socket (the process exits on it) and reap the process; safe to call twice."""
+        self._unwatch()
+        self._side.close()
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def _log_exit(process: multiprocessing.process.BaseProcess) -> None:
+    process.join(60)
+    code = process.exitcode
+    how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"code {code}"
+    log.error(
+        "the query embedder's process (pid %s) exited with %s; its stderr is in this replica's log", process.pid, how
+    )
+
+
+def _serve(sock: socket.socket, factory: Callable[[], TensorEmbedder]) -> None:
+    """The child: build the embedder, then answer each list of texts with their vectors (float32, host)."""
+    faulthandler.enable()  # a crash in native code leaves its Python stack in the replica's log
+    side = BlockingSide(sock)
+    try:
+        embedder = factory()
+    except Exception as exc:  # noqa: BLE001 - the parent raises it
+        side.send(b"E" + repr(exc).encode())
+        return
+    side.send(_READY)
+    try:
+        _answer(side, embedder)
+    except BaseException:
+        traceback.print_exc()  # whatever ends the process besides its socket closing
+        raise
+
+
+def _answer(side: BlockingSide, embedder: TensorEmbedder) -> None:
+    copy = MirrorIndexes(_device_of(embedder))
+    while True:
+        try:
+            message = side.recv()
+        except (EOFError, OSError):  # the parent closed its end or exited
+            return
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            answer = _run_batch(embedder, copy, EmbedBatch.from_bytes(message))
+            vectors = np.ascontiguousarray(answer.vectors.numpy())
+            rows, dim = vectors.shape
+            header = _HEADER.pack(
+                True, started, time.perf_counter(), time.thread_time() - cpu, rows, dim, answer.copy_failed
+            )
+            side.send(header + vectors.tobytes() + pack_hits(answer.hits))
+        except Exception as exc:  # noqa: BLE001 - the callers get it
+            failed = _HEADER.pack(False, started, time.perf_counter(), time.thread_time() - cpu, 0, 0, False)
+            side.send(failed + repr(exc).encode())
