@@ -212,6 +212,61 @@ class MemoryEngine:
         ingress can split what lies between its own clock and the engine's (one host, one clock), and the CPU time
         the layout took (against its wall time: what it spent computing, not waiting for the GIL or a core)."""
         arrived, arrived_cpu = time.time(), time.thread_time()
+        laid, chunks, chosen = await self._prompt_of(task)
+        prompt = TokensPrompt(prompt_token_ids=laid.token_ids, cache_salt=laid.cache_salt)
+        params = _sampling(task, laid)
+        engine_start, layout_cpu = time.time(), time.thread_time() - arrived_cpu
+        started, ttft, completion, cached, report, finish = time.monotonic(), None, 0, 0, None, None
+        first, stats = 0.0, None  # vLLM's request timestamps are on this clock too (`engine_phases`)
+        last: dict[str, Any] = {}  # the final piece's text rides on the done event: one streamed message fewer
+        async for out in self._engine.generate(prompt, params, f"chat-{uuid.uuid4().hex}"):
+            piece = out.outputs[0]
+            completion += len(piece.token_ids)
+            cached = out.num_cached_tokens or cached
+            if ttft is None and piece.token_ids:
+                first = time.monotonic()
+                ttft = (first - started) * 1000
+            event: dict[str, Any] = {}
+            if task.logprobs is not None and piece.logprobs:  # every token's, even one whose text is not out yet
+                event = {
+                    "delta": piece.text,
+                    "logprobs": _token_logprobs(piece.token_ids, piece.logprobs, task.logprobs),
+                }
+            elif piece.text:
+                event = {"delta": piece.text}
+            if out.finished:
+                finish, stats = piece.finish_reason, out.metrics
+                report = (out.kv_transfer_params or {}).get("inferscale")
+                last = event
+            elif event:
+                yield event
+        injected = int((report or {}).get("injected_tokens", 0))
+        usage = {
+            "prompt_tokens": len(laid.token_ids),
+            "completion_tokens": completion,
+            "total_tokens": len(laid.token_ids) + completion,
+            "memory_tokens": laid.memory_tokens,
+            "history_chunks": len(chunks),
+            "history_choose_ms": chosen,
+            "recomputed_tokens": laid.recomputed_tokens,
+            "injected_tokens": injected,
+            "prefix_cached_tokens": max(0, cached - injected),
+            "prefilled_tokens": len(laid.token_ids) - cached,
+            "engine_ttft_ms": round(ttft or 0.0, 3),
+            "engine_phases_ms": engine_phases(stats, started, first),
+            "memory_fallback": (report or {}).get("fallback"),
+            "timeline": {
+                "arrived": arrived,
+                "engine_start": engine_start,
+                "first_token": engine_start + (ttft or 0.0) / 1000,
+                "layout_cpu_s": layout_cpu,  # of the layout's wall time, this thread's own CPU time
+            },
+        }
+        yield {**last, "done": True, "finish_reason": finish or "stop", "usage": usage}
+
+    async def _prompt_of(self, task: ChatTask) -> tuple[LaidOutPrompt, Sequence[MemoryItem], dict[str, float] | None]:
+        """The chat's prompt laid out (history mode's chunks chosen first), with the chosen chunks and the choice's
+        timings; a prompt the model's context cannot hold with the answer is a `ValueError`."""
         if (
             task.mode == "inject" and self._tier_root is not None
         ):  # disk-tier facts start loading before the engine sees them
@@ -246,71 +301,7 @@ class MemoryEngine:
                 f"prompt of {len(laid.token_ids)} tokens plus max_tokens {task.max_tokens} exceeds "
                 f"the model's context of {self.max_model_len}"
             )
-        params = SamplingParams(
-            max_tokens=task.max_tokens,
-            temperature=task.temperature,
-            top_p=task.top_p,
-            seed=task.seed,
-            stop=list(task.stop) if task.stop else None,
-            output_kind=RequestOutputKind.DELTA,
-            logprobs=task.logprobs,
-            skip_clone=True,
-        )  # this request's own: vLLM's deep copy of it (and its plan) cost ~0.2 ms
-        if laid.plan is not None:
-            params.extra_args = {"kv_transfer_params": laid.plan.to_params()}
-        prompt = TokensPrompt(prompt_token_ids=laid.token_ids, cache_salt=laid.cache_salt)
-        engine_start, layout_cpu = time.time(), time.thread_time() - arrived_cpu
-        started, ttft, completion, cached, report, finish = time.monotonic(), None, 0, 0, None, None
-        first, stats = 0.0, None  # vLLM's request timestamps are on this clock too (`engine_phases`)
-        last: dict[str, Any] = {}  # the final piece's text rides on the done event: one streamed message fewer
-        async for out in self._engine.generate(prompt, params, f"chat-{uuid.uuid4().hex}"):
-            piece = out.outputs[0]
-            completion += len(piece.token_ids)
-            cached = out.num_cached_tokens or cached
-            if ttft is None and piece.token_ids:
-                first = time.monotonic()
-                ttft = (first - started) * 1000
-            event: dict[str, Any] = {}
-            if task.logprobs is not None and piece.logprobs:  # every token's, even one whose text is not out yet
-                event = {
-                    "delta": piece.text,
-                    "logprobs": _token_logprobs(piece.token_ids, piece.logprobs, task.logprobs),
-                }
-            elif piece.text:
-                event = {"delta": piece.text}
-            if out.finished:
-                finish, stats = piece.finish_reason, out.metrics
-                report = (out.kv_transfer_params or {}).get("inferscale")
-                last = event
-            elif event:
-                yield event
-        injected = int((report or {}).get("injected_tokens", 0))
-        yield {
-            **last,
-            "done": True,
-            "finish_reason": finish or "stop",
-            "usage": {
-                "prompt_tokens": len(laid.token_ids),
-                "completion_tokens": completion,
-                "total_tokens": len(laid.token_ids) + completion,
-                "memory_tokens": laid.memory_tokens,
-                "history_chunks": len(chunks),
-                "history_choose_ms": chosen,
-                "recomputed_tokens": laid.recomputed_tokens,
-                "injected_tokens": injected,
-                "prefix_cached_tokens": max(0, cached - injected),
-                "prefilled_tokens": len(laid.token_ids) - cached,
-                "engine_ttft_ms": round(ttft or 0.0, 3),
-                "engine_phases_ms": engine_phases(stats, started, first),
-                "memory_fallback": (report or {}).get("fallback"),
-                "timeline": {
-                    "arrived": arrived,
-                    "engine_start": engine_start,
-                    "first_token": engine_start + (ttft or 0.0) / 1000,
-                    "layout_cpu_s": layout_cpu,  # of the layout's wall time, this thread's own CPU time
-                },
-            },
-        }
+        return laid, chunks, chosen
 
     def _prefetch(self, tenant_id: str, record_ids: list[str]) -> None:
         """Advise the kernel to read the disk-tier files of these records (advisory: unknown records are skipped)."""
@@ -402,6 +393,23 @@ class MemoryEngine:
             except (KVCoreError, OSError):
                 log.info("a retrieved fact's record is gone; pasting its text")
         return found
+
+
+def _sampling(task: ChatTask, laid: LaidOutPrompt) -> SamplingParams:
+    """The chat's sampling, its memory plan riding along for the connector."""
+    params = SamplingParams(
+        max_tokens=task.max_tokens,
+        temperature=task.temperature,
+        top_p=task.top_p,
+        seed=task.seed,
+        stop=list(task.stop) if task.stop else None,
+        output_kind=RequestOutputKind.DELTA,
+        logprobs=task.logprobs,
+        skip_clone=True,
+    )  # this request's own: vLLM's deep copy of it (and its plan) cost ~0.2 ms
+    if laid.plan is not None:
+        params.extra_args = {"kv_transfer_params": laid.plan.to_params()}
+    return params
 
 
 def _token_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Any]], top: int) -> list[list[Any]]:
