@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Annotated, Any, AsyncIterator, Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -175,9 +175,19 @@ def create_app(gateway: Gateway) -> FastAPI:
     }
     app = FastAPI(title="inferscale", version="0.1.0", responses=errors)  # error answers are part of the schema
     app.state.gateway = gateway
-    metrics = gateway.metrics
-
     app.add_middleware(LimitsAndMetrics, gateway=gateway)
+    _add_error_handlers(app)
+    app.include_router(_health_routes(gateway))
+    app.include_router(_openai_routes(gateway))
+    app.include_router(mem0_router(gateway, _tenant_auth, _key))  # Mem0's clients; their paths end in "/"
+    app.include_router(_memory_routes(gateway))
+    app.include_router(_admin_routes(gateway))
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every failure answered as `ErrorBody` with its status (OpenAI's routes answer a bad request 400, as its clients
+    expect)."""
 
     @app.exception_handler(TenantError)
     async def tenant_error(request: Request, exc: TenantError) -> JSONResponse:
@@ -219,68 +229,34 @@ def create_app(gateway: Gateway) -> FastAPI:
         log.exception("unhandled error on %s", request.url.path)
         return error(500, "internal error")
 
-    # ---- health and metrics ----
-    @app.get("/healthz")
+
+def _health_routes(gateway: Gateway) -> APIRouter:
+    """Liveness (and Redis's) and the Prometheus metrics."""
+    router = APIRouter()
+
+    @router.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {"status": "ok", "redis": gateway.service.meta.ping(), "model": gateway.served_name}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    # ---- OpenAI ----
-    @app.get("/v1/models")
+    return router
+
+
+def _openai_routes(gateway: Gateway) -> APIRouter:
+    """OpenAI's model list, chat completions and completions, with memory."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
     async def models(tenant: TenantDep) -> dict[str, Any]:
         return {
             "object": "list",
             "data": [{"id": gateway.served_name, "object": "model", "created": 0, "owned_by": "inferscale"}],
         }
 
-    async def generate(tenant: Tenant, body: GenerationRequest, shape: "_Shape", request: Request):
-        received, api_key = time.perf_counter(), _key(request) or ""
-        prepared = await gateway.prepare_chat(tenant, body, api_key)
-        prepared.dispatched = time.time()
-        events = gateway.llm.chat(prepared.task)
-        first = await _first_event(events)  # engine errors surface before any byte is sent
-        prepared.first_event = time.time()
-        base = {
-            "id": f"{shape.id_prefix}-{uuid.uuid4().hex}",
-            "created": int(time.time()),
-            "model": gateway.served_name,
-        }
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            marks = request.scope.get("state", {})
-            return EventStream(
-                _sse(gateway, first, events, base, received, prepared, include_usage, body.memory.mode, shape, marks)
-            )
-        text, ttft_ms, final = [], None, None
-        entries: list | None = [] if body.logprob_count() is not None else None
-        async for event in _chain(first, events):
-            if "delta" in event:
-                ttft_ms = ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000
-                text.append(event["delta"])
-                if entries is not None:
-                    entries += event.get("logprobs", [])
-            if event.get("done"):  # it may carry the last delta too
-                final = event
-            elif "error" in event:  # the engine or its replica failed after the first event
-                raise EngineRefusal(int(event["error"]["status"]), event["error"]["message"])
-        usage = _usage(
-            final,
-            prepared,
-            ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
-            await prepared.memory_tiers(),
-        )
-        gateway.observe_usage(usage, body.memory.mode)
-        return {
-            **base,
-            "object": shape.whole_object,
-            "choices": [shape.whole("".join(text), final["finish_reason"], shape.logprobs(entries, 0))],
-            "usage": usage,
-        }
-
-    @app.post(
+    @router.post(
         "/v1/chat/completions",
         responses={
             200: {
@@ -290,9 +266,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         },
     )
     async def chat(tenant: TenantDep, body: ChatRequest, request: Request):
-        return await generate(tenant, body, CHAT, request)
+        return await _generate(gateway, tenant, body, CHAT, request)
 
-    @app.post(
+    @router.post(
         "/v1/completions",
         responses={
             200: {
@@ -303,80 +279,135 @@ def create_app(gateway: Gateway) -> FastAPI:
     )
     async def complete(tenant: TenantDep, body: CompletionRequest, request: Request):
         """The prompt continued as it is; the tenant's retrieved memory sits before it (injected or pasted)."""
-        return await generate(tenant, body, TEXT, request)
+        return await _generate(gateway, tenant, body, TEXT, request)
 
-    app.include_router(mem0_router(gateway, _tenant_auth, _key))  # Mem0's clients; their paths end in "/"
+    return router
 
-    # ---- memories ----
-    @app.post(
+
+async def _generate(gateway: Gateway, tenant: Tenant, body: GenerationRequest, shape: _Shape, request: Request):
+    """A chat or text completion: the task prepared and sent, its answer streamed (SSE) or whole."""
+    received, api_key = time.perf_counter(), _key(request) or ""
+    prepared = await gateway.prepare_chat(tenant, body, api_key)
+    prepared.dispatched = time.time()
+    events = gateway.llm.chat(prepared.task)
+    first = await _first_event(events)  # engine errors surface before any byte is sent
+    prepared.first_event = time.time()
+    base = {
+        "id": f"{shape.id_prefix}-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": gateway.served_name,
+    }
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        marks = request.scope.get("state", {})
+        return EventStream(
+            _sse(gateway, first, events, base, received, prepared, include_usage, body.memory.mode, shape, marks)
+        )
+    text, ttft_ms, final = [], None, None
+    entries: list | None = [] if body.logprob_count() is not None else None
+    async for event in _chain(first, events):
+        if "delta" in event:
+            ttft_ms = ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000
+            text.append(event["delta"])
+            if entries is not None:
+                entries += event.get("logprobs", [])
+        if event.get("done"):  # it may carry the last delta too
+            final = event
+        elif "error" in event:  # the engine or its replica failed after the first event
+            raise EngineRefusal(int(event["error"]["status"]), event["error"]["message"])
+    usage = _usage(
+        final,
+        prepared,
+        ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
+        await prepared.memory_tiers(),
+    )
+    gateway.observe_usage(usage, body.memory.mode)
+    return {
+        **base,
+        "object": shape.whole_object,
+        "choices": [shape.whole("".join(text), final["finish_reason"], shape.logprobs(entries, 0))],
+        "usage": usage,
+    }
+
+
+def _memory_routes(gateway: Gateway) -> APIRouter:
+    """Memories (facts) of a tenant or its end users, history mode's history, encoding jobs."""
+    router = APIRouter()
+
+    @router.post(
         "/v1/memories", responses={202: {"description": "facts to extract from messages: an encoding job was queued"}}
     )
     async def add_memories(request: Request, tenant: TenantDep, body: AddMemories) -> JSONResponse:
         status, result = gateway.memories.add_memories(tenant, _key(request) or "", body)
         return JSONResponse(result, status_code=status)
 
-    @app.post("/v1/memories/search")
+    @router.post("/v1/memories/search")
     async def search(tenant: TenantDep, body: SearchMemories) -> dict[str, Any]:
         return await asyncio.to_thread(gateway.memories.search, tenant, body)
 
-    @app.get("/v1/memories")
+    @router.get("/v1/memories")
     async def list_memories(tenant: TenantDep, scope: ScopeQuery, offset: int = 0, limit: int = 100) -> dict[str, Any]:
         return gateway.memories.list_memories(gateway.memories.in_scope(tenant, scope), offset, limit)
 
-    @app.get("/v1/memories/{fact_id}")
+    @router.get("/v1/memories/{fact_id}")
     async def get_memory(tenant: TenantDep, scope: ScopeQuery, fact_id: str) -> dict[str, Any]:
         return gateway.memories.get_memory(tenant, scope, fact_id)
 
-    @app.put("/v1/memories/{fact_id}")
+    @router.put("/v1/memories/{fact_id}")
     async def update_memory(
         request: Request, tenant: TenantDep, scope: ScopeQuery, fact_id: str, body: UpdateMemory
     ) -> dict[str, Any]:
         return gateway.memories.update_memory(tenant, scope, _key(request) or "", fact_id, body)
 
-    @app.delete("/v1/memories/{fact_id}")
+    @router.delete("/v1/memories/{fact_id}")
     async def delete_memory(tenant: TenantDep, scope: ScopeQuery, fact_id: str) -> dict[str, Any]:
         return gateway.memories.delete_memory(tenant, scope, fact_id)
 
-    # ---- history mode ----
-    @app.put("/v1/history")
+    @router.put("/v1/history")
     async def write_history(request: Request, tenant: TenantDep, body: WriteHistory) -> dict[str, Any]:
         written = await gateway.write_history(tenant, body.text, _key(request) or "")
         if "error" in written:
             raise EngineRefusal(int(written["error"]["status"]), str(written["error"]["message"]))
         return written
 
-    @app.get("/v1/history", response_model=None)
+    @router.get("/v1/history", response_model=None)
     async def read_history(tenant: TenantDep) -> dict[str, Any] | JSONResponse:
         if tenant.entry.history is None:
             return error(404, "this memory has no history yet: write one with PUT /v1/history")
         return {"history_id": tenant.entry.history, "tokens": tenant.entry.history_tokens}
 
-    @app.post("/v1/jobs", status_code=202)
+    @router.post("/v1/jobs", status_code=202)
     async def submit_job(request: Request, tenant: TenantDep, body: SubmitJob) -> dict[str, Any]:
         return gateway.jobs.submit(tenant, _key(request) or "", body)
 
-    @app.get("/v1/jobs/{job_id}")
+    @router.get("/v1/jobs/{job_id}")
     async def job(tenant: TenantDep, job_id: str) -> dict[str, Any]:
         return tenant.job(job_id)
 
-    # ---- admin ----
-    @app.post("/v1/tenants", status_code=201)
+    return router
+
+
+def _admin_routes(gateway: Gateway) -> APIRouter:
+    """Tenants, for the admin key."""
+    router = APIRouter()
+
+    @router.post("/v1/tenants", status_code=201)
     async def create_tenant(admin: AdminDep, body: CreateTenant) -> dict[str, Any]:
         return gateway.admin.create_tenant(admin, body)
 
-    @app.get("/v1/tenants")
+    @router.get("/v1/tenants")
     async def list_tenants(admin: AdminDep) -> dict[str, Any]:
         return gateway.admin.list_tenants(admin)
 
-    @app.get("/v1/tenants/{tenant_id}")
+    @router.get("/v1/tenants/{tenant_id}")
     async def tenant_info(admin: AdminDep, tenant_id: str) -> dict[str, Any]:
         return gateway.admin.tenant_info(admin, tenant_id)
 
-    @app.delete("/v1/tenants/{tenant_id}")
+    @router.delete("/v1/tenants/{tenant_id}")
     async def delete_tenant(admin: AdminDep, tenant_id: str) -> dict[str, Any]:
         return gateway.admin.delete_tenant(admin, tenant_id)
 
-    return app
+    return router
 
 
 async def _first_event(events: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
