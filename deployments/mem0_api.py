@@ -341,9 +341,13 @@ def mem0_router(gateway: Gateway, tenant_dep: Any, key_of: Callable[[Request], s
             gateway.service.delete_scope(tenant, scope)
         return {"message": "Entity deleted successfully.", "deleted_scopes": len(gone)}
 
-    @router.api_route("/v2/entities/{kind}/{name}/profile/", methods=["GET", "POST"])
     async def profile(tenant: TenantDep, kind: str, name: str) -> None:
         raise InvalidInputError("user profiles are not supported by inferscale")
+
+    for method in ("GET", "POST"):  # a route per method: one operation id each in the OpenAPI document
+        router.add_api_route(
+            "/v2/entities/{kind}/{name}/profile/", profile, methods=[method], name=f"profile_{method.lower()}"
+        )
 
     def refusal(feature: str) -> Callable[..., Any]:
         async def refuse(tenant: TenantDep, rest: str = "") -> None:

@@ -135,6 +135,8 @@ def cases(cluster, auth, fact_id):
         ("mem0: empty update", "put", f"/v1/memories/{fact_id}/", {}, auth, 422),
         ("mem0: delete all of nobody", "delete", "/v1/memories/", None, auth, 422),
         ("mem0: app entity", "delete", "/v2/entities/app/shop/", None, auth, 422),
+        ("mem0: a user's profile, read", "get", "/v2/entities/user/alice/profile/", None, auth, 422),
+        ("mem0: a user's profile, written", "post", "/v2/entities/user/alice/profile/", None, auth, 422),
         ("mem0: exports", "post", "/v1/exports/", {"schema": "{}"}, auth, 422),
         ("mem0: webhooks", "get", "/api/v1/webhooks/projects/p1/", None, auth, 422),
     ]

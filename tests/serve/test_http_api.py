@@ -354,3 +354,17 @@ def test_where_each_injected_fact_is_held_is_recorded_in_redis(cluster):
     assert 'inferscale_memory_fact_tiers_total{tier="gpu"}' in metrics
     slot = cluster.state_dir / "tiers" / replica
     assert slot.is_dir() and (cluster.state_dir / "tiers" / f"{replica}.lock").exists()
+
+
+def test_every_operation_of_the_openapi_document_has_its_own_id():
+    """Clients generated from the document name a method per operation id: none may repeat (nor warn)."""
+    import warnings
+    from types import SimpleNamespace
+
+    from deployments.http_api import create_app
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spec = create_app(SimpleNamespace(memories=None, metrics=None)).openapi()  # type: ignore[arg-type]
+    ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
+    assert len(ids) > 30 and len(ids) == len(set(ids))
