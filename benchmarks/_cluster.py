@@ -231,11 +231,14 @@ def start_cluster(
 
 
 def gpu_memory_bytes() -> int:
-    """The first GPU's memory, asked of nvidia-smi (this process keeps no CUDA context of its own for it)."""
+    """The first visible GPU's memory, asked of nvidia-smi (this process keeps no CUDA context of its own for it;
+    nvidia-smi numbers GPUs as the machine does, so the first of CUDA_VISIBLE_DEVICES is named)."""
+    import os
     import subprocess
 
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
     mib = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "--id=0"],
+        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", f"--id={first}"],
         capture_output=True,
         text=True,
         check=True,

@@ -57,6 +57,8 @@ class MirrorSource(Protocol):
 
     def claim(self, ledger: MirrorLedger) -> None: ...
 
+    def release(self, ledger: MirrorLedger) -> None: ...
+
     def mirror_updates(
         self, tenant_ids: list[str], ledger: MirrorLedger
     ) -> tuple[list[IndexUpdate], dict[str, int]]: ...
@@ -140,6 +142,9 @@ class QueryBatcher:
         )
 
     def close(self) -> None:
+        if self._source is not None:  # its copy goes with the forwarder: the indexes may keep another
+            self._source.release(self._ledger)
+            self._source = None
         self._forwarder.close()
 
     def _starts(self) -> int:

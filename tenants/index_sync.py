@@ -90,6 +90,14 @@ class TenantIndexes:
         elif ledger is not self._follower:
             raise ValueError("these indexes already keep one search copy current; a second would miss changes")
 
+    def release(self, ledger: MirrorLedger) -> None:
+        """`ledger`'s copy is gone (its batcher closed): keep no more changes for it, and let another copy claim."""
+        if self._follower is ledger:
+            self._follower = None
+            with self._lock:
+                tenant_ids = list(self._tenants)
+            self._stop_journals(tenant_ids)
+
     def mirror_updates(self, tenant_ids: list[str], ledger: MirrorLedger) -> tuple[list[IndexUpdate], dict[str, int]]:
         """What a copy of these tenants' vectors needs before it searches them (each caught up with the change log
         first): their changes since it last saw them, or each whole; and the generation each will be at. A tenant

@@ -291,6 +291,10 @@ class _Source:
             raise ValueError("these indexes already keep one search copy current; a second would miss changes")
         self.claimed = ledger
 
+    def release(self, ledger):
+        if self.claimed is ledger:
+            self.claimed = None
+
     def mirror_updates(self, tenant_ids, ledger):
         self.calls.append((list(tenant_ids), [ledger.holds(t) for t in tenant_ids]))
         updates, generations = [], {}
@@ -326,6 +330,9 @@ def test_a_second_batcher_following_the_same_indexes_is_refused_when_it_follows(
     with pytest.raises(ValueError, match="second"):
         second.follow(source)
     assert source.claimed is first._ledger
+    first.close()  # its copy is gone: another batcher may follow
+    second.follow(source)
+    assert source.claimed is second._ledger
 
 
 @pytest.mark.parametrize("where", ["thread", "process"])

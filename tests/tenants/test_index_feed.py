@@ -151,3 +151,7 @@ def test_tenants_take_turns_in_a_small_copy_and_come_back_whole(make_service):
     with pytest.raises(ValueError, match="second"):  # as a second batcher's `follow` asks, before any batch
         reader.indexes.claim(MirrorLedger(1 << 20))
     reader.indexes.claim(ledger)  # the copy it keeps: again, fine
+    reader.indexes.release(ledger)  # that copy is gone: no changes kept for it, and another copy may claim
+    other = MirrorLedger(1 << 20)
+    updates, _ = reader.indexes.mirror_updates(["acme"], other)
+    assert [(u.tenant_id, u.kind) for u in updates] == [("acme", "snapshot")]
