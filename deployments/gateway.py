@@ -67,6 +67,18 @@ class PreparedChat:
         return await self.tiers if self.tiers is not None else {}
 
 
+@dataclass(frozen=True)
+class _Retrieval:
+    """What retrieval gave a chat: its facts in prompt order, the store version, and how long it took."""
+
+    facts: tuple[RetrievedFact, ...]
+    version: int
+    ms: float
+    embedded: Embedded | None = None
+    legs: dict[str, float] | None = None
+    in_copy: bool = False
+
+
 def order_facts(hits: list[tuple[Fact, float]], order: FactOrder) -> list[tuple[Fact, float]]:
     """Retrieval's hits (best first) in the order the prompt lays them out."""
     if order == "best_last":
@@ -125,6 +137,38 @@ class Gateway:
         if body.model != self.served_name:
             raise UnknownModelError(f"unknown model {body.model!r}; this server serves {self.served_name!r}")
         tenant = self.memories.in_scope(tenant, body.scope())
+        k, max_tokens = self._limits(body)
+        history_id, budget = self._history_of(tenant, body)
+        conversation = body.conversation()
+        found = await self._retrieve(tenant, body, k, conversation, api_key)
+        self.metrics.retrieval.observe(found.ms / 1000)
+        recompute = next(
+            m for m in (body.memory.recompute, tenant.entry.recompute, self.args.default_recompute) if m is not None
+        )
+        task = ChatTask(
+            tenant.id,
+            found.version,
+            conversation,
+            found.facts,
+            body.memory.mode,
+            max_tokens,
+            body.temperature,
+            body.top_p,
+            body.seed,
+            tuple(body.stop) if body.stop else None,
+            min(recompute, len(found.facts)),
+            body.raw_prompt(),
+            body.logprob_count(),
+            history_id,
+            budget,
+        )
+        tiers = None
+        if body.memory.mode == "inject" and found.facts:  # where they sat when retrieved: before the replica loads them
+            tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, found.facts))
+        return PreparedChat(task, found.ms, found.embedded, tiers, found.legs, searched_in_copy=found.in_copy)
+
+    def _limits(self, body: GenerationRequest) -> tuple[int, int]:
+        """The chat's k and max_tokens, each checked against this ingress's limits."""
         k = self.args.default_k if body.memory.k is None else body.memory.k
         if k > self.args.max_k:
             raise InvalidInputError(f"memory.k must be at most {self.args.max_k}")
@@ -133,61 +177,34 @@ class Gateway:
         max_tokens = body.token_budget()
         if self.args.max_tokens is not None and max_tokens > self.args.max_tokens:
             raise InvalidInputError(f"max_tokens must be at most {self.args.max_tokens}")
-        history_id, budget = self._history_of(tenant, body)
-        conversation = body.conversation()
+        return k, max_tokens
+
+    async def _retrieve(
+        self, tenant: Tenant, body: GenerationRequest, k: int, conversation: tuple[tuple[str, str], ...], api_key: str
+    ) -> _Retrieval:
+        """The chat's facts, in prompt order, with the store version they were read at and retrieval's timing (no
+        retrieval for modes `off` and `history`, nor at k = 0: the version alone)."""
         started = time.perf_counter()
-        embedded: Embedded | None = None
-        facts: tuple[RetrievedFact, ...] = ()
-        in_copy = False
-        if body.memory.mode not in ("off", "history") and k > 0:
-            query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
-            asked = time.perf_counter()
-            embedded = await self.queries.embed(query, SearchAsk(tenant.id, k), then=self._ahead(tenant, conversation))
-            back = time.perf_counter()
-            retrieved = tenant.retrieve(embedded.vector, k, embedded.found)
-            searched = time.perf_counter()
-            version, in_copy = retrieved.version, retrieved.from_copy
-            hits = order_facts(retrieved.hits, body.memory.order or self.args.default_order)
-            facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in hits)
-            if self.residency is not None:
-                self._count_uses(self.residency, tenant, [f for f, _ in hits], api_key)
-        else:
-            version = tenant.version()
+        if body.memory.mode in ("off", "history") or k == 0:
+            return _Retrieval((), tenant.version(), (time.perf_counter() - started) * 1000)
+        query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
+        asked = time.perf_counter()
+        embedded = await self.queries.embed(query, SearchAsk(tenant.id, k), then=self._ahead(tenant, conversation))
+        back = time.perf_counter()
+        retrieved = tenant.retrieve(embedded.vector, k, embedded.found)
+        searched = time.perf_counter()
+        hits = order_facts(retrieved.hits, body.memory.order or self.args.default_order)
+        facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in hits)
+        if self.residency is not None:
+            self._count_uses(self.residency, tenant, [f for f, _ in hits], api_key)
         ended = time.perf_counter()
-        retrieval_ms = (ended - started) * 1000
-        self.metrics.retrieval.observe(retrieval_ms / 1000)
-        legs = None
-        if embedded is not None:  # the embedding's own legs (`Embedded`) lie inside `embed`
-            legs = {
-                "before_embed": round((asked - started) * 1000, 3),
-                "embed": round((back - asked) * 1000, 3),
-                "search": round((searched - back) * 1000, 3),
-                "facts": round((ended - searched) * 1000, 3),
-            }
-        recompute = next(
-            m for m in (body.memory.recompute, tenant.entry.recompute, self.args.default_recompute) if m is not None
-        )
-        task = ChatTask(
-            tenant.id,
-            version,
-            conversation,
-            facts,
-            body.memory.mode,
-            max_tokens,
-            body.temperature,
-            body.top_p,
-            body.seed,
-            tuple(body.stop) if body.stop else None,
-            min(recompute, len(facts)),
-            body.raw_prompt(),
-            body.logprob_count(),
-            history_id,
-            budget,
-        )
-        tiers = None
-        if body.memory.mode == "inject" and facts:  # where they sat when retrieved: before the replica loads them
-            tiers = asyncio.ensure_future(asyncio.to_thread(self._tier_counts, tenant, facts))
-        return PreparedChat(task, retrieval_ms, embedded, tiers, legs, searched_in_copy=in_copy)
+        legs = {  # the embedding's own legs (`Embedded`) lie inside `embed`
+            "before_embed": round((asked - started) * 1000, 3),
+            "embed": round((back - asked) * 1000, 3),
+            "search": round((searched - back) * 1000, 3),
+            "facts": round((ended - searched) * 1000, 3),
+        }
+        return _Retrieval(facts, retrieved.version, (ended - started) * 1000, embedded, legs, retrieved.from_copy)
 
     def _ahead(self, tenant: Tenant, conversation: tuple[tuple[str, str], ...]) -> Callable[[], None] | None:
         """The note that lets the chat's replica tokenize the conversation and wake up while the question is embedded,
