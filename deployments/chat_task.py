@@ -59,17 +59,20 @@ class ChatTask:
     history_id: str | None = None  # history mode: the tenant's captured history
     history_budget: int = 0  # history mode: tokens of it a request attends to at most
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": role, "content": content} for role, content in self.messages]
-
     def question(self) -> str:
         """The text a question's own pass reads: the last user message (or a completion's prompt)."""
         if self.prompt is not None:
             return self.prompt
         return next((content for role, content in reversed(self.messages) if role == "user"), "")
 
-    def single_question(self) -> str | None:
-        """The question when the conversation is one user message (the frame then tokenizes only it)."""
-        if self.prompt is None and len(self.messages) == 1 and self.messages[0][0] == "user":
-            return self.messages[0][1]
-        return None
+
+def message_dicts(messages: tuple[tuple[str, str], ...]) -> list[dict[str, str]]:
+    """A conversation as the chat template takes it."""
+    return [{"role": role, "content": content} for role, content in messages]
+
+
+def single_question(messages: tuple[tuple[str, str], ...]) -> str | None:
+    """The question when the conversation is one user message (the frame then tokenizes only it)."""
+    if len(messages) == 1 and messages[0][0] == "user":
+        return messages[0][1]
+    return None

@@ -24,7 +24,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from config.connector import ConnectorConfig, stored_dtype
-from deployments.chat_task import ChatAhead, ChatTask, RetrievedFact
+from deployments.chat_task import ChatAhead, ChatTask, RetrievedFact, message_dicts, single_question
 from deployments.encode_slots import EncodeSlots
 from deployments.history_mode import HistoryChooser
 from deployments.memory_prompt import LaidOutPrompt, MemoryItem, Mode, lay_out
@@ -346,9 +346,10 @@ class MemoryEngine:
     def _split_messages(self, messages: tuple[tuple[str, str], ...]) -> tuple[Sequence[int], list[int]]:
         """A lone question is the only text tokenized, the frame around it is known; other conversations go through
         the chat template."""
-        if len(messages) == 1 and messages[0][0] == "user":
-            return self.prefix_ids, self._chat_frame.query_ids(self.tokenizer, messages[0][1])
-        return split_chat(self.tokenizer, self._system_prompt, [{"role": r, "content": c} for r, c in messages])
+        question = single_question(messages)
+        if question is not None:
+            return self.prefix_ids, self._chat_frame.query_ids(self.tokenizer, question)
+        return split_chat(self.tokenizer, self._system_prompt, message_dicts(messages))
 
     def _lay_out(
         self,
