@@ -450,6 +450,7 @@ def _usage(
         "prefix_cached_tokens": engine.get("prefix_cached_tokens", 0),
         "memory_tokens": engine.get("memory_tokens", 0),
         "recomputed_tokens": engine.get("recomputed_tokens", 0),
+        "load_failed_tokens": engine.get("load_failed_tokens", 0),
         "history_chunks": engine.get("history_chunks", 0),
         "history_choose_ms": engine.get("history_choose_ms"),
         "retrieval_ms": round(prepared.retrieval_ms, 3),

@@ -18,10 +18,11 @@ from typing import Callable, Hashable
 
 import torch
 
-from kvcore.errors import ArenaFullError, IncompatibleRecordsError
+from kvcore.errors import ArenaAllocationError, ArenaFullError, IncompatibleRecordsError
 
 log = logging.getLogger(__name__)
 DEFAULT_DEVICE_CACHE_BYTES = 1 << 30  # the arena's size wherever a caller does not choose one
+DEVICE_HEADROOM_BYTES = 1 << 30  # left free beside a CUDA arena: the engine still captures its graphs after it
 
 
 @dataclass
@@ -33,7 +34,7 @@ class _Entry:
 
 
 class DeviceArena:
-    """A byte-bounded, paged pool of records' K/V on one device (allocated at the first insert).
+    """A byte-bounded, paged pool of records' K/V on one device (allocated by `allocate`, or at the first insert).
 
     The arena holds one dtype, the engine's record dtype (`dtype`): a record stored in another (written before
     the deployment's record dtype changed, say) is converted as it comes in, so a store that mixes dtypes serves
@@ -111,7 +112,7 @@ class DeviceArena:
         self.check_shape(k.shape[0], k.shape[1], k.shape[3])
         if v.shape != k.shape:
             raise IncompatibleRecordsError(f"record K {tuple(k.shape)} and V {tuple(v.shape)} differ")
-        self._allocate()
+        self.allocate()
         rows: list[int] = []
         placed: list[tuple[Hashable, Hashable]] = []
         try:
@@ -128,7 +129,7 @@ class DeviceArena:
     def reserve_many(self, items: list[tuple[Hashable, Hashable]], lengths: list[int]) -> list[int]:
         """Rows for several records of `lengths` tokens, all or none (`ArenaFullError`), for a caller that
         writes their K/V itself, in the arena's dtype (a device kernel, `kvcore.packed`), before anything reads them."""
-        self._allocate()
+        self.allocate()
         rows: list[int] = []
         placed: list[tuple[Hashable, Hashable]] = []
         try:
@@ -168,7 +169,10 @@ class DeviceArena:
             for key, stamp in placed:
                 self._on_change(key, stamp, True)
 
-    def _allocate(self) -> None:
+    def allocate(self) -> None:
+        """Claim the arena's memory now (the engine calls this as it starts): on a CUDA device, a size that does
+        not fit in what is free, less `DEVICE_HEADROOM_BYTES`, is an `ArenaAllocationError` that names both, so
+        a misconfiguration stops the start instead of failing every later load. Both tensors or neither."""
         if self.k is not None:
             return
         dtype = self.dtype
@@ -179,12 +183,30 @@ class DeviceArena:
                 f"device arena of {self._capacity_bytes} bytes holds not even one page of {self.page_tokens} tokens"
             )
         shape = (self.layers, pages * self.page_tokens, self.kv_heads, self.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=dtype, device=self.device)
+        nbytes = pages * self.page_tokens * per_token
+        self._check_fits(nbytes)
+        try:
+            k = torch.empty(shape, dtype=dtype, device=self.device)
+            v = torch.empty(shape, dtype=dtype, device=self.device)
+        except torch.OutOfMemoryError as exc:
+            raise ArenaAllocationError(f"the device arena ({_gib(nbytes)}) is out of memory: {exc}") from exc
+        self.k, self.v = k, v
         self._free = list(range(pages - 1, -1, -1))
         if self._tenant_bytes is not None:
             self._tenant_pages_cap = self._tenant_bytes // (per_token * self.page_tokens)
         log.info("device arena: %d tokens (%.1f MiB) on %s", shape[1], 2 * self.k.nbytes / 2**20, self.device)
+
+    def _check_fits(self, nbytes: int) -> None:
+        if self.device.type != "cuda":
+            return  # host memory is claimed page by page as it is written
+        free, total = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # torch's cache
+        if nbytes + DEVICE_HEADROOM_BYTES > free:
+            raise ArenaAllocationError(
+                f"the device arena (device_cache_bytes: {_gib(nbytes)}) does not fit on {self.device}: "
+                f"{_gib(free)} of its {_gib(total)} are free beside the engine, and {_gib(DEVICE_HEADROOM_BYTES)} "
+                "must stay free; lower device_cache_bytes or the engine's gpu_memory_utilization"
+            )
 
     def _take(self, count: int, tenant: Hashable = None) -> list[int]:
         if count * self.page_tokens > self.capacity_tokens:
@@ -242,6 +264,10 @@ def joined_longs(parts: list[array | memoryview | bytes]) -> torch.Tensor:
     """One host int64 tensor of int64 runs (arrays or their slices) laid end to end: one join, no Python ints."""
     data = b"".join(parts)
     return torch.frombuffer(bytearray(data), dtype=torch.int64) if data else torch.empty(0, dtype=torch.int64)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
 
 
 def _tenant_of(key: Hashable) -> Hashable:

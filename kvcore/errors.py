@@ -46,3 +46,7 @@ class StaleRecordError(FactMissingError):
 
 class ArenaFullError(KVCoreError):
     """The device arena cannot hold a step's records without evicting ones the same step uses."""
+
+
+class ArenaAllocationError(KVCoreError):
+    """The device arena's configured size does not fit in the device memory left beside the engine."""

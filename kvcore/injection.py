@@ -117,6 +117,10 @@ class InjectionWorker:
             on_change=on_change,
             tenant_bytes=self._device_tenant_bytes,
         )
+        try:
+            self._arena.allocate()  # its memory claimed as the engine starts: a size that cannot fit stops the start
+        except ArenaFullError as exc:  # too small for one page: loads go through the lower tiers, or fail, by name
+            log.warning("%s", exc)
         if self._tiers is not None:
             self._streams = TierStreams(
                 self._tiers,
@@ -144,7 +148,7 @@ class InjectionWorker:
             self._arena.insert((tenant_id, record_id), stamp, k, v)
         except (ArenaFullError, IncompatibleRecordsError) as exc:
             log.debug("captured record %s/%s not kept in the arena: %s", tenant_id, record_id, exc)
-        except Exception:  # noqa: BLE001 - e.g. the arena's first allocation out of device memory: stop trying
+        except Exception:  # noqa: BLE001 - e.g. the device out of memory for the copy: stop trying
             self._admit_captures = False
             log.warning("captured records are no longer kept in the device arena", exc_info=True)
         finally:

@@ -56,9 +56,11 @@ class InjectionScheduler:
     store: FactStore
     fingerprint: str
     policy: Policy = "recompute"
+    block_size: int = 16  # the engine's, to map a failed block back to the tokens it held
     _claims: dict[str, _Claim] = field(default_factory=dict)
     _ready: list[LoadSpec] = field(default_factory=list)
     _reports: dict[str, dict] = field(default_factory=dict)
+    _loads: dict[str, LoadSpec] = field(default_factory=dict)  # valid loads sent, until their request finishes
 
     def match(self, request_id: str, prompt_ids: Sequence[int], params: dict | None, num_computed: int) -> int:
         """Tokens beyond `num_computed` this connector will provide (0 when there is nothing to inject)."""
@@ -92,28 +94,51 @@ class InjectionScheduler:
         if claim is None or num_external == 0:
             return
         end = claim.begin + num_external
-        self._ready.append(
-            LoadSpec(
-                request_id,
-                claim.plan,
-                claim.begin,
-                end,
-                tuple(block_ids),
-                claim.stamps,
-                claim.lengths,
-                claim.valid,
-                claim.reason,
-            )
+        load = LoadSpec(
+            request_id,
+            claim.plan,
+            claim.begin,
+            end,
+            tuple(block_ids),
+            claim.stamps,
+            claim.lengths,
+            claim.valid,
+            claim.reason,
         )
+        self._ready.append(load)
+        if load.valid:
+            self._loads[request_id] = load
         self._report(request_id, claim.plan, num_external if claim.valid else 0, claim.reason or None)
 
     def take_loads(self) -> list[LoadSpec]:
         ready, self._ready = self._ready, []
         return ready
 
+    def loads_failed(self, block_ids: set[int]) -> None:
+        """The workers reported these blocks' loads failed, so the engine recomputes each affected request from
+        its first failed block: its report counts only the tokens before that block as injected, and names the
+        rest (`load_failed_tokens`) and the cause, so a request's usage never claims K/V it did not get."""
+        for request_id, load in list(self._loads.items()):
+            size = self.block_size
+            blocks = load.block_ids[load.begin // size : -(-load.end // size)]
+            first = next((i for i, block in enumerate(blocks) if block in block_ids), None)
+            if first is None:
+                continue
+            del self._loads[request_id]
+            cut = max(load.begin, (load.begin // size + first) * size)
+            report = self._reports.get(request_id)
+            if report is not None:
+                report["load_failed_tokens"] = load.end - cut
+                report["injected_tokens"] = cut - load.begin
+                report["fallback"] = report.get("fallback") or (
+                    f"the K/V load failed from prompt position {cut} (the engine's log says why); "
+                    "the engine computed those tokens itself"
+                )
+
     def finished(self, request_id: str) -> dict | None:
         """What this request got, for the engine's output (`kv_transfer_params`)."""
         self._claims.pop(request_id, None)
+        self._loads.pop(request_id, None)
         report = self._reports.pop(request_id, None)
         return {"inferscale": report} if report else None
 

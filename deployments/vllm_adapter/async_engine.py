@@ -241,6 +241,7 @@ class MemoryEngine:
             elif event:
                 yield event
         injected = int((report or {}).get("injected_tokens", 0))
+        load_failed = int((report or {}).get("load_failed_tokens", 0))  # recomputed by the engine instead
         usage = {
             "prompt_tokens": len(laid.token_ids),
             "completion_tokens": completion,
@@ -250,8 +251,9 @@ class MemoryEngine:
             "history_choose_ms": chosen,
             "recomputed_tokens": laid.recomputed_tokens,
             "injected_tokens": injected,
-            "prefix_cached_tokens": max(0, cached - injected),
-            "prefilled_tokens": len(laid.token_ids) - cached,
+            "load_failed_tokens": load_failed,
+            "prefix_cached_tokens": max(0, cached - injected - load_failed),
+            "prefilled_tokens": len(laid.token_ids) - cached + load_failed,
             "engine_ttft_ms": round(ttft or 0.0, 3),
             "engine_phases_ms": engine_phases(stats, started, first),
             "memory_fallback": (report or {}).get("fallback"),

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class InferscaleConnector(KVConnectorBase_V1):
         self._tracker = CaptureTracker()
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = InjectionScheduler(store, config.fingerprint, config.on_load_failure)
+            self._scheduler = InjectionScheduler(store, config.fingerprint, config.on_load_failure, self._block_size)
         else:
             rope = RopeConfig.from_hf_config(vllm_config.model_config.hf_config.to_dict())
             self._worker = ConnectorWorker.build(config, store, rope, vllm_config.device_config.device)
@@ -94,6 +95,10 @@ class InferscaleConnector(KVConnectorBase_V1):
             blocks = cached.new_block_ids[i]
             steps.append((req_id, blocks[0] if blocks else None, cached.num_computed_tokens[i], counts.get(req_id, 0)))
         return InferscaleMetadata(loads=self._scheduler.take_loads(), captures=self._tracker.step(steps))
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if connector_output.invalid_block_ids:  # loads the workers failed: the engine recomputes their tokens
+            self._scheduler.loads_failed(connector_output.invalid_block_ids)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracker.drop(request.request_id)

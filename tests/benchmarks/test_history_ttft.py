@@ -46,9 +46,18 @@ def test_the_targets_are_ratios_of_the_modes_medians():
     assert report["history_choose_ms_p50"] == steps
 
 
-def test_a_run_without_the_whole_prefill_sets_only_the_first_target():
+def test_a_run_without_the_whole_prefill_sets_only_the_validity_and_first_targets():
     report = summarize([_row("no_memory", 10.0), _row("history", 20.0)], budget=64)
-    assert [t["met"] for t in report["targets"]] == [False]
+    assert [t["met"] for t in report["targets"]] == [True, False]
+
+
+def test_chats_whose_loads_failed_make_the_run_invalid_by_target():
+    """A history load that failed was recomputed by the engine (an H100 run with an arena too large for the card
+    measured prefill as if it were injection): the report counts those chats, and the target fails."""
+    failed = _row("history", 40.0) | {"injected_tokens": 0, "load_failed_tokens": 2048}
+    report = summarize([_row("no_memory", 10.0), _row("history", 12.0), failed], budget=64)
+    validity = report["targets"][0]
+    assert validity["value"] == 1 and not validity["met"] and "failed to load" in validity["name"]
 
 
 def test_each_tenant_has_a_history_of_its_own_of_about_the_asked_length(loaded):

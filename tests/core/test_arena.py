@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from kvcore.arena import DeviceArena
-from kvcore.errors import ArenaFullError, IncompatibleRecordsError
+import kvcore.arena as arena_module
+from kvcore.arena import DEVICE_HEADROOM_BYTES, DeviceArena
+from kvcore.errors import ArenaAllocationError, ArenaFullError, IncompatibleRecordsError
 
 L, H, D, PAGE = 2, 2, 4, 4
 PER_PAGE = L * H * D * 4 * 2 * PAGE  # float32 K and V bytes of one page
@@ -140,3 +141,51 @@ def test_records_of_either_dtype_are_held_in_the_arenas_dtype_whatever_came_firs
     assert not torch.equal(back_k.float(), k32)  # rounded, not kept at float32
     back_k, back_v = read(arena, list(arena.rows("b16", (0,))))
     assert torch.equal(back_k, k16) and torch.equal(back_v, v16)
+
+
+def test_an_allocation_out_of_memory_leaves_no_half_arena_behind(monkeypatch):
+    """K allocated and V out of memory: neither is kept, so a later allocation starts whole (a half arena once
+    refused every load as full, since its free pages were never listed)."""
+    arena = DeviceArena(L, H, D, torch.device("cpu"), 4 * PER_PAGE, torch.float32, page_tokens=PAGE)
+    real_empty, calls = torch.empty, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(arena_module.torch, "empty", second_fails)
+    with pytest.raises(ArenaAllocationError, match="out of memory"):
+        arena.allocate()
+    assert arena.k is None and arena.v is None and arena.capacity_tokens == 0
+    monkeypatch.setattr(arena_module.torch, "empty", real_empty)
+    arena.begin_step()
+    k, v = kv(6, seed=3)
+    rows = arena.insert("a", (1,), k, v)
+    assert arena.capacity_tokens == 4 * PAGE
+    assert torch.equal(read(arena, rows)[0], k)
+
+
+@pytest.mark.parametrize("free_gib, fits", [(2, False), (6, True)])
+def test_a_cuda_arena_larger_than_the_free_memory_is_refused_by_name(monkeypatch, free_gib, fits):
+    """Checked before anything is allocated: 4 GiB asked, `free_gib` free (1 GiB of it torch's own cache) and
+    1 GiB kept free."""
+    page_bytes = 2 * 8 * 128 * 2 * 2 * 16  # bf16 K and V of one 16-token page: 2 layers, 8 heads, dim 128
+    arena = DeviceArena(2, 8, 128, torch.device("cuda", 0), 4 << 30, torch.bfloat16)
+    monkeypatch.setattr(arena_module.torch.cuda, "mem_get_info", lambda device: ((free_gib - 1) << 30, 80 << 30))
+    monkeypatch.setattr(arena_module.torch.cuda, "memory_reserved", lambda device: 3 << 30)
+    monkeypatch.setattr(arena_module.torch.cuda, "memory_allocated", lambda device: 2 << 30)
+    allocated = []
+    monkeypatch.setattr(
+        arena_module.torch, "empty", lambda shape, **kw: allocated.append(shape) or torch.zeros(0, dtype=kw["dtype"])
+    )
+    assert (4 << 30) % page_bytes == 0 and DEVICE_HEADROOM_BYTES == 1 << 30
+    if fits:
+        arena.allocate()
+        assert len(allocated) == 3  # one for the dtype's size, then K and V
+    else:
+        with pytest.raises(ArenaAllocationError) as failed:
+            arena.allocate()
+        assert "device_cache_bytes: 4.0 GiB" in str(failed.value) and "2.0 GiB of its 80.0 GiB" in str(failed.value)
+        assert len(allocated) == 1 and arena.k is None

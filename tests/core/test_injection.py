@@ -1,9 +1,13 @@
 """The engine-agnostic injector: scheduler decisions and worker writes, without any engine."""
 
+import logging
+
 import pytest
 import torch
 
+from kvcore.arena import DeviceArena
 from kvcore.compose import compose
+from kvcore.errors import ArenaAllocationError
 from kvcore.injection import InjectionWorker
 from kvcore.injection_scheduler import InjectionScheduler
 from kvcore.paged import PagedLayout, slot_mapping
@@ -467,3 +471,42 @@ def test_records_in_the_engines_dtype_are_refused_over_a_quantized_cache(store):
     caches = {"l0": torch.zeros(4, 2, BS, 16, dtype=torch.float8_e4m3fn)}
     with pytest.raises(IncompatibleRecordsError, match="float8_e4m3fn"):
         worker.register(caches, PagedLayout("rows", BS, 2, 8))
+
+
+def test_register_claims_the_arena_so_a_size_that_cannot_fit_stops_the_start(store, monkeypatch, caplog):
+    """The arena is allocated as the engine registers its caches, not at the first load: a device without room
+    fails the start with the arena's own message; one too small for a page only warns (loads then fail by name)."""
+
+    def no_room(arena, nbytes):
+        raise ArenaAllocationError(f"the device arena ({nbytes} bytes) does not fit (test)")
+
+    caches = {"layer.0": torch.zeros(10, 2, BS, 16)}
+    monkeypatch.setattr(DeviceArena, "_check_fits", no_room)
+    with pytest.raises(ArenaAllocationError, match="does not fit"):
+        InjectionWorker(store, FP, ROPE).register(caches, PagedLayout("rows", BS, 2, 8))
+    with caplog.at_level(logging.WARNING, logger="kvcore.injection"):
+        InjectionWorker(store, FP, ROPE, device_cache_bytes=8).register(caches, PagedLayout("rows", BS, 2, 8))
+    assert "holds not even one page" in caplog.text
+
+
+def test_a_failed_load_is_counted_as_recomputed_not_injected(store):
+    """The engine recomputes a request from its first failed block (vLLM's rule), so its report keeps only the
+    tokens before that block as injected; a request whose blocks all loaded keeps its report."""
+    sched = InjectionScheduler(store, FP, block_size=BS)
+    plan = MemoryPlan("t1", ("p", "a", "b"), 4)
+    prompt = prompt_for(store, plan.record_ids)  # region 0..10 over blocks 20, 21, 22 (tokens 0-3, 4-7, 8-9)
+    for request in ("hit", "spared"):
+        assert sched.match(request, prompt, plan.to_params(), 0) == 10
+    sched.allocated("hit", [20, 21, 22, 23], 10)
+    sched.allocated("spared", [30, 31, 32, 33], 10)
+    sched.loads_failed({22, 21, 99})
+    hit = sched.finished("hit")["inferscale"]
+    assert (hit["injected_tokens"], hit["load_failed_tokens"]) == (4, 6)
+    assert "failed from prompt position 4" in hit["fallback"]
+    assert sched.finished("spared") == {"inferscale": {"injected_tokens": 10, "records": 3, "fallback": None}}
+    assert sched.match("late", prompt, plan.to_params(), 8) == 2  # a load that began inside a failed block
+    sched.allocated("late", [40, 41, 42], 2)
+    sched.loads_failed({42})
+    late = sched.finished("late")["inferscale"]
+    assert (late["injected_tokens"], late["load_failed_tokens"]) == (0, 2)
+    sched.loads_failed({42})  # a finished request is forgotten

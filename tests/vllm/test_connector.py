@@ -145,6 +145,25 @@ def test_missing_record_falls_back_to_prefilling_the_text(llm, loaded, forward, 
     assert tokens == plain[0]
 
 
+def test_a_record_damaged_after_the_check_is_recomputed_and_reported_so(llm, loaded, forward, frame, store):
+    """A record's K/V bytes flipped behind the engine's back: the scheduler's check (header and tokens) passes,
+    the worker's read fails its checksum, and the engine computes the tokens itself. The answer is a plain
+    prefill's, and the report counts those tokens as failed loads, not as injected."""
+    ids = encode_conversation(loaded, forward, frame, store, "maya-flipped", TURNS)
+    plan = MemoryPlan("maya-flipped", tuple(ids), store.version("maya-flipped"))
+    memory = region(store, plan)
+    query = frame.query_ids(loaded.tokenizer, QUESTIONS[2])
+    path = store.path("maya-flipped", ids[3])
+    raw = bytearray(path.read_bytes())
+    raw[-64] ^= 0xFF  # inside the last tensor's data, which only the worker reads
+    path.write_bytes(bytes(raw))
+    ((tokens, _, _, report),) = ask(llm, [(memory + query, plan)])
+    # the worker fails the whole load (every block of it), so the engine computes the region from its start
+    assert (report["injected_tokens"], report["load_failed_tokens"]) == (0, len(memory))
+    assert "failed from prompt position 0" in report["fallback"]
+    assert tokens == ask(llm, [(memory + query, None)])[0][0]
+
+
 def test_record_from_another_model_is_never_injected(llm, loaded, forward, frame, store):
     ids = encode_conversation(loaded, forward, frame, store, "maya-alien", TURNS)
     alien = store.get("maya-alien", ids[1])
