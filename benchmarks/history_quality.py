@@ -124,6 +124,12 @@ def summarize(found: dict, budgets: list[float]) -> dict:
             "questions": len(chosen),
         }
     ratios = {mode_name(b): paired_ratio(rows, mode_name(b), mode_name(WHOLE), 0) for b in budgets if b != WHOLE}
+    whole = {(r["sample"], r["question"]): r["prediction"] for r in rows if r["mode"] == mode_name(WHOLE)}
+    for budget in budgets:  # a paired figure that small F1s cannot make noisy: the same answer as the whole history's
+        pairs = [(r, (r["sample"], r["question"])) for r in rows if r["mode"] == mode_name(budget)]
+        same = [r["prediction"] == whole[key] for r, key in pairs if key in whole]
+        if budget != WHOLE and same:
+            modes[mode_name(budget)]["same_answer_as_whole_share"] = round(sum(same) / len(same), 4)
     targets = []
     if 0.1 in budgets:
         ratio = ratios[mode_name(0.1)]

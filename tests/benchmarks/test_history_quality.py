@@ -3,12 +3,13 @@
 from benchmarks.history_quality import mode_name, summarize
 
 
-def _row(mode: str, question: str, f1: float) -> dict:
+def _row(mode: str, question: str, f1: float, prediction: str = "") -> dict:
     return {
         "sample": "history",
         "k": 0,
         "mode": mode,
         "question": question,
+        "prediction": prediction or f"answer {f1}",
         "f1": f1,
         "ttft_ms": 10.0,
         "history_chunks": 3,
@@ -31,6 +32,8 @@ def test_the_ratio_pairs_the_same_questions_and_sets_the_target():
     (goal,) = report["targets"]
     assert goal["value"] == round(1.0 / 1.5, 4) and goal["met"] is False and goal["goal"] == ">= 0.97"
     assert report["modes"]["history_10pct"]["f1"] == 2 / 3 and report["modes"]["whole_history"]["questions"] == 2
+    # "a" answered the same as with the whole history; "b" not; "c" has no whole-history answer to match
+    assert report["modes"]["history_10pct"]["same_answer_as_whole_share"] == 0.5
 
 
 def test_modes_are_named_by_their_share():
