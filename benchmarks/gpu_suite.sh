@@ -60,7 +60,7 @@ for step in "$@"; do
         grep -E "ms .* GB/s" "$out/inject-kernel.log" ;;
     chunk-bounds) run chunk-bounds 240 python3 benchmarks/chunk_bounds.py --out "$out/chunk_bounds.json"
         grep -E " ms$|difference|tilings" "$out/chunk-bounds.log" ;;
-    retrieval) run retrieval 180 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
+    retrieval) run retrieval 300 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
     chat-ahead) run chat-ahead 120 python3 benchmarks/chat_ahead.py --out "$out/chat_ahead.json" ;;
     injected-records) run injected-records 240 python3 benchmarks/injected_records.py --config "$SHAPE" --out "$out/injected_records.json"
         grep -E "^ *(none|[0-9]+x[0-9]+):" "$out/injected-records.log" ;;

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -133,11 +133,27 @@ def padded(rows: Sequence[Sequence[int]], out: np.ndarray) -> np.ndarray:
     return out
 
 
-class _Graph:
-    """One (batch, tokens) bucket of `encode`, captured as a CUDA graph over a static input buffer `[2, batch,
-    tokens]` (ids and mask), fed from a pinned host buffer of the same shape in one copy."""
+def fused_encode() -> Callable[[_Weights, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`encode` compiled by torch's inductor (its residual adds, LayerNorms, GELU and pooling fused into fewer
+    kernels; the matrix products and attention stay library calls), for a bucket's graph to capture. A question's
+    forward on the device is ~80 small kernels, each paying a launch gap (0.47 ms on an H100, 2026-12-05), so fewer
+    kernels is the one way to make it shorter. An experiment until `benchmarks/retrieval.py` times it on a GPU."""
+    return torch.compile(encode, dynamic=False, fullgraph=True)
 
-    def __init__(self, w: _Weights, batch: int, tokens: int, device: torch.device) -> None:
+
+class _Graph:
+    """One (batch, tokens) bucket of `encode` (or `forward`, the same function compiled), captured as a CUDA graph
+    over a static input buffer `[2, batch, tokens]` (ids and mask), fed from a pinned host buffer of the same shape
+    in one copy."""
+
+    def __init__(
+        self,
+        w: _Weights,
+        batch: int,
+        tokens: int,
+        device: torch.device,
+        forward: Callable[[_Weights, torch.Tensor, torch.Tensor], torch.Tensor] = encode,
+    ) -> None:
         self.inputs = torch.zeros((2, batch, tokens), dtype=torch.long, device=device)
         self.ids, self.mask = self.inputs[0], self.inputs[1]
         self.mask[:, 0] = 1  # padding rows attend to one token, so they stay finite
@@ -148,11 +164,11 @@ class _Graph:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                encode(w, self.ids, self.mask)
+                forward(w, self.ids, self.mask)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads keep using the GPU
-            self.out = encode(w, self.ids, self.mask)
+            self.out = forward(w, self.ids, self.mask)
 
     def run(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """The rows' vectors (a copy), on the current stream. Calls come one at a time (the embedder's lock) but
@@ -179,7 +195,10 @@ class MiniLMEmbedder:
 
     dim = 384
 
-    def __init__(self, device: str = "cpu", batch_size: int = 64, cuda_graphs: bool = True) -> None:
+    def __init__(
+        self, device: str = "cpu", batch_size: int = 64, cuda_graphs: bool = True, fused: bool = False
+    ) -> None:
+        """`fused`: capture `fused_encode` instead of `encode` (CUDA graphs only; each bucket compiles once)."""
         path = minilm_path()
         self._tokenizer = AutoTokenizer.from_pretrained(path)
         self._rust = Tokenizer.from_str(self._tokenizer.backend_tokenizer.to_str())  # a copy of its own settings
@@ -190,6 +209,7 @@ class MiniLMEmbedder:
         self._weights = _Weights.of(model, device)
         self._batch = batch_size
         self._graphs: dict[tuple[int, int], _Graph] | None = {} if cuda_graphs and self.device.type == "cuda" else None
+        self._graphed = fused_encode() if fused and self._graphs is not None else encode
         self._lock = threading.Lock()  # one forward at a time; tokenizers are not thread safe
 
     @torch.inference_mode()
@@ -228,7 +248,7 @@ class MiniLMEmbedder:
             graph = self._graphs.get(key)
             if graph is None:
                 try:
-                    graph = self._graphs[key] = _Graph(self._weights, *key, self.device)
+                    graph = self._graphs[key] = _Graph(self._weights, *key, self.device, self._graphed)
                 except torch.OutOfMemoryError:  # a full device, for now: this call fails, the next retries
                     raise
                 except RuntimeError as exc:  # a capture the driver refuses: eager forwards from now on

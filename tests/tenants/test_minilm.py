@@ -64,6 +64,19 @@ def test_cuda_graph_buckets_equal_the_eager_forward():
 
 
 @pytest.mark.gpu
+def test_the_compiled_forward_captured_as_a_graph_gives_the_same_vectors():
+    """`fused=True` captures inductor's compilation of the same forward: its vectors are the plain graph's (one
+    bucket compiled, replayed with other texts), so switching it on changes no retrieval."""
+    import torch
+
+    fused, plain = MiniLMEmbedder(device="cuda", fused=True), MiniLMEmbedder(device="cuda")
+    texts = ["Where does Maya work?", "What does box 17 hold?", "a b c"]
+    got, want = fused.embed_tensor(texts), plain.embed_tensor(texts)
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert list(fused._graphs) == [(4, 16)]
+
+
+@pytest.mark.gpu
 def test_a_bucket_replayed_on_two_streams_keeps_each_calls_answer():
     """A history's turns are embedded on one stream while a question is embedded on another (the chooser's second
     stream): calls one at a time, but their replays of one bucket's graph may overlap on the device unless each
