@@ -208,9 +208,9 @@ class ChannelClient:
         self._connecting = asyncio.Lock()
         self.closed = False
 
-    async def chat(self, task: Any) -> AsyncIterator[dict[str, Any]]:
+    async def chat(self, task: Any, sent: Callable[[], None] | None = None) -> AsyncIterator[dict[str, Any]]:
         """The chat's events; `ChannelClosed` if the connection breaks first. Closing the iterator early (the
-        caller's client left) cancels the chat on the replica."""
+        caller's client left) cancels the chat on the replica. `sent` is called once the task is on its way."""
         writer = await self._connected()
         request_id = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
@@ -220,6 +220,8 @@ class ChannelClient:
             if self.closed:  # broke while this chat waited for the connection
                 raise ChannelClosed(f"the channel to {self.address.host}:{self.address.port} is closed")
             writer.write(_frame(request_id, TASK, pickle.dumps(task, protocol=5)))
+            if sent is not None:
+                sent()
             while True:
                 item = await queue.get()
                 if isinstance(item, _End):

@@ -289,7 +289,7 @@ async def _generate(gateway: Gateway, tenant: Tenant, body: GenerationRequest, s
     received, api_key = time.perf_counter(), _key(request) or ""
     prepared = await gateway.prepare_chat(tenant, body, api_key)
     prepared.dispatched = time.time()
-    events = gateway.llm.chat(prepared.task)
+    events = gateway.llm.chat(prepared.task, prepared.look_up_tiers)
     first = await _first_event(events)  # engine errors surface before any byte is sent
     prepared.first_event = time.time()
     base = {

@@ -3,7 +3,7 @@ encoder). `deployments/ray_serve/ingress.py` implements it over Serve handles.""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from deployments.chat_task import ChatAhead, ChatTask
 
@@ -11,7 +11,9 @@ from deployments.chat_task import ChatAhead, ChatTask
 class LLMBackend(Protocol):
     """What the gateway needs of the LLM deployment: chats streamed, facts and histories encoded."""
 
-    def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]: ...
+    def chat(self, task: ChatTask, sent: Callable[[], None] | None = None) -> AsyncIterator[dict[str, Any]]:
+        """The chat's events; `sent` is called once the task has left for the replica."""
+        ...
 
     def ahead(self, note: ChatAhead) -> None:
         """Tell the replica that will serve the chat what it can prepare before its task comes (or nothing)."""

@@ -108,10 +108,10 @@ class ServeLLMBackend:
         log.info("calls to the LLM servers go over %s", " and ".join(self.transports))
         self._first_event_timeout_s = first_event_timeout_s
 
-    async def chat(self, task: ChatTask) -> AsyncIterator[dict[str, Any]]:
+    async def chat(self, task: ChatTask, sent: Callable[[], None] | None = None) -> AsyncIterator[dict[str, Any]]:
         """The replica's events; a replica that dies or is unavailable mid-request ends them with a retryable 503,
         and so does a chat that no replica starts within `first_event_timeout_s` (none is running: the only one
-        is being replaced), rather than waiting for the replacement."""
+        is being replaced), rather than waiting for the replacement. `sent` is called once the task is on its way."""
         address: ChannelAddress | None = None
         events: AsyncIterator[dict[str, Any]] | None = None
 
@@ -119,9 +119,11 @@ class ServeLLMBackend:
             nonlocal address, events
             if self._routes is not None:
                 address = await self._routes.address(task.tenant_id)  # waits while no replica runs
-                events = self._channels.client(address).chat(task)
+                events = self._channels.client(address).chat(task, sent)
             else:
                 events = self._stream.chat.remote(task)
+                if sent is not None:
+                    sent()
             return await events.__anext__()
 
         try:

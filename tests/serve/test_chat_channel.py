@@ -384,3 +384,28 @@ def test_a_note_ahead_reaches_the_replica_with_whether_it_is_idle_and_a_failing_
 
     assert asyncio.run(main()) == [{"done": True, "tenant": "t"}]
     assert notes == [("while a chat runs", False), ("idle again", True)]
+
+
+def test_sent_is_called_once_the_task_is_written_and_before_any_event_comes_back():
+    """The ingress starts its usage lookups on `sent`, beside the engine's work and not beside the send (a thread
+    that took the GIL while the loop pickled the task slowed the send by 0.06 ms on a 2-core CPU)."""
+    order: list[str] = []
+
+    async def replica(task: ChatTask):
+        order.append("replica got the task")
+        yield {"delta": "a"}
+        yield {"done": True}
+
+    async def main():
+        server = ChannelServer(replica, "127.0.0.1")
+        pool = ChannelPool()
+        try:
+            events = pool.client(await server.start()).chat(_task("t", "q"), lambda: order.append("sent"))
+            async for event in events:
+                order.append(f"event {sorted(event)[0]}")
+        finally:
+            pool.close()
+            await server.drain(1.0)
+
+    asyncio.run(main())
+    assert order == ["sent", "replica got the task", "event delta", "event done"]
