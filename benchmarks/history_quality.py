@@ -35,7 +35,12 @@ HISTORY_TOKENS = 7600  # a tenant's history at most: room for the frame, the que
 WHOLE = 1.0
 
 
+NONE = 0.0  # the control: the same questions with no memory at all
+
+
 def mode_name(budget: float) -> str:
+    if budget == NONE:
+        return "no_memory"
     return "whole_history" if budget == WHOLE else f"history_{round(budget * 100)}pct"
 
 
@@ -46,7 +51,7 @@ def ask(client: Client, key: str, question: str, budget_tokens: int, max_tokens:
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "seed": 0,
-        "memory": {"mode": "history", "budget": budget_tokens},
+        "memory": {"mode": "history", "budget": budget_tokens} if budget_tokens else {"mode": "off"},
     }
     answer = client.call("POST", "/v1/chat/completions", key, body)
     return {"prediction": answer["choices"][0]["message"]["content"], **answer["usage"]}
@@ -63,12 +68,13 @@ def evaluate(
     written = client.call("PUT", "/v1/history", key, {"text": text})
     write_s = time.perf_counter() - started
     tokens = int(written["tokens"])
-    plan = sorted({*budgets, WHOLE})
+    plan = sorted({NONE, *budgets, WHOLE})
 
     def one(qa: dict) -> list[dict]:
         rows = []
         for budget in plan:
-            usage = ask(client, key, qa["question"], max(1, int(budget * tokens)), max_tokens=24)
+            asked = 0 if budget == NONE else max(1, int(budget * tokens))  # 0: memory off
+            usage = ask(client, key, qa["question"], asked, max_tokens=24)
             rows.append(
                 {
                     "sample": tenant,  # questions pair within their own history
@@ -110,9 +116,11 @@ def tenant_conversations(tenant: int, count: int, tokenizer, max_tokens: int = H
 def summarize(found: dict, budgets: list[float]) -> dict:
     rows = found["rows"]
     modes = {}
-    for budget in sorted({*budgets, WHOLE}):
+    for budget in sorted({NONE, *budgets, WHOLE}):
         name = mode_name(budget)
         chosen = [r for r in rows if r["mode"] == name]
+        if not chosen:
+            continue
         modes[name] = {
             "budget": budget,
             "f1": statistics.fmean(r["f1"] for r in chosen),
@@ -139,6 +147,8 @@ def summarize(found: dict, budgets: list[float]) -> dict:
                 "ci95": ratio["ci95"],
             }
         )
+    if any(r["mode"] == mode_name(NONE) for r in rows):  # whether the set can tell a history from none at all
+        ratios["whole_history_over_no_memory"] = paired_ratio(rows, mode_name(WHOLE), mode_name(NONE), 0)
     return {
         "history_tokens": found["history_tokens"],
         "history_chunks": found["history_chunks"],

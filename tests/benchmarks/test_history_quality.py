@@ -60,3 +60,13 @@ def test_each_tenant_gets_conversations_of_its_own_within_the_token_limit(loaded
     )
     assert 1 <= len(first) < 6 and tokens(first) <= 3000 and tokens(second) <= 3000
     assert first[0] != second[0] and history_lines(first)[:5] != history_lines(second)[:5]
+
+
+def test_the_no_memory_control_gives_the_ratio_that_says_whether_the_set_sees_the_history():
+    rows = [_row("whole_history", q, f1) for q, f1 in (("a", 1.0), ("b", 0.5))]
+    rows += [_row("no_memory", q, f1) for q, f1 in (("a", 0.5), ("b", 0.0))]
+    rows += [_row("history_10pct", q, 1.0) for q in ("a", "b")]
+    report = summarize({"history_tokens": 100, "history_chunks": 7, "write_s": 1.0, "rows": rows}, [0.1])
+    assert report["modes"]["no_memory"]["f1"] == 0.25
+    effect = report["f1_ratio_to_whole_history"]["whole_history_over_no_memory"]
+    assert effect["ratio"] == 1.5 / 0.5 and effect["questions"] == 2
