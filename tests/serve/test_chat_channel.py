@@ -409,3 +409,20 @@ def test_sent_is_called_once_the_task_is_written_and_before_any_event_comes_back
 
     asyncio.run(main())
     assert order == ["sent", "replica got the task", "event delta", "event done"]
+
+
+def test_a_task_crosses_by_pickle_whole_with_its_facts_as_columns():
+    """`ChatTask` pickles its facts as four columns: the task read back equals the one sent, facts without a record
+    and a task without facts included, and is smaller than ~50 pickled objects."""
+    import pickle
+
+    from deployments.chat_task import RetrievedFact
+
+    facts = tuple(RetrievedFact(f"f{i}", f"fact {i}", f"r{i}" if i % 2 else None, i / 10) for i in range(50))
+    task = ChatTask("t", 3, (("user", "q"),), facts, "prompt", 9, 0.5, stop=("x",), history_id=None, recompute=2)
+    for sent in (task, _task("t", "q")):
+        got = pickle.loads(pickle.dumps(sent, protocol=5))
+        assert got == sent and all(type(f) is RetrievedFact for f in got.facts)
+    assert got.facts == ()
+    per_object = sum(len(pickle.dumps(f, protocol=5)) for f in facts)
+    assert len(pickle.dumps(task, protocol=5)) < per_object
