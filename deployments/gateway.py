@@ -174,7 +174,9 @@ class Gateway:
             budget,
         )
         lookup = None
-        if body.memory.mode == "inject" and found.facts:  # where they sat when retrieved: before the replica loads them
+        # where they sat when retrieved: read as the task leaves, well before the replica's load (its layout, then an
+        # engine step) can report a new place
+        if body.memory.mode == "inject" and found.facts:
             lookup = functools.partial(self._tier_counts, tenant, found.facts)
         return PreparedChat(task, found.ms, found.embedded, lookup, found.legs, searched_in_copy=found.in_copy)
 

@@ -64,6 +64,7 @@ class InjectionScheduler:
 
     def match(self, request_id: str, prompt_ids: Sequence[int], params: dict | None, num_computed: int) -> int:
         """Tokens beyond `num_computed` this connector will provide (0 when there is nothing to inject)."""
+        self._loads.pop(request_id, None)  # a request matched again (resumed after preemption) holds new blocks
         try:
             plan = MemoryPlan.from_params(params)
         except PlanError as exc:

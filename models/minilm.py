@@ -137,16 +137,20 @@ def fused_encode() -> Callable[[_Weights, torch.Tensor, torch.Tensor], torch.Ten
     """`encode` compiled by torch's inductor (its residual adds, LayerNorms, GELU and pooling fused into fewer
     kernels; the matrix products and attention stay library calls), for a bucket's graph to capture. A question's
     forward on the device is ~80 small kernels, each paying a launch gap (0.47 ms on an H100, 2026-12-05), so fewer
-    kernels is the one way to make it shorter. An experiment until `benchmarks/retrieval.py` times it on a GPU."""
+    kernels is the one way to make it shorter. An experiment until `benchmarks/retrieval.py` times it on a GPU.
+    Each bucket's shape compiles once: dynamo's limit of recompiles per function is raised to every bucket's."""
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, limit, max(getattr(config, limit), 8 * len(LENGTH_BUCKETS)))  # batches 1-128, each length
     return torch.compile(encode, dynamic=False, fullgraph=True)
 
 
 class _Graph:
     """One (batch, tokens) bucket of `encode` (or `forward`, the same function compiled), captured as a CUDA graph
     with its copies: the ids and mask in from a pinned host buffer `[2, batch, tokens]`, the vectors out to the
-    device buffer `out` and to a pinned host buffer. A call is one submission to the device (the graph) where it
-    was three, and a caller that wants the vectors on the host waits once: each submission costs a question
-    ~25 µs of host time on the H100's host (2026-12-05: 85 eager kernels 2.04 ms)."""
+    device buffer `out` and to a pinned host buffer. A call for the device's vectors is two submissions (the
+    replay, the clone) where it was three, one for the host's (the replay, then one wait): each submission costs
+    a question ~25 µs of host time on the H100's host (2026-12-05: 85 eager kernels 2.04 ms)."""
 
     def __init__(
         self,
@@ -178,7 +182,8 @@ class _Graph:
     def run(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """The rows' vectors on the device (a copy), on the current stream. Calls come one at a time (the embedder's
         lock) but may run on different streams (a history's turns on one, a question beside the pass on another):
-        each waits on the device for the last one's output to be copied out before it rewrites the graph's buffers."""
+        each waits on the host for the last replay to end (it read the staging buffer) and on the device for the
+        last call's output to be copied out, before it rewrites the graph's buffers."""
         stream = self._replay(rows)
         self._replayed = _recorded(stream)
         out = self.out[: len(rows)].clone()
@@ -287,7 +292,7 @@ class MiniLMEmbedder:
                 graph = self._graphs[key] = _Graph(self._weights, *key, self.device, self._graphed)
             except torch.OutOfMemoryError:  # a full device, for now: this call fails, the next retries
                 raise
-            except RuntimeError as exc:  # a capture the driver refuses: eager forwards from now on
+            except Exception as exc:  # noqa: BLE001 - a capture the driver (or a compile) refuses: eager from now on
                 log.warning("CUDA graph capture of the query embedder failed (%s); running it eagerly", exc)
                 self._graphs = None
         return graph if self._graphs is not None else None

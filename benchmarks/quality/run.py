@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import statistics
 import sys
@@ -292,7 +293,7 @@ def paired_ratio(rows: list[dict], mode: str, reference: str, k: int) -> dict:
     ours, theirs = by_question(mode), by_question(reference)
     both = sorted(ours.keys() & theirs.keys())
     top, bottom = [ours[q] for q in both], [theirs[q] for q in both]
-    ratio = sum(top) / sum(bottom) if sum(bottom) else (1.0 if sum(top) == sum(bottom) else 0.0)
+    ratio = sum(top) / sum(bottom) if sum(bottom) else (1.0 if sum(top) == sum(bottom) else math.inf)
     return {
         "ratio": ratio,
         "ci95": ratio_interval(top, bottom) if both and sum(bottom) else (ratio, ratio),

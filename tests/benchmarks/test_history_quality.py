@@ -70,3 +70,9 @@ def test_the_no_memory_control_gives_the_ratio_that_says_whether_the_set_sees_th
     assert report["modes"]["no_memory"]["f1"] == 0.25
     effect = report["f1_ratio_to_whole_history"]["whole_history_over_no_memory"]
     assert effect["ratio"] == 1.5 / 0.5 and effect["questions"] == 2
+
+
+def test_a_history_against_no_memory_that_scores_nothing_is_infinitely_better_not_zero():
+    rows = [_row("whole_history", "a", 0.5), _row("no_memory", "a", 0.0), _row("history_10pct", "a", 0.5)]
+    report = summarize({"history_tokens": 100, "history_chunks": 7, "write_s": 1.0, "rows": rows}, [0.1])
+    assert report["f1_ratio_to_whole_history"]["whole_history_over_no_memory"]["ratio"] == float("inf")

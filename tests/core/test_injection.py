@@ -504,9 +504,25 @@ def test_a_failed_load_is_counted_as_recomputed_not_injected(store):
     assert (hit["injected_tokens"], hit["load_failed_tokens"]) == (4, 6)
     assert "failed from prompt position 4" in hit["fallback"]
     assert sched.finished("spared") == {"inferscale": {"injected_tokens": 10, "records": 3, "fallback": None}}
-    assert sched.match("late", prompt, plan.to_params(), 8) == 2  # a load that began inside a failed block
+    assert sched.match("late", prompt, plan.to_params(), 8) == 2  # a load after 8 prefix-cached tokens
     sched.allocated("late", [40, 41, 42], 2)
     sched.loads_failed({42})
     late = sched.finished("late")["inferscale"]
     assert (late["injected_tokens"], late["load_failed_tokens"]) == (0, 2)
-    sched.loads_failed({42})  # a finished request is forgotten
+
+
+def test_a_request_matched_again_forgets_the_blocks_of_its_earlier_load(store):
+    """Preempted, a request's blocks go back to the engine and may hold another request's load; resumed with its
+    region prefix-cached it claims nothing new, so a later failure of those blocks is not its own."""
+    sched = InjectionScheduler(store, FP, block_size=BS)
+    plan = MemoryPlan("t1", ("p", "a", "b"), 4)
+    prompt = prompt_for(store, plan.record_ids)
+    assert sched.match("a", prompt, plan.to_params(), 0) == 10
+    sched.allocated("a", [20, 21, 22, 23], 10)
+    assert sched.match("a", prompt, plan.to_params(), 12) == 0  # resumed: the engine's cache holds the region
+    assert sched.match("b", prompt, plan.to_params(), 0) == 10
+    sched.allocated("b", [21, 30, 31, 32], 10)  # block 21 was the first request's
+    sched.loads_failed({21})
+    assert sched.finished("a") == {"inferscale": {"injected_tokens": 0, "records": 3, "fallback": None}}
+    b = sched.finished("b")["inferscale"]
+    assert (b["injected_tokens"], b["load_failed_tokens"]) == (0, 10)
