@@ -209,7 +209,7 @@ def start_cluster(
         # 100 tenants x 51 records of two 16-token pages at the 8B shape's 128 KiB a token come to ~20 GiB; 48 GiB
         # on an H200, less on a smaller card (an H100's 80 GB did not hold it beside the engine's 0.45 and the
         # reference engine's arena: 2026-12-05)
-        llm["device_cache_bytes"] = min(48 << 30, int(0.3 * gpu_memory_bytes()))
+        llm["device_cache_bytes"] = card_arena_bytes(48 << 30)
         llm["max_encodes_in_flight"] = 32  # 5,000 facts to encode before anything is measured
         ingress |= {
             "num_replicas": ingress_replicas,
@@ -228,6 +228,11 @@ def start_cluster(
     args = {"redis_url": redis.url, "state_dir": str(state), "admin_key": admin, "llm": llm, "ingress": ingress}
     serve.run(build_app(args), name="inferscale", route_prefix="/")
     return f"http://127.0.0.1:{port}", admin, redis, args
+
+
+def card_arena_bytes(most: int) -> int:
+    """A device arena beside the engine's 0.45 of the card: 0.3 of the first visible GPU's memory, `most` at most."""
+    return min(most, int(0.3 * gpu_memory_bytes()))
 
 
 def gpu_memory_bytes() -> int:

@@ -150,6 +150,12 @@ def target(name: str, value: float, goal: str) -> dict[str, Any]:
     return {"name": name, "value": shown, "goal": goal, "met": bool(met)}
 
 
+def load_failures_target(chats: int) -> dict[str, Any]:
+    """Measured chats whose injected K/V failed to load (usage's `load_failed_tokens`): the engine computed those
+    tokens itself, so the run's injection figures are not what they say; any makes the run invalid."""
+    return target("measured chats whose injected K/V failed to load (the engine recomputed it)", chats, "<= 0")
+
+
 def write_report(path: Path, payload: dict[str, Any]) -> None:
     payload.setdefault(
         "machine",

@@ -240,12 +240,7 @@ class MiniLMEmbedder:
     @torch.inference_mode()
     def embed_tensor(self, texts: Sequence[str]) -> torch.Tensor:
         """`[len(texts), 384]` on the embedder's device."""
-        out = []
-        with self._lock:
-            for first in range(0, len(texts), self._batch):
-                rows = self.token_ids(texts[first : first + self._batch])
-                graph = self._graph_for(rows)
-                out.append(graph.run(rows) if graph is not None else self._eager(rows))
+        out = self._each_batch(texts, _Graph.run, self._eager)
         if not out:
             return torch.empty((0, self.dim), device=self.device)
         return out[0] if len(out) == 1 else torch.cat(out)
@@ -257,17 +252,21 @@ class MiniLMEmbedder:
     @torch.inference_mode()
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """`[len(texts), 384]` float32 on the host; from a bucket's graph, which copies them out itself."""
-        if self._graphs is None:
-            return self.embed_tensor(texts).float().cpu().numpy()
+        out = self._each_batch(texts, _Graph.run_to_host, lambda rows: self._eager(rows).float().cpu().numpy())
+        if not out:
+            return np.empty((0, self.dim), dtype=np.float32)
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _each_batch(self, texts: Sequence[str], graphed: Callable, eager: Callable) -> list:
+        """Each batch of `texts` tokenized and forwarded, one at a time: `graphed(graph, rows)` by its bucket's graph,
+        `eager(rows)` where there is none."""
         out = []
         with self._lock:
             for first in range(0, len(texts), self._batch):
                 rows = self.token_ids(texts[first : first + self._batch])
                 graph = self._graph_for(rows)
-                out.append(graph.run_to_host(rows) if graph is not None else self._eager(rows).float().cpu().numpy())
-        if not out:
-            return np.empty((0, self.dim), dtype=np.float32)
-        return out[0] if len(out) == 1 else np.concatenate(out)
+                out.append(graphed(graph, rows) if graph is not None else eager(rows))
+        return out
 
     def prepare(self, max_batch: int, lengths: Sequence[int] = (16, 32)) -> None:
         """Capture the buckets that queries use (batches up to `max_batch`, short texts) before serving, so no
