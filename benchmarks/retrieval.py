@@ -68,31 +68,21 @@ def p50_p99(times: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(times), "p99": times[int(0.99 * (len(times) - 1))]}
 
 
-def embed_pieces(
-    embedder, query: str, events: tuple[torch.cuda.Event, torch.cuda.Event] | None, to_host: bool = False
-) -> dict[str, float]:
+def embed_pieces(embedder, query: str, events: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> dict[str, float]:
     """ms of each piece of one embedding of `query` as `embed_tensor` and its caller run it, so a slower call says
-    where it was slower; with `events`, the device's own time from the forward's first work to its last. With
-    `to_host` (a graph's bucket only), as `embed` runs it: the graph copies the vector out itself and the call waits
-    once, so "launch" is the whole forward and "wait" nothing."""
+    where it was slower; with `events`, the device's own time from the forward's first work to its last."""
     started = time.perf_counter()
     rows = embedder.token_ids([query])
     graph = embedder._graph_for(rows)
     tokenized = time.perf_counter()
     if events:
         events[0].record()
-    if to_host and graph is not None:
-        graph.run_to_host(rows)
-        if events:
-            events[1].record()
-        launched = done = time.perf_counter()
-    else:
-        out = graph.run(rows) if graph is not None else embedder._eager(rows)  # on CUDA: the replay, the clone
-        if events:
-            events[1].record()
-        launched = time.perf_counter()
-        out.cpu().numpy()
-        done = time.perf_counter()
+    out = graph.run(rows) if graph is not None else embedder._eager(rows)  # on CUDA: the replay, the clone
+    if events:
+        events[1].record()
+    launched = time.perf_counter()
+    out.cpu().numpy()
+    done = time.perf_counter()
     pieces = {
         "tokenize": (tokenized - started) * 1000,
         "launch": (launched - tokenized) * 1000,
@@ -168,9 +158,6 @@ def spacing_pieces(embedder, query: str, repeats: int, gap_ms: float = 30.0) -> 
                 embed_pieces(embedder, query, events)
             for name, gap in gaps.items():
                 report[name] = _spaced_runs(embedder, query, repeats, gap, events)
-            if cuda:  # the vector to the host as `embed` gives it: the graph's own copy out, one wait
-                for name in ("back_to_back", "spaced"):
-                    report[f"{name}_to_host"] = _spaced_runs(embedder, query, repeats, gaps[name], events, True)
     finally:
         if ticker is not None:
             ticker.close()
@@ -181,11 +168,11 @@ def spacing_pieces(embedder, query: str, repeats: int, gap_ms: float = 30.0) -> 
     return report
 
 
-def _spaced_runs(embedder, query: str, repeats: int, gap: Callable[[], None], events, to_host: bool = False) -> dict:
+def _spaced_runs(embedder, query: str, repeats: int, gap: Callable[[], None], events) -> dict:
     runs = []
     for _ in range(repeats):
         gap()
-        runs.append(embed_pieces(embedder, query, events, to_host))
+        runs.append(embed_pieces(embedder, query, events))
     return {piece: {k: round(v, 4) for k, v in p50_p99([r[piece] for r in runs]).items()} for piece in runs[0]}
 
 
@@ -411,64 +398,6 @@ def whole_step(service, tenant, device: str, query: str, repeats: int, k: int = 
         forwarder.close()
 
 
-def to_host_targets(embed: dict) -> list[dict]:
-    """Whether the graph's own copy out pays (a GPU's figure): the question's vector on the host 30 ms apart, one
-    wait on the graph, against the replay, the clone and the copy that waits for both."""
-    spacing = embed["spacing"]
-    if "spaced_to_host" not in spacing:
-        return []
-    return [
-        target(
-            "question vector on the host, 30 ms apart: the graph's own copy out / clone then copy (p50)",
-            spacing["spaced_to_host"]["total"]["p50"] / spacing["spaced"]["total"]["p50"],
-            "<= 0.9",
-        )
-    ]
-
-
-def fused_targets(embed: dict) -> list[dict]:
-    """Whether the compiled forward pays, where it ran: its device time and its whole call 30 ms apart against the
-    plain graph's, and the same vectors (a GPU's; the CPU runs no graphs)."""
-    if "fused" not in embed:
-        return []
-    fused, plain = embed["fused"]["spacing"], embed["spacing"]
-    return [
-        target(
-            "question forward on the device, compiled / plain graph, 30 ms apart (p50)",
-            fused["spaced"]["device"]["p50"] / plain["spaced"]["device"]["p50"],
-            "<= 0.8",
-        ),
-        target(
-            "question embedding, compiled / plain graph, 30 ms apart (p50)",
-            fused["spaced"]["total"]["p50"] / plain["spaced"]["total"]["p50"],
-            "<= 0.9",
-        ),
-        target(
-            "compiled forward's vectors from the plain ones, max abs", embed["fused"]["max_abs_difference"], "<= 1e-4"
-        ),
-    ]
-
-
-def fused_variant(plain, query: str, repeats: int, spaced_repeats: int) -> dict:
-    """The same embedder with its graphs captured over the inductor-compiled forward (`fused_encode`): its time
-    alone and 30 ms apart beside the plain one's, the compile's seconds, and how far its vectors are from the
-    plain ones (texts of two buckets)."""
-    from models.minilm import MiniLMEmbedder
-
-    started = time.perf_counter()
-    fused = MiniLMEmbedder(device=str(plain.device), fused=True)
-    texts = [query, "a much longer question about a red box, a blue box and what each of them holds " * 2]
-    differences = [float((fused.embed_tensor([t]) - plain.embed_tensor([t])).abs().max()) for t in texts]
-    compile_s = time.perf_counter() - started
-    return {
-        "compile_s": round(compile_s, 1),
-        "max_abs_difference": max(differences),
-        "one": timed(lambda: fused.embed_tensor([query]), repeats),
-        "batch_of_8": timed(lambda: fused.embed_tensor([query] * 8), repeats),
-        "spacing": spacing_pieces(fused, query, spaced_repeats),
-    }
-
-
 def _p50_p99(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {"p50": round(statistics.median(ordered), 3), "p99": round(ordered[int(0.99 * (len(ordered) - 1))], 3)}
@@ -513,7 +442,6 @@ def main() -> None:
     if device == "cuda":
         eager = MiniLMEmbedder(device=device, cuda_graphs=False)
         report["embed_ms"]["one_eager"] = timed(lambda: eager.embed_tensor([query]), repeats)
-        report["embed_ms"]["fused"] = fused_variant(embedder, query, repeats, 20 if args.quick else min(repeats, 100))
         report["embed_ms"]["under_load"] = under_load(embedder, query, min(repeats, 200))
     report["embed_ms"]["cpu_threads"] = cpu_threads(query, min(repeats, 200))
     report["embed_ms"]["beside_busy_loop"] = beside_busy_loop(device, query, min(repeats, 200))
@@ -566,8 +494,6 @@ def main() -> None:
             loop["process"]["busy_loop"]["total"] / loop["process"]["idle"]["total"],
             "<= 1.2",
         ),
-        *to_host_targets(report["embed_ms"]),
-        *fused_targets(report["embed_ms"]),
         target(
             f"retrieval p50, ms, questions 30 ms apart (embed and search on {device}, change feed, {args.facts} facts)",
             report["retrieval_ms"]["spaced_30ms"]["copy"]["p50"],

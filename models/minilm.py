@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -133,24 +133,12 @@ def padded(rows: Sequence[Sequence[int]], out: np.ndarray) -> np.ndarray:
     return out
 
 
-def fused_encode() -> Callable[[_Weights, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`encode` compiled by torch's inductor (its residual adds, LayerNorms, GELU and pooling fused into fewer
-    kernels; the matrix products and attention stay library calls), for a bucket's graph to capture. A question's
-    forward on the device is ~80 small kernels, each paying a launch gap (0.47 ms on an H100, 2026-12-05), so fewer
-    kernels is the one way to make it shorter. An experiment until `benchmarks/retrieval.py` times it on a GPU.
-    Each bucket's shape compiles once: dynamo's limit of recompiles per function is raised to every bucket's."""
-    config = torch._dynamo.config
-    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, limit, max(getattr(config, limit), 8 * len(LENGTH_BUCKETS)))  # batches 1-128, each length
-    return torch.compile(encode, dynamic=False, fullgraph=True)
-
-
 class _Graph:
-    """One (batch, tokens) bucket of `encode` (or `forward`, the same function compiled), captured as a CUDA graph
-    with its copies: the ids and mask in from a pinned host buffer `[2, batch, tokens]`, the vectors out to the
-    device buffer `out` and to a pinned host buffer. A call for the device's vectors is two submissions (the
-    replay, the clone) where it was three, one for the host's (the replay, then one wait): each submission costs
-    a question ~25 µs of host time on the H100's host (2026-12-05: 85 eager kernels 2.04 ms)."""
+    """One (batch, tokens) bucket of `encode`, captured as a CUDA graph
+    with the copy of its inputs: the ids and mask come in from a pinned host buffer `[2, batch, tokens]`, so a call
+    is two submissions (the replay, the clone of `out`) where it was three; each submission costs a question ~25 µs
+    of host time on the H100's host (2026-12-05: 85 eager kernels 2.04 ms). Copying the vectors out to the host
+    inside the graph as well was measured and dropped: no faster (H200, 2026-12-05: 0.540 against 0.539 ms)."""
 
     def __init__(
         self,
@@ -158,26 +146,23 @@ class _Graph:
         batch: int,
         tokens: int,
         device: torch.device,
-        forward: Callable[[_Weights, torch.Tensor, torch.Tensor], torch.Tensor] = encode,
     ) -> None:
         self.inputs = torch.zeros((2, batch, tokens), dtype=torch.long, device=device)
         self.ids, self.mask = self.inputs[0], self.inputs[1]
         self.mask[:, 0] = 1  # padding rows attend to one token, so they stay finite
         self.staging = torch.zeros((2, batch, tokens), dtype=torch.long).pin_memory()
-        self.host_out = torch.empty((batch, w.word.shape[1]), dtype=torch.float32).pin_memory()
-        self._replayed: torch.cuda.Event | None = None  # the last replay's end: staging read, host_out written
+        self._replayed: torch.cuda.Event | None = None  # the last replay's end: the staging buffer read
         self._done: torch.cuda.Event | None = None  # the last call's output copied out, on whichever stream it ran
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                forward(w, self.ids, self.mask)
+                encode(w, self.ids, self.mask)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads keep using the GPU
             self.inputs.copy_(self.staging, non_blocking=True)
-            self.out = forward(w, self.ids, self.mask)
-            self.host_out.copy_(self.out, non_blocking=True)
+            self.out = encode(w, self.ids, self.mask)
 
     def run(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """The rows' vectors on the device (a copy), on the current stream. Calls come one at a time (the embedder's
@@ -190,17 +175,9 @@ class _Graph:
         self._done = _recorded(stream)
         return out
 
-    def run_to_host(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
-        """The rows' vectors on the host (a copy), after one wait for the graph, which copied them out itself."""
-        stream = self._replay(rows)
-        done = _recorded(stream)
-        done.synchronize()
-        self._replayed = self._done = done
-        return self.host_out[: len(rows)].numpy().copy()
-
     def _replay(self, rows: Sequence[Sequence[int]]) -> torch.cuda.Stream:
         if self._replayed is not None:
-            self._replayed.synchronize()  # the previous replay has read the staging buffer (and written host_out)
+            self._replayed.synchronize()  # the previous replay has read the staging buffer
         stream = torch.cuda.current_stream(self.inputs.device)
         if self._done is not None:
             stream.wait_event(self._done)
@@ -220,10 +197,7 @@ class MiniLMEmbedder:
 
     dim = 384
 
-    def __init__(
-        self, device: str = "cpu", batch_size: int = 64, cuda_graphs: bool = True, fused: bool = False
-    ) -> None:
-        """`fused`: capture `fused_encode` instead of `encode` (CUDA graphs only; each bucket compiles once)."""
+    def __init__(self, device: str = "cpu", batch_size: int = 64, cuda_graphs: bool = True) -> None:
         path = minilm_path()
         self._tokenizer = AutoTokenizer.from_pretrained(path)
         self._rust = Tokenizer.from_str(self._tokenizer.backend_tokenizer.to_str())  # a copy of its own settings
@@ -234,13 +208,17 @@ class MiniLMEmbedder:
         self._weights = _Weights.of(model, device)
         self._batch = batch_size
         self._graphs: dict[tuple[int, int], _Graph] | None = {} if cuda_graphs and self.device.type == "cuda" else None
-        self._graphed = fused_encode() if fused and self._graphs is not None else encode
         self._lock = threading.Lock()  # one forward at a time; tokenizers are not thread safe
 
     @torch.inference_mode()
     def embed_tensor(self, texts: Sequence[str]) -> torch.Tensor:
         """`[len(texts), 384]` on the embedder's device."""
-        out = self._each_batch(texts, _Graph.run, self._eager)
+        out = []
+        with self._lock:
+            for first in range(0, len(texts), self._batch):
+                rows = self.token_ids(texts[first : first + self._batch])
+                graph = self._graph_for(rows)
+                out.append(graph.run(rows) if graph is not None else self._eager(rows))
         if not out:
             return torch.empty((0, self.dim), device=self.device)
         return out[0] if len(out) == 1 else torch.cat(out)
@@ -251,22 +229,8 @@ class MiniLMEmbedder:
 
     @torch.inference_mode()
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """`[len(texts), 384]` float32 on the host; from a bucket's graph, which copies them out itself."""
-        out = self._each_batch(texts, _Graph.run_to_host, lambda rows: self._eager(rows).float().cpu().numpy())
-        if not out:
-            return np.empty((0, self.dim), dtype=np.float32)
-        return out[0] if len(out) == 1 else np.concatenate(out)
-
-    def _each_batch(self, texts: Sequence[str], graphed: Callable, eager: Callable) -> list:
-        """Each batch of `texts` tokenized and forwarded, one at a time: `graphed(graph, rows)` by its bucket's graph,
-        `eager(rows)` where there is none."""
-        out = []
-        with self._lock:
-            for first in range(0, len(texts), self._batch):
-                rows = self.token_ids(texts[first : first + self._batch])
-                graph = self._graph_for(rows)
-                out.append(graphed(graph, rows) if graph is not None else eager(rows))
-        return out
+        """`[len(texts), 384]` float32 on the host."""
+        return self.embed_tensor(texts).float().cpu().numpy()
 
     def prepare(self, max_batch: int, lengths: Sequence[int] = (16, 32)) -> None:
         """Capture the buckets that queries use (batches up to `max_batch`, short texts) before serving, so no
@@ -288,10 +252,10 @@ class MiniLMEmbedder:
         graph = self._graphs.get(key)
         if graph is None:
             try:
-                graph = self._graphs[key] = _Graph(self._weights, *key, self.device, self._graphed)
+                graph = self._graphs[key] = _Graph(self._weights, *key, self.device)
             except torch.OutOfMemoryError:  # a full device, for now: this call fails, the next retries
                 raise
-            except Exception as exc:  # noqa: BLE001 - a capture the driver (or a compile) refuses: eager from now on
+            except Exception as exc:  # noqa: BLE001 - a capture the driver refuses: eager from now on
                 log.warning("CUDA graph capture of the query embedder failed (%s); running it eagerly", exc)
                 self._graphs = None
         return graph if self._graphs is not None else None

@@ -64,41 +64,6 @@ def test_cuda_graph_buckets_equal_the_eager_forward():
 
 
 @pytest.mark.gpu
-def test_vectors_the_graph_copies_out_itself_equal_the_eager_ones():
-    """`embed` takes a bucket's vectors from the pinned buffer its graph copied them to (one wait, no clone): the
-    same vectors as the eager forward, also right after a device call queued behind other work on another stream
-    (the host copy must wait for that replay to end before its inputs are rewritten)."""
-    import numpy as np
-    import torch
-
-    graphed, eager = MiniLMEmbedder(device="cuda"), MiniLMEmbedder(device="cuda", cuda_graphs=False)
-    for texts in (["Where does Maya work?"], ["a", "b b b"], ["What does box 17 hold?"] * 3 + ["x " * 40]):
-        got, want = graphed.embed(texts), eager.embed(texts)
-        assert got.shape == (len(texts), 384) and np.allclose(got, want, atol=1e-5), np.abs(got - want).max()
-    side, busy = torch.cuda.Stream(), torch.randn(4096, 4096, device="cuda")
-    with torch.cuda.stream(side):
-        busy @ busy
-        first = graphed.embed_tensor(["question number one about box 7"])
-    second = graphed.embed(["question number two about box 14"])
-    torch.cuda.synchronize()
-    assert np.allclose(first.cpu().numpy(), eager.embed(["question number one about box 7"]), atol=1e-5)
-    assert np.allclose(second, eager.embed(["question number two about box 14"]), atol=1e-5)
-
-
-@pytest.mark.gpu
-def test_the_compiled_forward_captured_as_a_graph_gives_the_same_vectors():
-    """`fused=True` captures inductor's compilation of the same forward: its vectors are the plain graph's (one
-    bucket compiled, replayed with other texts), so switching it on changes no retrieval."""
-    import torch
-
-    fused, plain = MiniLMEmbedder(device="cuda", fused=True), MiniLMEmbedder(device="cuda")
-    texts = ["Where does Maya work?", "What does box 17 hold?", "a b c"]
-    got, want = fused.embed_tensor(texts), plain.embed_tensor(texts)
-    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
-    assert list(fused._graphs) == [(4, 16)]
-
-
-@pytest.mark.gpu
 def test_a_bucket_replayed_on_two_streams_keeps_each_calls_answer():
     """A history's turns are embedded on one stream while a question is embedded on another (the chooser's second
     stream): calls one at a time, but their replays of one bucket's graph may overlap on the device unless each
