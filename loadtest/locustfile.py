@@ -13,10 +13,12 @@ facts per question; `--ack-log` records every acknowledged write, for fault test
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
 import random
+import time
 import uuid
 
 import requests
@@ -43,6 +45,13 @@ def _options(parser) -> None:
     parser.add_argument("--mode", choices=["inject", "prompt", "off"], default="inject")
     parser.add_argument("--k", type=int, default=10, help="facts retrieved per question")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stream chats (their first token is an entry of its own); --no-stream: whole answers, whose status codes "
+        "fault tests audit",
+    )
     parser.add_argument("--write-ratio", type=float, default=0.1, help="share of tasks that write a memory")
     parser.add_argument("--admin-key", default=os.environ.get("INFERSCALE_ADMIN_KEY", ""))
     parser.add_argument(
@@ -126,19 +135,86 @@ class MemoryUser(HttpUser):
                 with open(self.options.ack_log, "a") as log:  # acknowledged: it must be stored, exactly once
                     log.write(f"{self.tenant_id}\t{answer.json()['results'][0]['id']}\t{text}\n")
             return
-        body = {
+        if self.options.stream:
+            self._streamed_chat()
+        else:
+            self._chat()
+
+    def _body(self) -> dict:
+        return {
             "model": "inferscale-smollm2",
             "max_tokens": self.options.max_tokens,
             "messages": [{"role": "user", "content": random.choice(QUESTIONS).format(n=self.person)}],
             "memory": {"k": self.options.k, "mode": self.options.mode},
         }
+
+    def _chat(self) -> None:
         with self.client.post(
-            "/v1/chat/completions", json=body, name=f"/v1/chat/completions [{self.options.mode}]", catch_response=True
+            "/v1/chat/completions",
+            json=self._body(),
+            name=f"/v1/chat/completions [{self.options.mode}]",
+            catch_response=True,
         ) as response:
             if response.status_code != 200:
                 response.failure(f"{response.status_code}: {response.text[:200]}")
-            elif (
-                self.options.mode == "inject"
-                and response.json()["usage"]["prefilled_tokens"] >= response.json()["usage"]["prompt_tokens"] > 60
-            ):
+            elif self._prefilled_everything(response.json()["usage"]):
                 response.failure("inject mode prefilled the whole prompt")
+
+    def _prefilled_everything(self, usage: dict) -> bool:
+        return self.options.mode == "inject" and usage["prefilled_tokens"] >= usage["prompt_tokens"] > 60
+
+    def _streamed_chat(self) -> None:
+        """One question, streamed as chat clients read it: the whole answer is the request's entry, and the time to
+        its first token is an entry of its own (`... first token`), as the serving figures report it."""
+        body = self._body() | {"stream": True, "stream_options": {"include_usage": True}}
+        name = f"/v1/chat/completions [{self.options.mode}]"
+        started = time.perf_counter()
+        with self.client.post(
+            "/v1/chat/completions", json=body, name=name, stream=True, catch_response=True
+        ) as response:
+            if response.status_code != 200:
+                response.failure(f"{response.status_code}: {response.text[:200]}")
+                return
+            try:
+                first, usage, error, size = read_stream(response, started)
+            except (requests.RequestException, ValueError) as exc:  # cut mid-stream, or a line that is not JSON
+                first, usage, error, size = None, None, f"the stream broke: {exc}", 0
+            response.request_meta["response_time"] = (time.perf_counter() - started) * 1000  # not its headers'
+            response.request_meta["response_length"] = size
+            if error is not None:
+                response.failure(error)
+            elif first is None:
+                response.failure("the stream ended with no token")
+            elif usage is None:
+                response.failure("the stream carried no usage (stream_options.include_usage)")
+            elif self._prefilled_everything(usage):
+                response.failure("inject mode prefilled the whole prompt")
+            if first is not None:
+                self.environment.events.request.fire(
+                    request_type="POST",
+                    name=f"{name} first token",
+                    response_time=first,
+                    response_length=0,
+                    exception=None,
+                    context={},
+                )
+
+
+def read_stream(response, started: float) -> tuple[float | None, dict | None, str | None, int]:
+    """An SSE chat stream read to its end: ms from `started` to the first chunk with a choice, the usage chunk, an
+    error event's message, and the bytes read."""
+    first = usage = error = None
+    size = 0
+    for line in response.iter_lines():
+        size += len(line) + 1
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[len(b"data: ") :])
+        if "error" in event:
+            error = f"the stream ended in an error: {event['error'].get('message', event['error'])}"
+            break
+        if event.get("choices") and first is None:
+            first = (time.perf_counter() - started) * 1000
+        if event.get("usage"):
+            usage = event["usage"]
+    return first, usage, error, size

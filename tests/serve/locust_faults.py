@@ -62,6 +62,7 @@ def run_with_fault(cluster, folder: Path, seconds: int, fault: Callable[[], None
         str(acks),
         "--keep-tenants",
         "--only-summary",
+        "--no-stream",  # whole answers: their status codes are what the fault tests audit
         "--stop-timeout",
         "30",
         "--exit-code-on-error",

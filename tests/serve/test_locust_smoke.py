@@ -55,4 +55,7 @@ def test_locust_multi_tenant_smoke_run_has_no_failures(cluster, tmp_path):
     rows = {r["Name"]: r for r in csv.DictReader(open(tmp_path / "run_stats.csv"))}
     total = rows["Aggregated"]
     assert int(total["Request Count"]) >= 10 and int(total["Failure Count"]) == 0
-    assert int(rows["/v1/chat/completions [inject]"]["Request Count"]) > 0
+    chats = rows["/v1/chat/completions [inject]"]
+    first = rows["/v1/chat/completions [inject] first token"]  # the streamed chats' time to first token
+    assert int(chats["Request Count"]) > 0 and first["Request Count"] == chats["Request Count"]
+    assert 0 < float(first["Median Response Time"]) <= float(chats["Median Response Time"])
