@@ -440,6 +440,13 @@ def main() -> None:
         help="on a GPU, the ingress replicas (each one event loop, with its own query embedder)",
     )
     p.add_argument(
+        "--embed-spin-ms",
+        type=float,
+        default=0.0,
+        help="ms the query embedder's process, woken as a chat arrives, and the ingress's loop poll instead of "
+        "sleeping around a question (ingress.embed_spin_ms; 0: they sleep)",
+    )
+    p.add_argument(
         "--chat-transport",
         choices=["auto", "channel", "serve"],
         default="auto",
@@ -477,6 +484,7 @@ def main() -> None:
         args.query_embedding,
         ingress_replicas=args.ingress_replicas,
         chat_transport=args.chat_transport,
+        embed_spin_ms=args.embed_spin_ms,
     )
     probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
     clock.done("deploy")
@@ -494,6 +502,7 @@ def main() -> None:
         "query_embedding": app_args["ingress"]["query_embedding"],
         "ingress_replicas": app_args["ingress"].get("num_replicas", 1),
         "chat_transport": app_args["ingress"]["chat_transport"],
+        "embed_spin_ms": app_args["ingress"]["embed_spin_ms"],
         "engine_sm_percent": args.engine_sm_percent,
         "model": str(args.config) if args.config else "SmolLM2-135M",
         "phase_s": clock.seconds,

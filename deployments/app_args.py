@@ -87,6 +87,14 @@ class IngressArgs(Strict):
         description="Where the ingress embeds questions: a child process of its own (its forward never waits "
         "for the event loop's GIL) or a thread of the replica.",
     )
+    embed_spin_ms: float = Field(
+        0.0,
+        ge=0,
+        le=20,
+        description="With query_embedding 'process': how long the embedder's process, woken as a chat arrives, polls "
+        "for the question instead of sleeping (and again after each answer), and how long the ingress's loop does "
+        "not sleep while a question is embedded; 0: both sleep. CPU time bounded by each request.",
+    )
     search_copy_bytes: int = Field(
         1 << 30,
         ge=0,

@@ -5,6 +5,13 @@ same device) and calls back on the loop with its `Answer`. `ThreadForwarder` sha
 `ProcessForwarder` runs the forward in a child whose interpreter nothing else uses (under load a forward in a thread
 waits for a busy loop's GIL: `query_batcher.py`), fed over a socket the loop watches, answered in raw bytes. The
 child is replaced when it dies; one that keeps dying is given up and reported.
+
+A process asleep in a read, and a loop asleep in its poll, each pay a scheduler's wake-up before they run, on a
+core that idled. With `spin_s`, neither sleeps around a question: a chat's arrival sends the idle child a wake
+message (`wake`), and it polls its socket without sleeping until the batch comes (at most `spin_s`, and as long
+again after each answer, for the next batch); the loop does not sleep while a batch is in flight (at most
+`spin_s`), so it takes the answer as it lands. The cost is CPU time bounded by each request, never a core held
+while no chat comes.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from tenants.index_mirror import (
 
 log = logging.getLogger(__name__)
 _READY = b"R"  # the child's first message once its embedder is built (else b"E" and why)
+_WAKE = b""  # to the child: a question is on its way (no answer)
 # a reply from the embedder's process: ok, started, ended, cpu s, rows, dim; then vectors and hits (or the failure)
 _HEADER = struct.Struct("<?dddII?")  # ... and whether the search copy failed
 _LENGTH = struct.Struct("<I")
@@ -155,11 +163,18 @@ class ProcessForwarder:
     through `message_socket`, which reads a reply that arrives in pieces whole on any event loop."""
 
     def __init__(
-        self, factory: Callable[[], TensorEmbedder], start_timeout_s: float = 300.0, max_restarts: int = 3
+        self,
+        factory: Callable[[], TensorEmbedder],
+        start_timeout_s: float = 300.0,
+        max_restarts: int = 3,
+        spin_s: float = 0.0,
     ) -> None:
         """Spawns the process and returns: its start (loading the model, capturing graphs) overlaps the caller's
-        own; `wait_ready` (or the first forward) waits for it."""
+        own; `wait_ready` (or the first forward) waits for it. `spin_s`: how long the child and the loop poll
+        instead of sleeping around a question (module docstring); 0: they sleep."""
         self._factory, self._start_timeout_s, self._max_restarts = factory, start_timeout_s, max_restarts
+        self._spin_s = spin_s
+        self._woken = float("-inf")  # when the last wake message was sent
         self._context = multiprocessing.get_context("spawn")
         self._done: Done | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -173,7 +188,7 @@ class ProcessForwarder:
         ours, child = socket_pair()
         try:
             self._process = self._context.Process(
-                target=_serve, args=(child, self._factory), name="query-embed", daemon=True
+                target=_serve, args=(child, self._factory, self._spin_s), name="query-embed", daemon=True
             )
             self._process.start()
         except BaseException:
@@ -242,6 +257,32 @@ class ProcessForwarder:
                 loop.add_writer(self._side.fileno(), self._flush)
         except OSError:
             self._died(loop, in_flight=self._take_done())
+            return
+        if self._spin_s > 0:
+            self._spin(loop, done, time.perf_counter() + self._spin_s)
+
+    def _spin(self, loop: asyncio.AbstractEventLoop, done: Done, until: float) -> None:
+        """Keep the loop from sleeping while `done`'s batch is in flight, until `until`: a loop with a callback
+        ready polls with no timeout, so the answer is read as it lands."""
+        if self._done is done and time.perf_counter() < until:
+            loop.call_soon(self._spin, loop, done, until)
+
+    def wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loop, as a chat arrives: with `spin_s`, tell the idle child that a question is on its way, so
+        that it is awake and polling when the batch comes. Nothing while a batch runs (the child is awake) or
+        while an earlier wake still holds it."""
+        now = time.perf_counter()
+        if self._spin_s <= 0 or not self._ready or self._failed is not None or self._done is not None:
+            return
+        if now - self._woken < self._spin_s / 2:
+            return
+        self._woken = now
+        self._watch(loop)
+        try:
+            if not self._side.write(_WAKE):
+                loop.add_writer(self._side.fileno(), self._flush)
+        except OSError:
+            pass  # the process is gone: the next batch finds it out and starts another
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the loop: follow the process from now on, so that its death is answered at once (a new process
@@ -372,7 +413,7 @@ def _log_exit(process: multiprocessing.process.BaseProcess) -> None:
     )
 
 
-def _serve(sock: socket.socket, factory: Callable[[], TensorEmbedder]) -> None:
+def _serve(sock: socket.socket, factory: Callable[[], TensorEmbedder], spin_s: float = 0.0) -> None:
     """The child: build the embedder, then answer each list of texts with their vectors (float32, host)."""
     faulthandler.enable()  # a crash in native code leaves its Python stack in the replica's log
     side = BlockingSide(sock)
@@ -383,19 +424,22 @@ def _serve(sock: socket.socket, factory: Callable[[], TensorEmbedder]) -> None:
         return
     side.send(_READY)
     try:
-        _answer(side, embedder)
+        _answer(side, embedder, spin_s)
     except BaseException:
         traceback.print_exc()  # whatever ends the process besides its socket closing
         raise
 
 
-def _answer(side: BlockingSide, embedder: TensorEmbedder) -> None:
+def _answer(side: BlockingSide, embedder: TensorEmbedder, spin_s: float) -> None:
     copy = MirrorIndexes(_device_of(embedder))
     while True:
         try:
             message = side.recv()
         except (EOFError, OSError):  # the parent closed its end or exited
             return
+        if message == _WAKE:  # the batch follows: poll for it rather than sleep
+            side.arrived_within(spin_s)
+            continue
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             answer = _run_batch(embedder, copy, EmbedBatch.from_bytes(message))
@@ -408,3 +452,5 @@ def _answer(side: BlockingSide, embedder: TensorEmbedder) -> None:
         except Exception as exc:  # noqa: BLE001 - the callers get it
             failed = _HEADER.pack(False, started, time.perf_counter(), time.thread_time() - cpu, 0, 0, False)
             side.send(failed + repr(exc).encode())
+        if spin_s > 0:  # under load the next batch follows at once
+            side.arrived_within(spin_s)

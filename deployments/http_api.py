@@ -116,6 +116,7 @@ async def _admin_auth(request: Request) -> str:
 
 TenantDep = Annotated[Tenant, Depends(_tenant_auth)]
 ARRIVED, FIRST_BODY = "inferscale_arrived", "inferscale_first_body"  # the middleware's marks in the request's state
+CHAT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})  # their questions are embedded
 
 
 ScopeQuery = Annotated[Scope | None, Depends(scope_input)]  # the end user a memory route's query names
@@ -143,6 +144,8 @@ class LimitsAndMetrics:
             return
         status, marks = 500, scope.setdefault("state", {})
         marks[ARRIVED] = time.perf_counter()  # the request's way through FastAPI to its handler starts here
+        if scope["method"] == "POST" and scope["path"] in CHAT_PATHS:
+            self._gateway.queries.wake()  # the question's embedder gets ready while FastAPI reads the request
 
         async def observed(message: dict) -> None:
             nonlocal status

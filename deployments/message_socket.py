@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 _LENGTH = struct.Struct("<Q")
 _READ = 1 << 20
@@ -90,6 +91,18 @@ class BlockingSide:
 
     def send(self, payload: bytes) -> None:
         self._sock.sendall(_framed(payload))
+
+    def arrived_within(self, seconds: float) -> bool:
+        """Whether a message (or the peer's close) arrives within `seconds`, polled without sleeping: a process
+        that spins takes it at once, where one asleep in `recv` first waits for the scheduler to wake it."""
+        deadline = time.perf_counter() + seconds
+        while True:
+            try:
+                self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                return True  # a byte, or b"": the peer closed (`recv` raises it)
+            except (BlockingIOError, InterruptedError):
+                if time.perf_counter() >= deadline:
+                    return False
 
     def recv(self) -> bytes:
         """The next message; `EOFError` once the peer has closed."""

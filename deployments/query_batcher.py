@@ -107,6 +107,13 @@ class QueryBatcher:
         source.claim(self._ledger)
         self._source = source
 
+    def wake(self) -> None:
+        """On the loop, as a request that will embed a question arrives: a forwarder that can get ready for it
+        does (`ProcessForwarder.wake`); nothing while a batch runs."""
+        wake = getattr(self._forwarder, "wake", None)
+        if wake is not None and not self._running:
+            wake(asyncio.get_running_loop())
+
     def watch(self) -> None:
         """On the loop: have a forwarder with a process of its own follow it from now on (`ProcessForwarder.watch`)."""
         watch = getattr(self._forwarder, "watch", None)

@@ -238,7 +238,9 @@ class Ingress:
         settings = load_settings(**self.args.settings)
         device = self.args.ingress.embed_device
         if self.args.ingress.query_embedding == "process":  # it starts while this replica does the rest
-            forwarder: Forwarder | MiniLMEmbedder = ProcessForwarder(partial(query_embedder, device, QUERY_BATCH))
+            forwarder: Forwarder | MiniLMEmbedder = ProcessForwarder(
+                partial(query_embedder, device, QUERY_BATCH), spin_s=self.args.ingress.embed_spin_ms / 1000
+            )
         embedder = MiniLMEmbedder(device=device)  # facts written through this replica
         if self.args.ingress.query_embedding == "thread":
             embedder.prepare(QUERY_BATCH)

@@ -100,3 +100,11 @@ def test_chats_go_over_the_channel_unless_serves_handle_is_asked_for_and_autosca
     assert with_channel_policy(own) == own  # a policy of the user's own is kept
     with pytest.raises(ValidationError, match="chat_transport"):
         AppArgs(state_dir="/s", ingress={"chat_transport": "grpc"})
+
+
+def test_the_query_embedders_spin_is_off_by_default_and_bounded():
+    assert AppArgs(state_dir="/s").ingress.embed_spin_ms == 0
+    assert AppArgs(state_dir="/s", ingress={"embed_spin_ms": 2}).ingress.embed_spin_ms == 2
+    for bad in (-1, 50):
+        with pytest.raises(ValidationError, match="embed_spin_ms"):
+            AppArgs(state_dir="/s", ingress={"embed_spin_ms": bad})

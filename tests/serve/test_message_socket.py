@@ -55,3 +55,19 @@ def test_the_blocking_side_reports_a_closed_peer():
     ours.close()
     with pytest.raises(EOFError):
         child.recv()
+
+
+def test_the_blocking_side_polls_for_a_message_without_sleeping_until_its_deadline():
+    import time
+
+    ours, child = socket_pair()
+    loop_side, blocking = LoopSide(ours), BlockingSide(child)
+    started = time.perf_counter()
+    assert not blocking.arrived_within(0.02)  # nothing came: it gave up at the deadline, not before
+    assert time.perf_counter() - started >= 0.02
+    loop_side.write(b"question")
+    assert blocking.arrived_within(0.02) and blocking.recv() == b"question"  # polled, not taken
+    loop_side.close()
+    assert blocking.arrived_within(5)  # a closed peer ends the poll at once, and the read reports it
+    with pytest.raises(EOFError):
+        blocking.recv()

@@ -154,6 +154,50 @@ def test_a_process_reports_its_forwards_cpu_time():
     assert busy.forward_ms >= 30 and busy.forward_cpu_ms >= 25, busy  # it computed: its thread's CPU time
 
 
+def test_a_spinning_process_woken_ahead_answers_each_question_and_the_loop_spins_only_while_one_is_out():
+    """With `spin_s`, a chat's arrival wakes the idle child (a message with no answer) and the loop does not
+    sleep while a batch is out, for at most `spin_s`: the answers are each question's own, a wake with no question
+    after it leaves the child serving, no wake goes out while a batch runs, and the loop's polling stops with the
+    answer (or at `spin_s`, when the forward takes longer)."""
+    forwarder = ProcessForwarder(_lengths, spin_s=0.005)
+    spins: list[float] = []
+    spin = forwarder._spin
+
+    def counted(loop, done, until):
+        spins.append(time.perf_counter())
+        spin(loop, done, until)
+
+    forwarder._spin = counted
+    sent: list[bytes] = []
+    write = forwarder._side.write
+
+    async def main():
+        batcher = QueryBatcher(forwarder)
+        forwarder.wait_ready()
+        batcher.wake()  # a wake with no question after it: the child polls 5 ms, then sleeps
+        await asyncio.sleep(0.05)
+        side = forwarder._side
+        side.write = lambda payload: sent.append(payload) or write(payload)
+        batcher.wake()
+        first = await batcher.embed("abc")
+        after_first = len(spins)
+        await asyncio.sleep(0.05)
+        assert len(spins) == after_first, "the loop went on spinning after the answer"
+        busy = asyncio.ensure_future(batcher.embed("busy"))  # a 30 ms forward: the loop spins 5 ms of it
+        await asyncio.sleep(0)
+        batcher.wake()  # a batch runs: no wake
+        busy_vector = (await busy).vector
+        return first, busy_vector, spins[after_first:]
+
+    try:
+        first, busy, spun = asyncio.run(main())
+    finally:
+        forwarder.close()
+    assert first.vector[0].item() == 3 and busy[0].item() == 4
+    assert sent[0] == b"" and [m for m in sent if m == b""] == [b""], sent  # one wake: not the one during "busy"
+    assert len(spun) > 10 and spun[-1] - spun[0] < 0.015, (len(spun), spun[-1] - spun[0])  # spun, ~5 ms at most
+
+
 def test_a_process_that_dies_fails_its_batch_and_a_new_one_serves_the_next():
     forwarder = ProcessForwarder(_lengths)
     batcher = QueryBatcher(forwarder)
