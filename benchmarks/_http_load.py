@@ -17,18 +17,20 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 START_DELAY_S = 3.0  # the workers' imports and connection pools are ready well within this
 
 
 @dataclass(frozen=True)
 class LoadResult:
-    """Requests completed by a load run, its duration and every request's latency."""
+    """Requests completed by a load run, its duration, every request's latency and, where asked for, the keys of
+    each answer's `usage` that were kept (the server's own account of where each request's time went)."""
 
     requests: int
     seconds: float
     latencies_ms: list[float]
+    usages: list[dict] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -42,10 +44,12 @@ def closed_loop(
     users: int,
     processes: int | None = None,
     timeout_s: float = 120.0,
+    usage_keys: tuple[str, ...] = (),
 ) -> LoadResult:
     """Run `calls` ((API key, JSON body or None for a GET) each) against `base + path` from `users` concurrent
     users spread over `processes` workers; raises with the first error any call got (any status but 200, or no
-    answer within `timeout_s`: a server that stops answering ends the run with that, not the caller's limit)."""
+    answer within `timeout_s`: a server that stops answering ends the run with that, not the caller's limit).
+    `usage_keys`: keep these keys of each JSON answer's `usage`."""
     processes = max(1, min(processes or max(1, (os.cpu_count() or 2) // 4), users, len(calls)))
     start_at = time.time() + START_DELAY_S
     workers = []
@@ -56,6 +60,7 @@ def closed_loop(
             "start_at": start_at,
             "timeout_s": timeout_s,
             "users": users // processes + (1 if p < users % processes else 0),
+            "usage_keys": list(usage_keys),
         }
         worker = subprocess.Popen(
             [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -76,13 +81,15 @@ def closed_loop(
         sum(r["done"] for r in results),
         max(r["finished"] for r in results) - start_at,
         [ms for r in results for ms in r["latencies_ms"]],
+        [usage for r in results for usage in r["usages"]],
     )
 
 
 async def _work(job: dict) -> dict:
     import aiohttp
 
-    calls, latencies, errors = list(reversed(job["calls"])), [], []
+    calls, latencies, errors, usages = list(reversed(job["calls"])), [], [], []
+    keys = job.get("usage_keys") or []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=job["timeout_s"])
@@ -103,6 +110,9 @@ async def _work(job: dict) -> dict:
                     if answer.status != 200:
                         errors.append(f"{job['url']} answered {answer.status}: {text[:2000]!r}")
                 latencies.append((time.perf_counter() - began) * 1000)
+                if keys and answer.status == 200:  # parsed after the clock: not the request's time
+                    usage = json.loads(text).get("usage") or {}
+                    usages.append({key: usage[key] for key in keys if key in usage})
 
         await asyncio.sleep(max(0.0, job["start_at"] - time.time()))
         await asyncio.gather(*(user() for _ in range(job["users"])))
@@ -110,6 +120,7 @@ async def _work(job: dict) -> dict:
         "done": len(latencies),
         "finished": time.time(),
         "latencies_ms": latencies,
+        "usages": usages,
         "error": errors[0] if errors else None,
     }
 

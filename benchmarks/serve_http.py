@@ -42,7 +42,7 @@ from benchmarks._common import (  # noqa: E402
     target,
     write_report,
 )
-from benchmarks._http_load import closed_loop  # noqa: E402
+from benchmarks._http_load import LoadResult, closed_loop  # noqa: E402
 from benchmarks._process_cpu import PhaseCpu  # noqa: E402
 from benchmarks.proxy_floor import deploy_probe  # noqa: E402
 from benchmarks.proxy_floor import measure as floor_ms
@@ -211,9 +211,15 @@ def sample_rounds(
             )
 
 
-def http_qps(base: str, tenants: list[tuple[str, str]], k: int, mode: str, total: int, first: int = 0) -> float:
-    """Requests per second of `total` chats from one concurrent user per tenant, each question new (worker
-    processes with keep-alive connections: one process of threads would measure its own ceiling)."""
+LOAD_USAGE = ("ttft_ms", "engine_ttft_ms", "engine_phases_ms", "retrieval_ms", "retrieval_embed_legs_ms", "hop_ms")
+
+
+def http_qps(
+    base: str, tenants: list[tuple[str, str]], k: int, mode: str, total: int, first: int = 0, usage: bool = False
+) -> LoadResult:
+    """`total` chats from one concurrent user per tenant, each question new (worker processes with keep-alive
+    connections: one process of threads would measure its own ceiling); with `usage`, each answer's account of
+    its time (`LOAD_USAGE`)."""
     calls = [
         (
             tenants[i % len(tenants)][1],
@@ -226,7 +232,24 @@ def http_qps(base: str, tenants: list[tuple[str, str]], k: int, mode: str, total
         )
         for i in range(total)
     ]
-    return closed_loop(base, "/v1/chat/completions", calls, users=len(tenants)).rate
+    return closed_loop(base, "/v1/chat/completions", calls, users=len(tenants), usage_keys=LOAD_USAGE if usage else ())
+
+
+def load_legs(result: LoadResult) -> dict[str, float]:
+    """p50 (ms) of where a chat's time went under load: the client's whole request, the handler's time to the first
+    token, the engine's, retrieval and the embedding's legs, the hop's legs and the engine's phases (what the
+    closed loop loses against the engine alone shows up in one of them)."""
+    usages = result.usages
+    if not usages:
+        return {}
+    legs: dict[str, list[float]] = {"client": result.latencies_ms}
+    for key in ("ttft_ms", "engine_ttft_ms", "retrieval_ms"):
+        legs[key] = [u[key] for u in usages if key in u]
+    for group, prefix in (("retrieval_embed_legs_ms", "embed_"), ("hop_ms", "hop_"), ("engine_phases_ms", "engine_")):
+        for u in usages:
+            for leg, value in (u.get(group) or {}).items():
+                legs.setdefault(prefix + leg, []).append(value)
+    return {leg: round(statistics.median(values), 3) for leg, values in legs.items() if values}
 
 
 def http_ceiling(base: str, tenants: list[tuple[str, str]], total: int) -> float:
@@ -340,7 +363,7 @@ def engine_alone(app_args: dict, tasks: list, rounds: list, spaced_rounds: list,
 
         with sampled("alone-qps-inject"), PhaseCpu(own_role="engine_alone") as phase:
             started = time.perf_counter()
-            await asyncio.gather(*(gated(t) for t in tasks))
+            loaded = await asyncio.gather(*(gated(t) for t in tasks))
             qps = len(tasks) / (time.perf_counter() - started)
         return {
             "ttft_ms_p50": statistics.median(ttft),
@@ -348,6 +371,9 @@ def engine_alone(app_args: dict, tasks: list, rounds: list, spaced_rounds: list,
             # the same phases as the replica's (`engine_phases_ms_p50`): what the replica's loop adds is there
             "engine_phases_ms_p50": phase_medians([usage["engine_phases_ms"] for usage in single]),
             "qps": qps,
+            # under that load, as the HTTP run's `qps_legs_ms_p50` reports the replica's engine
+            "qps_engine_ttft_ms_p50": statistics.median(usage["engine_ttft_ms"] for usage in loaded),
+            "qps_engine_phases_ms_p50": phase_medians([usage["engine_phases_ms"] for usage in loaded]),
             "process_cpu": phase.report(len(tasks)),
         }
 
@@ -535,7 +561,7 @@ def main() -> None:
         }
         # untimed: every record resident and every ingress replica's indexes loaded (several inject requests per
         # tenant, as the replicas take turns), then one prompt request per tenant
-        http_qps(base, tenants, k, "inject", tenants_n * (2 if args.quick else 8), first=10_000)
+        http_qps(base, tenants, k, "inject", tenants_n * (2 if args.quick else 8), first=10_000)  # untimed
         http_qps(base, tenants, k, "prompt", tenants_n, first=20_000)
         clock.done("warm_up")
         samples: dict[str, list[dict]] = {"inject": [], "prompt": []}
@@ -549,8 +575,11 @@ def main() -> None:
         qps, cpu = {"ceiling": http_ceiling(base, tenants, 20 * tenants_n)}, {}
         for mode, count in (("prompt", max(total // 5, tenants_n)), ("inject", total)):
             with sampled(f"http-qps-{mode}"), PhaseCpu() as phase:
-                qps[mode] = http_qps(base, tenants, k, mode, count)
+                loaded = http_qps(base, tenants, k, mode, count, usage=mode == "inject")
+            qps[mode] = loaded.rate
             cpu[mode] = phase.report(count, seconds=count / qps[mode])  # not the load generator's start
+            if mode == "inject":
+                report["qps_legs_ms_p50"] = load_legs(loaded)
         clock.done("http_measured")
         report["arena_warnings"] = arena_warnings()
         report |= http_figures(samples, floor, mode_floor, qps, rounds_n)
