@@ -166,7 +166,7 @@ def start_cluster(
     early_layers: int = 0,
     ingress_replicas: int = 4,
     chat_transport: str = "auto",
-    embed_spin_ms: float = 0.0,
+    spin_ms: float = 0.0,
 ):
     """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
     on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
@@ -176,8 +176,9 @@ def start_cluster(
     the LLM deployment over its defaults; a shape gets random weights of its first `early_layers` layers; on a GPU
     `ingress_replicas` ingress replicas (each one event loop: more of them, less time a request waits for one);
     `chat_transport`: how chats reach the LLM replica (`ingress.chat_transport`: its channel, or Serve's handle);
-    `embed_spin_ms`: how long the query embedder's process and the ingress's loop poll instead of sleeping around a
-    question (`ingress.embed_spin_ms`)."""
+    `spin_ms`: how long the query embedder's process and the ingress's loop poll instead of sleeping around a
+    question (`ingress.embed_spin_ms`), and the LLM replica's loop after a note until its chat
+    (`llm.ahead_spin_ms`)."""
     import os
 
     from ray import serve
@@ -196,6 +197,7 @@ def start_cluster(
         "dtype": "bfloat16" if cuda else "float32",
         "env": env,
         "max_ongoing_requests": 256,
+        "ahead_spin_ms": spin_ms,
         "ray_actor_options": {"num_cpus": 1, "num_gpus": LLM_GPU_SHARE} if cuda else {"num_cpus": 1},
     }
     ingress = {
@@ -205,7 +207,7 @@ def start_cluster(
         "first_event_timeout_s": 900,
         "query_embedding": query_embedding,
         "chat_transport": chat_transport,
-        "embed_spin_ms": embed_spin_ms,
+        "embed_spin_ms": spin_ms,
     }  # a cold start of 100 tenants reads ~40 GB of records: not a lost replica
     if cuda:  # the GPU also embeds queries (a sliver of it per ingress replica), as a GPU deployment would
         llm["engine_kwargs"] = {"gpu_memory_utilization": 0.45, "max_model_len": 4096}

@@ -10,7 +10,7 @@
 #          profile-tiers (or profile-host, profile-disk) profile-encode quality record-precision history-quality history-ttft mps-on mps-off
 # QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own;
 # INGRESS_REPLICAS=N runs serve-http with N ingress replicas (default 4: each an event loop where requests queue).
-# EMBED_SPIN_MS=2 has serve-http's query embedder and ingress loop poll instead of sleeping around a question.
+# SPIN_MS=2 has serve-http's query embedder, ingress loop and LLM replica's loop poll instead of sleeping around a chat.
 # CHAT_TRANSPORT=serve has serve-http's chats reach the LLM replica through Serve's handle (default: its chat channel).
 # HISTORY_TTFT_TENANTS (default 4: each 32k-token history is 4.3 GB of bf16 records) sets history-ttft's tenants.
 # Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
@@ -69,7 +69,7 @@ for step in "$@"; do
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
     serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json" \
             --embed-device "${EMBED_DEVICE:-cuda}" --query-embedding "${QUERY_EMBEDDING:-process}" --ingress-replicas "${INGRESS_REPLICAS:-4}" \
-            --chat-transport "${CHAT_TRANSPORT:-auto}" --embed-spin-ms "${EMBED_SPIN_MS:-0}" \
+            --chat-transport "${CHAT_TRANSPORT:-auto}" --spin-ms "${SPIN_MS:-0}" \
             ${ENGINE_SM_PERCENT:+--engine-sm-percent "$ENGINE_SM_PERCENT"} ;;
     quality)  # the answer-quality dev set (SmolLM2 in bf16): windows, recomputation, prompt and off at k = 10, 50
         # (QUALITY_MODES, QUALITY_KS, QUALITY_LIMIT and QUALITY_CONCURRENCY narrow a run to one device call)

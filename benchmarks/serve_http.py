@@ -466,11 +466,12 @@ def main() -> None:
         help="on a GPU, the ingress replicas (each one event loop, with its own query embedder)",
     )
     p.add_argument(
-        "--embed-spin-ms",
+        "--spin-ms",
         type=float,
         default=0.0,
         help="ms the query embedder's process, woken as a chat arrives, and the ingress's loop poll instead of "
-        "sleeping around a question (ingress.embed_spin_ms; 0: they sleep)",
+        "sleeping around a question, and the LLM replica's loop after a note until its chat (ingress.embed_spin_ms, "
+        "llm.ahead_spin_ms; 0: they sleep)",
     )
     p.add_argument(
         "--chat-transport",
@@ -510,7 +511,7 @@ def main() -> None:
         args.query_embedding,
         ingress_replicas=args.ingress_replicas,
         chat_transport=args.chat_transport,
-        embed_spin_ms=args.embed_spin_ms,
+        spin_ms=args.spin_ms,
     )
     probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
     clock.done("deploy")
@@ -528,7 +529,7 @@ def main() -> None:
         "query_embedding": app_args["ingress"]["query_embedding"],
         "ingress_replicas": app_args["ingress"].get("num_replicas", 1),
         "chat_transport": app_args["ingress"]["chat_transport"],
-        "embed_spin_ms": app_args["ingress"]["embed_spin_ms"],
+        "spin_ms": app_args["ingress"]["embed_spin_ms"],
         "engine_sm_percent": args.engine_sm_percent,
         "model": str(args.config) if args.config else "SmolLM2-135M",
         "phase_s": clock.seconds,

@@ -39,6 +39,13 @@ class LLMArgs(Strict):
     fingerprint: str | None = Field(None, description="Model fingerprint; None reads it from the checkpoint.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="vLLM engine arguments, as given.")
     on_load_failure: Literal["recompute", "fail"] = "recompute"
+    ahead_spin_ms: float = Field(
+        0.0,
+        ge=0,
+        le=20,
+        description="After a note sent ahead of a chat, how long the replica's loop polls instead of sleeping until "
+        "the chat arrives; 0: it sleeps. CPU time bounded by each chat.",
+    )
     device_cache_bytes: int = Field(
         DEFAULT_DEVICE_CACHE_BYTES, ge=0, description="The connector's device arena of records."
     )

@@ -15,7 +15,8 @@ CPU a chat on the LLM replica's event loop, the loop that bounds the cluster's Q
   Serve for another replica), lets the running ones finish for a while, then closes its connections.
 - A note sent ahead of a chat (`ChannelClient.ahead`, kind AHEAD: no answer, no request of its own) reaches the
   replica's `ahead` callback at once, with whether the replica is idle: it prepares what it can while the ingress
-  still retrieves.
+  still retrieves. With `ahead_spin_s`, the replica's loop then does not sleep until a chat arrives (at most that
+  long), so the chat is read as it lands instead of after a sleeping thread's wake-up.
 - Pure asyncio: the Ray adapter (`ray_serve/llm_server.py`, `ray_serve/ingress.py`) says where the server listens
   and which replica a tenant's chats go to.
 """
@@ -31,6 +32,7 @@ import pickle
 import secrets
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -87,10 +89,19 @@ def _keep_alive(writer: asyncio.StreamWriter) -> None:
 class ChannelServer:
     """The replica's end: runs `handler(task)` for each chat that arrives and streams its events back."""
 
-    def __init__(self, handler: Handler, host: str, max_ongoing: int = 64, ahead: Ahead | None = None) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        host: str,
+        max_ongoing: int = 64,
+        ahead: Ahead | None = None,
+        ahead_spin_s: float = 0.0,
+    ) -> None:
         """`max_ongoing`: chats the handler runs at once; later ones wait here (as Serve queues beyond the
-        deployment's `max_ongoing_requests`); `ahead`: called on the loop with each note sent ahead of a chat."""
-        self._handler, self._host, self._ahead = handler, host, ahead
+        deployment's `max_ongoing_requests`); `ahead`: called on the loop with each note sent ahead of a chat;
+        `ahead_spin_s`: how long the loop polls instead of sleeping after a note, until a chat arrives."""
+        self._handler, self._host, self._ahead, self._ahead_spin_s = handler, host, ahead, ahead_spin_s
+        self._tasks_seen = 0  # chats arrived, over every connection (a spin after a note ends at the next)
         self._token = secrets.token_bytes(32)
         self._server: asyncio.Server | None = None
         self._slots = asyncio.Semaphore(max_ongoing)
@@ -140,6 +151,7 @@ class ChannelServer:
                 if kind == TASK and self._draining:
                     writer.write(_frame(request_id, REFUSED))
                 elif kind == TASK and request_id not in chats:
+                    self._tasks_seen += 1
                     chat = asyncio.create_task(self._run(request_id, pickle.loads(payload), writer))
                     chats[request_id] = chat
                     chat.add_done_callback(lambda _, rid=request_id: chats.pop(rid, None))
@@ -147,6 +159,9 @@ class ChannelServer:
                     chats[request_id].cancel()
                 elif kind == AHEAD and self._ahead is not None and not self._draining:
                     self._note(payload)
+                    if self._ahead_spin_s > 0:
+                        loop = asyncio.get_running_loop()
+                        self._spin(loop, self._tasks_seen, time.perf_counter() + self._ahead_spin_s)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
             pass  # the ingress went away (or never said hello): its chats end below
         except Exception:  # noqa: BLE001 - a frame that does not unpickle: this connection is not ours to serve
@@ -156,6 +171,11 @@ class ChannelServer:
             for chat in list(chats.values()):
                 chat.cancel()
             writer.close()
+
+    def _spin(self, loop: asyncio.AbstractEventLoop, seen: int, until: float) -> None:
+        """Keep a callback ready, so the loop polls with no timeout, until a chat arrives or `until`."""
+        if self._tasks_seen == seen and time.perf_counter() < until:
+            loop.call_soon(self._spin, loop, seen, until)
 
     def _note(self, payload: bytes) -> None:
         """A note is an optimisation: one that does not unpickle or whose preparation fails is logged (the chat

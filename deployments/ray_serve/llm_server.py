@@ -81,7 +81,11 @@ class LLMServer(ReportsChannelLoad):
         await self.engine.warm_up()
         # chats may come over this replica's own socket instead of Serve's handle (`ingress.chat_transport`)
         self._channel = ChannelServer(
-            self.chat, ray.util.get_node_ip_address(), self.args.llm.max_ongoing_requests, ahead=self.engine.prepare
+            self.chat,
+            ray.util.get_node_ip_address(),
+            self.args.llm.max_ongoing_requests,
+            ahead=self.engine.prepare,
+            ahead_spin_s=self.args.llm.ahead_spin_ms / 1000,
         )
         await self._channel.start()
         log.info(

@@ -387,6 +387,45 @@ def test_a_note_ahead_reaches_the_replica_with_whether_it_is_idle_and_a_failing_
     assert notes == [("while a chat runs", False), ("idle again", True)]
 
 
+def test_after_a_note_the_replicas_loop_polls_until_its_chat_arrives_or_the_spin_ends():
+    """With `ahead_spin_s`, a note keeps the replica's loop from sleeping: the spin stops as the chat arrives, and,
+    when no chat follows, at the spin's end; without it the loop spins not at all."""
+
+    def spun(spin_s: float, chat_after_s: float | None) -> list[float]:
+        times: list[float] = []
+
+        async def main():
+            server = ChannelServer(_echo, "127.0.0.1", ahead=lambda note, idle: None, ahead_spin_s=spin_s)
+            spin = server._spin
+
+            def counted(loop, seen, until):
+                times.append(loop.time())
+                spin(loop, seen, until)
+
+            server._spin = counted  # type: ignore[method-assign]
+            client = ChannelPool().client(await server.start())
+            await _collect(client.chat(_task("t", "open the connection")))
+            client.ahead("note")
+            if chat_after_s is not None:
+                await asyncio.sleep(chat_after_s)
+                await _collect(client.chat(_task("t", "q")))
+            await asyncio.sleep(0.1)
+            count = len(times)
+            await asyncio.sleep(0.05)
+            assert len(times) == count, "the loop went on spinning"
+            client.close()
+            server.close()
+
+        asyncio.run(main())
+        return times
+
+    unanswered = spun(0.02, None)  # no chat: it spins to the end of its 20 ms
+    assert len(unanswered) > 10 and 0.015 < unanswered[-1] - unanswered[0] < 0.05
+    answered = spun(0.5, 0.01)  # the chat 10 ms after the note ends a 500 ms spin
+    assert len(answered) > 10 and answered[-1] - answered[0] < 0.2
+    assert spun(0.0, 0.01) == []
+
+
 def test_sent_is_called_once_the_task_is_written_and_before_any_event_comes_back():
     """The ingress starts its usage lookups on `sent`, beside the engine's work and not beside the send (a thread
     that took the GIL while the loop pickled the task slowed the send by 0.06 ms on a 2-core CPU)."""
