@@ -111,7 +111,11 @@ async def _work(job: dict) -> dict:
                         errors.append(f"{job['url']} answered {answer.status}: {text[:2000]!r}")
                 latencies.append((time.perf_counter() - began) * 1000)
                 if keys and answer.status == 200:  # parsed after the clock: not the request's time
-                    usage = json.loads(text).get("usage") or {}
+                    try:
+                        usage = json.loads(text).get("usage") or {}
+                    except (ValueError, AttributeError):
+                        errors.append(f"{job['url']} answered 200 with no JSON object: {text[:2000]!r}")
+                        continue
                     usages.append({key: usage[key] for key in keys if key in usage})
 
         await asyncio.sleep(max(0.0, job["start_at"] - time.time()))

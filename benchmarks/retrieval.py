@@ -347,17 +347,13 @@ def beside_busy_loop(
         }
 
     threads = 1 if device == "cpu" else None
-    embedders = {  # name: (forwarder, lead)
-        "thread": (query_embedder(device, 8, threads), 0.0),
-        "process": (ProcessForwarder(partial(query_embedder, device, 8, threads)), 0.0),
-        "process_led": (ProcessForwarder(partial(query_embedder, device, 8, threads)), lead_ms),
-        "process_spinning": (
-            ProcessForwarder(partial(query_embedder, device, 8, threads), spin_s=spin_ms / 1000),
-            lead_ms,
-        ),
-    }
+    factory = partial(query_embedder, device, 8, threads)
     out: dict = {"piece_ms": piece_ms, "busy": busy, "spaced_ms": spaced_ms, "lead_ms": lead_ms, "spin_ms": spin_ms}
+    embedders: dict = {"thread": (query_embedder(device, 8, threads), 0.0)}  # name: (forwarder, lead)
     try:
+        embedders["process"] = (ProcessForwarder(factory), 0.0)
+        embedders["process_led"] = (ProcessForwarder(factory), lead_ms)
+        embedders["process_spinning"] = (ProcessForwarder(factory, spin_s=spin_ms / 1000), lead_ms)
         for name, (forwarder, lead) in embedders.items():
             batcher = QueryBatcher(forwarder, 8)
             out[name] = {

@@ -10,8 +10,8 @@ A process asleep in a read, and a loop asleep in its poll, each pay a scheduler'
 core that idled. With `spin_s`, neither sleeps around a question: a chat's arrival sends the idle child a wake
 message (`wake`), and it polls its socket without sleeping until the batch comes (at most `spin_s`, and as long
 again after each answer, for the next batch); the loop does not sleep while a batch is in flight (at most
-`spin_s`), so it takes the answer as it lands. The cost is CPU time bounded by each request, never a core held
-while no chat comes.
+`spin_s`), so it takes the answer as it lands. The cost is CPU time bounded by each chat request (refused ones
+too: the wake goes out before the request is read), never a core held while no chat comes.
 """
 
 from __future__ import annotations
@@ -273,6 +273,8 @@ class ProcessForwarder:
         while an earlier wake still holds it."""
         now = time.perf_counter()
         if self._spin_s <= 0 or not self._ready or self._failed is not None or self._done is not None:
+            return
+        if self._side.closed:  # closed (the replica is stopping): nothing to wake
             return
         if now - self._woken < self._spin_s / 2:
             return

@@ -103,6 +103,8 @@ class BlockingSide:
             except (BlockingIOError, InterruptedError):
                 if time.perf_counter() >= deadline:
                     return False
+            except OSError:  # the peer reset the connection: `recv` reports it
+                return True
 
     def recv(self) -> bytes:
         """The next message; `EOFError` once the peer has closed."""

@@ -177,8 +177,11 @@ class MemoryUser(HttpUser):
                 return
             try:
                 first, usage, error, size = read_stream(response, started)
-            except (requests.RequestException, ValueError) as exc:  # cut mid-stream, or a line that is not JSON
-                first, usage, error, size = None, None, f"the stream broke: {exc}", 0
+            except (requests.RequestException, ValueError, AttributeError, TypeError) as exc:
+                # cut mid-stream, a line that is not JSON, or an event that is not the shape a chat's is
+                first, usage, error, size = None, None, f"the stream broke: {exc!r}", 0
+            finally:
+                response.close()  # read to its end or not: its connection goes back to the pool
             response.request_meta["response_time"] = (time.perf_counter() - started) * 1000  # not its headers'
             response.request_meta["response_length"] = size
             if error is not None:

@@ -419,8 +419,8 @@ def test_after_a_note_the_replicas_loop_polls_until_its_chat_arrives_or_the_spin
         asyncio.run(main())
         return times
 
-    unanswered = spun(0.02, None)  # no chat: it spins to the end of its 20 ms
-    assert len(unanswered) > 10 and 0.015 < unanswered[-1] - unanswered[0] < 0.05
+    unanswered = spun(0.02, None)  # no chat: it spins to the end of its 20 ms (not the 100 ms the test waits)
+    assert len(unanswered) > 10 and 0.015 < unanswered[-1] - unanswered[0] < 0.08
     answered = spun(0.5, 0.01)  # the chat 10 ms after the note ends a 500 ms spin
     assert len(answered) > 10 and answered[-1] - answered[0] < 0.2
     assert spun(0.0, 0.01) == []
