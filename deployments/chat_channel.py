@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from deployments import loop_spin
+
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<IQB")  # payload length, request id (64 bits: never reused on a connection), kind
@@ -159,9 +161,9 @@ class ChannelServer:
                     chats[request_id].cancel()
                 elif kind == AHEAD and self._ahead is not None and not self._draining:
                     self._note(payload)
-                    if self._ahead_spin_s > 0:
-                        loop = asyncio.get_running_loop()
-                        self._spin(loop, self._tasks_seen, time.perf_counter() + self._ahead_spin_s)
+                    if self._ahead_spin_s > 0:  # awake until a chat arrives
+                        seen, until = self._tasks_seen, time.perf_counter() + self._ahead_spin_s
+                        loop_spin.keep_awake(asyncio.get_running_loop(), until, lambda: self._tasks_seen == seen)
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
             pass  # the ingress went away (or never said hello): its chats end below
         except Exception:  # noqa: BLE001 - a frame that does not unpickle: this connection is not ours to serve
@@ -171,11 +173,6 @@ class ChannelServer:
             for chat in list(chats.values()):
                 chat.cancel()
             writer.close()
-
-    def _spin(self, loop: asyncio.AbstractEventLoop, seen: int, until: float) -> None:
-        """Keep a callback ready, so the loop polls with no timeout, until a chat arrives or `until`."""
-        if self._tasks_seen == seen and time.perf_counter() < until:
-            loop.call_soon(self._spin, loop, seen, until)
 
     def _note(self, payload: bytes) -> None:
         """A note is an optimisation: one that does not unpickle or whose preparation fails is logged (the chat

@@ -36,6 +36,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
+from deployments import loop_spin
 from deployments.message_socket import BlockingSide, LoopSide, socket_pair
 from tenants.index_mirror import (
     Hits,
@@ -258,14 +259,8 @@ class ProcessForwarder:
         except OSError:
             self._died(loop, in_flight=self._take_done())
             return
-        if self._spin_s > 0:
-            self._spin(loop, done, time.perf_counter() + self._spin_s)
-
-    def _spin(self, loop: asyncio.AbstractEventLoop, done: Done, until: float) -> None:
-        """Keep the loop from sleeping while `done`'s batch is in flight, until `until`: a loop with a callback
-        ready polls with no timeout, so the answer is read as it lands."""
-        if self._done is done and time.perf_counter() < until:
-            loop.call_soon(self._spin, loop, done, until)
+        if self._spin_s > 0:  # awake while this batch is out
+            loop_spin.keep_awake(loop, time.perf_counter() + self._spin_s, lambda: self._done is done)
 
     def wake(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the loop, as a chat arrives: with `spin_s`, tell the idle child that a question is on its way, so

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from deployments import loop_spin
 from deployments.chat_channel import (
     AHEAD,
     HELLO,
@@ -396,13 +397,6 @@ def test_after_a_note_the_replicas_loop_polls_until_its_chat_arrives_or_the_spin
 
         async def main():
             server = ChannelServer(_echo, "127.0.0.1", ahead=lambda note, idle: None, ahead_spin_s=spin_s)
-            spin = server._spin
-
-            def counted(loop, seen, until):
-                times.append(loop.time())
-                spin(loop, seen, until)
-
-            server._spin = counted  # type: ignore[method-assign]
             client = ChannelPool().client(await server.start())
             await _collect(client.chat(_task("t", "open the connection")))
             client.ahead("note")
@@ -416,7 +410,17 @@ def test_after_a_note_the_replicas_loop_polls_until_its_chat_arrives_or_the_spin
             client.close()
             server.close()
 
-        asyncio.run(main())
+        keep_awake = loop_spin.keep_awake
+
+        def counted(loop, until, waiting):
+            times.append(loop.time())
+            keep_awake(loop, until, waiting)
+
+        loop_spin.keep_awake = counted  # each pass of the spin, the first and every one it schedules
+        try:
+            asyncio.run(main())
+        finally:
+            loop_spin.keep_awake = keep_awake
         return times
 
     unanswered = spun(0.02, None)  # no chat: it spins to the end of its 20 ms (not the 100 ms the test waits)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from deployments import loop_spin
 from deployments.embed_forwarders import EmbedBatch, EmbedderProcessError, ProcessForwarder, ThreadForwarder
 from deployments.query_batcher import QueryBatcher
 from tenants.index_mirror import IndexUpdate, SearchAsk
@@ -161,13 +162,13 @@ def test_a_spinning_process_woken_ahead_answers_each_question_and_the_loop_spins
     answer (or at `spin_s`, when the forward takes longer)."""
     forwarder = ProcessForwarder(_lengths, spin_s=0.005)
     spins: list[float] = []
-    spin = forwarder._spin
+    keep_awake = loop_spin.keep_awake
 
-    def counted(loop, done, until):
+    def counted(loop, until, waiting):
         spins.append(time.perf_counter())
-        spin(loop, done, until)
+        keep_awake(loop, until, waiting)
 
-    forwarder._spin = counted
+    loop_spin.keep_awake = counted  # each pass of the spin, the first and every one it schedules
     sent: list[bytes] = []
     write = forwarder._side.write
 
@@ -192,6 +193,7 @@ def test_a_spinning_process_woken_ahead_answers_each_question_and_the_loop_spins
     try:
         first, busy, spun = asyncio.run(main())
     finally:
+        loop_spin.keep_awake = keep_awake
         forwarder.close()
     assert first.vector[0].item() == 3 and busy[0].item() == 4
     assert sent[0] == b"" and [m for m in sent if m == b""] == [b""], sent  # one wake: not the one during "busy"
