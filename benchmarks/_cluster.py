@@ -260,9 +260,15 @@ def gpu_memory_bytes() -> int:
 
 @contextmanager
 def cluster_for(
-    base_url: str | None, admin_key: str | None, name: str, cuda: bool = False, engine_kwargs: dict | None = None
+    base_url: str | None,
+    admin_key: str | None,
+    name: str,
+    cuda: bool = False,
+    engine_kwargs: dict | None = None,
+    llm_args: dict | None = None,
 ) -> Iterator[tuple[str, str]]:
-    """(base URL, admin key) of the given cluster, or of one started here for the duration (then stopped)."""
+    """(base URL, admin key) of the given cluster, or of one started here for the duration (then stopped);
+    `engine_kwargs`, `llm_args`: the started one's (a given cluster runs with its own)."""
     if base_url:
         if not admin_key:
             from config import load_settings
@@ -273,7 +279,7 @@ def cluster_for(
         yield base_url.rstrip("/"), admin_key
         return
     base, admin, redis, _ = start_cluster(
-        Path(scratch_dir(prefix=f"{name}-")), cuda=cuda, shape=None, engine_kwargs=engine_kwargs
+        Path(scratch_dir(prefix=f"{name}-")), cuda=cuda, shape=None, engine_kwargs=engine_kwargs, llm_args=llm_args
     )
     try:
         yield base, admin

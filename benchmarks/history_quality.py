@@ -15,6 +15,7 @@ and the tokens prefilled. The issue's target: F1 at a tenth of the history >= 0.
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import sys
@@ -160,6 +161,28 @@ def summarize(found: dict, budgets: list[float]) -> dict:
     }
 
 
+def against(rows: list[dict], theirs: list[dict]) -> dict:
+    """This run's answers paired with another run's (another configuration, the same tenants and questions): per
+    mode, this run's F1 over theirs with a paired interval, and the share of the same answers."""
+    other = "{}@against"
+    combined = rows + [{**r, "mode": other.format(r["mode"])} for r in theirs]
+    answered = {(r["mode"], r["sample"], r["question"]): r["prediction"] for r in theirs}
+    found = {}
+    for mode in sorted({r["mode"] for r in rows}):
+        pairs = [(r["prediction"], answered.get((mode, r["sample"], r["question"]))) for r in rows if r["mode"] == mode]
+        same = [ours == them for ours, them in pairs if them is not None]
+        if same:
+            found[mode] = paired_ratio(combined, mode, other.format(mode), 0) | {
+                "same_answer_share": round(sum(same) / len(same), 4)
+            }
+    return found
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The answer rows of a history_quality report."""
+    return json.loads(path.read_text())["rows"]
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--budgets", default="0.1,0.2", help="shares of the history's tokens (the whole is always asked)")
@@ -167,7 +190,16 @@ def main() -> None:
     p.add_argument("--tenants", type=int, default=1, help="tenants, each with a history of its own conversations")
     p.add_argument("--base-url", help="a running cluster whose engine holds 8,192 tokens; default: start one here")
     p.add_argument("--admin-key", help="its admin key (default: INFERSCALE_ADMIN_KEY)")
+    p.add_argument(
+        "--scoring-layers",
+        type=int,
+        help="the first layers whose queries score the chunks (`llm.history_scoring_layers` of the cluster started; "
+        "default: the setting's own)",
+    )
+    p.add_argument("--against", type=Path, help="another run's report: pair this run's answers with its own")
     args = p.parse_args()
+    if args.against is not None and not args.against.is_file():
+        p.error(f"--against: no report at {args.against}")
     try:
         budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     except ValueError:
@@ -195,7 +227,8 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     runs = []
-    with cluster_for(args.base_url, args.admin_key, "history-quality", cuda, engine) as (base, admin):
+    llm = {} if args.scoring_layers is None else {"history_scoring_layers": args.scoring_layers}
+    with cluster_for(args.base_url, args.admin_key, "history-quality", cuda, engine, llm) as (base, admin):
         for tenant, conversations, questions in plans:
             runs.append(evaluate(Client(base, admin), conversations, questions, budgets, tenant))
     found = {
@@ -205,6 +238,9 @@ def main() -> None:
         "rows": [row for r in runs for row in r["rows"]],
     }
     report = summarize(found, budgets) | {"benchmark": "history_quality", "quick": args.quick}
+    report["scoring_layers"] = None if args.base_url else args.scoring_layers  # None: the setting's default
+    if args.against is not None:
+        report["against"] = {"report": str(args.against)} | against(found["rows"], read_rows(args.against))
     write_report(args.out, report)
     for name, mode in report["modes"].items():
         print(f"{name}: F1 {mode['f1']:.3f} {mode['f1_ci95']}, TTFT {mode['ttft_ms_median']:.0f} ms", flush=True)

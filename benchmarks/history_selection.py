@@ -49,6 +49,7 @@ from models.loader import force_offline, model_path
 FIXED_SIZES = (16, 32, 64)  # tokens a chunk, fixed chunkings side by side
 TURN_MAX = 64  # a turn longer than this is split (chunks along turns)
 SCORING_LAYERS = 4  # layers scored (evenly spaced) in the few-layer variant: summaries of those layers only
+FEWER_EARLY = (1, 2)  # shorter question passes measured beside the design's first four layers (each halves its cost)
 TOP_SHARE = 0.10
 ANSWER_TOKENS = 12  # greedy tokens of each answer (the dev set's answers are a few words)
 
@@ -197,6 +198,7 @@ def main() -> None:
     scoring_layers = torch.linspace(0, config.num_hidden_layers - 1, SCORING_LAYERS).round().long()
     few = {name: layers_of(summaries[name], scoring_layers) for name in chunkings}  # what scoring a few layers keeps
     early = layers_of(summaries["fixed16"], torch.arange(SCORING_LAYERS))  # the first layers: the question's pass
+    fewer_early = {n: layers_of(summaries["fixed16"], torch.arange(n)) for n in FEWER_EARLY}
     budgets = {share: int(share * length) for share in [args.budget, *map(float, args.more_budgets.split(","))]}
     rng = random.Random(1)
     from models.minilm import MiniLMEmbedder
@@ -248,15 +250,23 @@ def main() -> None:
             by_retrieval = chunks_by_turn_score(spans, history.turns, turn_scores)
             if name == "fixed16":
                 group = heads // kv_heads
-                for tag, kept, asked_alone in (("l", few[name], alone[scoring_layers]), ("e", early, early_queries)):
+                alone_ways = [
+                    (f"l{SCORING_LAYERS}", few[name], alone[scoring_layers]),
+                    (f"e{SCORING_LAYERS}", early, early_queries),
+                ] + [(f"e{n}", fewer_early[n], early_queries[:n]) for n in FEWER_EARLY]
+                for tag, kept, asked_alone in alone_ways:
                     alone_mass = chunk_mass(kept, asked_alone, length, rope, group).mean(0)
-                    ways[f"bounds_{name}_{tag}{SCORING_LAYERS}_alone"] = alone_mass.argsort(descending=True).tolist()
+                    ways[f"bounds_{name}_{tag}_alone"] = alone_mass.argsort(descending=True).tolist()
                 ways["recency"] = list(range(len(spans) - 1, -1, -1))
                 ways["random"] = rng.sample(range(len(spans)), len(spans))
                 ways["retrieval"] = by_retrieval
                 # history mode's own choice (the design), for the answers below
                 design_ranking, design_retrieval = ways[f"bounds_{name}_e{SCORING_LAYERS}_alone"], by_retrieval
                 design_chunks = select_chunks(spans, budgets[args.budget], design_ranking, design_retrieval)
+                shorter = {  # the same selection from a pass through fewer of the first layers
+                    n: select_chunks(spans, budgets[args.budget], ways[f"bounds_{name}_e{n}_alone"], design_retrieval)
+                    for n in FEWER_EARLY
+                }
             for way, ranking in ways.items():
                 for share, budget in budgets.items():
                     chosen = select_chunks(spans, budget, ranking)
@@ -265,7 +275,8 @@ def main() -> None:
             if name != "adaptive":  # retrieval picks the turns for half of each budget, the bounds the rest
                 for share, budget in budgets.items():
                     tags = ["", f"_l{SCORING_LAYERS}"]
-                    tags += [f"_{t}{SCORING_LAYERS}_alone" for t in "le"] if name == "fixed16" else []
+                    if name == "fixed16":
+                        tags += [f"_{t}{SCORING_LAYERS}_alone" for t in "le"] + [f"_e{n}_alone" for n in FEWER_EARLY]
                     for tag in tags:
                         chosen = select_chunks(spans, budget, ways[f"bounds_{name}{tag}"], by_retrieval)
                         row = judge(mask_of(chosen, spans, length), importance, evidence)
@@ -295,6 +306,10 @@ def main() -> None:
                     ),
                 ),
                 ("history_mode_double_budget", compact_cache(keys, values, _tokens(double, spans16), rope)),
+                *(
+                    (f"history_mode_e{n}", compact_cache(keys, values, _tokens(chunks, spans16), rope))
+                    for n, chunks in shorter.items()
+                ),
             ):
                 said = greedy_answer(model, tokenizer, cache, q_ids)
                 answers.setdefault(way, []).append(score(said, str(gold), qa["category"]))
@@ -310,7 +325,8 @@ def main() -> None:
         | {
             f"fixed16_l{SCORING_LAYERS}_alone": round(few["fixed16"].nbytes / kv_bytes, 4),
             f"fixed16_e{SCORING_LAYERS}_alone": round(early.nbytes / kv_bytes, 4),
-        },
+        }
+        | {f"fixed16_e{n}_alone": round(s.nbytes / kv_bytes, 4) for n, s in fewer_early.items()},
         "scoring_layers": scoring_layers.tolist(),
         "question_alone_pass_ms_p50": round(sorted(alone_ms)[len(alone_ms) // 2], 2),
         # the question through layers 0-3 only, from the checkpoint's tensors (`kvcore/query_pass.py`): the e4 queries
@@ -332,6 +348,16 @@ def main() -> None:
             }
             for way in answers
             if way != "full_history"
+        },
+        # a shorter question pass against the design's four layers, question by question
+        "answer_f1_fewer_early_layers_over_design": {
+            f"e{n}": {
+                "ratio": round(sum(answers[f"history_mode_e{n}"]) / max(sum(answers["history_mode"]), 1e-9), 4),
+                "interval": [
+                    round(x, 4) for x in ratio_interval(answers[f"history_mode_e{n}"], answers["history_mode"])
+                ],
+            }
+            for n in FEWER_EARLY
         },
         "precision_plan_8b": precision_plan_8b(),
     }

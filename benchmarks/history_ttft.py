@@ -48,7 +48,7 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 MODES = ("no_memory", "history", "whole_prefill")
 PIECE = 30_000  # characters a message (the API's limit is 32,000): a pasted history goes as several
 MODEL = "inferscale-smollm2"  # the served name, whatever the weights
-SCORING_LAYERS = 4  # what history mode's question pass reads (deployments/history_mode.py)
+SCORING_LAYERS = 4  # what history mode's question pass reads by default (`llm.history_scoring_layers`)
 
 
 def tenant_history(tokenizer, tenant: int, tokens: int) -> tuple[str, list[str]]:
@@ -159,6 +159,12 @@ def main() -> None:
     p.add_argument("--budget", type=int, help="history mode's budget in tokens (default 2048; --quick 192)")
     p.add_argument("--rounds", type=int, help="questions a tenant (default 12; --quick 3)")
     p.add_argument("--deadline-s", type=float, default=560, help="stop measuring after this long; report what ran")
+    p.add_argument(
+        "--scoring-layers",
+        type=int,
+        default=SCORING_LAYERS,
+        help="the first layers whose queries score the chunks (`llm.history_scoring_layers`)",
+    )
     args = p.parse_args()
     started = time.monotonic()
     gpu = engine_shape_defaults(args, CONFIGS)
@@ -176,14 +182,15 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_path(load_settings().model))
     engine = {"max_model_len": tokens + 4096}
-    llm = {"record_dtype": "engine"}  # bf16 records on the GPU: a 32k-token history of the 8B shape is 4.3 GB
+    # bf16 records on the GPU: a 32k-token history of the 8B shape is 4.3 GB
+    llm = {"record_dtype": "engine", "history_scoring_layers": args.scoring_layers}
     if gpu and not args.quick:  # the arena holds ~7 such histories; the engine's process also holds vLLM's 45 %
         # and a capture's records (4.3 GB), beside the replicas' own shares; less on a smaller card (an H100's
         # 80 GB did not hold 32 GiB beside the engine's 0.45: every history load failed, 2026-12-05)
         llm["device_cache_bytes"] = card_arena_bytes(32 << 30)
     state = Path(scratch_dir(prefix="history-ttft-"))
     base, admin, redis, app = start_cluster(
-        state, gpu, shape, engine_kwargs=engine, llm_args=llm, early_layers=SCORING_LAYERS if shape else 0
+        state, gpu, shape, engine_kwargs=engine, llm_args=llm, early_layers=args.scoring_layers if shape else 0
     )
     deployed_s = time.monotonic() - started
     client = Client(base, admin, timeout=900)
@@ -223,7 +230,11 @@ def main() -> None:
         "history_write_errors": write_errors,
         "budget_tokens": budget,
         "deploy_s": round(deployed_s, 1),
-        "llm_args": {k: app["llm"][k] for k in ("record_dtype", "device_cache_bytes") if k in app["llm"]},
+        "llm_args": {
+            k: app["llm"][k]
+            for k in ("record_dtype", "device_cache_bytes", "history_scoring_layers")
+            if k in app["llm"]
+        },
         "rows": rows,
     }
     write_report(args.out, report)

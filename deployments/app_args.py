@@ -49,6 +49,14 @@ class LLMArgs(Strict):
     device_cache_bytes: int = Field(
         DEFAULT_DEVICE_CACHE_BYTES, ge=0, description="The connector's device arena of records."
     )
+    history_scoring_layers: int = Field(
+        4,
+        ge=1,
+        le=8,
+        description="History mode: the model's first layers a question passes through to score the history's "
+        "chunks (each layer's summaries and bounds are its cost; 1 reads only the embedding and a query "
+        "projection).",
+    )
     device_tenant_bytes: int | None = Field(
         None,
         gt=0,

@@ -44,7 +44,7 @@ from models.minilm import MiniLMEmbedder
 
 log = logging.getLogger(__name__)
 
-SCORING_LAYERS = 4  # the question's own pass: layers 0-3
+SCORING_LAYERS = 4  # the question's own pass by default: layers 0-3 (`llm.history_scoring_layers`)
 CACHED_INDEX_BYTES = 2 << 30  # what a replica's kept indexes may take (~42 MB each: a 32k-token history, 8B shape)
 
 
@@ -110,8 +110,13 @@ class HistoryChooser:
         tokenizer,
         device: str = "cpu",
         cached_bytes: int = CACHED_INDEX_BYTES,
+        scoring_layers: int = SCORING_LAYERS,
     ) -> None:
+        """`scoring_layers`: the first layers whose queries and summaries score the chunks (`SCORING_LAYERS`)."""
+        if scoring_layers < 1:
+            raise ValueError("history mode scores with at least one layer")
         self._model_dir, self._store, self._tokenizer = model_dir, store, tokenizer
+        self.scoring_layers = scoring_layers
         self.device = torch.device(device)
         self._cached_bytes = cached_bytes
         self._early: EarlyLayers | None = None
@@ -128,7 +133,7 @@ class HistoryChooser:
         with self._lock:
             if self._early is None:
                 dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16  # as the engine computes
-                self._early = load_early_layers(self._model_dir, SCORING_LAYERS, dtype, str(self.device))
+                self._early = load_early_layers(self._model_dir, self.scoring_layers, dtype, str(self.device))
             return self._early
 
     @property
@@ -148,7 +153,7 @@ class HistoryChooser:
                 inputs = optional_kernel("chunk_bounds", "BoundsInputs")
                 if inputs is not None:
                     along = optional_kernel("chunk_bounds", "along_chunks")
-                    self._order_graphs = OrderGraphs(question_pass, rope, SCORING_LAYERS, inputs, along)
+                    self._order_graphs = OrderGraphs(question_pass, rope, self.scoring_layers, inputs, along)
             return self._order_graphs
 
     @property
@@ -245,7 +250,7 @@ class HistoryChooser:
 
     def _build(self, records: list[FactKV]) -> HistoryIndex:
         """A history's index from its chunk records in order: summaries, then its turns embedded."""
-        index = HistoryIndex.of_records(records, self.early.rope, SCORING_LAYERS, self.device, self._bounds)
+        index = HistoryIndex.of_records(records, self.early.rope, self.scoring_layers, self.device, self._bounds)
         turns = [span for span in self.turn_spans(index.token_ids) if span[1] - span[0] > 1]  # not blank lines
         if not turns:
             return index

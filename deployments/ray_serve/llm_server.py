@@ -59,6 +59,7 @@ def build_engine(args: AppArgs) -> MemoryEngine:
         args.system_prompt,
         engine_kwargs=args.engine_kwargs(torch.cuda.is_available()),
         max_encodes_in_flight=args.llm.max_encodes_in_flight,
+        history_scoring_layers=args.llm.history_scoring_layers,
     )
 
 

@@ -26,7 +26,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from config.connector import ConnectorConfig, stored_dtype
 from deployments.chat_task import ChatAhead, ChatTask, RetrievedFact, message_dicts, single_question
 from deployments.encode_slots import EncodeSlots
-from deployments.history_mode import HistoryChooser
+from deployments.history_mode import SCORING_LAYERS, HistoryChooser
 from deployments.memory_prompt import LaidOutPrompt, MemoryItem, Mode, lay_out
 from deployments.vllm_adapter.detokenize import install_prompt_suffix_detokenizer, installed
 from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
@@ -63,6 +63,7 @@ class MemoryEngine:
         *,
         engine_kwargs: dict[str, Any] | None = None,
         max_encodes_in_flight: int = 8,
+        history_scoring_layers: int = SCORING_LAYERS,
     ) -> None:
         self.fingerprint = connector.fingerprint
         self.model_name = str(model)
@@ -101,7 +102,9 @@ class MemoryEngine:
         self._encode_slots = EncodeSlots(max_encodes_in_flight)
         self.max_model_len = self._engine.model_config.max_model_len
         # on a GPU replica the question's pass and the bounds run beside the engine, on the same device
-        self._histories = HistoryChooser(Path(model), self._store, self.tokenizer, _device())
+        self._histories = HistoryChooser(
+            Path(model), self._store, self.tokenizer, _device(), scoring_layers=history_scoring_layers
+        )
 
     async def warm_up(self) -> None:
         """One short generation, so the first real request does not pay for lazy initialisation."""

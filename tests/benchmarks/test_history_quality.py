@@ -1,6 +1,6 @@
 """The history-mode quality report: F1 per budget and its paired ratio to the whole history, with the target."""
 
-from benchmarks.history_quality import mode_name, summarize
+from benchmarks.history_quality import against, mode_name, summarize
 
 
 def _row(mode: str, question: str, f1: float, prediction: str = "") -> dict:
@@ -34,6 +34,19 @@ def test_the_ratio_pairs_the_same_questions_and_sets_the_target():
     assert report["modes"]["history_10pct"]["f1"] == 2 / 3 and report["modes"]["whole_history"]["questions"] == 2
     # "a" answered the same as with the whole history; "b" not; "c" has no whole-history answer to match
     assert report["modes"]["history_10pct"]["same_answer_as_whole_share"] == 0.5
+
+
+def test_another_run_pairs_by_mode_tenant_and_question():
+    ours = [_row("history_10pct", "a", 1.0, "x"), _row("history_10pct", "b", 0.5, "y"), _row("whole_history", "a", 1.0)]
+    theirs = [
+        _row("history_10pct", "a", 0.5, "x"),
+        _row("history_10pct", "b", 0.5, "z"),
+        {**_row("history_10pct", "c", 1.0), "sample": "another tenant"},  # no pair: left out
+    ]
+    found = against(ours, theirs)
+    assert set(found) == {"history_10pct"}  # whole_history has no answers of theirs
+    paired = found["history_10pct"]
+    assert paired["ratio"] == 1.5 / 1.0 and paired["questions"] == 2 and paired["same_answer_share"] == 0.5
 
 
 def test_modes_are_named_by_their_share():

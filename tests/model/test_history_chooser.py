@@ -64,6 +64,34 @@ def test_an_index_rebuilt_from_the_store_equals_the_captured_one_and_a_dropped_h
         chooser.index("t1", "history-a")
 
 
+def test_a_chooser_scoring_with_the_first_layer_only_keeps_one_layer_of_summaries_and_scores_with_its_queries(
+    loaded, tmp_path
+):
+    """`llm.history_scoring_layers = 1`: the index keeps layer 0's summaries only (a quarter of four layers'), the
+    question's pass stops at layer 0's queries (the model's own, as the four-layer pass's first), and the chunks'
+    order is the order of layer 0's masses."""
+    from kvcore.history import chunk_mass
+
+    store = LocalFactStore(tmp_path)
+    records = _chunk_records(loaded, "t1", "history-a")
+    store.put_many(records)
+    one = HistoryChooser(loaded.path, store, loaded.tokenizer, scoring_layers=1)
+    four = HistoryChooser(loaded.path, store, loaded.tokenizer)
+    small, large = (c.index_records("t1", "history-a", records) for c in (one, four))
+    assert small.scoring_layers == 1 and small.summaries.high.shape[1] == 1 and large.summaries.high.shape[1] == 4
+    assert torch.equal(small.summaries.high[:, 0], large.summaries.high[:, 0])
+    ids = loaded.tokenizer.encode("What is the name of Maya's cat?", add_special_tokens=False)
+    queries = one.question_pass(ids)
+    assert queries.shape[0] == 1 and torch.allclose(queries[0], four.question_pass(ids)[0], atol=1e-6)
+    group = queries.shape[1] // small.summaries.norms.shape[2]
+    mass = chunk_mass(small.summaries, queries, len(small.token_ids), small.rope, group, small.bounds).mean(0)
+    assert torch.equal(small.mass_order(queries), mass.argsort(descending=True, stable=True))
+    choice = one.choose("t1", "history-a", "What is the name of Maya's cat?", budget=48)
+    assert 0 < sum(len(i.token_ids) for i in choice.items) <= 48
+    with pytest.raises(ValueError, match="at least one layer"):
+        HistoryChooser(loaded.path, store, loaded.tokenizer, scoring_layers=0)
+
+
 def test_kept_indexes_are_bounded_by_their_bytes_and_an_evicted_one_is_rebuilt(loaded, tmp_path):
     store = LocalFactStore(tmp_path)
     records = {h: _chunk_records(loaded, "t1", h) for h in ("history-a", "history-b")}
