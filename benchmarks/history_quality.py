@@ -188,6 +188,9 @@ def main() -> None:
     p.add_argument("--budgets", default="0.1,0.2", help="shares of the history's tokens (the whole is always asked)")
     p.add_argument("--questions", type=int, help="at most this many questions a tenant (default: all; --quick: 8)")
     p.add_argument("--tenants", type=int, default=1, help="tenants, each with a history of its own conversations")
+    p.add_argument(
+        "--first-tenant", type=int, default=0, help="the first tenant's number (a run can go on where another ended)"
+    )
     p.add_argument("--base-url", help="a running cluster whose engine holds 8,192 tokens; default: start one here")
     p.add_argument("--admin-key", help="its admin key (default: INFERSCALE_ADMIN_KEY)")
     p.add_argument(
@@ -214,7 +217,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path(load_settings().model))
     limit = args.questions or (8 if args.quick else None)
     plans = []
-    for t in range(args.tenants):
+    if args.first_tenant < 0:
+        p.error("--first-tenant must be 0 or more")
+    for t in range(args.first_tenant, args.first_tenant + args.tenants):
         conversations = tenant_conversations(t, 2 if args.quick else 6, tokenizer)
         questions = history_questions(conversations)
         if limit is not None:

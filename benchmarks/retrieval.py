@@ -311,7 +311,8 @@ def beside_busy_loop(
     that serves other work `busy` of the time in pieces of `piece_ms` (a loaded replica: the thread's every
     torch call takes the GIL back from the loop, the process's never does). p50 of each leg (ms). Then the process
     as the ingress runs it: each chat's arrival wakes it, `lead_ms` of the loop's own work (FastAPI reading the
-    request) before the question is handed over, with the child and the loop sleeping or spinning (`spin_ms`)."""
+    request) before the question is handed over, with the child and the loop sleeping or spinning (`spin_ms`), or
+    the child spinning through the gap between questions (`process_kept_warm`)."""
     import asyncio
     from functools import partial
 
@@ -354,6 +355,10 @@ def beside_busy_loop(
         embedders["process"] = (ProcessForwarder(factory), 0.0)
         embedders["process_led"] = (ProcessForwarder(factory), lead_ms)
         embedders["process_spinning"] = (ProcessForwarder(factory, spin_s=spin_ms / 1000), lead_ms)
+        # a spin longer than the gap between questions: the child's core never idles between them (on the H200
+        # host of 2026-12-05's second lease a forward 30 ms after the last took 1.04 ms against 0.59 back to back)
+        warm_s = (spaced_ms + 10) / 1000
+        embedders["process_kept_warm"] = (ProcessForwarder(factory, spin_s=warm_s), lead_ms)
         for name, (forwarder, lead) in embedders.items():
             batcher = QueryBatcher(forwarder, 8)
             out[name] = {
@@ -503,6 +508,10 @@ def main() -> None:
     finally:
         redis.stop()
     loop = report["embed_ms"]["beside_busy_loop"]
+    # what keeping the child's core awake between questions gives, beside the spin around each question alone
+    report["embed_ms"]["spaced_kept_warm_over_led"] = round(
+        loop["process_kept_warm"]["spaced"]["total"] / loop["process_led"]["spaced"]["total"], 4
+    )
     report["targets"] = [
         target(
             "question embedding beside a busy event loop / on an idle one, its forward in a process of its own",

@@ -105,10 +105,11 @@ class IngressArgs(Strict):
     embed_spin_ms: float = Field(
         0.0,
         ge=0,
-        le=20,
+        le=200,
         description="With query_embedding 'process': how long the embedder's process, woken as a chat arrives, polls "
         "for the question instead of sleeping (and again after each answer), and how long the ingress's loop does "
-        "not sleep while a question is embedded; 0: both sleep. CPU time bounded by each request.",
+        "not sleep while a question is embedded; 0: both sleep. CPU time bounded by each request; a spin longer "
+        "than the gap between chats keeps the process's core awake while chats keep coming (a core per replica).",
     )
     search_copy_bytes: int = Field(
         1 << 30,

@@ -105,10 +105,11 @@ def test_chats_go_over_the_channel_unless_serves_handle_is_asked_for_and_autosca
 def test_the_spins_are_off_by_default_and_bounded():
     args = AppArgs(state_dir="/s")
     assert args.ingress.embed_spin_ms == 0 and args.llm.ahead_spin_ms == 0
-    given = AppArgs(state_dir="/s", ingress={"embed_spin_ms": 2}, llm={"ahead_spin_ms": 3})
-    assert given.ingress.embed_spin_ms == 2 and given.llm.ahead_spin_ms == 3
-    for bad in (-1, 50):
+    given = AppArgs(state_dir="/s", ingress={"embed_spin_ms": 40}, llm={"ahead_spin_ms": 3})  # 40: kept warm
+    assert given.ingress.embed_spin_ms == 40 and given.llm.ahead_spin_ms == 3
+    for bad in (-1, 201):
         with pytest.raises(ValidationError, match="embed_spin_ms"):
             AppArgs(state_dir="/s", ingress={"embed_spin_ms": bad})
+    for bad in (-1, 50):
         with pytest.raises(ValidationError, match="ahead_spin_ms"):
             AppArgs(state_dir="/s", llm={"ahead_spin_ms": bad})
