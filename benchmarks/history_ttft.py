@@ -43,12 +43,12 @@ from benchmarks._common import (  # noqa: E402
 from benchmarks.history_selection import history_lines, history_questions  # noqa: E402
 from benchmarks.quality.devset import conversation  # noqa: E402
 from benchmarks.quality.run import Client  # noqa: E402
+from deployments.app_args import SCORING_LAYERS  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 MODES = ("no_memory", "history", "whole_prefill")
 PIECE = 30_000  # characters a message (the API's limit is 32,000): a pasted history goes as several
 MODEL = "inferscale-smollm2"  # the served name, whatever the weights
-SCORING_LAYERS = 4  # what history mode's question pass reads by default (`llm.history_scoring_layers`)
 
 
 def tenant_history(tokenizer, tenant: int, tokens: int) -> tuple[str, list[str]]:

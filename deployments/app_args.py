@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from config.connector import DEFAULT_DEVICE_CACHE_BYTES, RecordDtype, TierConfig
 from deployments.memory_prompt import FactOrder
 
+SCORING_LAYERS = 4  # history mode's question pass by default: layers 0-3
+
 CPU_ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,
@@ -50,7 +52,7 @@ class LLMArgs(Strict):
         DEFAULT_DEVICE_CACHE_BYTES, ge=0, description="The connector's device arena of records."
     )
     history_scoring_layers: int = Field(
-        4,
+        SCORING_LAYERS,
         ge=1,
         le=8,
         description="History mode: the model's first layers a question passes through to score the history's "

@@ -30,6 +30,7 @@ from typing import Iterator
 
 import torch
 
+from deployments.app_args import SCORING_LAYERS
 from deployments.choice_graphs import BOUNDS_ACCUMULATE, OrderGraphs, QuestionPass
 from deployments.memory_prompt import MemoryItem
 from deployments.triton_adapter import optional_kernel
@@ -44,7 +45,6 @@ from models.minilm import MiniLMEmbedder
 
 log = logging.getLogger(__name__)
 
-SCORING_LAYERS = 4  # the question's own pass by default: layers 0-3 (`llm.history_scoring_layers`)
 CACHED_INDEX_BYTES = 2 << 30  # what a replica's kept indexes may take (~42 MB each: a 32k-token history, 8B shape)
 
 

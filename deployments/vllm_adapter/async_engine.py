@@ -24,9 +24,10 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from config.connector import ConnectorConfig, stored_dtype
+from deployments.app_args import SCORING_LAYERS
 from deployments.chat_task import ChatAhead, ChatTask, RetrievedFact, message_dicts, single_question
 from deployments.encode_slots import EncodeSlots
-from deployments.history_mode import SCORING_LAYERS, HistoryChooser
+from deployments.history_mode import HistoryChooser
 from deployments.memory_prompt import LaidOutPrompt, MemoryItem, Mode, lay_out
 from deployments.vllm_adapter.detokenize import install_prompt_suffix_detokenizer, installed
 from deployments.vllm_adapter.engine import capture_request, kv_transfer_config
