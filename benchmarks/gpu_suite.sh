@@ -7,7 +7,8 @@
 # A device call runs at most 600 s: serve-http, locust, tenants-gpu and history-ttft (up to 590 s each) take a call of their own,
 # after the call that ends with `setup` (the machine stays warm 30 s between calls: send the next one at once).
 #   steps: setup gpu-tests inject-kernel chunk-bounds retrieval chat-ahead injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
-#          profile-tiers (or profile-host, profile-disk) profile-encode quality record-precision history-quality history-ttft mps-on mps-off
+#          profile-tiers (or profile-host, profile-disk) profile-encode quality record-precision history-quality history-ttft
+#          history-ttft-layers mps-on mps-off
 # QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own;
 # INGRESS_REPLICAS=N runs serve-http with N ingress replicas (default 4: each an event loop where requests queue).
 # SPIN_MS=2 has serve-http's query embedder, ingress loop and LLM replica's loop poll instead of sleeping around a chat.
@@ -86,6 +87,15 @@ for step in "$@"; do
     history-ttft) sampled history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --tenants "${HISTORY_TTFT_TENANTS:-4}" \
             --scoring-layers "${HISTORY_SCORING_LAYERS:-4}" --out "$out/history_ttft.json"
         tail -30 "$out/history-ttft.log" ;;
+    history-ttft-layers)  # the scoring layers side by side in one call, on the same host: each of HISTORY_LAYER_SET
+        # (default "1 4") a run of its own (2 tenants, 250 s each), its report history_ttft_e<N>.json
+        for layers in ${HISTORY_LAYER_SET:-1 4}; do
+            run "history-ttft-e$layers" 280 python3 benchmarks/history_ttft.py --deadline-s 250 --tenants "${HISTORY_TTFT_TENANTS:-2}" --rounds 24 \
+                --scoring-layers "$layers" --out "$out/history_ttft_e$layers.json"
+            python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); m = r["modes"]
+print(sys.argv[2], "layers:", {t["name"][:40]: t["value"] for t in r["targets"]}, "choose", r["history_choose_ms_p50"],
+      "ttft", {k: v["ttft_ms_p50"] for k, v in m.items()})' "$out/history_ttft_e$layers.json" "$layers"
+        done ;;
     history-quality) run history-quality 400 python3 benchmarks/history_quality.py --tenants "${HISTORY_TENANTS:-4}" --out "$out/history_quality.json"
         grep -E "^history_|^whole_history" "$out/history-quality.log" ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
