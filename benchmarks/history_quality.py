@@ -183,6 +183,27 @@ def read_rows(path: Path) -> list[dict]:
     return json.loads(path.read_text())["rows"]
 
 
+def merged(reports: list[dict]) -> tuple[dict, int | None]:
+    """Several runs' reports (a long run split by `--first-tenant`) as one run's findings, and their scoring
+    layers; a `ValueError` when two of them answered the same tenant's question or they scored differently."""
+    layers = {r.get("scoring_layers") for r in reports}
+    if len(layers) > 1:
+        raise ValueError(f"the reports were run with different scoring layers: {sorted(layers, key=str)}")
+    seen: set[tuple[str, str, str]] = set()
+    for report in reports:
+        asked = {(r["mode"], r["sample"], r["question"]) for r in report["rows"]}
+        if seen & asked:
+            raise ValueError("two reports answered the same tenant's questions: merge runs over other tenants")
+        seen |= asked
+    found = {
+        "history_tokens": [t for r in reports for t in r["history_tokens"]],
+        "history_chunks": [c for r in reports for c in r["history_chunks"]],
+        "write_s": [s for r in reports for s in r["history_write_s"]],
+        "rows": [row for r in reports for row in r["rows"]],
+    }
+    return found, layers.pop()
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--budgets", default="0.1,0.2", help="shares of the history's tokens (the whole is always asked)")
@@ -200,15 +221,34 @@ def main() -> None:
         "default: the setting's own)",
     )
     p.add_argument("--against", type=Path, help="another run's report: pair this run's answers with its own")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="REPORT",
+        help="run nothing: summarize these reports' answers as one run (runs over other tenants, same budgets)",
+    )
     args = p.parse_args()
-    if args.against is not None and not args.against.is_file():
-        p.error(f"--against: no report at {args.against}")
+    for path in [args.against, *(args.merge or [])]:
+        if path is not None and not path.is_file():
+            p.error(f"no report at {path}")
     try:
         budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     except ValueError:
         p.error(f"--budgets must be comma-separated shares, got {args.budgets!r}")
     if not budgets or not all(0 < b <= 1 for b in budgets):
         p.error("every budget must be a share in (0, 1]")
+    if args.merge:
+        try:
+            found, layers = merged([json.loads(path.read_text()) for path in args.merge])
+        except json.JSONDecodeError as exc:
+            p.error(f"--merge: a report that is not JSON ({exc})")
+        except KeyError as exc:
+            p.error(f"--merge: not a history_quality report (it has no {exc})")
+        except ValueError as exc:
+            p.error(f"--merge: {exc}")
+        finish(args, found, budgets, layers)
+        return
     from transformers import AutoTokenizer
 
     from config import load_settings
@@ -242,8 +282,13 @@ def main() -> None:
         "write_s": [round(r["write_s"], 2) for r in runs],
         "rows": [row for r in runs for row in r["rows"]],
     }
+    finish(args, found, budgets, None if args.base_url else args.scoring_layers)  # None: the setting's default
+
+
+def finish(args, found: dict, budgets: list[float], scoring_layers: int | None) -> None:
+    """The report of a run's (or merged runs') answers: written, and each mode's F1 printed."""
     report = summarize(found, budgets) | {"benchmark": "history_quality", "quick": args.quick}
-    report["scoring_layers"] = None if args.base_url else args.scoring_layers  # None: the setting's default
+    report["scoring_layers"] = scoring_layers
     if args.against is not None:
         report["against"] = {"report": str(args.against)} | against(found["rows"], read_rows(args.against))
     write_report(args.out, report)

@@ -1,6 +1,8 @@
 """The history-mode quality report: F1 per budget and its paired ratio to the whole history, with the target."""
 
-from benchmarks.history_quality import against, mode_name, summarize
+import pytest
+
+from benchmarks.history_quality import against, merged, mode_name, summarize
 
 
 def _row(mode: str, question: str, f1: float, prediction: str = "") -> dict:
@@ -89,3 +91,25 @@ def test_a_history_against_no_memory_that_scores_nothing_is_infinitely_better_no
     rows = [_row("whole_history", "a", 0.5), _row("no_memory", "a", 0.0), _row("history_10pct", "a", 0.5)]
     report = summarize({"history_tokens": 100, "history_chunks": 7, "write_s": 1.0, "rows": rows}, [0.1])
     assert report["f1_ratio_to_whole_history"]["whole_history_over_no_memory"]["ratio"] == float("inf")
+
+
+def _report(tenant: str, questions: str, layers: int | None = 1) -> dict:
+    rows = [{**_row(mode, q, 0.5), "sample": tenant} for q in questions for mode in ("history_10pct", "whole_history")]
+    return {
+        "history_tokens": [90],
+        "history_chunks": [6],
+        "history_write_s": [1.5],
+        "scoring_layers": layers,
+        "rows": rows,
+    }
+
+
+def test_runs_over_other_tenants_merge_into_one_and_overlaps_are_refused():
+    found, layers = merged([_report("t0", "ab"), _report("t1", "abc")])
+    assert layers == 1 and found["history_tokens"] == [90, 90] and found["write_s"] == [1.5, 1.5]
+    assert len(found["rows"]) == 10 and {r["sample"] for r in found["rows"]} == {"t0", "t1"}
+    assert summarize(found, [0.1])["f1_ratio_to_whole_history"]["history_10pct"]["questions"] == 5
+    with pytest.raises(ValueError, match="same tenant's questions"):
+        merged([_report("t0", "ab"), _report("t0", "b")])
+    with pytest.raises(ValueError, match="different scoring layers"):
+        merged([_report("t0", "a"), _report("t1", "a", layers=None)])
