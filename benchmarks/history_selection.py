@@ -49,7 +49,7 @@ from models.loader import force_offline, model_path
 FIXED_SIZES = (16, 32, 64)  # tokens a chunk, fixed chunkings side by side
 TURN_MAX = 64  # a turn longer than this is split (chunks along turns)
 SCORING_LAYERS = 4  # layers scored (evenly spaced) in the few-layer variant: summaries of those layers only
-FEWER_EARLY = (1, 2)  # shorter question passes (fewer layers to pass and to bound) beside the design's four
+FEWER_EARLY = (1, 2)  # shorter question passes beside four (the serving default is one since 2026-12-06)
 TOP_SHARE = 0.10
 ANSWER_TOKENS = 12  # greedy tokens of each answer (the dev set's answers are a few words)
 

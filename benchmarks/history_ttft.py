@@ -4,11 +4,12 @@ same question with no memory (k = 0) and against prefilling the whole history, t
 Each tenant writes a history of `--history-tokens` tokens (`PUT /v1/history`: the LLM replica prefills it once and
 keeps every 16-token chunk as a record), built from the project's generated conversations (a line a turn, each
 tenant its own conversations). Then, one chat at a time and interleaved per question: no memory (`mode: off`);
-history mode at `--budget` tokens (the replica runs the question through the model's first four layers, bounds
-every chunk by its summaries, adds the chunks of the turns retrieval finds, and injects the chosen ones); and now
-and then the whole history pasted into the question and prefilled (a nonce first, so vLLM's prefix cache cannot
-serve it). TTFT is the ingress's (the request's arrival to its first token: choosing included); each history chat
-also reports what choosing took (`usage.history_choose_ms`: the question's pass, retrieval, the bounds).
+history mode at `--budget` tokens (the replica runs the question through the model's first `--scoring-layers`
+layers, bounds every chunk by its summaries, adds the chunks of the turns retrieval finds, and injects the chosen
+ones); and now and then the whole history pasted into the question and prefilled (a nonce first, so vLLM's prefix
+cache cannot serve it). TTFT is the ingress's (the request's arrival to its first token: choosing included); each
+history chat also reports what choosing took (`usage.history_choose_ms`: the question's pass, retrieval, the
+bounds).
 The chunks a question needs sit wherever earlier questions left them: the device arena for those already
 loaded, the record store (page cache or disk) for the rest.
 

@@ -1,9 +1,9 @@
 """History mode's choice on a GPU as CUDA graph replays: the question's pass, then the chunks' order.
 
-A history question's choice is ~300 small device operations: the question's four-layer pass (~100), then its
-rows in float64, the bounds kernel, the float32 margin, the masses and their order (~180). Launched one by one
-from Python they cost the host ~2.4 ms on the H200 (2026-12-05) for ~1 ms of device work. Captured, each part
-is one launch:
+A history question's choice at four scoring layers is ~300 small device operations: the question's pass (~100), then
+its rows in float64, the bounds kernel, the float32 margin, the masses and their order (~180). Launched one by one
+from Python they cost the host ~2.4 ms on the H200 (2026-12-05) for ~1 ms of device work. Captured, each part is one
+launch:
 - `QuestionPass`: one graph per question-length bucket, the question padded at its end (the pass is causal: its
   own tokens' queries stay exact).
 - `OrderGraphs`: one graph per (chunk bucket, question bucket) for the order, fed by the pass's output. A graph's

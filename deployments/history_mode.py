@@ -225,7 +225,7 @@ class HistoryChooser:
     @contextlib.contextmanager
     def _beside(self) -> Iterator[torch.cuda.Stream | None]:
         """On a GPU, this chooser's second stream as the current one (the question's embedding and the turns'
-        similarities, ~0.4 ms of small kernels on the H200, run there while the question's four-layer pass runs on
+        similarities, ~0.4 ms of small kernels on the H200, run there while the question's pass runs on
         the first); elsewhere nothing changes."""
         if self.device.type != "cuda":
             yield None

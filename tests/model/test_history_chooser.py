@@ -76,7 +76,7 @@ def test_a_chooser_scoring_with_the_first_layer_only_keeps_one_layer_of_summarie
     records = _chunk_records(loaded, "t1", "history-a")
     store.put_many(records)
     one = HistoryChooser(loaded.path, store, loaded.tokenizer, scoring_layers=1)
-    four = HistoryChooser(loaded.path, store, loaded.tokenizer)
+    four = HistoryChooser(loaded.path, store, loaded.tokenizer, scoring_layers=4)
     small, large = (c.index_records("t1", "history-a", records) for c in (one, four))
     assert small.scoring_layers == 1 and small.summaries.high.shape[1] == 1 and large.summaries.high.shape[1] == 4
     assert torch.equal(small.summaries.high[:, 0], large.summaries.high[:, 0])
