@@ -30,6 +30,7 @@ from benchmarks.history_selection import history_lines, history_questions  # noq
 from benchmarks.quality.devset import conversation  # noqa: E402
 from benchmarks.quality.run import SUFFIX, Client, paired_ratio  # noqa: E402
 from benchmarks.quality.scoring import mean_interval, score  # noqa: E402
+from deployments.app_args import SCORING_LAYERS  # noqa: E402
 
 CONTEXT = 8192  # SmolLM2's context: the full run's history (7,554 tokens) fits behind the chat frame
 HISTORY_TOKENS = 7600  # a tenant's history at most: room for the frame, the question and the answer
@@ -218,7 +219,7 @@ def main() -> None:
         "--scoring-layers",
         type=int,
         help="the first layers whose queries score the chunks (`llm.history_scoring_layers` of the cluster started; "
-        "default: the setting's own)",
+        f"default: the setting's own, {SCORING_LAYERS})",
     )
     p.add_argument("--against", type=Path, help="another run's report: pair this run's answers with its own")
     p.add_argument(
@@ -282,7 +283,8 @@ def main() -> None:
         "write_s": [round(r["write_s"], 2) for r in runs],
         "rows": [row for r in runs for row in r["rows"]],
     }
-    finish(args, found, budgets, None if args.base_url else args.scoring_layers)  # None: the setting's default
+    layers = None if args.base_url else args.scoring_layers or SCORING_LAYERS  # None: another's cluster, not known
+    finish(args, found, budgets, layers)
 
 
 def finish(args, found: dict, budgets: list[float], scoring_layers: int | None) -> None:

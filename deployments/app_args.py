@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from config.connector import DEFAULT_DEVICE_CACHE_BYTES, RecordDtype, TierConfig
 from deployments.memory_prompt import FactOrder
 
-# history mode's question pass by default: layer 0 only (docs/history-selection.md, "One scoring layer": on an
+# history mode's question pass by default: layer 0 only (docs/history-selection.md, "The eighth run": on an
 # H100 2.5 ms off a history chat's TTFT, answers 0.98 [0.91, 1.06] of four layers' over 2,532 paired questions)
 SCORING_LAYERS = 1
 
