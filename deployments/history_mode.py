@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 
 CACHED_INDEX_BYTES = 2 << 30  # what a replica's kept indexes may take (~42 MB each: a 32k-token history, 8B shape)
 
+# The wall's pieces, one after another on the host: the index and the question's tokens; retrieval queued (its
+# embedding's tokens and launch); the question's pass and the chunks' order queued; the selection (it waits for the
+# device); the memory items
+HOST_PARTS = ("prepare", "retrieval", "order", "select", "items")
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -60,14 +65,16 @@ class Choice:
     selection_ms: float  # the heads of both orders back on the host, and the chunks within the budget
     wall_ms: float  # the whole choice on the host's clock: the steps, waiting for the device, the items
     retrieval_beside: bool = False  # on a GPU retrieval runs on a stream of its own, beside the question's pass
+    host_ms: dict[str, float] = field(default_factory=dict)  # the wall's pieces on the host's clock (`HOST_PARTS`)
 
     def timings(self) -> dict[str, float]:
         """Each step's ms and their `total`: the steps one after another (retrieval only where it did not run
-        beside the question's pass)."""
+        beside the question's pass); the wall, and its pieces on the host's clock as `host_<piece>`."""
         parts = {"index": self.index_ms, "question": self.question_ms, "retrieval": self.retrieval_ms}
         parts |= {"bounds": self.bounds_ms, "selection": self.selection_ms}
         total = sum(parts.values()) - (self.retrieval_ms if self.retrieval_beside else 0.0)
         every = {**parts, "total": total, "wall": self.wall_ms}
+        every |= {f"host_{piece}": ms for piece, ms in self.host_ms.items()}
         return {name: round(ms, 3) for name, ms in every.items()}
 
 
@@ -191,10 +198,12 @@ class HistoryChooser:
         index = self.index(tenant_id, history_id)
         index_ms = (time.perf_counter() - began) * 1000
         ids = self._tokenizer.encode(question, add_special_tokens=False) or [self._tokenizer.eos_token_id]
+        host = [began, time.perf_counter()]  # the host's clock at the end of each of `HOST_PARTS`
         with self._beside() as side:  # on a GPU queued first, on its own stream: it runs during the pass below
             retrieval = _StepMarks(self.device)
             by_retrieval = index.by_retrieval(self.embedder.embed_tensor([question])[0]) if question else []
             retrieval.mark()
+        host.append(time.perf_counter())
         marks = _StepMarks(self.device)
         graphs = self.order_graphs
         by_mass = graphs.order(index, ids, marks.mark) if graphs is not None else None  # two replays on a GPU
@@ -205,9 +214,12 @@ class HistoryChooser:
             marks.mark()
         if side is not None:  # the selection reads retrieval's order: the device waits for it, the host does not
             torch.cuda.current_stream(self.device).wait_stream(side)
+        host.append(time.perf_counter())
         chosen = index.select(by_mass, budget, by_retrieval)  # the heads of both orders come back to the host
         marks.mark()
+        host.append(time.perf_counter())
         items = [MemoryItem(index.record_ids[c], index.chunk_tokens(c), index.record_ids[c]) for c in chosen]
+        host.append(time.perf_counter())
         question_ms, bounds_ms, selection_ms = marks.spans_ms()
         (retrieval_ms,) = retrieval.spans_ms()
         wall_ms = (time.perf_counter() - began) * 1000
@@ -220,6 +232,7 @@ class HistoryChooser:
             selection_ms,
             wall_ms,
             retrieval_beside=side is not None,
+            host_ms={piece: (after - before) * 1000 for piece, before, after in zip(HOST_PARTS, host, host[1:])},
         )
 
     @contextlib.contextmanager

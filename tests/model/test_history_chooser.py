@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from benchmarks.history_selection import Captured, per_head
-from deployments.history_mode import HistoryChooser
+from deployments.history_mode import HOST_PARTS, HistoryChooser
 from kvcore.history import fixed_spans
 from kvcore.history_index import HISTORY_CHUNK, chunk_record_id
 from kvcore.record import EncodingParams, FactKV
@@ -56,6 +56,8 @@ def test_an_index_rebuilt_from_the_store_equals_the_captured_one_and_a_dropped_h
     choice = chooser.choose("t1", "history-a", "What is the name of Maya's cat?", budget=48)
     items = choice.items
     assert sum(len(i.token_ids) for i in items) <= 48 and choice.question_ms > 0 and choice.bounds_ms > 0
+    assert tuple(choice.host_ms) == HOST_PARTS and all(ms >= 0 for ms in choice.host_ms.values())
+    assert choice.host_ms["order"] > 0 and sum(choice.host_ms.values()) <= choice.wall_ms  # inside the wall
     cat_turn = next(i for i, t in enumerate(MAYA) if "Pixel" in t.text)
     start, end = built.turns[cat_turn]
     assert any(s < end and start < e for s, e in (built.spans[built.record_ids.index(i.record_id)] for i in items))

@@ -49,10 +49,13 @@ def test_a_history_is_written_once_and_chats_attend_to_the_chunks_within_their_b
     assert 16 <= usage["memory_tokens"] <= 64 and usage["history_chunks"] == -(-usage["memory_tokens"] // 16)
     assert "Pixel" in part.json()["choices"][0]["message"]["content"]  # retrieval's half found the cat's turn
     steps = usage["history_choose_ms"]  # what choosing took, step by step, and within the chat's own TTFT
+    host = {f"host_{piece}" for piece in ("prepare", "retrieval", "order", "select", "items")}
     assert (
-        set(steps) == {"index", "question", "retrieval", "bounds", "selection", "total", "wall", "call"}
+        set(steps) == {"index", "question", "retrieval", "bounds", "selection", "total", "wall", "call"} | host
         and steps["question"] > 0
     )
+    # the wall's pieces on the host's clock, one after another inside it
+    assert all(steps[k] >= 0 for k in host) and sum(steps[k] for k in host) <= steps["wall"] + 0.01
     parts = ("index", "question", "retrieval", "bounds", "selection")
     assert steps["total"] == pytest.approx(sum(steps[k] for k in parts), abs=0.01)
     # the host's clock holds the steps; the loop's wait holds the host's; the chat's TTFT holds the wait
