@@ -92,9 +92,7 @@ for step in "$@"; do
         for layers in ${HISTORY_LAYER_SET:-1 4}; do
             run "history-ttft-e$layers" 280 python3 benchmarks/history_ttft.py --deadline-s 250 --tenants "${HISTORY_TTFT_TENANTS:-2}" --rounds 24 \
                 --scoring-layers "$layers" --out "$out/history_ttft_e$layers.json"
-            python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); m = r["modes"]
-print(sys.argv[2], "layers:", {t["name"][:40]: t["value"] for t in r["targets"]}, "choose", r["history_choose_ms_p50"],
-      "ttft", {k: v["ttft_ms_p50"] for k, v in m.items()})' "$out/history_ttft_e$layers.json" "$layers"
+            tail -30 "$out/history-ttft-e$layers.log"
         done ;;
     history-quality) run history-quality 400 python3 benchmarks/history_quality.py --tenants "${HISTORY_TENANTS:-4}" --out "$out/history_quality.json"
         grep -E "^history_|^whole_history" "$out/history-quality.log" ;;
