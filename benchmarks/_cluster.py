@@ -197,7 +197,7 @@ def start_cluster(
         "dtype": "bfloat16" if cuda else "float32",
         "env": env,
         "max_ongoing_requests": 256,
-        "ahead_spin_ms": spin_ms,
+        "ahead_spin_ms": min(spin_ms, 20.0),  # the note's chat follows within ms: its setting stops at 20
         "ray_actor_options": {"num_cpus": 1, "num_gpus": LLM_GPU_SHARE} if cuda else {"num_cpus": 1},
     }
     ingress = {

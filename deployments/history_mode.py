@@ -47,10 +47,10 @@ log = logging.getLogger(__name__)
 
 CACHED_INDEX_BYTES = 2 << 30  # what a replica's kept indexes may take (~42 MB each: a 32k-token history, 8B shape)
 
-# The wall's pieces, one after another on the host: the index and the question's tokens; retrieval queued (its
-# embedding's tokens and launch); the question's pass and the chunks' order queued; the selection (it waits for the
-# device); the memory items
-HOST_PARTS = ("prepare", "retrieval", "order", "select", "items")
+# The wall's pieces, one after another on the host: the index and the question's tokens; the question's pass and the
+# chunks' order queued; retrieval queued (its embedding's tokens and launch, while the device runs the order); the
+# selection (it waits for the device); the memory items
+HOST_PARTS = ("prepare", "order", "retrieval", "select", "items")
 
 
 @dataclass(frozen=True)
@@ -199,11 +199,7 @@ class HistoryChooser:
         index_ms = (time.perf_counter() - began) * 1000
         ids = self._tokenizer.encode(question, add_special_tokens=False) or [self._tokenizer.eos_token_id]
         host = [began, time.perf_counter()]  # the host's clock at the end of each of `HOST_PARTS`
-        with self._beside() as side:  # on a GPU queued first, on its own stream: it runs during the pass below
-            retrieval = _StepMarks(self.device)
-            by_retrieval = index.by_retrieval(self.embedder.embed_tensor([question])[0]) if question else []
-            retrieval.mark()
-        host.append(time.perf_counter())
+        inputs_ready = self._queued_so_far()  # what the thread queued before (the index, if built just now)
         marks = _StepMarks(self.device)
         graphs = self.order_graphs
         by_mass = graphs.order(index, ids, marks.mark) if graphs is not None else None  # two replays on a GPU
@@ -212,15 +208,21 @@ class HistoryChooser:
             marks.mark()
             by_mass = index.mass_order(queries)
             marks.mark()
+        host.append(time.perf_counter())
+        with self._beside(inputs_ready) as side:  # on a GPU the device runs the order's replays meanwhile
+            retrieval = _StepMarks(self.device)
+            by_retrieval = index.by_retrieval(self.embedder.embed_tensor([question])[0]) if question else []
+            retrieval.mark()
         if side is not None:  # the selection reads retrieval's order: the device waits for it, the host does not
             torch.cuda.current_stream(self.device).wait_stream(side)
+        marks.mark()  # the order's end to here: the wait for retrieval, not the selection's
         host.append(time.perf_counter())
         chosen = index.select(by_mass, budget, by_retrieval)  # the heads of both orders come back to the host
         marks.mark()
         host.append(time.perf_counter())
         items = [MemoryItem(index.record_ids[c], index.chunk_tokens(c), index.record_ids[c]) for c in chosen]
         host.append(time.perf_counter())
-        question_ms, bounds_ms, selection_ms = marks.spans_ms()
+        question_ms, bounds_ms, _, selection_ms = marks.spans_ms()
         (retrieval_ms,) = retrieval.spans_ms()
         wall_ms = (time.perf_counter() - began) * 1000
         return Choice(
@@ -235,18 +237,26 @@ class HistoryChooser:
             host_ms={piece: (after - before) * 1000 for piece, before, after in zip(HOST_PARTS, host, host[1:])},
         )
 
-    @contextlib.contextmanager
-    def _beside(self) -> Iterator[torch.cuda.Stream | None]:
-        """On a GPU, this chooser's second stream as the current one (the question's embedding and the turns'
-        similarities, ~0.4 ms of small kernels on the H200, run there while the question's pass runs on
-        the first); elsewhere nothing changes."""
+    def _queued_so_far(self) -> torch.cuda.Event | None:
+        """On a GPU, an event after what this thread queued so far on its stream; None elsewhere."""
         if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @contextlib.contextmanager
+    def _beside(self, inputs_ready: torch.cuda.Event | None) -> Iterator[torch.cuda.Stream | None]:
+        """On a GPU, this chooser's second stream as the current one, after `inputs_ready` but not after what
+        the first stream queued since (the question's embedding and the turns' similarities run there while
+        the question's pass and the chunks' order run on the first); elsewhere nothing changes."""
+        if inputs_ready is None:
             yield None
             return
         with self._lock:
             if self._side is None:
                 self._side = torch.cuda.Stream(self.device)
-        self._side.wait_stream(torch.cuda.current_stream(self.device))  # what the thread queued before, first
+        self._side.wait_event(inputs_ready)
         with torch.cuda.stream(self._side):
             yield self._side
 
