@@ -48,9 +48,10 @@ log = logging.getLogger(__name__)
 CACHED_INDEX_BYTES = 2 << 30  # what a replica's kept indexes may take (~42 MB each: a 32k-token history, 8B shape)
 
 # The wall's pieces, one after another on the host: the index and the question's tokens; the question's pass and the
-# chunks' order queued; retrieval queued (its embedding's tokens and launch, while the device runs the order); the
-# selection (it waits for the device); the memory items
-HOST_PARTS = ("prepare", "order", "retrieval", "select", "items")
+# chunks' order queued; retrieval queued while the device runs them (the question's embedding: its tokens and graph
+# replay; then the turns' similarities and the chunks' order by them); the selection (it waits for the device); the
+# memory items
+HOST_PARTS = ("prepare", "order", "embed", "similarity", "select", "items")
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,9 @@ class HistoryChooser:
         host.append(time.perf_counter())
         with self._beside(inputs_ready) as side:  # on a GPU the device runs the order's replays meanwhile
             retrieval = _StepMarks(self.device)
-            by_retrieval = index.by_retrieval(self.embedder.embed_tensor([question])[0]) if question else []
+            vector = self.embedder.embed_tensor([question])[0] if question else None
+            host.append(time.perf_counter())
+            by_retrieval = index.by_retrieval(vector) if vector is not None else []
             retrieval.mark()
         if side is not None:  # the selection reads retrieval's order: the device waits for it, the host does not
             torch.cuda.current_stream(self.device).wait_stream(side)

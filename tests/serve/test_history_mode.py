@@ -49,7 +49,7 @@ def test_a_history_is_written_once_and_chats_attend_to_the_chunks_within_their_b
     assert 16 <= usage["memory_tokens"] <= 64 and usage["history_chunks"] == -(-usage["memory_tokens"] // 16)
     assert "Pixel" in part.json()["choices"][0]["message"]["content"]  # retrieval's half found the cat's turn
     steps = usage["history_choose_ms"]  # what choosing took, step by step, and within the chat's own TTFT
-    host = {f"host_{piece}" for piece in ("prepare", "retrieval", "order", "select", "items")}
+    host = {f"host_{piece}" for piece in ("prepare", "order", "embed", "similarity", "select", "items")}
     assert (
         set(steps) == {"index", "question", "retrieval", "bounds", "selection", "total", "wall", "call"} | host
         and steps["question"] > 0
