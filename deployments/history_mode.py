@@ -132,6 +132,7 @@ class HistoryChooser:
         self._order_graphs: OrderGraphs | None = None
         self._embedder: MiniLMEmbedder | None = None
         self._indexes: OrderedDict[tuple[str, str], HistoryIndex] = OrderedDict()
+        self._items: dict[tuple[str, str], tuple[HistoryIndex, list[MemoryItem]]] = {}  # `_chunk_items`, per kept index
         self._lock = threading.Lock()  # the choice runs in worker threads
         self._bounds = chunk_bounds_for(self.device)
         self._side: torch.cuda.Stream | None = None  # a GPU chooser's second stream (`_beside`)
@@ -223,7 +224,8 @@ class HistoryChooser:
         chosen = index.select(by_mass, budget, by_retrieval)  # the heads of both orders come back to the host
         marks.mark()
         host.append(time.perf_counter())
-        items = [MemoryItem(index.record_ids[c], index.chunk_tokens(c), index.record_ids[c]) for c in chosen]
+        every = self._chunk_items((tenant_id, history_id), index)
+        items = [every[c] for c in chosen]
         host.append(time.perf_counter())
         question_ms, bounds_ms, _, selection_ms = marks.spans_ms()
         (retrieval_ms,) = retrieval.spans_ms()
@@ -287,10 +289,24 @@ class HistoryChooser:
         prefix = chunk_prefix(history_id)
         return sorted(r for r in self._store.record_ids(tenant_id) if r.startswith(prefix))
 
+    def _chunk_items(self, key: tuple[str, str], index: HistoryIndex) -> list[MemoryItem]:
+        """Every chunk of a kept index as its memory item, built once with the index: a history chat takes ~128 of
+        them, and building those each time took 0.28 ms of the choice on the H100's host (2026-12-06)."""
+        with self._lock:
+            kept = self._items.get(key)
+        if kept is not None and kept[0] is index:
+            return kept[1]
+        items = [MemoryItem(record, index.chunk_tokens(c), record) for c, record in enumerate(index.record_ids)]
+        with self._lock:
+            if self._indexes.get(key) is index:  # only a kept index keeps its items
+                self._items[key] = (index, items)
+        return items
+
     def drop(self, tenant_id: str, history_id: str) -> int:
         """Forget a history and delete its chunk records; returns how many were deleted."""
         with self._lock:
             self._indexes.pop((tenant_id, history_id), None)
+            self._items.pop((tenant_id, history_id), None)
         return sum(self._store.delete(tenant_id, r) for r in self.chunk_ids(tenant_id, history_id))
 
     def _keep(self, key: tuple[str, str], index: HistoryIndex) -> HistoryIndex:
@@ -299,7 +315,10 @@ class HistoryChooser:
             self._indexes.move_to_end(key)
             held = sum(i.nbytes for i in self._indexes.values())
             while held > self._cached_bytes and len(self._indexes) > 1:  # the newest always stays
-                held -= self._indexes.popitem(last=False)[1].nbytes
+                gone, dropped = self._indexes.popitem(last=False)
+                self._items.pop(gone, None)
+                held -= dropped.nbytes
+        self._chunk_items(key, index)  # here, not in its first question's path
         return index
 
 

@@ -61,7 +61,14 @@ def test_an_index_rebuilt_from_the_store_equals_the_captured_one_and_a_dropped_h
     cat_turn = next(i for i, t in enumerate(MAYA) if "Pixel" in t.text)
     start, end = built.turns[cat_turn]
     assert any(s < end and start < e for s, e in (built.spans[built.record_ids.index(i.record_id)] for i in items))
+    index = chooser.index("t1", "history-a")  # each item is its chunk's tokens and record, built once per index
+    for item in items:
+        chunk = index.record_ids.index(item.record_id)
+        assert item.fact_id == item.record_id and item.token_ids == index.chunk_tokens(chunk)
+    again = chooser.choose("t1", "history-a", "What is the name of Maya's cat?", budget=48).items
+    assert again == items and all(a is b for a, b in zip(again, items))
     assert chooser.drop("t1", "history-a") == len(records) and store.record_ids("t1") == []
+    assert not chooser._items  # a dropped history's items go with its index
     with pytest.raises(ValueError, match="no chunks"):
         chooser.index("t1", "history-a")
 
@@ -103,6 +110,7 @@ def test_kept_indexes_are_bounded_by_their_bytes_and_an_evicted_one_is_rebuilt(l
     first = chooser.index_records("t1", "history-a", records["history-a"])
     chooser.index_records("t1", "history-b", records["history-b"])
     assert list(chooser._indexes) == [("t1", "history-b")] and first.nbytes > 1
+    assert list(chooser._items) == [("t1", "history-b")]  # an index let go takes its items along
     again = chooser.index("t1", "history-a")
     assert again is not first and torch.equal(again.summaries.high, first.summaries.high)
 
