@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks._cluster import write_early_layers
-from benchmarks.history_ttft import summarize, tenant_history
+from benchmarks.history_ttft import history_tail, summarize, tenant_history
 from kvcore.query_pass import question_queries
 from models.early_layers import load_early_layers
 
@@ -44,6 +44,31 @@ def test_the_targets_are_ratios_of_the_modes_medians():
     speedup = by_name["whole history prefilled / history mode, TTFT (p50)"]
     assert speedup["value"] == pytest.approx(50.0) and speedup["met"]
     assert report["history_choose_ms_p50"] == steps
+
+
+def test_the_engine_floor_compares_history_mode_with_the_engines_own_cache_of_as_many_tokens():
+    """`budget_cached` (the budget's tokens pasted and served by vLLM's prefix cache) sets the floor: k = 0's TTFT
+    plus the cache's engine extra, over k = 0's TTFT; history mode's engine extra is set beside it."""
+    rows = [_row("no_memory", t) for t in (10.0, 11.0, 12.0)]  # engine 9, 10, 11
+    rows += [_row("history", t) for t in (15.0, 16.0, 17.0)]  # engine 15 (p50)
+    rows += [_row("budget_cached", t) | {"prefix_cached_tokens": 2048} for t in (18.0, 19.0, 20.0)]  # engine 18
+    report = summarize(rows, budget=2048)
+    assert report["modes"]["budget_cached"]["prefix_cached_tokens_mean"] == 2048
+    assert report["engine_floor"] == {
+        "budget_cached_engine_extra_ms": 8.0,
+        "history_engine_extra_ms": 5.0,
+        "history_engine_over_cached": pytest.approx(15 / 18, abs=1e-4),
+        "floor_over_k0": pytest.approx(19 / 11, abs=1e-4),
+    }
+    assert "engine_floor" not in summarize(rows[:6], budget=2048)  # no cached mode: no floor
+
+
+def test_the_cached_tail_is_the_historys_last_budget_tokens(loaded):
+    text, _ = tenant_history(loaded.tokenizer, 0, 600)
+    tail = history_tail(loaded.tokenizer, text, 64)
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+    assert text.endswith(tail) and abs(len(loaded.tokenizer.encode(tail, add_special_tokens=False)) - 64) <= 2
+    assert loaded.tokenizer.encode(tail, add_special_tokens=False)[-10:] == ids[-10:]
 
 
 def test_a_run_without_the_whole_prefill_sets_only_the_validity_and_first_targets():
