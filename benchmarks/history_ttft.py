@@ -10,9 +10,9 @@ ones); the history's last `--budget` tokens pasted before the question, which vL
 first ask (`budget_cached`: the engine's cost of attending to that many tokens without injecting them, so
 `engine_floor` says what history mode's TTFT would be if choosing cost nothing and injecting cost what the
 engine's own cache does); and now and then the whole history pasted into the question and prefilled (a nonce
-first, so vLLM's prefix cache cannot serve it). TTFT is the ingress's (the request's arrival to its first token: choosing included); each
-history chat also reports what choosing took (`usage.history_choose_ms`: the question's pass, retrieval, the
-bounds).
+first, so vLLM's prefix cache cannot serve it). TTFT is the ingress's (the request's arrival to its first token:
+choosing included); each history chat also reports what choosing took (`usage.history_choose_ms`: the question's
+pass, retrieval, the bounds).
 The chunks a question needs sit wherever earlier questions left them: the device arena for those already
 loaded, the record store (page cache or disk) for the rest.
 
