@@ -377,7 +377,8 @@ def _memory_routes(gateway: Gateway) -> APIRouter:
     async def read_history(tenant: TenantDep) -> dict[str, Any] | JSONResponse:
         if tenant.entry.history is None:
             return error(404, "this memory has no history yet: write one with PUT /v1/history")
-        return {"history_id": tenant.entry.history, "tokens": tenant.entry.history_tokens}
+        placement = await asyncio.to_thread(tenant.history_placement)  # a scan of Redis: off the event loop
+        return {"history_id": tenant.entry.history, "tokens": tenant.entry.history_tokens, "placement": placement}
 
     @router.post("/v1/jobs", status_code=202)
     async def submit_job(request: Request, tenant: TenantDep, body: SubmitJob) -> dict[str, Any]:

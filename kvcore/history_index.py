@@ -52,6 +52,12 @@ def chunk_prefix(history_id: str) -> str:
     return f"{history_id}.c"
 
 
+def is_chunk_record(record_id: str) -> bool:
+    """Whether a record id names a history's chunk (`chunk_record_id`: the history's id, `.c`, five digits or more)."""
+    history_id, sep, chunk = record_id.rpartition(".c")
+    return bool(sep and history_id and len(chunk) >= 5 and chunk.isdigit())
+
+
 def capture_spans(history_id: str, start: int, length: int, size: int) -> tuple[CaptureSpan, ...]:
     """One capture span a chunk for a history of `length` tokens that starts at prompt position `start`."""
     return tuple(

@@ -151,6 +151,7 @@ class RedisMeta:
             "pemb",
             "usage",
             "place",
+            "hplace",
             "version",
             "seq",
             "log",

@@ -193,10 +193,19 @@ class PlacementRecords:
             self._scripts.queue(pipe, "place", [t_key(tenant_id, "place"), t_key(tenant_id, "facts")], args)
         pipe.execute()
 
+    def write_chunk_placements(self, replica: str, now: float, moves: dict[str, list[tuple[str, str | None]]]) -> None:
+        """Per tenant, (history chunk record id, tier or None for gone) as held by `replica`; one script per tenant."""
+        pipe = self._redis.pipeline(transaction=False)
+        for tenant_id, items in moves.items():
+            args = [replica, repr(now)] + [x for record_id, tier in items for x in (record_id, tier or "")]
+            self._scripts.queue(pipe, "place_chunks", [t_key(tenant_id, "hplace")], args)
+        pipe.execute()
+
     def forget_replica(self, replica: str) -> None:
         """Drop `replica` from every placement (it restarted: what it holds now is reported again)."""
         for tenant_id in self._tenant_ids():
             self._scripts.run("unplace", [t_key(tenant_id, "place")], [replica])
+            self._scripts.run("unplace", [t_key(tenant_id, "hplace")], [replica])
 
     def placements(self, tenant_id: str, fact_ids: list[str]) -> list[dict[str, dict]]:
         """`placement` of several facts in one round trip."""
@@ -204,7 +213,21 @@ class PlacementRecords:
             return []
         return [json.loads(raw) if raw else {} for raw in self._redis.hmget(t_key(tenant_id, "place"), fact_ids)]
 
+    def chunk_placements(self, tenant_id: str, prefix: str) -> dict[str, dict[str, dict]]:
+        """{chunk record id: {replica: {tier, at}}} of the tenant's history chunks whose ids start with `prefix`."""
+        found = self._redis.hscan_iter(t_key(tenant_id, "hplace"), match=f"{_glob_escaped(prefix)}*", count=1000)
+        return {_text(record_id): json.loads(raw) for record_id, raw in found}
+
     def placement(self, tenant_id: str, fact_id: str) -> dict[str, dict]:
         """{replica: {tier, version, at}} of one fact ({} when no replica holds its K/V)."""
         raw = self._redis.hget(t_key(tenant_id, "place"), fact_id)
         return json.loads(raw) if raw else {}
+
+
+def _glob_escaped(text: str) -> str:
+    """`text` matched literally by Redis's glob patterns (HSCAN's MATCH)."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -166,6 +166,20 @@ end
 return 1
 """
 
+# A replica's reports of where history chunk records are held: one field a chunk record, {replica: {tier, at}}
+# (a chunk has no fact and no version; a history's reader counts its own chunks by their id's prefix).
+_PLACE_CHUNKS = """
+local replica, now = ARGV[1], tonumber(ARGV[2])
+for i = 3, #ARGV, 2 do
+  local rid, tier = ARGV[i], ARGV[i + 1]
+  local raw = redis.call('HGET', KEYS[1], rid)
+  local cur = raw and cjson.decode(raw) or {}
+  if tier == '' then cur[replica] = nil else cur[replica] = {tier = tier, at = now} end
+  if next(cur) == nil then redis.call('HDEL', KEYS[1], rid) else redis.call('HSET', KEYS[1], rid, cjson.encode(cur)) end
+end
+return 1
+"""
+
 # Forget every placement of one replica in one tenant (a restarted replica reports afresh).
 _UNPLACE = """
 local all = redis.call('HGETALL', KEYS[1])
@@ -197,6 +211,7 @@ class Scripts:
                 ("delete", _DELETE),
                 ("rollback", _ROLLBACK),
                 ("place", _PLACE),
+                ("place_chunks", _PLACE_CHUNKS),
                 ("unplace", _UNPLACE),
             )
         }

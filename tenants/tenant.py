@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvcore.history_index import chunk_prefix
 from kvcore.record import FactKV
 from tenants.errors import ConflictError, FactNotFoundError, InvalidInputError, JobNotFoundError
 from tenants.fact_writes import FactWriter
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from tenants.service import TenantService
 
 MAX_K = 1000
+TIER_ORDER = ("gpu", "cpu", "disk")  # a replica's tiers, highest first (`kvcore.placement.Where`)
 
 
 class Tenant:
@@ -149,14 +151,33 @@ class Tenant:
         self._visible_meta(check_id("fact id", fact_id))
         return self._s.meta.places.placement(self.id, fact_id)
 
+    def history_placement(self) -> dict[str, dict[str, int]]:
+        """Where serving replicas hold the K/V of this tenant's history chunks: `tiers`, its chunks by the highest
+        tier any replica reported (`gpu`, `cpu`, `disk`; a chunk in none is read from the record store), and each
+        replica's own counts (`replicas`)."""
+        tiers = dict.fromkeys(TIER_ORDER, 0)
+        replicas: dict[str, dict[str, int]] = {}
+        if self.entry.history is None:
+            return {"tiers": tiers, "replicas": replicas}
+        placed = self._s.meta.places.chunk_placements(self.id, chunk_prefix(self.entry.history))
+        for where in placed.values():
+            held = {place.get("tier") for place in where.values()}
+            best = next((tier for tier in TIER_ORDER if tier in held), None)
+            if best is not None:
+                tiers[best] += 1
+            for replica, place in where.items():
+                counts = replicas.setdefault(replica, dict.fromkeys(TIER_ORDER, 0))
+                if place.get("tier") in counts:
+                    counts[place["tier"]] += 1
+        return {"tiers": tiers, "replicas": replicas}
+
     def best_tiers(self, fact_ids: list[str]) -> list[str]:
         """Per fact, the highest tier any replica reported holding its K/V in (`gpu`, `cpu`, `disk`), else
         `store` (the K/V is read from the fact store, or the fact has none yet)."""
-        order = ("gpu", "cpu", "disk")
         best = []
         for placed in self._s.meta.places.placements(self.id, fact_ids):
             tiers = [where.get("tier") for where in placed.values()]
-            best.append(next((tier for tier in order if tier in tiers), "store"))
+            best.append(next((tier for tier in TIER_ORDER if tier in tiers), "store"))
         return best
 
     # ---- encoding jobs ----

@@ -4,6 +4,8 @@ captures it in chunks; a chat in history mode injects the chunks its question's 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import requests
 
@@ -32,7 +34,15 @@ def test_a_history_is_written_once_and_chats_attend_to_the_chunks_within_their_b
     history = written.json()
     assert history["chunks"] == -(-history["tokens"] // 16) and history["tokens"] > 100
     read = requests.get(f"{cluster.base}/v1/history", headers=auth, timeout=30).json()
-    assert read == {"history_id": history["history_id"], "tokens": history["tokens"]}
+    assert (read["history_id"], read["tokens"]) == (history["history_id"], history["tokens"])
+    deadline = time.monotonic() + 15  # the capture put every chunk in the replica's arena; Redis hears it in ~0.2 s
+    while sum(read["placement"]["tiers"].values()) < history["chunks"]:
+        assert time.monotonic() < deadline, read["placement"]
+        time.sleep(0.1)
+        read = requests.get(f"{cluster.base}/v1/history", headers=auth, timeout=30).json()
+    assert read["placement"]["tiers"] == {"gpu": history["chunks"], "cpu": 0, "disk": 0}
+    ((replica, held),) = read["placement"]["replicas"].items()
+    assert held == read["placement"]["tiers"] and replica
 
     whole = _history_chat(cluster, auth, "What is the name of Maya's cat?", budget=100_000)
     assert whole.status_code == 200, whole.text
@@ -110,7 +120,15 @@ def test_an_encoding_job_writes_a_history_that_the_llm_replica_serves(cluster):
     history = done["report"]["history"]
     assert history["chunks"] == -(-history["tokens"] // 16) and history["replaced_chunks_deleted"] == 0
     read = requests.get(f"{cluster.base}/v1/history", headers=auth, timeout=30).json()
-    assert read == {"history_id": history["history_id"], "tokens": history["tokens"]}
+    assert (read["history_id"], read["tokens"]) == (history["history_id"], history["tokens"])
+    deadline = time.monotonic() + 15  # the capture put every chunk in the replica's arena; Redis hears it in ~0.2 s
+    while sum(read["placement"]["tiers"].values()) < history["chunks"]:
+        assert time.monotonic() < deadline, read["placement"]
+        time.sleep(0.1)
+        read = requests.get(f"{cluster.base}/v1/history", headers=auth, timeout=30).json()
+    assert read["placement"]["tiers"] == {"gpu": history["chunks"], "cpu": 0, "disk": 0}
+    ((replica, held),) = read["placement"]["replicas"].items()
+    assert held == read["placement"]["tiers"] and replica
 
     whole = _history_chat(cluster, auth, "What is the name of Maya's cat?", budget=100_000)
     assert whole.status_code == 200, whole.text
