@@ -14,7 +14,8 @@
 # SPIN_MS=2 has serve-http's query embedder, ingress loop and LLM replica's loop poll instead of sleeping around a chat.
 # CHAT_TRANSPORT=serve has serve-http's chats reach the LLM replica through Serve's handle (default: its chat channel).
 # HISTORY_TTFT_TENANTS (default 4: each 32k-token history is 4.3 GB of bf16 records) sets history-ttft's tenants;
-# HISTORY_SCORING_LAYERS (default: the setting's) the first layers its question pass and bounds score the chunks with.
+# HISTORY_SCORING_LAYERS (default: the setting's) the first layers its question pass and bounds score the chunks with;
+# HISTORY_ARENA_GIB and HISTORY_HOST_GIB its device arena and pinned host tier (with a disk tier), for histories below the arena.
 # Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
 # mps-on starts CUDA's multi-process service (every later CUDA process of the call shares the GPU through it,
@@ -85,7 +86,8 @@ for step in "$@"; do
             --ks "${PRECISION_KS:-10,50}" --out "$out/record_precision.json"
         grep -E "records:" "$out/record-precision.log" ;;
     history-ttft) sampled history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --tenants "${HISTORY_TTFT_TENANTS:-4}" \
-            ${HISTORY_SCORING_LAYERS:+--scoring-layers "$HISTORY_SCORING_LAYERS"} --out "$out/history_ttft.json"
+            ${HISTORY_SCORING_LAYERS:+--scoring-layers "$HISTORY_SCORING_LAYERS"} ${HISTORY_ARENA_GIB:+--arena-gib "$HISTORY_ARENA_GIB"} \
+            ${HISTORY_HOST_GIB:+--host-gib "$HISTORY_HOST_GIB"} --out "$out/history_ttft.json"
         tail -30 "$out/history-ttft.log" ;;
     history-ttft-layers)  # the scoring layers side by side in one call, on the same host: each of HISTORY_LAYER_SET
         # (default "1 4") a run of its own (2 tenants, 250 s each), its report history_ttft_e<N>.json

@@ -14,13 +14,17 @@ first, so vLLM's prefix cache cannot serve it). TTFT is the ingress's (the reque
 choosing included); each history chat also reports what choosing took (`usage.history_choose_ms`: the question's
 pass, retrieval, the bounds).
 The chunks a question needs sit wherever earlier questions left them: the device arena for those already
-loaded, the record store (page cache or disk) for the rest.
+loaded, the lower tiers (`--host-gib`: pinned host memory, then disk) or the record store for the rest. Before
+each history chat the run reads where the history's chunks are (`GET /v1/history`'s placement), and
+`history_by_arena` sets the chats whose history was all in the arena beside those with chunks below it
+(`--arena-gib` sizes the arena so that the tenants' histories do not all fit).
 
 Targets (the LeoAM issue's, H200, Llama-3.1-8B shape with dummy weights, 32k-token histories): history TTFT at a
 2k-token budget <= 1.3x the k = 0 TTFT, and the whole history's prefill >= 10x slower than history mode.
 On the CPU (`--quick`) SmolLM2 serves a ~1.5k-token history at a 192-token budget; the figures have the same names.
 
     python benchmarks/history_ttft.py --out PATH [--quick] [--tenants N] [--history-tokens N] [--budget N]
+        [--arena-gib G] [--host-gib G]
 """
 
 from __future__ import annotations
@@ -86,6 +90,11 @@ def chat(client: Client, key: str, content: str, memory: dict) -> dict:
     return client.call("POST", "/v1/chat/completions", key, body)["usage"]
 
 
+def held_chunks(client: Client, key: str) -> dict[str, int]:
+    """The tenant's history chunks by the highest tier a replica holds them in (`GET /v1/history`'s placement)."""
+    return client.call("GET", "/v1/history", key, None)["placement"]["tiers"]
+
+
 def measure(client: Client, histories: list[dict], budget: int, rounds: int, deadline: float) -> list[dict]:
     """`rounds` questions a tenant, tenants in turn, each question in every mode (the whole prefill on a
     tenant's first round and then every fifth: it is the slow one); stops early at `deadline`."""
@@ -104,6 +113,7 @@ def measure(client: Client, histories: list[dict], budget: int, rounds: int, dea
                 pasted = f"[{uuid.uuid4().hex}]\n{tenant['text']}\n{question}"
                 plan["whole_prefill"] = (pasted, {"mode": "off"})
             for mode, (content, memory) in plan.items():
+                placed = held_chunks(client, tenant["key"]) if mode == "history" else None
                 usage = chat(client, tenant["key"], content, memory)
                 rows.append(
                     {
@@ -120,6 +130,8 @@ def measure(client: Client, histories: list[dict], budget: int, rounds: int, dea
                         "load_failed_tokens": usage.get("load_failed_tokens", 0),  # recomputed: the run is not valid
                         "history_chunks": usage["history_chunks"],
                         "choose_ms": usage.get("history_choose_ms"),
+                        "chunks_by_tier": placed,  # where the history's chunks were as the chat began
+                        "arena_share": placed["gpu"] / tenant["chunks"] if placed else None,
                     }
                 )
     return rows
@@ -152,6 +164,7 @@ def summarize(rows: list[dict], budget: int) -> dict:
     steps = [r["choose_ms"] for r in rows if r["mode"] == "history" and r["choose_ms"]]
     choose = {step: round(statistics.median(s[step] for s in steps), 3) for step in steps[0]} if steps else {}
     report: dict = {"modes": modes, "history_choose_ms_p50": choose, "targets": []}
+    report["history_by_arena"] = by_arena([r for r in rows if r["mode"] == "history"])
     if {"no_memory", "history", "budget_cached"} <= modes.keys():
         report["engine_floor"] = engine_floor(modes["no_memory"], modes["history"], modes["budget_cached"])
     failed = sum(1 for r in rows if r.get("load_failed_tokens"))
@@ -163,6 +176,25 @@ def summarize(rows: list[dict], budget: int) -> dict:
         speedup = modes["whole_prefill"]["ttft_ms_p50"] / modes["history"]["ttft_ms_p50"]
         report["targets"].append(target("whole history prefilled / history mode, TTFT (p50)", speedup, ">= 10"))
     return report
+
+
+def by_arena(rows: list[dict]) -> dict:
+    """History chats whose history was all in the replica's arena as they began, against those with chunks below
+    it (the lower tiers or the record store): count and TTFT p50 of each, and the arena's mean share."""
+    shares = [r["arena_share"] for r in rows if r.get("arena_share") is not None]
+    groups = {
+        "all_in_arena": [r for r in rows if r.get("arena_share") is not None and r["arena_share"] >= 1.0],
+        "partly_below": [r for r in rows if r.get("arena_share") is not None and r["arena_share"] < 1.0],
+    }
+    found: dict = {"arena_share_mean": round(statistics.fmean(shares), 4) if shares else None}
+    for name, chosen in groups.items():
+        if chosen:
+            found[name] = {
+                "requests": len(chosen),
+                "ttft_ms_p50": round(statistics.median(r["ttft_ms"] for r in chosen), 3),
+                "engine_ttft_ms_p50": round(statistics.median(r["engine_ttft_ms"] for r in chosen), 3),
+            }
+    return found
 
 
 def engine_floor(k0: dict, history: dict, cached: dict) -> dict:
@@ -186,6 +218,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, help="history mode's budget in tokens (default 2048; --quick 192)")
     p.add_argument("--rounds", type=int, help="questions a tenant (default 12; --quick 3)")
     p.add_argument("--deadline-s", type=float, default=560, help="stop measuring after this long; report what ran")
+    p.add_argument("--arena-gib", type=float, help="the LLM replica's device arena (default: the setting's)")
+    p.add_argument("--host-gib", type=float, help="lower tiers under the arena, this much pinned host memory first")
     p.add_argument(
         "--scoring-layers",
         type=int,
@@ -216,6 +250,10 @@ def main() -> None:
         # 80 GB did not hold 32 GiB beside the engine's 0.45: every history load failed, 2026-12-05)
         llm["device_cache_bytes"] = card_arena_bytes(32 << 30)
     state = Path(scratch_dir(prefix="history-ttft-"))
+    if args.arena_gib is not None:  # a smaller arena: chats find the chunks of other tenants' histories below it
+        llm["device_cache_bytes"] = int(args.arena_gib * (1 << 30))
+    if args.host_gib is not None:  # the lower tiers: pinned host memory (int8), then a disk folder
+        llm["tiers"] = {"disk_cache_dir": str(state / "tiers"), "host_cache_bytes": int(args.host_gib * (1 << 30))}
     base, admin, redis, app = start_cluster(
         state, gpu, shape, engine_kwargs=engine, llm_args=llm, early_layers=args.scoring_layers if shape else 0
     )
@@ -237,7 +275,8 @@ def main() -> None:
                 continue
             writes.append({"seconds": round(time.perf_counter() - began, 2), **written})
             tail = history_tail(tokenizer, text, budget)
-            histories.append({"id": f"history-{t}", "key": key, "text": text, "tail": tail, "questions": questions})
+            history = {"id": f"history-{t}", "key": key, "text": text, "tail": tail, "chunks": written["chunks"]}
+            histories.append(history | {"questions": questions})
         for tenant in histories:  # the first history chat of a tenant builds nothing more, but loads its chunks
             chat(client, tenant["key"], "What happened first?", {"mode": "history", "budget": budget})
             chat(client, tenant["key"], f"{tenant['tail']}\nWhat happened first?", {"mode": "off"})  # its tail cached
@@ -261,7 +300,7 @@ def main() -> None:
         "deploy_s": round(deployed_s, 1),
         "llm_args": {
             k: app["llm"][k]
-            for k in ("record_dtype", "device_cache_bytes", "history_scoring_layers")
+            for k in ("record_dtype", "device_cache_bytes", "history_scoring_layers", "tiers")
             if k in app["llm"]
         },
         "rows": rows,

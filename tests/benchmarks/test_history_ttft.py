@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks._cluster import write_early_layers
-from benchmarks.history_ttft import history_tail, summarize, tenant_history
+from benchmarks.history_ttft import by_arena, history_tail, summarize, tenant_history
 from kvcore.query_pass import question_queries
 from models.early_layers import load_early_layers
 
@@ -61,6 +61,17 @@ def test_the_engine_floor_compares_history_mode_with_the_engines_own_cache_of_as
         "floor_over_k0": pytest.approx(19 / 11, abs=1e-4),
     }
     assert "engine_floor" not in summarize(rows[:6], budget=2048)  # no cached mode: no floor
+
+
+def test_history_chats_are_set_apart_by_whether_their_history_was_all_in_the_arena():
+    rows = [_row("history", t) | {"arena_share": 1.0} for t in (10.0, 12.0, 14.0)]
+    rows += [_row("history", t) | {"arena_share": 0.25} for t in (30.0, 40.0)]
+    rows += [_row("history", 99.0) | {"arena_share": None}]  # no placement read: in neither group
+    found = by_arena(rows)
+    assert found["arena_share_mean"] == pytest.approx((3 + 0.5) / 5)
+    assert found["all_in_arena"] == {"requests": 3, "ttft_ms_p50": 12.0, "engine_ttft_ms_p50": 11.0}
+    assert found["partly_below"] == {"requests": 2, "ttft_ms_p50": 35.0, "engine_ttft_ms_p50": 34.0}
+    assert by_arena([_row("history", 5.0)]) == {"arena_share_mean": None}
 
 
 def test_the_cached_tail_is_the_historys_last_budget_tokens(loaded):
