@@ -2,10 +2,9 @@
 
 The connector's worker calls `PlacementWriter` (a `kvcore.placement.Sink`) from inside engine steps, so
 the call only records the latest tier per fact version (and per history chunk record) in memory; a daemon
-thread writes what changed
-every `flush_s` in one pipeline. If Redis is down the changes wait (latest wins) and are written once
-it is back: placement is advisory, serving never blocks on it. `start()` first forgets whatever this
-replica reported before a restart, then the tracker reports what the replica holds now.
+thread writes what changed every `flush_s` in one pipeline. If Redis is down the changes wait (latest wins)
+and are written once it is back: placement is advisory, serving never blocks on it. `start()` first forgets
+whatever this replica reported before a restart, then the tracker reports what the replica holds now.
 """
 
 from __future__ import annotations
