@@ -140,13 +140,21 @@ class InjectionWorker:
 
     def admit_captured(self, tenant_id: str, record_id: str, stamp: Stamp, k: torch.Tensor, v: torch.Tensor) -> None:
         """A record this engine just captured, its K/V still on the device, into the arena: its first load then
-        reads no file (a history's chunks, chosen by the next questions; a fact just encoded). Skipped, never
-        failing the capture, when the arena has no room outside the current step's records."""
+        reads no file (a history's chunks, chosen by the next questions; a fact just encoded). When the arena has
+        no room outside the current step's records (a history longer than the arena), the record goes down to the
+        lower tiers instead, where there are some, as if it had been evicted: a history's later chunks then wait
+        in host memory, not only in their files. Never fails the capture."""
         if self._arena is None or not self._admit_captures:
             return
         try:
             self._arena.insert((tenant_id, record_id), stamp, k, v)
-        except (ArenaFullError, IncompatibleRecordsError) as exc:
+        except ArenaFullError as exc:
+            if self._streams is not None:
+                dtype = self._arena.dtype
+                self._streams.spills.spill((tenant_id, record_id), stamp, lambda: (k.to(dtype), v.to(dtype)))
+            else:
+                log.debug("captured record %s/%s not kept in the arena: %s", tenant_id, record_id, exc)
+        except IncompatibleRecordsError as exc:
             log.debug("captured record %s/%s not kept in the arena: %s", tenant_id, record_id, exc)
         except Exception:  # noqa: BLE001 - e.g. the device out of memory for the copy: stop trying
             self._admit_captures = False

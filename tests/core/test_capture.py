@@ -134,6 +134,48 @@ def test_a_captured_record_is_kept_in_the_arena_and_served_from_it_without_readi
         assert torch.equal(target[name], source[name])
 
 
+def test_a_captured_record_the_full_arena_cannot_take_goes_down_to_the_host_tier(tmp_path):
+    """A history longer than the arena: its first chunk fills the arena (one page), the next cannot evict a record of
+    the same capture, so it goes to the lower tiers as an evicted record would, its placement reported there, and
+    its load comes back from host memory with the values the engine cached."""
+    from kvcore.tiers import TieredStore
+
+    layout, tokens, blocks, source = _engine_cache(seed=8)
+    store = LocalFactStore(tmp_path / "store")
+    tiers = TieredStore("cpu", 1 << 20, tmp_path / "disk", compress_lower=False)
+    placed = []
+    one_page = 16 * L * H * D * 2 * 4  # the arena's page of 16 float32 tokens
+    worker = InjectionWorker(
+        store, FP, ROPE, one_page, tiers=tiers, placement=lambda *report: placed.append((report[1], report[3]))
+    )
+    target = {name: torch.zeros_like(cache) for name, cache in source.items()}
+    worker.register(target, layout)
+    capture = CaptureWorker(store, FP, ROPE, torch.float32, on_stored=worker.admit_captured)
+    capture.register({name: i for i, name in enumerate(source)}, layout)
+    tracker = CaptureTracker()
+    spans = (CaptureSpan("head", 0, 4), CaptureSpan("tail", 4, tokens))
+    tracker.add("r", CapturePlan("t1", spans, keep_hot=True), list(range(100, 110)))
+    specs = tracker.step([("r", blocks, 0, tokens)])
+    for name, cache in source.items():
+        capture.save_layer(name, cache, specs)
+    capture.end_step()
+    assert worker._arena.rows(("t1", "head"), store.stamp("t1", "head")) is not None
+    assert worker._arena.rows(("t1", "tail"), store.stamp("t1", "tail")) is None
+    assert [tier for _, tier, _ in tiers.entries()] == ["cpu"]
+    assert placed == [("head", "gpu"), ("tail", "cpu")]
+
+    sched = InjectionScheduler(store, FP)
+    memory = MemoryPlan("t1", ("head", "tail"), store.version("t1"))
+    assert sched.match("q", list(range(100, 110)) + [1], memory.to_params(), 0) == tokens
+    sched.allocated("q", blocks, tokens)
+    worker.start(sched.take_loads())
+    for name in target:
+        worker.load_layer(name)
+    assert worker.take_failed_blocks() == set()
+    for name in source:
+        assert torch.equal(target[name], source[name])
+
+
 def test_an_arena_that_fails_to_take_a_captured_record_fails_neither_the_capture_nor_later_ones(tmp_path, monkeypatch):
     """Keeping a capture hot is a bonus: an arena error that is not a full arena (its first allocation out of device
     memory) leaves every record stored, and later captures stop asking the arena."""
