@@ -52,6 +52,18 @@ def _engine_cache(seed: int, tokens: int = 10) -> tuple[PagedLayout, int, list[i
     return layout, tokens, blocks, source
 
 
+def _inject_head_and_tail(store: LocalFactStore, worker: InjectionWorker, blocks: list[int], tokens: int) -> None:
+    """A request whose memory is t1's captured "head" and "tail", loaded by `worker` into its caches' `blocks`."""
+    sched = InjectionScheduler(store, FP)
+    memory = MemoryPlan("t1", ("head", "tail"), store.version("t1"))
+    assert sched.match("q", list(range(100, 110)) + [1], memory.to_params(), 0) == tokens
+    sched.allocated("q", blocks, tokens)
+    worker.start(sched.take_loads())
+    for name in worker.layer_index:
+        worker.load_layer(name)
+    assert worker.take_failed_blocks() == set()
+
+
 @pytest.mark.parametrize("record_dtype", [torch.float32, None], ids=["float32-records", "engine-dtype-records"])
 def test_engine_cache_round_trips_through_a_record(tmp_path, record_dtype):
     """K/V an engine wrote (bf16, bf16 cos/sin table) -> captured record -> injected: identical bits with float32
@@ -122,14 +134,7 @@ def test_a_captured_record_is_kept_in_the_arena_and_served_from_it_without_readi
         raise AssertionError("a captured record was read from its file")
 
     monkeypatch.setattr(store, "get", no_reads)
-    sched = InjectionScheduler(store, FP)
-    memory = MemoryPlan("t1", ("head", "tail"), store.version("t1"))
-    assert sched.match("q", list(range(100, 110)) + [1], memory.to_params(), 0) == tokens
-    sched.allocated("q", blocks, tokens)
-    worker.start(sched.take_loads())
-    for name in target:
-        worker.load_layer(name)
-    assert worker.take_failed_blocks() == set()
+    _inject_head_and_tail(store, worker, blocks, tokens)
     for name in source:
         assert torch.equal(target[name], source[name])
 
@@ -164,14 +169,7 @@ def test_a_captured_record_the_full_arena_cannot_take_goes_down_to_the_host_tier
     assert [tier for _, tier, _ in tiers.entries()] == ["cpu"]
     assert placed == [("head", "gpu"), ("tail", "cpu")]
 
-    sched = InjectionScheduler(store, FP)
-    memory = MemoryPlan("t1", ("head", "tail"), store.version("t1"))
-    assert sched.match("q", list(range(100, 110)) + [1], memory.to_params(), 0) == tokens
-    sched.allocated("q", blocks, tokens)
-    worker.start(sched.take_loads())
-    for name in target:
-        worker.load_layer(name)
-    assert worker.take_failed_blocks() == set()
+    _inject_head_and_tail(store, worker, blocks, tokens)
     for name in source:
         assert torch.equal(target[name], source[name])
 
