@@ -181,11 +181,12 @@ def summarize(rows: list[dict], budget: int) -> dict:
 def by_arena(rows: list[dict]) -> dict:
     """History chats whose history was all in the replica's arena as they began, against those with chunks below
     it (the lower tiers or the record store): count and TTFT p50 of each, and the arena's mean share."""
-    shares = [r["arena_share"] for r in rows if r.get("arena_share") is not None]
+    measured = [r for r in rows if r.get("arena_share") is not None]
     groups = {
-        "all_in_arena": [r for r in rows if r.get("arena_share") is not None and r["arena_share"] >= 1.0],
-        "partly_below": [r for r in rows if r.get("arena_share") is not None and r["arena_share"] < 1.0],
+        "all_in_arena": [r for r in measured if r["arena_share"] >= 1.0],
+        "partly_below": [r for r in measured if r["arena_share"] < 1.0],
     }
+    shares = [r["arena_share"] for r in measured]
     found: dict = {"arena_share_mean": round(statistics.fmean(shares), 4) if shares else None}
     for name, chosen in groups.items():
         if chosen:
@@ -274,9 +275,16 @@ def main() -> None:
                 print(f"history-{t}: {exc}", flush=True)
                 continue
             writes.append({"seconds": round(time.perf_counter() - began, 2), **written})
-            tail = history_tail(tokenizer, text, budget)
-            history = {"id": f"history-{t}", "key": key, "text": text, "tail": tail, "chunks": written["chunks"]}
-            histories.append(history | {"questions": questions})
+            histories.append(
+                {
+                    "id": f"history-{t}",
+                    "key": key,
+                    "text": text,
+                    "tail": history_tail(tokenizer, text, budget),
+                    "chunks": written["chunks"],
+                    "questions": questions,
+                }
+            )
         for tenant in histories:  # the first history chat of a tenant builds nothing more, but loads its chunks
             chat(client, tenant["key"], "What happened first?", {"mode": "history", "budget": budget})
             chat(client, tenant["key"], f"{tenant['tail']}\nWhat happened first?", {"mode": "off"})  # its tail cached

@@ -151,7 +151,7 @@ class InjectionWorker:
         except ArenaFullError as exc:
             if self._streams is not None:
                 dtype = self._arena.dtype
-                self._streams.spills.spill((tenant_id, record_id), stamp, lambda: (k.to(dtype), v.to(dtype)))
+                self._spill((tenant_id, record_id), stamp, lambda: (k.to(dtype), v.to(dtype)))
             else:
                 log.debug("captured record %s/%s not kept in the arena: %s", tenant_id, record_id, exc)
         except IncompatibleRecordsError as exc:

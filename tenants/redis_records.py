@@ -216,7 +216,7 @@ class PlacementRecords:
     def chunk_placements(self, tenant_id: str, prefix: str) -> dict[str, dict[str, dict]]:
         """{chunk record id: {replica: {tier, at}}} of the tenant's history chunks whose ids start with `prefix`."""
         found = self._redis.hscan_iter(t_key(tenant_id, "hplace"), match=f"{_glob_escaped(prefix)}*", count=1000)
-        return {_text(record_id): json.loads(raw) for record_id, raw in found}
+        return {record_id.decode(): json.loads(raw) for record_id, raw in found}
 
     def placement(self, tenant_id: str, fact_id: str) -> dict[str, dict]:
         """{replica: {tier, version, at}} of one fact ({} when no replica holds its K/V)."""
@@ -227,7 +227,3 @@ class PlacementRecords:
 def _glob_escaped(text: str) -> str:
     """`text` matched literally by Redis's glob patterns (HSCAN's MATCH)."""
     return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
