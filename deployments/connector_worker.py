@@ -8,9 +8,8 @@ the Triton kernels where they load, and the capture of encoded facts. The vLLM c
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from kvcore.store import LocalFactStore
 from kvcore.tiers import TieredStore
 
 log = logging.getLogger(__name__)
+REPLICA_SLOTS = "replica-slots"  # beside the record store: the names of replicas that report placements without tiers
 
 
 @dataclass
@@ -39,7 +39,7 @@ class ConnectorWorker:
 
     @classmethod
     def build(cls, config: ConnectorConfig, store: LocalFactStore, rope: RopeConfig, device: Any) -> "ConnectorWorker":
-        tiers, replica = None, f"{socket.gethostname()}-pid{os.getpid()}"
+        tiers, slot = None, None
         if config.tiers is not None:  # lower tiers below the device arena (pinned host, then disk)
             slot = claim_slot(config.tiers.disk_cache_dir)
             tiers = TieredStore(
@@ -50,8 +50,12 @@ class ConnectorWorker:
                 write_behind=True,
                 disk_bytes=config.tiers.disk_cache_bytes,
             )
-            replica = slot.name
-        placement = _placement_writer(replica, config.placement_redis_url) if config.report_placement else None
+        placement = None
+        if config.report_placement:
+            # a slot's name outlives the process, so a restarted replica takes back (and first clears) its own
+            # placements; without tiers the slot is claimed beside the record store, for its name alone
+            slot = slot or claim_slot(Path(config.store_root).parent / REPLICA_SLOTS)
+            placement = _placement_writer(slot.name, config.placement_redis_url)
         kernels, record_dtype = config.fused_kernel, _record_dtype(config.record_dtype)
         injection = InjectionWorker(
             store,

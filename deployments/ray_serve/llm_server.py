@@ -39,7 +39,7 @@ def build_engine(args: AppArgs) -> MemoryEngine:
     settings = load_settings(**args.settings)
     model_settings = settings.model.model_copy(update={"path": args.llm.model, "dtype": args.llm.dtype})
     path = model_path(model_settings)
-    # with lower tiers, the connector's worker records placements in the app's Redis; a URL with a password
+    # the connector's worker records placements in the app's Redis (arena only, or tiers too); a URL with a password
     # stays out of the engine's config (vLLM may log it): the worker then reads the settings tree's
     placement_url = args.redis_url if args.redis_url and not urlsplit(args.redis_url).password else None
     connector = ConnectorConfig(
@@ -50,7 +50,7 @@ def build_engine(args: AppArgs) -> MemoryEngine:
         device_tenant_bytes=args.llm.device_tenant_bytes,
         tiers=args.llm.tiers,
         record_dtype=args.llm.record_dtype,
-        report_placement=args.llm.tiers is not None,
+        report_placement=True,
         placement_redis_url=placement_url,
     )
     return MemoryEngine(
