@@ -84,9 +84,9 @@ class CaptureTracker:
 RELEASE_BYTES = 256 << 20  # captures this large give their cached device blocks back (a fact's are ~MBs)
 WRITE_GROUP = 64  # records written (and fsynced) together: a 32k-token history is 2,048 of them
 
-# (tenant id, record id, the stored file's stamp, K, V on the device): a record just stored, handed on while its K/V
-# are still on the device (the injector keeps it hot: whoever wrote it is about to ask for it)
-Stored = Callable[[str, str, tuple[int, ...], torch.Tensor, torch.Tensor], None]
+# (tenant id, [(record id, the stored file's stamp, K, V on the device)]): a write group just stored, handed on
+# while its K/V are still on the device (the injector keeps them hot: whoever wrote them is about to ask for them)
+Stored = Callable[[str, list[tuple[str, tuple[int, ...], torch.Tensor, torch.Tensor]]], None]
 
 
 @dataclass
@@ -115,9 +115,9 @@ class CaptureWorker:
         record_dtype: torch.dtype | None = torch.float32,
         on_stored: Stored | None = None,
     ) -> None:
-        """`record_dtype`: what records are stored in; None: the engine cache's own dtype; `on_stored` gets each
-        record of a plan that asks to keep them hot once its file is written, with the file's stamp and the K/V
-        still on the device (a fact's capture is stored under a scratch name first: nothing to keep hot)."""
+        """`record_dtype`: what records are stored in; None: the engine cache's own dtype; `on_stored` gets the
+        records of a plan that asks to keep them hot a write group at a time, once their files are written, with
+        each file's stamp and the K/V still on the device (a fact's capture is stored under a scratch name first: nothing to keep hot)."""
         self._store = store
         self._on_stored = on_stored
         self._record_dtype = record_dtype
@@ -219,7 +219,9 @@ class CaptureWorker:
                 ]
             )
             if self._on_stored is not None and spec.plan.keep_hot:
-                for span, (k_span, v_span) in zip(group, kv):
-                    self._on_stored(tenant, span.fact_id, self._store.stamp(tenant, span.fact_id), k_span, v_span)
+                self._on_stored(
+                    tenant,
+                    [(span.fact_id, self._store.stamp(tenant, span.fact_id), *pair) for span, pair in zip(group, kv)],
+                )
         if len(spans) > WRITE_GROUP:  # the earlier groups' headers, known at their own write's marker
             self._store.revalidate(tenant, [span.fact_id for span in spans])

@@ -42,6 +42,9 @@ from kvcore.streaming import TierStreams
 from kvcore.tiers import TieredStore
 
 log = logging.getLogger(__name__)
+Captured = tuple[
+    str, Stamp, torch.Tensor, torch.Tensor
+]  # record id, its file's stamp, K and V [L, H, T, D] on the device
 
 
 class InjectionWorker:
@@ -138,29 +141,43 @@ class InjectionWorker:
                 tiers.on_move = tracker.tier_moved
                 tracker.recovered(tiers.entries())
 
-    def admit_captured(self, tenant_id: str, record_id: str, stamp: Stamp, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A record this engine just captured, its K/V still on the device, into the arena: its first load then
-        reads no file (a history's chunks, chosen by the next questions; a fact just encoded). When the arena has
-        no room outside the current step's records (a history longer than the arena), the record goes down to the
-        lower tiers instead, where there are some, as if it had been evicted: a history's later chunks then wait
-        in host memory, not only in their files. Never fails the capture."""
+    def admit_captured(self, tenant_id: str, records: Sequence[Captured]) -> None:
+        """Records this engine just captured (a write group), their K/V still on the device, into the arena: their
+        first load then reads no file (a history's chunks, chosen by the next questions; a fact just encoded).
+        With lower tiers, each also gets its copy there now, as a record coming up from them keeps one, so that
+        when a later step pushes it out of the arena it leaves for free: otherwise the step that needs its room
+        pays its spill (on an H100, ~0.9 ms a chunk of a history's chat). A record the arena has no room for
+        outside the current step's records (a history longer than the arena) only goes down to the tiers. Without
+        tiers it is not kept. Never fails the capture."""
         if self._arena is None or not self._admit_captures:
             return
         try:
+            for record_id, stamp, k, v in records:
+                if not self._keep_captured(tenant_id, record_id, stamp, k, v):
+                    break
+        finally:
+            self._flush_spills()  # the group's copies go down together: one quantization, one wait
+
+    def _keep_captured(self, tenant_id: str, record_id: str, stamp: Stamp, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """One captured record into the arena and its copy to the tiers; False once the arena should not be asked
+        again."""
+        dtype = self._arena.dtype
+        try:
             self._arena.insert((tenant_id, record_id), stamp, k, v)
         except ArenaFullError as exc:
-            if self._streams is not None:
-                dtype = self._arena.dtype
-                self._spill((tenant_id, record_id), stamp, lambda: (k.to(dtype), v.to(dtype)))
-            else:
+            if self._streams is None:
                 log.debug("captured record %s/%s not kept in the arena: %s", tenant_id, record_id, exc)
+                return True
         except IncompatibleRecordsError as exc:
             log.debug("captured record %s/%s not kept in the arena: %s", tenant_id, record_id, exc)
+            return True
         except Exception:  # noqa: BLE001 - e.g. the device out of memory for the copy: stop trying
             self._admit_captures = False
             log.warning("captured records are no longer kept in the device arena", exc_info=True)
-        finally:
-            self._flush_spills()
+            return False
+        if self._streams is not None:
+            self._streams.spills.copy_down((tenant_id, record_id), stamp, lambda: (k.to(dtype), v.to(dtype)))
+        return True
 
     @property
     def layer_index(self) -> dict[str, int]:
@@ -175,9 +192,11 @@ class InjectionWorker:
 
     def _start(self, loads: Sequence[LoadSpec]) -> None:
         self._step = None
-        if not loads or self._arena is None:
+        if self._arena is None:
             return
-        self._arena.begin_step()
+        self._arena.begin_step()  # every engine step: the last one's records may leave the arena now (a capture's room)
+        if not loads:
+            return
         runs: list[array] = []
         in_arena: list[LoadSpec] = []
         for load in loads:

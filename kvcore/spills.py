@@ -1,8 +1,9 @@
 """Records leaving the device arena on their way down to the lower tiers, and the placements they report.
 
-A record evicted from the arena is queued under its exact version (`tier_key`) and stored with the rest of
-the step's evictions at its end (`flush`: quantized together on the device, one wait for their copies). The
-tiers keep a copy of what they hand back up, so a record that came from them leaves for free. Its retrieval
+A record evicted from the arena (or just captured: `copy_down`) is queued under its exact version (`tier_key`)
+and stored with the rest of the step's evictions at its end (`flush`: quantized together on the device, one wait
+for their copies). The tiers keep a copy of what they hand back up, and of what a capture put in the arena, so
+such a record leaves for free. Its retrieval
 score (the plan's importance) travels with it into the tiers' choice of what to move down first. The arena's
 placement reports of a record in transit wait until its tier entry exists, so a placement never reads
 "gone" while the record is on its way down.
@@ -35,6 +36,7 @@ class SpillQueue:
     def __init__(self, tiers: TieredStore, on_arena_change: ArenaChange | None = None) -> None:
         self._tiers, self._on_arena_change = tiers, on_arena_change
         self._queued: list[tuple[KV, float]] = []  # (item, importance)
+        self._queued_entries: set[tuple[str, str]] = set()  # their tier keys
         self._importance: dict[RecordKey, float] = {}  # (tenant, record) -> its last retrieval score
         self._in_transit: set[tuple[RecordKey, Stamp]] = set()
         self._deferred: list[tuple[RecordKey, Stamp, bool]] = []
@@ -53,17 +55,30 @@ class SpillQueue:
 
     def spill(self, key: RecordKey, stamp: Stamp, read: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A record leaving the arena: queued for the tiers unless they hold this version already."""
+        if self._queue(key, stamp, read, self._importance.pop(key, 0.0)):
+            self._in_transit.add((key, stamp))  # its "gone" report waits for its tier entry
+
+    def copy_down(self, key: RecordKey, stamp: Stamp, read: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A record staying in the arena gets its tier copy now (a capture), so that leaving it later costs nothing."""
+        self._queue(key, stamp, read, self._importance.get(key, 0.0))
+
+    def _queue(self, key: RecordKey, stamp: Stamp, read, weight: float) -> bool:
+        """Queue the record's K/V for the tiers (read once): True while its entry is on its way, False if the
+        tiers hold this version already."""
         entry = tier_key(key[0], key[1], stamp)
-        weight = self._importance.pop(key, 0.0)
+        if entry in self._queued_entries:
+            return True
         if entry in self._tiers:
-            return
+            return False
         k, v = read()
         self._queued.append(((entry, k, v, tier_label(key[1], stamp)), weight))
-        self._in_transit.add((key, stamp))
+        self._queued_entries.add(entry)
+        return True
 
     def flush(self) -> None:
         """Store the queued records in the tiers, then report the placements that waited for them."""
         queued, self._queued = self._queued, []
+        self._queued_entries = set()
         try:
             self._tiers.put_many([item for item, _ in queued], [weight for _, weight in queued])
         finally:

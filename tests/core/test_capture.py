@@ -139,10 +139,11 @@ def test_a_captured_record_is_kept_in_the_arena_and_served_from_it_without_readi
         assert torch.equal(target[name], source[name])
 
 
-def test_a_captured_record_the_full_arena_cannot_take_goes_down_to_the_host_tier(tmp_path):
-    """A history longer than the arena: its first chunk fills the arena (one page), the next cannot evict a record of
-    the same capture, so it goes to the lower tiers as an evicted record would, its placement reported there, and
-    its load comes back from host memory with the values the engine cached."""
+def test_captured_records_get_their_host_tier_copy_so_leaving_the_arena_later_costs_nothing(tmp_path, monkeypatch):
+    """With lower tiers, every captured record gets its copy in host memory at once, in one group: a history longer
+    than the arena (one page) keeps its head in the arena, and its tail, which cannot evict a record of the same
+    capture, only goes down. Its load serves the values the engine cached. When a later capture pushes the head out
+    of the arena, nothing is stored for it again: it leaves for free, where a spill would cost that step."""
     from kvcore.tiers import TieredStore
 
     layout, tokens, blocks, source = _engine_cache(seed=8)
@@ -151,27 +152,48 @@ def test_a_captured_record_the_full_arena_cannot_take_goes_down_to_the_host_tier
     placed = []
     one_page = 16 * L * H * D * 2 * 4  # the arena's page of 16 float32 tokens
     worker = InjectionWorker(
-        store, FP, ROPE, one_page, tiers=tiers, placement=lambda *report: placed.append((report[1], report[3]))
+        store, FP, ROPE, one_page, tiers=tiers, placement=lambda *report: placed.append(report[:2] + report[3:])
     )
     target = {name: torch.zeros_like(cache) for name, cache in source.items()}
     worker.register(target, layout)
+    stored, put_many = [], tiers.put_many
+
+    def recorded(items, *args):
+        if items:  # a flush with nothing queued stores nothing
+            stored.append([(key[0], key[1].split(".")[0]) for key, *_ in items])
+        put_many(items, *args)
+
+    monkeypatch.setattr(tiers, "put_many", recorded)
     capture = CaptureWorker(store, FP, ROPE, torch.float32, on_stored=worker.admit_captured)
     capture.register({name: i for i, name in enumerate(source)}, layout)
     tracker = CaptureTracker()
     spans = (CaptureSpan("head", 0, 4), CaptureSpan("tail", 4, tokens))
-    tracker.add("r", CapturePlan("t1", spans, keep_hot=True), list(range(100, 110)))
-    specs = tracker.step([("r", blocks, 0, tokens)])
-    for name, cache in source.items():
-        capture.save_layer(name, cache, specs)
-    capture.end_step()
+
+    def capture_for(tenant: str) -> None:
+        tracker.add(tenant, CapturePlan(tenant, spans, keep_hot=True), list(range(100, 110)))
+        specs = tracker.step([(tenant, blocks, 0, tokens)])
+        for name, cache in source.items():
+            capture.save_layer(name, cache, specs)
+        capture.end_step()
+
+    capture_for("t1")
     assert worker._arena.rows(("t1", "head"), store.stamp("t1", "head")) is not None
     assert worker._arena.rows(("t1", "tail"), store.stamp("t1", "tail")) is None
-    assert [tier for _, tier, _ in tiers.entries()] == ["cpu"]
-    assert placed == [("head", "gpu"), ("tail", "cpu")]
+    assert [tier for _, tier, _ in tiers.entries()] == ["cpu", "cpu"]
+    assert stored == [[("t1", "head"), ("t1", "tail")]]  # one group, one flush
+    assert placed == [("t1", "head", "gpu"), ("t1", "tail", "cpu")]
 
     _inject_head_and_tail(store, worker, blocks, tokens)
+    worker.finish_step()
     for name in source:
         assert torch.equal(target[name], source[name])
+
+    worker.start([])  # the engine's next step, which loads nothing
+    capture_for("t2")  # its head takes the arena's page: t1's head leaves
+    assert worker._arena.rows(("t1", "head"), store.stamp("t1", "head")) is None
+    assert worker._arena.rows(("t2", "head"), store.stamp("t2", "head")) is not None
+    assert stored == [[("t1", "head"), ("t1", "tail")], [("t2", "head"), ("t2", "tail")]]  # nothing for t1's head
+    assert ("t1", "head", "cpu") in placed[2:]
 
 
 def test_an_arena_that_fails_to_take_a_captured_record_fails_neither_the_capture_nor_later_ones(tmp_path, monkeypatch):

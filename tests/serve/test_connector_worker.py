@@ -64,8 +64,9 @@ def test_a_worker_without_tiers_reports_its_arena_under_a_slot_that_a_restart_ta
     assert worker.tiers is None and first.endswith("-slot0")
     assert (tmp_path / REPLICA_SLOTS / first).is_dir()
     k = torch.randn(3, 2, 16, 8)
-    for chunk in range(2):
-        worker.injection.admit_captured(tenant.id, chunk_record_id("history-a1", chunk), (1, chunk), k, k.neg())
+    worker.injection.admit_captured(
+        tenant.id, [(chunk_record_id("history-a1", chunk), (1, chunk), k, k.neg()) for chunk in range(2)]
+    )
     held = {"gpu": 2, "cpu": 0, "disk": 0}
     assert placed_when(tenant, lambda p: p["tiers"]["gpu"] == 2) == {"tiers": held, "replicas": {first: held}}
 
