@@ -148,19 +148,32 @@ def _shared_buffer(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]
         t.untyped_storage().data_ptr() != storage.data_ptr() or not t.is_contiguous() for t in tensors
     ):
         return None
-    if storage.nbytes() > 2 * sum(t.numel() * t.element_size() for t in tensors) + 4 * ALIGN:
-        return None  # views of something larger: copying all of it would move unrelated bytes
-    buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
     where = [t.storage_offset() * t.element_size() for t in tensors]
+    first = min(where)
+    end = max(w + t.numel() * t.element_size() for w, t in zip(where, tensors))
+    if end - first > 2 * sum(t.numel() * t.element_size() for t in tensors) + 4 * ALIGN:
+        return None  # scattered views: copying the bytes between them would move unrelated ones
+    buffer = torch.empty(0, dtype=torch.uint8).set_(storage, first, (end - first,))  # their span, not the whole
+    where = [w - first for w in where]  # storage (a host pool's block is a small part of its segment)
     if any(w % 4 for w in where[1::2]):
         return None
     return buffer, where
 
 
-def slab(specs: list[tuple[tuple[int, ...], torch.dtype]], pinned: bool) -> list[torch.Tensor]:
+def slab(
+    specs: list[tuple[tuple[int, ...], torch.dtype]], pinned: bool, buffer: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Empty host tensors of these (shape, dtype), all views of one (page-locked if `pinned`) buffer, each aligned:
-    how the tiers keep an entry, so that it moves to the device in one copy."""
+    how the tiers keep an entry, so that it moves to the device in one copy. `buffer`: uint8 bytes to carve them
+    from (at least `slab_bytes(specs)`), else a new one."""
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
     offsets = [0, *itertools.accumulate(aligned(size) for size in sizes[:-1])]
-    buffer = torch.empty(offsets[-1] + sizes[-1], dtype=torch.uint8, pin_memory=pinned)
+    if buffer is None:
+        buffer = torch.empty(offsets[-1] + sizes[-1], dtype=torch.uint8, pin_memory=pinned)
     return [buffer[o : o + n].view(dtype).view(shape) for (shape, dtype), o, n in zip(specs, offsets, sizes)]
+
+
+def slab_bytes(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """The bytes `slab` carves these tensors from."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    return sum(aligned(size) for size in sizes[:-1]) + sizes[-1]

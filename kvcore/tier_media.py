@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -21,7 +21,8 @@ import torch
 
 from kvcore.conversation import check_identifier
 from kvcore.errors import RecordCorruptError
-from kvcore.packed import slab
+from kvcore.host_pool import HostPool, PoolBlock
+from kvcore.packed import slab, slab_bytes
 from kvcore.quantize import Quantized, dequantize
 from kvcore.safetensors_io import read_header
 from kvcore.tier_disk import Key, file_name, write_tier_file
@@ -35,6 +36,7 @@ class HostKV:
 
     k: Quantized | torch.Tensor
     v: Quantized | torch.Tensor
+    block: PoolBlock | None = field(default=None, compare=False, repr=False)  # the pool memory k and v are views of
 
     @property
     def quantized(self) -> bool:
@@ -83,16 +85,24 @@ def in_hand(held: Held) -> HostKV | Path:
 
 
 def host_copy(
-    k: Quantized | torch.Tensor, v: Quantized | torch.Tensor, pinned: bool, non_blocking: bool = False
+    k: Quantized | torch.Tensor,
+    v: Quantized | torch.Tensor,
+    pinned: bool,
+    non_blocking: bool = False,
+    pool: HostPool | None = None,
 ) -> HostKV:
     """Contiguous host copies of K and V (codes or values), in page-locked memory if `pinned`; with
     `non_blocking`, copies from the device are only queued (the caller waits for them). Pinned int8 entries
-    get one buffer for their four tensors, so a load moves each to the device in one copy."""
+    get one buffer for their four tensors, so a load moves each to the device in one copy: a block of `pool`
+    where it has room."""
     if pinned and isinstance(k, Quantized) and isinstance(v, Quantized):
-        views = slab([(tuple(t.shape), t.dtype) for t in (k.codes, k.scales, v.codes, v.scales)], pinned=True)
-        for view, t in zip(views, (k.codes, k.scales, v.codes, v.scales)):
+        tensors = (k.codes, k.scales, v.codes, v.scales)
+        specs = [(tuple(t.shape), t.dtype) for t in tensors]
+        block = pool.take(slab_bytes(specs)) if pool is not None else None
+        views = slab(specs, pinned=True, buffer=block.view if block is not None else None)
+        for view, t in zip(views, tensors):
             view.copy_(t, non_blocking=non_blocking)
-        return HostKV(Quantized(views[0], views[1]), Quantized(views[2], views[3]))
+        return HostKV(Quantized(views[0], views[1]), Quantized(views[2], views[3]), block)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu" and t.is_contiguous() and (t.is_pinned() or not pinned):

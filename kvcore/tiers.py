@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from kvcore.host_pool import HostPool
 from kvcore.packed import RawEntry
 from kvcore.quantize import quantize_many
 from kvcore.tier_disk import DiskFile, Key, advise_willneed
@@ -56,6 +57,13 @@ class TieredStore:
         self._budget = {"cpu": host_bytes, "disk": math.inf if disk_bytes is None else disk_bytes}
         self._used = {"cpu": 0, "disk": 0}
         self._compress = compress_lower
+        # on a GPU, host entries are carved from a few page-locked segments (exact sizes; one driver call a GiB),
+        # with a sixteenth to spare for the gaps between blocks
+        self._pool = (
+            HostPool(host_bytes + host_bytes // 16, sync=lambda: torch.cuda.synchronize(self.device))
+            if self.device.type == "cuda" and host_bytes > 0
+            else None
+        )
         self.on_move = on_move  # replaceable: a worker points it at its placement tracker once it has one
         self._policy = ScorePolicy(age_scale_s, clock)
         self._entries: dict[Key, TierEntry] = {}
@@ -133,7 +141,7 @@ class TieredStore:
         ks, vs = [k for _, k, _, _ in items], [v for _, _, v, _ in items]
         packed = list(zip(quantize_many(ks), quantize_many(vs))) if self._compress else list(zip(ks, vs))
         pinned = self.device.type == "cuda"
-        hosts = [host_copy(k, v, pinned=pinned, non_blocking=True) for k, v in packed]
+        hosts = [host_copy(k, v, pinned=pinned, non_blocking=True, pool=self._pool) for k, v in packed]
         if any(k.is_cuda for k in ks):
             torch.cuda.synchronize(ks[0].device)  # the copies above were queued, not waited for
         for (key, k, _, label), host, weight in zip(items, hosts, importance or [0.0] * len(items)):

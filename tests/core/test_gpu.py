@@ -100,6 +100,37 @@ def test_layers_read_ahead_on_a_side_stream_equal_direct_reads(tmp_path, tier_by
     store.close()
 
 
+def test_host_tier_entries_are_carved_from_its_pinned_pool_and_churn_keeps_every_entry_right(tmp_path):
+    """On CUDA the host tier keeps its entries in blocks of its page-locked pool, exact in size (not rounded to a
+    power of two). Entries pushed to disk and replaced many times over a tier that holds three, with the device
+    kept busy between them (copies still queued when a block comes back), each read back as written."""
+    from kvcore.tier_media import HostKV
+    from kvcore.tiers import TieredStore
+
+    shape = (8, 4, 30, 128)
+    entry_bytes = 2 * (shape[0] * shape[1] * shape[2] * shape[3] + shape[0] * shape[1] * shape[3] * 4)
+    store = TieredStore("cuda", 3 * entry_bytes, tmp_path, compress_lower=True, write_behind=True)
+    originals, carved, busy = {}, 0, torch.randn(2048, 2048, device="cuda")
+    for i in range(12):
+        key = ("t", f"f{i}")
+        originals[key] = tuple(torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(2))
+        store.put_many([(key, *originals[key], "")])
+        held = store._entries[key].held
+        if isinstance(held, HostKV) and held.block is not None:
+            carved += 1
+            assert held.block.view.is_pinned() and held.block.view.numel() < 1.1 * entry_bytes
+        for _ in range(3):
+            busy = busy @ busy / 64
+    assert carved >= 4 and store._pool.reserved < 4 * entry_bytes  # blocks came back and were carved again
+    store.flush()
+    for key, written in originals.items():
+        for got, want in zip(store.read(key), written):
+            want = want.float().cpu()
+            step = want.abs().amax(dim=-2, keepdim=True) / 127  # int8, then bf16 rounding
+            assert ((got.float() - want).abs() <= step / 2 + (want.abs() + step) * 2**-8 + 1e-6).all(), key
+    store.close()
+
+
 def test_a_history_index_on_cuda_chooses_the_chunks_the_cpu_index_chooses():
     """History mode's choice on a GPU replica (summaries, turn vectors and their (turn, chunk) pairs on the device,
     the bounds by the fused kernel, only the orders' heads copied back) equals the CPU index's."""
