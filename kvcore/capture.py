@@ -117,7 +117,8 @@ class CaptureWorker:
     ) -> None:
         """`record_dtype`: what records are stored in; None: the engine cache's own dtype; `on_stored` gets the
         records of a plan that asks to keep them hot a write group at a time, once their files are written, with
-        each file's stamp and the K/V still on the device (a fact's capture is stored under a scratch name first: nothing to keep hot)."""
+        each file's stamp and the K/V still on the device (a fact's capture is stored under a scratch name first:
+        nothing to keep hot)."""
         self._store = store
         self._on_stored = on_stored
         self._record_dtype = record_dtype

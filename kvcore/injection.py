@@ -42,9 +42,8 @@ from kvcore.streaming import TierStreams
 from kvcore.tiers import TieredStore
 
 log = logging.getLogger(__name__)
-Captured = tuple[
-    str, Stamp, torch.Tensor, torch.Tensor
-]  # record id, its file's stamp, K and V [L, H, T, D] on the device
+# a record just captured: its id, its file's stamp, K and V `[L, H, T, D]` still on the device
+Captured = tuple[str, Stamp, torch.Tensor, torch.Tensor]
 
 
 class InjectionWorker:
@@ -145,8 +144,8 @@ class InjectionWorker:
         """Records this engine just captured (a write group), their K/V still on the device, into the arena: their
         first load then reads no file (a history's chunks, chosen by the next questions; a fact just encoded).
         With lower tiers, each also gets its copy there now, as a record coming up from them keeps one, so that
-        when a later step pushes it out of the arena it leaves for free: otherwise the step that needs its room
-        pays its spill (on an H100, ~0.9 ms a chunk of a history's chat). A record the arena has no room for
+        when a later step pushes it out of the arena it leaves for free, where the step that needs its room would
+        pay its spill (a history's chat bringing up its chunks, `docs/injection.md`). A record the arena has no room for
         outside the current step's records (a history longer than the arena) only goes down to the tiers. Without
         tiers it is not kept. Never fails the capture."""
         if self._arena is None or not self._admit_captures:

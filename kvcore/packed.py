@@ -153,8 +153,9 @@ def _shared_buffer(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]
     end = max(w + t.numel() * t.element_size() for w, t in zip(where, tensors))
     if end - first > 2 * sum(t.numel() * t.element_size() for t in tensors) + 4 * ALIGN:
         return None  # scattered views: copying the bytes between them would move unrelated ones
-    buffer = torch.empty(0, dtype=torch.uint8).set_(storage, first, (end - first,))  # their span, not the whole
-    where = [w - first for w in where]  # storage (a host pool's block is a small part of its segment)
+    # their span, not the whole storage: a host pool's block is a small part of its segment
+    buffer = torch.empty(0, dtype=torch.uint8).set_(storage, first, (end - first,))
+    where = [w - first for w in where]
     if any(w % 4 for w in where[1::2]):
         return None
     return buffer, where
@@ -166,8 +167,7 @@ def slab(
     """Empty host tensors of these (shape, dtype), all views of one (page-locked if `pinned`) buffer, each aligned:
     how the tiers keep an entry, so that it moves to the device in one copy. `buffer`: uint8 bytes to carve them
     from (at least `slab_bytes(specs)`), else a new one."""
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
-    offsets = [0, *itertools.accumulate(aligned(size) for size in sizes[:-1])]
+    sizes, offsets = _carving(specs)
     if buffer is None:
         buffer = torch.empty(offsets[-1] + sizes[-1], dtype=torch.uint8, pin_memory=pinned)
     return [buffer[o : o + n].view(dtype).view(shape) for (shape, dtype), o, n in zip(specs, offsets, sizes)]
@@ -175,5 +175,11 @@ def slab(
 
 def slab_bytes(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
     """The bytes `slab` carves these tensors from."""
+    sizes, offsets = _carving(specs)
+    return offsets[-1] + sizes[-1]
+
+
+def _carving(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], list[int]]:
+    """Each tensor's bytes, and where it starts (aligned) in its slab."""
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
-    return sum(aligned(size) for size in sizes[:-1]) + sizes[-1]
+    return sizes, [0, *itertools.accumulate(aligned(size) for size in sizes[:-1])]

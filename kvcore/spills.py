@@ -3,10 +3,9 @@
 A record evicted from the arena (or just captured: `copy_down`) is queued under its exact version (`tier_key`)
 and stored with the rest of the step's evictions at its end (`flush`: quantized together on the device, one wait
 for their copies). The tiers keep a copy of what they hand back up, and of what a capture put in the arena, so
-such a record leaves for free. Its retrieval
-score (the plan's importance) travels with it into the tiers' choice of what to move down first. The arena's
-placement reports of a record in transit wait until its tier entry exists, so a placement never reads
-"gone" while the record is on its way down.
+such a record leaves for free. Its retrieval score (the plan's importance) travels with it into the tiers' choice
+of what to move down first. The arena's placement reports of a record in transit wait until its tier entry
+exists, so a placement never reads "gone" while the record is on its way down.
 """
 
 from __future__ import annotations
