@@ -66,7 +66,7 @@ for step in "$@"; do
         grep -E " ms$|difference|tilings" "$out/chunk-bounds.log" ;;
     retrieval) run retrieval 300 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
     chat-ahead) run chat-ahead 120 python3 benchmarks/chat_ahead.py --out "$out/chat_ahead.json" ;;
-    injected-records) run injected-records 240 python3 benchmarks/injected_records.py --config "$SHAPE" --out "$out/injected_records.json"
+    injected-records) sampled injected-records 300 python3 benchmarks/injected_records.py --config "$SHAPE" --out "$out/injected_records.json"
         grep -E "^ *(none|[0-9]+x[0-9]+):" "$out/injected-records.log" ;;
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
