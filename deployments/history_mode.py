@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 
 from deployments.app_args import SCORING_LAYERS
-from deployments.choice_graphs import BOUNDS_ACCUMULATE, OrderGraphs, QuestionPass
+from deployments.choice_graphs import BOUNDS_ACCUMULATE, OrderGraphs, QuestionPass, RetrievalGraph
 from deployments.memory_prompt import MemoryItem
 from deployments.triton_adapter import optional_kernel
 from kvcore.history import MaxBounds, Span
@@ -133,6 +133,7 @@ class HistoryChooser:
         self._embedder: MiniLMEmbedder | None = None
         self._indexes: OrderedDict[tuple[str, str], HistoryIndex] = OrderedDict()
         self._items: dict[tuple[str, str], tuple[HistoryIndex, list[MemoryItem]]] = {}  # `_chunk_items`, per kept index
+        self._retrievals: dict[tuple[str, str], tuple[HistoryIndex, RetrievalGraph | None]] = {}  # per kept index
         self._lock = threading.Lock()  # the choice runs in worker threads
         self._bounds = chunk_bounds_for(self.device)
         self._side: torch.cuda.Stream | None = None  # a GPU chooser's second stream (`_beside`)
@@ -215,7 +216,7 @@ class HistoryChooser:
             retrieval = _StepMarks(self.device)
             vector = self.embedder.embed_tensor([question])[0] if question else None
             host.append(time.perf_counter())
-            by_retrieval = index.by_retrieval(vector) if vector is not None else []
+            by_retrieval = self._by_retrieval((tenant_id, history_id), index, vector) if vector is not None else []
             retrieval.mark()
         if side is not None:  # the selection reads retrieval's order: the device waits for it, the host does not
             torch.cuda.current_stream(self.device).wait_stream(side)
@@ -302,11 +303,19 @@ class HistoryChooser:
                 self._items[key] = (index, items)
         return items
 
+    def _by_retrieval(self, key: tuple[str, str], index: HistoryIndex, vector: torch.Tensor) -> torch.Tensor:
+        """`index.by_retrieval(vector)`: the kept index's graph replayed on a GPU, else eagerly."""
+        with self._lock:
+            kept = self._retrievals.get(key)
+        graph = kept[1] if kept is not None and kept[0] is index else None
+        return graph.order(vector) if graph is not None else index.by_retrieval(vector)
+
     def drop(self, tenant_id: str, history_id: str) -> int:
         """Forget a history and delete its chunk records; returns how many were deleted."""
         with self._lock:
             self._indexes.pop((tenant_id, history_id), None)
             self._items.pop((tenant_id, history_id), None)
+            self._retrievals.pop((tenant_id, history_id), None)
         return sum(self._store.delete(tenant_id, r) for r in self.chunk_ids(tenant_id, history_id))
 
     def _keep(self, key: tuple[str, str], index: HistoryIndex) -> HistoryIndex:
@@ -317,8 +326,13 @@ class HistoryChooser:
             while held > self._cached_bytes and len(self._indexes) > 1:  # the newest always stays
                 gone, dropped = self._indexes.popitem(last=False)
                 self._items.pop(gone, None)
+                self._retrievals.pop(gone, None)
                 held -= dropped.nbytes
         self._chunk_items(key, index)  # here, not in its first question's path
+        graph = RetrievalGraph.for_index(index)  # likewise (None: retrieval stays eager)
+        with self._lock:
+            if self._indexes.get(key) is index:
+                self._retrievals[key] = (index, graph)
         return index
 
 

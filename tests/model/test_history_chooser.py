@@ -68,7 +68,7 @@ def test_an_index_rebuilt_from_the_store_equals_the_captured_one_and_a_dropped_h
     again = chooser.choose("t1", "history-a", "What is the name of Maya's cat?", budget=48).items
     assert again == items and all(a is b for a, b in zip(again, items))
     assert chooser.drop("t1", "history-a") == len(records) and store.record_ids("t1") == []
-    assert not chooser._items  # a dropped history's items go with its index
+    assert not chooser._items and not chooser._retrievals  # a dropped history's items go with its index
     with pytest.raises(ValueError, match="no chunks"):
         chooser.index("t1", "history-a")
 
@@ -111,6 +111,7 @@ def test_kept_indexes_are_bounded_by_their_bytes_and_an_evicted_one_is_rebuilt(l
     chooser.index_records("t1", "history-b", records["history-b"])
     assert list(chooser._indexes) == [("t1", "history-b")] and first.nbytes > 1
     assert list(chooser._items) == [("t1", "history-b")]  # an index let go takes its items along
+    assert list(chooser._retrievals) == [("t1", "history-b")] and chooser._retrievals[("t1", "history-b")][1] is None
     again = chooser.index("t1", "history-a")
     assert again is not first and torch.equal(again.summaries.high, first.summaries.high)
 
@@ -150,10 +151,12 @@ def test_a_gpu_replica_scores_chunks_as_the_cpu_one_and_keeps_the_evidence_turn(
         sum(steps[k] for k in ("index", "question", "bounds", "selection")), abs=0.01
     )
     index = indexes["cuda"]
+    graph = cuda._retrievals[("t1", "history-a")][1]  # retrieval's order replayed, checked against its eager path:
+    vector = cuda.embedder.embed_tensor([question])[0]  # the question's, another's, and all ties (chunk order)
+    for probe in (vector, cuda.embedder.embed_tensor(["Where does Maya work?"])[0], torch.zeros_like(vector)):
+        assert torch.equal(graph.order(probe), index.by_retrieval(probe))
     ids = loaded.tokenizer.encode(question, add_special_tokens=False)
-    one_stream = index.choose(
-        cuda.question_pass(ids), 48, index.by_retrieval(cuda.embedder.embed_tensor([question])[0])
-    )
+    one_stream = index.choose(cuda.question_pass(ids), 48, index.by_retrieval(vector))
     assert [item.record_id for item in choice.items] == [index.record_ids[c] for c in one_stream]
     start, end = index.turns[next(i for i, t in enumerate(MAYA) if "Pixel" in t.text)]
     spans = [index.spans[index.record_ids.index(item.record_id)] for item in choice.items]
