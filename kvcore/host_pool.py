@@ -4,7 +4,7 @@ Why not `torch.empty(..., pin_memory=True)` per entry: PyTorch's pinned allocato
 of two (a 16-token history chunk at the 8B shape, 1.3 MB of int8 codes and scales, takes 2 MiB; a 30-token fact,
 2.2 MB, takes 4 MiB), so a host tier budgeted at N bytes pins up to twice that; and it asks the driver for every
 buffer its cache cannot reuse, which a growing tier never frees, so each new entry pays a page-locking call.
-Here the driver is asked once a segment (1 GiB), and each entry gets its own bytes, aligned.
+Here the driver is asked once a segment (256 MiB), and each entry gets its own bytes, aligned.
 
 A block is given back when its `PoolBlock` is collected (the entry holding it keeps it), not when the entry leaves
 its tier: readers and the disk tier's background writer may still hold the entry then. Its bytes may still be
@@ -12,6 +12,10 @@ the source of an asynchronous copy to the device at that moment, so a returned b
 device-wide synchronization that began after its return (`sync`), which the pool runs itself, once, when it finds
 no room otherwise. When it cannot carve a block (all segments in use, or too fragmented), `take` returns None and
 the caller allocates as before.
+
+Segments are page-locked when first needed, by the step that needs one (a few tens of ms for 256 MiB), not ahead on
+a thread: the pool lives in the engine's worker process, where a page-locking call from another thread during
+the engine's CUDA graph capture would break the capture.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 ALIGN = 512  # bytes: every block starts at a multiple (the packed upload's views need 4-byte alignment)
-SEGMENT_BYTES = 1 << 30
+SEGMENT_BYTES = 256 << 20  # a segment's page-locking stalls the step that needs it: kept short
 
 
 class PoolBlock:
@@ -79,8 +83,8 @@ class HostPool:
                 for block in returned:
                     self._release(*block)
                 found = self._carve(size)
-            if found is None and len(self._segments) < self._max_segments:
-                found = self._grow(size)
+            if found is None and len(self._segments) < self._max_segments and self._add_segment():
+                found = self._carve(size)
             if found is None:
                 return None
             segment, start = found
@@ -101,16 +105,21 @@ class HostPool:
                     return segment, start
         return None
 
-    def _grow(self, size: int) -> tuple[int, int] | None:
+    def _add_segment(self) -> bool:
+        """Page-lock one more segment; False if the driver refuses (the pool then stops growing)."""
         try:
             segment = torch.empty(self._segment_bytes, dtype=torch.uint8, pin_memory=self._pinned)
         except RuntimeError as exc:  # the driver refused to lock more memory: the callers allocate on their own
             log.warning("host tier pool: no new segment of %d bytes (%s)", self._segment_bytes, exc)
-            self._max_segments = len(self._segments)
-            return None
-        self._segments.append(segment)
-        self._free.append([(size, self._segment_bytes - size)] if size < self._segment_bytes else [])
-        return len(self._segments) - 1, 0
+            with self._lock:
+                self._max_segments = len(self._segments)
+            return False
+        with self._lock:
+            if len(self._segments) >= self._max_segments:
+                return False
+            self._segments.append(segment)
+            self._free.append([(0, self._segment_bytes)])
+        return True
 
     def _give_back(self, segment: int, start: int, size: int) -> None:
         with self._lock:

@@ -57,7 +57,7 @@ class TieredStore:
         self._budget = {"cpu": host_bytes, "disk": math.inf if disk_bytes is None else disk_bytes}
         self._used = {"cpu": 0, "disk": 0}
         self._compress = compress_lower
-        # on a GPU, host entries are carved from a few page-locked segments (exact sizes; one driver call a GiB),
+        # on a GPU, host entries are carved from page-locked segments (exact sizes; one driver call a segment),
         # with a sixteenth to spare for the gaps between blocks
         self._pool = (
             HostPool(host_bytes + host_bytes // 16, sync=lambda: torch.cuda.synchronize(self.device))
