@@ -8,8 +8,8 @@ a GPU, the bundled model on the CPU), records of random K/V already resident in 
 then one request at a time (`max_tokens=1`, the variants interleaved, median TTFT) injecting `--tokens` tokens as
 records of each size in `--sizes`, a request with no memory (the same query, the same prefix record only), and the
 ceiling injection is held to: the same number of tokens pasted as text and served by vLLM's own prefix cache (asked
-once untimed, then again: `cached`). Each request draws its records at random from its size's pool, so the prefix
-cache almost never holds an injected request's records (its first record after the prefix is one of hundreds).
+once untimed, then again: `cached`). Every request begins with a prefix record of its own (all resident), so the
+prefix cache never holds an injected request's blocks, however small its size's pool (two records of 2,016).
 `inject_over_cached_ms`: what injecting costs the engine above a prefix hit on the same number of tokens, by
 record size (history mode's 2k-token budget is ~128 records of 16).
 
@@ -42,15 +42,22 @@ POOL_TOKENS = 2  # each size's pool holds this many requests' worth of tokens (r
 
 
 def fill_pools(
-    store: LocalFactStore, config: dict, fingerprint: str, dtype: torch.dtype, sizes: list[int], tokens: int
+    store: LocalFactStore,
+    config: dict,
+    fingerprint: str,
+    dtype: torch.dtype,
+    sizes: list[int],
+    tokens: int,
+    prefixes: int = 1,
 ) -> dict[str, list[int]]:
-    """The prefix record and, for each size, a pool of records of that many random tokens with random K/V."""
+    """`prefixes` prefix records (`prefix-0` ...) and, for each size, a pool of records of that many random tokens
+    with random K/V."""
     rope = RopeConfig.from_hf_config(config)
     layers, heads = config["num_hidden_layers"], config.get("num_key_value_heads") or config["num_attention_heads"]
     params = EncodingParams(window=0, model_fingerprint=fingerprint, rope=rope, dtype=dtype_name(dtype))
     rng = random.Random(0)
     ids: dict[str, list[int]] = {}
-    wanted = [("prefix", PREFIX_TOKENS)]
+    wanted = [(f"prefix-{i}", PREFIX_TOKENS) for i in range(prefixes)]
     for size in sizes:
         wanted += [(f"s{size}-{i}", size) for i in range(POOL_TOKENS * tokens // size)]
     records = []
@@ -95,7 +102,10 @@ def main() -> None:
     path, config, fingerprint, engine_kwargs = model_source(args)
     store = LocalFactStore(Path(scratch_dir(prefix="records-")))
     record_dtype = getattr(torch, args.record_dtype or args.dtype)
-    ids = fill_pools(store, config, fingerprint, record_dtype, sizes, tokens)
+    sampling = bool(os.environ.get("INFERSCALE_SAMPLE_DIR"))
+    asks = (POOL_TOKENS + (repeats + 2 + sampling * repeats)) * (len(sizes) + 1)  # requests with a prefix record
+    ids = fill_pools(store, config, fingerprint, record_dtype, sizes, tokens, prefixes=asks)
+    unused = iter(f"prefix-{i}" for i in range(asks))  # one a request: no two share their first block
     version = store.version(TENANT)
     engine_kwargs |= (
         {"gpu_memory_utilization": 0.6} if gpu else {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30}
@@ -106,21 +116,25 @@ def main() -> None:
     rng = random.Random(1)
     pools = {size: [r for r in ids if r.startswith(f"s{size}-")] for size in sizes}
 
-    def request(size: int | None, records: list[str] | None = None):
+    def request(size: int | None, records: list[str] | None = None, prefixes: tuple[str, ...] = ()):
         chosen = [] if size is None else records or rng.sample(pools[size], tokens // size)
         query = [rng.randrange(100, config["vocab_size"] - 1) for _ in range(QUERY_TOKENS)]
-        prompt = ids["prefix"] + [t for r in chosen for t in ids[r]] + query
-        plan = MemoryPlan(TENANT, ("prefix", *chosen), version)
+        head = prefixes or (next(unused),)
+        prompt = [t for r in (*head, *chosen) for t in ids[r]] + query
+        plan = MemoryPlan(TENANT, (*head, *chosen), version)
         return memory_request(prompt, plan, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
 
     def pasted() -> tuple[list[int], SamplingParams]:
-        """`tokens` random tokens as text after the prefix, then a query: no records, no plan."""
+        """`tokens` random tokens as text after a prefix, then a query: no records, no plan."""
         text = [rng.randrange(100, config["vocab_size"] - 1) for _ in range(tokens + QUERY_TOKENS)]
         return memory_request(
-            ids["prefix"] + text, None, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+            ids["prefix-0"] + text, None, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         )
 
-    for size in sizes:  # warm: every record of every pool resident in the arena
+    every_prefix = tuple(f"prefix-{i}" for i in range(asks))
+    for first in range(0, asks, 32):  # warm: every prefix record resident in the arena, 32 a request
+        llm.generate(*request(None, prefixes=every_prefix[first : first + 32]), use_tqdm=False)
+    for size in sizes:  # and every record of every pool
         pool = pools[size]
         for first in range(0, len(pool), tokens // size):
             llm.generate(*request(size, pool[first : first + tokens // size]), use_tqdm=False)
