@@ -105,7 +105,8 @@ def main() -> None:
     sampling = bool(os.environ.get("INFERSCALE_SAMPLE_DIR"))
     asks = (POOL_TOKENS + (repeats + 2 + sampling * repeats)) * (len(sizes) + 1)  # requests with a prefix record
     ids = fill_pools(store, config, fingerprint, record_dtype, sizes, tokens, prefixes=asks)
-    unused = iter(f"prefix-{i}" for i in range(asks))  # one a request: no two share their first block
+    prefix_ids = tuple(f"prefix-{i}" for i in range(asks))
+    unused = iter(prefix_ids)  # one a request: no two share their first block
     version = store.version(TENANT)
     engine_kwargs |= (
         {"gpu_memory_utilization": 0.6} if gpu else {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30}
@@ -131,9 +132,8 @@ def main() -> None:
             ids["prefix-0"] + text, None, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         )
 
-    every_prefix = tuple(f"prefix-{i}" for i in range(asks))
     for first in range(0, asks, 32):  # warm: every prefix record resident in the arena, 32 a request
-        llm.generate(*request(None, prefixes=every_prefix[first : first + 32]), use_tqdm=False)
+        llm.generate(*request(None, prefixes=prefix_ids[first : first + 32]), use_tqdm=False)
     for size in sizes:  # and every record of every pool
         pool = pools[size]
         for first in range(0, len(pool), tokens // size):
@@ -159,13 +159,13 @@ def main() -> None:
                 if size == "cached":
                     cached_tokens.append(out.num_cached_tokens or 0)
     names = {None: "none", "cached": "cached", **{s: f"{tokens // s}x{s}" for s in sizes}}
-    if os.environ.get("INFERSCALE_SAMPLE_DIR"):  # stacks per variant, a block each (the timing above interleaves)
+    if sampling:  # stacks per variant, a block each (the timing above interleaves)
         for size in variants:
-            asks = [pasted() if size == "cached" else request(size) for _ in range(repeats)]
+            block = [pasted() if size == "cached" else request(size) for _ in range(repeats)]
             if size == "cached":
-                llm.generate([a[0] for a in asks], [a[1] for a in asks], use_tqdm=False)  # in the cache first
+                llm.generate([b[0] for b in block], [b[1] for b in block], use_tqdm=False)  # in the cache first
             with sampled(names[size]):
-                for prompt, params in asks:
+                for prompt, params in block:
                     llm.generate([prompt], params, use_tqdm=False)
     ttft = {names[v]: statistics.median(t) for v, t in times.items()}
     for name, ms in ttft.items():

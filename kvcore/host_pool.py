@@ -28,8 +28,9 @@ from typing import Callable
 
 import torch
 
+from kvcore.packed import ALIGN, aligned  # a block starts where a slab's tensors would: aligned as theirs
+
 log = logging.getLogger(__name__)
-ALIGN = 512  # bytes: every block starts at a multiple (the packed upload's views need 4-byte alignment)
 SEGMENT_BYTES = 256 << 20  # a segment's page-locking stalls the step that needs it: kept short
 
 
@@ -54,7 +55,7 @@ class HostPool:
         segment_bytes: int = SEGMENT_BYTES,
         sync: Callable[[], None] | None = None,
     ) -> None:
-        self._segment_bytes = max(ALIGN, min(segment_bytes, _aligned(capacity_bytes)))
+        self._segment_bytes = max(ALIGN, min(segment_bytes, aligned(capacity_bytes)))
         self._max_segments = max(1, -(-capacity_bytes // self._segment_bytes))
         self._pinned = pinned
         self._sync = sync or (torch.cuda.synchronize if pinned else (lambda: None))
@@ -72,7 +73,7 @@ class HostPool:
     def take(self, nbytes: int) -> "PoolBlock | None":
         """A block of `nbytes` (its memory the holder's until the block is collected); None if there is no room
         (the caller allocates on its own)."""
-        size = _aligned(nbytes)
+        size = aligned(nbytes)
         if nbytes <= 0 or size > self._segment_bytes:
             return None
         with self._lock:
@@ -137,7 +138,3 @@ class HostPool:
             free[i - 1] = (start, size)
             return
         free.insert(i, (start, size))
-
-
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN

@@ -61,7 +61,9 @@ class SpillQueue:
         """A record staying in the arena gets its tier copy now (a capture), so that leaving it later costs nothing."""
         self._queue(key, stamp, read, self._importance.get(key, 0.0))
 
-    def _queue(self, key: RecordKey, stamp: Stamp, read, weight: float) -> bool:
+    def _queue(
+        self, key: RecordKey, stamp: Stamp, read: Callable[[], tuple[torch.Tensor, torch.Tensor]], weight: float
+    ) -> bool:
         """Queue the record's K/V for the tiers (read once): True while its entry is on its way, False if the
         tiers hold this version already."""
         entry = tier_key(key[0], key[1], stamp)
