@@ -15,7 +15,9 @@
 # CHAT_TRANSPORT=serve has serve-http's chats reach the LLM replica through Serve's handle (default: its chat channel).
 # HISTORY_TTFT_TENANTS (default 4: each 32k-token history is 4.3 GB of bf16 records) sets history-ttft's tenants;
 # HISTORY_SCORING_LAYERS (default: the setting's) the first layers its question pass and bounds score the chunks with;
-# HISTORY_ARENA_GIB and HISTORY_HOST_GIB its device arena and pinned host tier (with a disk tier), for histories below the arena.
+# HISTORY_ARENA_GIB and HISTORY_HOST_GIB its device arena and pinned host tier (with a disk tier), for histories below the arena;
+# INJECTED_PROFILE=1 has injected-records profile each variant's block (device time by kernel, `device_profile`);
+# HISTORY_PROFILE_CHATS=N has history-ttft end with N chats a mode under vLLM's torch profiler (device time by kernel, `device_profile`).
 # Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
 # mps-on starts CUDA's multi-process service (every later CUDA process of the call shares the GPU through it,
@@ -66,7 +68,8 @@ for step in "$@"; do
         grep -E " ms$|difference|tilings" "$out/chunk-bounds.log" ;;
     retrieval) run retrieval 300 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
     chat-ahead) run chat-ahead 120 python3 benchmarks/chat_ahead.py --out "$out/chat_ahead.json" ;;
-    injected-records) sampled injected-records 300 python3 benchmarks/injected_records.py --config "$SHAPE" --out "$out/injected_records.json"
+    injected-records) sampled injected-records 300 python3 benchmarks/injected_records.py --config "$SHAPE" ${INJECTED_PROFILE:+--profile} \
+            --out "$out/injected_records.json"
         grep -E "^ *(none|[0-9]+x[0-9]+):" "$out/injected-records.log" ;;
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
@@ -87,7 +90,8 @@ for step in "$@"; do
         grep -E "records:" "$out/record-precision.log" ;;
     history-ttft) sampled history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --tenants "${HISTORY_TTFT_TENANTS:-4}" \
             ${HISTORY_SCORING_LAYERS:+--scoring-layers "$HISTORY_SCORING_LAYERS"} ${HISTORY_ARENA_GIB:+--arena-gib "$HISTORY_ARENA_GIB"} \
-            ${HISTORY_HOST_GIB:+--host-gib "$HISTORY_HOST_GIB"} --out "$out/history_ttft.json"
+            ${HISTORY_HOST_GIB:+--host-gib "$HISTORY_HOST_GIB"} ${HISTORY_PROFILE_CHATS:+--profile-chats "$HISTORY_PROFILE_CHATS"} \
+            --out "$out/history_ttft.json"
         tail -30 "$out/history-ttft.log" ;;
     history-ttft-layers)  # the scoring layers side by side in one call, on the same host: each of HISTORY_LAYER_SET
         # (default "1 4") a run of its own (2 tenants, 250 s each), its report history_ttft_e<N>.json

@@ -17,14 +17,16 @@ The chunks a question needs sit wherever earlier questions left them: the device
 loaded, the lower tiers (`--host-gib`: pinned host memory, then disk) or the record store for the rest. Before
 each history chat the run reads where the history's chunks are (`GET /v1/history`'s placement), and
 `history_by_arena` sets the chats whose history was all in the arena beside those with chunks below it
-(`--arena-gib` sizes the arena so that the tenants' histories do not all fit).
+(`--arena-gib` sizes the arena so that the tenants' histories do not all fit). With `--profile-chats N`, N more
+chats a mode run after the measured rounds under vLLM's torch profiler (`device_profile`: each mode's device time
+a chat by kernel, and history mode's against no memory's and the cached tokens').
 
 Targets (the LeoAM issue's, H200, Llama-3.1-8B shape with dummy weights, 32k-token histories): history TTFT at a
 2k-token budget <= 1.3x the k = 0 TTFT, and the whole history's prefill >= 10x slower than history mode.
 On the CPU (`--quick`) SmolLM2 serves a ~1.5k-token history at a 192-token budget; the figures have the same names.
 
     python benchmarks/history_ttft.py --out PATH [--quick] [--tenants N] [--history-tokens N] [--budget N]
-        [--arena-gib G] [--host-gib G]
+        [--arena-gib G] [--host-gib G] [--profile-chats N]
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from benchmarks._common import (  # noqa: E402
     target,
     write_report,
 )
+from benchmarks._engine_profile import DEVICE_CATEGORIES, ProfiledBlocks, profiler_config  # noqa: E402
 from benchmarks.history_selection import history_lines, history_questions  # noqa: E402
 from benchmarks.quality.devset import conversation  # noqa: E402
 from benchmarks.quality.run import Client  # noqa: E402
@@ -135,6 +138,32 @@ def measure(client: Client, histories: list[dict], budget: int, rounds: int, dea
                     }
                 )
     return rows
+
+
+def profile_modes(client: Client, histories: list[dict], budget: int, chats: int, folder: Path) -> dict:
+    """`chats` chats of each mode (no memory first, then history mode and the same tokens from vLLM's prefix
+    cache), tenants in turn, in one profiling window of the LLM replica's engine: each mode's device time a chat by
+    kernel, and each against no memory. Questions differ from every measured round's, so nothing is cached."""
+    from ray import serve
+
+    llm = serve.get_deployment_handle("LLMServer", app_name="inferscale")
+    blocks = ProfiledBlocks(folder, lambda on: llm.profile.remote(on).result())
+    with blocks.window():
+        for mode in ("no_memory", "history", "budget_cached"):
+            with blocks.block(mode, chats):
+                for i in range(chats):
+                    tenant = histories[i % len(histories)]
+                    question = f"({uuid.uuid4().hex[:8]}) {tenant['questions'][i % len(tenant['questions'])]}"
+                    content, memory = {
+                        "no_memory": (question, {"mode": "off"}),
+                        "history": (question, {"mode": "history", "budget": budget}),
+                        "budget_cached": (f"{tenant['tail']}\n{question}", {"mode": "off"}),
+                    }[mode]
+                    chat(client, tenant["key"], content, memory)
+    import torch
+
+    # on a CPU there are no kernels: the engine core's operators instead (inclusive times, nested ones counted again)
+    return blocks.report(categories=DEVICE_CATEGORIES if torch.cuda.is_available() else ("cpu_op",))
 
 
 def _p(values: list[float], q: float) -> float:
@@ -227,6 +256,12 @@ def main() -> None:
         default=SCORING_LAYERS,
         help="the first layers whose queries score the chunks (`llm.history_scoring_layers`)",
     )
+    p.add_argument(
+        "--profile-chats",
+        type=int,
+        default=0,
+        help="after the measured rounds, this many chats a mode under vLLM's torch profiler: device time by kernel",
+    )
     args = p.parse_args()
     started = time.monotonic()
     gpu = engine_shape_defaults(args, CONFIGS)
@@ -255,6 +290,9 @@ def main() -> None:
         llm["device_cache_bytes"] = int(args.arena_gib * (1 << 30))
     if args.host_gib is not None:  # the lower tiers: pinned host memory (int8), then a disk folder
         llm["tiers"] = {"disk_cache_dir": str(state / "tiers"), "host_cache_bytes": int(args.host_gib * (1 << 30))}
+    if args.profile_chats:
+        engine["profiler_config"] = profiler_config(state / "profile")
+    profile: dict | None = None
     base, admin, redis, app = start_cluster(
         state, gpu, shape, engine_kwargs=engine, llm_args=llm, early_layers=args.scoring_layers if shape else 0
     )
@@ -290,6 +328,8 @@ def main() -> None:
             chat(client, tenant["key"], f"{tenant['tail']}\nWhat happened first?", {"mode": "off"})  # its tail cached
         with sampled("history-rounds"):  # every mode's chats (SAMPLE_MS in gpu_suite.sh)
             rows = measure(client, histories, budget, rounds, started + args.deadline_s)
+        if args.profile_chats and histories:
+            profile = profile_modes(client, histories, budget, args.profile_chats, state / "profile")
     finally:
         from ray import serve
 
@@ -313,6 +353,8 @@ def main() -> None:
         },
         "rows": rows,
     }
+    if profile is not None:
+        report["device_profile"] = profile
     write_report(args.out, report)
     print(json.dumps({"modes": report["modes"], "choose": report["history_choose_ms_p50"]}, indent=1), flush=True)
 

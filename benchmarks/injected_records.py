@@ -11,9 +11,12 @@ ceiling injection is held to: the same number of tokens pasted as text and serve
 once untimed, then again: `cached`). Every request begins with a prefix record of its own (all resident), so the
 prefix cache never holds an injected request's blocks, however small its size's pool (two records of 2,016).
 `inject_over_cached_ms`: what injecting costs the engine above a prefix hit on the same number of tokens, by
-record size (history mode's 2k-token budget is ~128 records of 16).
+record size (history mode's 2k-token budget is ~128 records of 16). With `--profile`, each variant's requests run
+again in a block of their own under vLLM's torch profiler (`device_profile`: device time a request by kernel, and
+every variant against each before it), which tells the GPU's share of that cost from the host's.
 
     python benchmarks/injected_records.py --out PATH [--quick] [--config SHAPE] [--tokens N] [--sizes 16,32,...]
+        [--profile]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import parser, sampled, scratch_dir, target, write_report  # noqa: E402
+from benchmarks._engine_profile import DEVICE_CATEGORIES, ProfiledBlocks, profiler_config  # noqa: E402
 from benchmarks.ttft_vs_k import model_source  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
@@ -84,6 +88,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, help="injected tokens a request (default 2016; --quick 512)")
     p.add_argument("--sizes", help="record sizes in tokens, comma separated (default 16, 32, tokens / 16, tokens)")
     p.add_argument("--repeats", type=int, help="timed rounds (default 31; --quick 7)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also each variant's block of requests under vLLM's torch profiler: device time by kernel",
+    )
     args = p.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may touch CUDA first
     gpu = torch.cuda.is_available()
@@ -103,7 +112,8 @@ def main() -> None:
     store = LocalFactStore(Path(scratch_dir(prefix="records-")))
     record_dtype = getattr(torch, args.record_dtype or args.dtype)
     sampling = bool(os.environ.get("INFERSCALE_SAMPLE_DIR"))
-    asks = (POOL_TOKENS + (repeats + 2 + sampling * repeats)) * (len(sizes) + 1)  # requests with a prefix record
+    blocks_of = sampling + args.profile  # each variant's requests again in a block of their own, per use
+    asks = (POOL_TOKENS + (repeats + 2 + blocks_of * repeats)) * (len(sizes) + 1)  # requests with a prefix record
     ids = fill_pools(store, config, fingerprint, record_dtype, sizes, tokens, prefixes=asks)
     prefix_ids = tuple(f"prefix-{i}" for i in range(asks))
     unused = iter(prefix_ids)  # one a request: no two share their first block
@@ -113,6 +123,8 @@ def main() -> None:
     )
     connector = ConnectorConfig(store_root=store.root, fingerprint=fingerprint, device_cache_bytes=8 << 30)
     engine_kwargs["enable_prefix_caching"] = True  # the `cached` reference; injected requests draw fresh orders
+    if args.profile:
+        engine_kwargs["profiler_config"] = profiler_config(Path(scratch_dir(prefix="profile-")))
     llm = build_llm(path, connector, dtype=args.dtype, max_model_len=tokens + 1024, seed=0, **engine_kwargs)
     rng = random.Random(1)
     pools = {size: [r for r in ids if r.startswith(f"s{size}-")] for size in sizes}
@@ -159,14 +171,33 @@ def main() -> None:
                 if size == "cached":
                     cached_tokens.append(out.num_cached_tokens or 0)
     names = {None: "none", "cached": "cached", **{s: f"{tokens // s}x{s}" for s in sizes}}
+
+    def block_of(size: int | str | None) -> list:
+        """`repeats` requests of a variant, the cached one's already in vLLM's prefix cache."""
+        block = [pasted() if size == "cached" else request(size) for _ in range(repeats)]
+        if size == "cached":
+            llm.generate([b[0] for b in block], [b[1] for b in block], use_tqdm=False)
+        return block
+
     if sampling:  # stacks per variant, a block each (the timing above interleaves)
         for size in variants:
-            block = [pasted() if size == "cached" else request(size) for _ in range(repeats)]
-            if size == "cached":
-                llm.generate([b[0] for b in block], [b[1] for b in block], use_tqdm=False)  # in the cache first
+            block = block_of(size)
             with sampled(names[size]):
                 for prompt, params in block:
                     llm.generate([prompt], params, use_tqdm=False)
+    profile = None
+    if args.profile:  # device time per variant, a block each in one profiling window
+        profiled = ProfiledBlocks(
+            Path(engine_kwargs["profiler_config"]["torch_profiler_dir"]),
+            lambda on: llm.start_profile() if on else llm.stop_profile(),
+        )
+        with profiled.window():
+            for size in variants:
+                block = block_of(size)
+                with profiled.block(names[size], len(block)):
+                    for prompt, params in block:
+                        llm.generate([prompt], params, use_tqdm=False)
+        profile = profiled.report(categories=DEVICE_CATEGORIES if gpu else ("cpu_op",))
     ttft = {names[v]: statistics.median(t) for v, t in times.items()}
     for name, ms in ttft.items():
         print(f"{name:>10}: {ms:8.2f} ms", flush=True)
@@ -191,6 +222,7 @@ def main() -> None:
             if smallest != whole
             else None,
             "fallbacks": fallbacks,
+            **({"device_profile": profile} if profile is not None else {}),
             "targets": [
                 target(f"TTFT {smallest} / {whole} records (same tokens)", ttft[smallest] / ttft[whole], "<= 1.1"),
                 target(

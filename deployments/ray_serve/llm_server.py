@@ -157,6 +157,10 @@ class LLMServer(ReportsChannelLoad):
     async def check_health(self) -> None:
         await self.engine.check_health()
 
+    async def profile(self, on: bool) -> None:
+        """Start or stop the engine's torch profiler (a benchmark's handle call; not on the HTTP API)."""
+        await self.engine.profile(on)
+
     async def __del__(self) -> None:
         """Serve's shutdown of this replica (after the requests Serve routed have ended): the channel's chats are
         let finish first, new ones sent elsewhere, then the engine stops."""

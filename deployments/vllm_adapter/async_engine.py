@@ -321,6 +321,14 @@ class MemoryEngine:
         """Raises when the engine process has died (Serve then replaces the replica)."""
         await self._engine.check_health()
 
+    async def profile(self, on: bool) -> None:
+        """Start or stop vLLM's own torch profiler (its traces go to the engine's `profiler_config` folder), so
+        a benchmark can split a step's device time by kernel. Raises RuntimeError when the engine was built
+        without a profiler."""
+        if self._engine.vllm_config.profiler_config.profiler is None:
+            raise RuntimeError("this engine was built without a profiler (llm.engine_kwargs.profiler_config)")
+        await (self._engine.start_profile() if on else self._engine.stop_profile())
+
     def shutdown(self) -> None:
         self._engine.shutdown()
 

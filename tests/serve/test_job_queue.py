@@ -133,10 +133,10 @@ def test_engine_resolves_to_the_engines_dtype_and_a_named_one_stays():
         stored_dtype("engine", "torch.float8_e4m3fn")
 
 
-def test_the_llm_replica_names_its_record_dtype(cluster):
+def test_the_llm_replica_names_its_record_dtype(cluster, on_serve_loop):
     from ray import serve
 
     async def ask() -> str:  # in high-throughput mode a handle routes on the caller's event loop
         return await serve.get_deployment_handle("LLMServer", "inferscale").record_dtype.remote()
 
-    assert asyncio.run(ask()) == "float32"  # llm.record_dtype `engine`, resolved: the CPU engine serves float32
+    assert on_serve_loop(ask) == "float32"  # llm.record_dtype `engine`, resolved: the CPU engine serves float32
