@@ -50,7 +50,7 @@ from benchmarks._common import (  # noqa: E402
     target,
     write_report,
 )
-from benchmarks._engine_profile import DEVICE_CATEGORIES, ProfiledBlocks, profiler_config  # noqa: E402
+from benchmarks._engine_profile import ProfiledBlocks, profiler_config  # noqa: E402
 from benchmarks.history_selection import history_lines, history_questions  # noqa: E402
 from benchmarks.quality.devset import conversation  # noqa: E402
 from benchmarks.quality.run import Client  # noqa: E402
@@ -160,10 +160,7 @@ def profile_modes(client: Client, histories: list[dict], budget: int, chats: int
                         "budget_cached": (f"{tenant['tail']}\n{question}", {"mode": "off"}),
                     }[mode]
                     chat(client, tenant["key"], content, memory)
-    import torch
-
-    # on a CPU there are no kernels: the engine core's operators instead (inclusive times, nested ones counted again)
-    return blocks.report(categories=DEVICE_CATEGORIES if torch.cuda.is_available() else ("cpu_op",))
+    return blocks.report()  # device kernels; on a CPU the engine core's operators
 
 
 def _p(values: list[float], q: float) -> float:
