@@ -193,6 +193,9 @@ def start_cluster(
     env = {"VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(state / "vllm-cache")}
     env |= {} if cuda else {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     env |= {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(engine_sm_percent)} if engine_sm_percent else {}
+    # how many of a step's outputs vLLM's frontend hands out before the replica's event loop reads new chats again
+    # (vLLM's default 128: a step finishing 100 chats holds every chat that arrives meanwhile until all 100 are sent)
+    env |= {key: os.environ[key] for key in ("VLLM_V1_OUTPUT_PROC_CHUNK_SIZE",) if key in os.environ}
     llm = {
         "dtype": "bfloat16" if cuda else "float32",
         "env": env,

@@ -12,6 +12,8 @@
 # QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own;
 # INGRESS_REPLICAS=N runs serve-http with N ingress replicas (default 4: each an event loop where requests queue).
 # SPIN_MS=2 has serve-http's query embedder, ingress loop and LLM replica's loop poll instead of sleeping around a chat.
+# VLLM_V1_OUTPUT_PROC_CHUNK_SIZE=N (vLLM's own, default 128) reaches serve-http's LLM replica and its engine alone: how many
+# of a step's finished chats vLLM's frontend hands out before the replica's event loop reads new chats again.
 # CHAT_TRANSPORT=serve has serve-http's chats reach the LLM replica through Serve's handle (default: its chat channel).
 # HISTORY_TTFT_TENANTS (default 4: each 32k-token history is 4.3 GB of bf16 records) sets history-ttft's tenants;
 # HISTORY_SCORING_LAYERS (default: the setting's) the first layers its question pass and bounds score the chunks with;
