@@ -143,7 +143,7 @@ def measure(client: Client, histories: list[dict], budget: int, rounds: int, dea
 def profile_modes(client: Client, histories: list[dict], budget: int, chats: int, folder: Path) -> dict:
     """`chats` chats of each mode (no memory first, then history mode and the same tokens from vLLM's prefix
     cache), tenants in turn, in one profiling window of the LLM replica's engine: each mode's device time a chat by
-    kernel, and each against no memory. Questions differ from every measured round's, so nothing is cached."""
+    kernel, and the modes against each other. Each question is new, so vLLM's prefix cache holds none of it."""
     from ray import serve
 
     llm = serve.get_deployment_handle("LLMServer", app_name="inferscale")
