@@ -21,11 +21,13 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def profiler_config(folder: Path) -> dict:
     """vLLM's `profiler_config` engine argument: torch traces in `folder`, the engine core's only (the frontend
-    would trace the whole window), without Python stacks (they would slow every step)."""
+    would trace the whole window), without Python stacks (they would slow every step) and without vLLM's own
+    table of the window (this module sums the trace itself)."""
     return {
         "profiler": "torch",
         "torch_profiler_dir": str(Path(folder).resolve()),
         "torch_profiler_with_stack": False,
+        "torch_profiler_dump_cuda_time_total": False,
         "ignore_frontend": True,
     }
 
