@@ -18,6 +18,7 @@
 # HISTORY_TTFT_TENANTS (default 4: each 32k-token history is 4.3 GB of bf16 records) sets history-ttft's tenants;
 # HISTORY_SCORING_LAYERS (default: the setting's) the first layers its question pass and bounds score the chunks with;
 # HISTORY_ARENA_GIB and HISTORY_HOST_GIB its device arena and pinned host tier (with a disk tier), for histories below the arena;
+# TTFT_PROFILE=1 has ttft profile a full batch of injection and of the prefix-cached facts (`device_profile`);
 # INJECTED_PROFILE=1 has injected-records profile each variant's block (device time by kernel, `device_profile`);
 # HISTORY_PROFILE_CHATS=N has history-ttft end with N chats a mode under vLLM's torch profiler (device time by kernel, `device_profile`).
 # Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
@@ -63,7 +64,7 @@ for step in "$@"; do
         echo "install: exit $?"; grep -E "^CHECK|^!!|UNEXPECTED|^no unexpected" "$out/install.log" | tail -6 ;;
     gpu-tests) run gpu-tests 200 python3 -m pytest tests/core/test_gpu.py tests/kernels tests/tenants/test_minilm.py tests/tenants/test_index_mirror.py tests/serve/test_query_batcher.py tests/benchmarks/test_retrieval.py tests/model/test_query_pass.py tests/model/test_history_chooser.py -m gpu -q -p no:cacheprovider ;;
     equivalence) run equivalence 200 python3 benchmarks/injection_equivalence.py --out "$out/equivalence.json" ;;
-    ttft) sampled ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" --out "$out/ttft.json" ;;
+    ttft) sampled ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" ${TTFT_PROFILE:+--profile} --out "$out/ttft.json" ;;
     inject-kernel) run inject-kernel 150 python3 benchmarks/inject_kernel.py --out "$out/inject_kernel.json"
         grep -E "ms .* GB/s" "$out/inject-kernel.log" ;;
     chunk-bounds) run chunk-bounds 240 python3 benchmarks/chunk_bounds.py --out "$out/chunk_bounds.json"

@@ -11,6 +11,8 @@ kind of batch, each request with facts of its own, whose facts vLLM's prefix cac
 with other questions (`paste_prefix_cached`); beside it, all 100 requests sharing one cached fact set
 (`paste_shared_prefix`: their attention reads one copy of the facts' K/V, which no retrieval gives, so it is
 reported, not a target). Records hold random K/V: this measures speed only; the tests prove the values. `--config` runs a model shape with dummy weights (the GPU run).
+With `--profile`, one more batch of (a) and one of `paste_prefix_cached` run under vLLM's torch profiler
+(`device_profile`: device time a request by kernel, injection against the cache).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import parser, sampled, scratch_dir, shape_folder, target, write_report  # noqa: E402
+from benchmarks._engine_profile import ProfiledBlocks, profiler_config  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
 from kvcore.rope import RopeConfig  # noqa: E402
@@ -73,6 +76,11 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--torch-path", action="store_true", help="write K/V with torch ops, not the fused Triton kernel")
     p.add_argument("--recompute", type=int, default=1, help="facts prefilled after the injected ones in variant (d)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also one concurrent batch of inject and of paste_prefix_cached under vLLM's torch profiler",
+    )
     args = p.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may touch CUDA first
     gpu = torch.cuda.is_available()
@@ -99,6 +107,8 @@ def main() -> None:
     connector = ConnectorConfig(
         store_root=store.root, fingerprint=fingerprint, device_cache_bytes=4 << 30, fused_kernel=not args.torch_path
     )
+    if args.profile:
+        engine_kwargs["profiler_config"] = profiler_config(Path(scratch_dir(prefix="profile-")))
     llm = build_llm(path, connector, dtype=args.dtype, max_model_len=4096, seed=0, **engine_kwargs)
     rng = random.Random(1)
     fact_ids = [f for f in tokens if f != "prefix"]
@@ -196,6 +206,22 @@ def main() -> None:
                 llm.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False)
                 rates[label].append(concurrent / (time.perf_counter() - start))
     throughput = {label: statistics.median(r) for label, r in rates.items()}
+    profile = None
+    if args.profile:  # where a full batch's device time goes: injection against the same facts from the cache
+        profiled = ProfiledBlocks(
+            Path(engine_kwargs["profiler_config"]["torch_profiler_dir"]),
+            lambda on: llm.start_profile() if on else llm.stop_profile(),
+        )
+        with profiled.window():
+            for label in ("inject", "paste_prefix_cached"):
+                sets = [rng.sample(fact_ids, k_concurrent) for _ in range(concurrent)]
+                if label == "paste_prefix_cached":
+                    warm = [request(k_concurrent, False, chosen=chosen) for chosen in sets]
+                    llm.generate([w[0] for w in warm], [w[1] for w in warm], use_tqdm=False)
+                batch = [request(k_concurrent, label == "inject", out_tokens=16, chosen=chosen) for chosen in sets]
+                with profiled.block(label, concurrent):
+                    llm.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False)
+        profile = profiled.report()  # device kernels; on a CPU the engine core's operators
     for label, rate in throughput.items():
         print(f"{concurrent} concurrent at k={k_concurrent}: {label} {rate:.1f} req/s", flush=True)
 
@@ -242,6 +268,7 @@ def main() -> None:
                 "req_per_s": throughput,
                 "req_per_s_each": rates,
             },
+            **({"device_profile": profile} if profile is not None else {}),
             "targets": targets,
         },
     )
