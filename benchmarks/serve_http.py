@@ -252,6 +252,13 @@ def load_legs(result: LoadResult) -> dict[str, float]:
     return {leg: round(statistics.median(values), 3) for leg, values in legs.items() if values}
 
 
+def replica_loop_lag() -> dict[str, float]:
+    """The LLM replica's loop lag since the last call (its probe: `--loop-lag-ms`)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("LLMServer", app_name="inferscale").loop_lag.remote().result()
+
+
 def http_ceiling(base: str, tenants: list[tuple[str, str]], total: int) -> float:
     """Requests per second of the authenticated `GET /v1/models` from the same users and load generator: the
     most the HTTP path (client, proxy, ingress, auth) carries with no engine behind it."""
@@ -488,6 +495,12 @@ def main() -> None:
         "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in the LLM replica's environment), the reference's too",
     )
     p.add_argument(
+        "--loop-lag-ms",
+        type=float,
+        default=2.0,
+        help="the LLM replica's event-loop lag probe interval (`llm.loop_lag_probe_ms`), read over each QPS phase; 0: off",
+    )
+    p.add_argument(
         "--locust-s",
         type=int,
         default=0,
@@ -512,6 +525,7 @@ def main() -> None:
         ingress_replicas=args.ingress_replicas,
         chat_transport=args.chat_transport,
         spin_ms=args.spin_ms,
+        llm_args={"loop_lag_probe_ms": args.loop_lag_ms},
     )
     probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
     clock.done("deploy")
@@ -575,14 +589,18 @@ def main() -> None:
             floor += floor_ms(base, tenants[0][1], calls=100)
             mode_floor += floor_ms(base, tenants[0][1], calls=100, path=probe)
         total = 2 * tenants_n if args.quick else 20 * tenants_n  # inject's; prompt's: a fifth (5x slower)
-        qps, cpu = {"ceiling": http_ceiling(base, tenants, 20 * tenants_n)}, {}
+        qps, cpu, lag = {"ceiling": http_ceiling(base, tenants, 20 * tenants_n)}, {}, {}
         for mode, count in (("prompt", max(total // 5, tenants_n)), ("inject", total)):
+            replica_loop_lag()  # from here on
             with sampled(f"http-qps-{mode}"), PhaseCpu() as phase:
                 loaded = http_qps(base, tenants, k, mode, count, usage=mode == "inject")
+            lag[mode] = replica_loop_lag()
             qps[mode] = loaded.rate
             cpu[mode] = phase.report(count, seconds=count / qps[mode])  # not the load generator's start
             if mode == "inject":
                 report["qps_legs_ms_p50"] = load_legs(loaded)
+        # how late the LLM replica's loop ran what was due, under each load (what a chat arriving mid-burst waits)
+        report["qps_replica_loop_lag_ms"] = lag
         clock.done("http_measured")
         report["arena_warnings"] = arena_warnings()
         report |= http_figures(samples, floor, mode_floor, qps, rounds_n)

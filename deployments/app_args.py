@@ -50,6 +50,13 @@ class LLMArgs(Strict):
         description="After a note sent ahead of a chat, how long the replica's loop polls instead of sleeping until "
         "the chat arrives; 0: it sleeps. CPU time bounded by each chat.",
     )
+    loop_lag_probe_ms: float = Field(
+        0.0,
+        ge=0,
+        le=1000,
+        description="Every this many ms the replica's event loop notes how late it woke (`LLMServer.loop_lag`: "
+        "what a chat arriving in a burst of work waits); 0: no probe.",
+    )
     device_cache_bytes: int = Field(
         DEFAULT_DEVICE_CACHE_BYTES, ge=0, description="The connector's device arena of records."
     )

@@ -21,6 +21,7 @@ from config.settings import load_settings
 from deployments.app_args import AppArgs
 from deployments.chat_channel import ChannelAddress, ChannelServer
 from deployments.chat_task import ChatTask
+from deployments.loop_lag import LoopLag
 from deployments.ray_serve.channel_load import ReportsChannelLoad
 from deployments.ray_serve.loopback import bind_replica_grpc_to_node
 from deployments.vllm_adapter.async_engine import MemoryEngine
@@ -89,6 +90,9 @@ class LLMServer(ReportsChannelLoad):
             ahead_spin_s=self.args.llm.ahead_spin_ms / 1000,
         )
         await self._channel.start()
+        self._loop_lag = LoopLag(self.args.llm.loop_lag_probe_ms / 1000) if self.args.llm.loop_lag_probe_ms else None
+        if self._loop_lag is not None:
+            self._loop_lag.start()
         log.info(
             "LLM server ready: %s (fingerprint %s, %s)",
             self.engine.model_name,
@@ -157,6 +161,11 @@ class LLMServer(ReportsChannelLoad):
     async def check_health(self) -> None:
         await self.engine.check_health()
 
+    async def loop_lag(self) -> dict[str, float]:
+        """How late this replica's event loop woke since the last call (`llm.loop_lag_probe_ms`; a benchmark's
+        handle call, not on the HTTP API); `samples` 0 with the probe off. On the loop itself, as the probe."""
+        return self._loop_lag.take() if self._loop_lag is not None else {"samples": 0}
+
     async def profile(self, on: bool) -> None:
         """Start or stop the engine's torch profiler (a benchmark's handle call; not on the HTTP API)."""
         await self.engine.profile(on)
@@ -164,6 +173,8 @@ class LLMServer(ReportsChannelLoad):
     async def __del__(self) -> None:
         """Serve's shutdown of this replica (after the requests Serve routed have ended): the channel's chats are
         let finish first, new ones sent elsewhere, then the engine stops."""
+        if getattr(self, "_loop_lag", None) is not None:
+            self._loop_lag.stop()
         if self._channel is not None:
             await self._channel.drain(CHANNEL_DRAIN_S)
         engine = getattr(self, "engine", None)
