@@ -90,6 +90,7 @@ def cluster(ray_local, tmp_path_factory):
                 "profiler_config": profiler_config(state / "profile"),  # idle until a test starts it
             },
             "tiers": {"disk_cache_dir": str(state / "tiers"), "host_cache_bytes": 64 << 20},
+            "loop_lag_probe_ms": 5,
         },
         "ingress": {"max_body_bytes": 64 * 1024, "first_event_timeout_s": 10},
     }

@@ -33,3 +33,17 @@ def test_a_burst_that_holds_the_loop_shows_as_lag_and_take_starts_afresh():
 def test_the_probe_needs_a_positive_interval():
     with pytest.raises(ValueError, match="positive"):
         LoopLag(0)
+
+
+def test_the_llm_replica_reports_its_loop_lag_to_a_handle_and_starts_afresh(cluster, on_serve_loop):
+    from ray import serve
+
+    def lag() -> dict:
+        return on_serve_loop(lambda: serve.get_deployment_handle("LLMServer", "inferscale").loop_lag.remote())
+
+    lag()  # from here on
+    answer = cluster.chat(cluster.new_tenant("lagged"), "Say hello.", memory={"mode": "off"}, max_tokens=2)
+    assert answer.status_code == 200, answer.text
+    during = lag()
+    assert during["samples"] >= 2 and 0 <= during["p50_ms"] <= during["p99_ms"] <= during["max_ms"]
+    assert lag()["samples"] <= during["samples"]  # only what came since: a handful of 5 ms wake-ups
