@@ -20,7 +20,7 @@
 # HISTORY_ARENA_GIB and HISTORY_HOST_GIB its device arena and pinned host tier (with a disk tier), for histories below the arena;
 # TTFT_PROFILE=1 has ttft profile a full batch of injection and of the prefix-cached facts (`device_profile`);
 # INJECTED_PROFILE=1 has injected-records profile each variant's block (device time by kernel, `device_profile`);
-# HISTORY_PROFILE_CHATS=N has history-ttft end with N chats a mode under vLLM's torch profiler (device time by kernel, `device_profile`).
+# HISTORY_PROFILE_CHATS=N has history-ttft end with N chats a mode under vLLM's torch profiler (`device_profile`).
 # Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
 # mps-on starts CUDA's multi-process service (every later CUDA process of the call shares the GPU through it,

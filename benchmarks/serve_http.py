@@ -498,7 +498,7 @@ def main() -> None:
         "--loop-lag-ms",
         type=float,
         default=2.0,
-        help="the LLM replica's event-loop lag probe interval (`llm.loop_lag_probe_ms`), read over each QPS phase; 0: off",
+        help="the LLM replica's loop-lag probe interval (`llm.loop_lag_probe_ms`), read over each QPS phase; 0: off",
     )
     p.add_argument(
         "--locust-s",
