@@ -137,3 +137,10 @@ class ProfiledBlocks:
             "blocks": blocks,
             "differences": against,
         }
+
+
+def offline_blocks(llm, config: dict) -> ProfiledBlocks:
+    """Blocks of an offline `vllm.LLM` built with `config` (`profiler_config(...)`) as its `profiler_config`."""
+    return ProfiledBlocks(
+        Path(config["torch_profiler_dir"]), lambda on: llm.start_profile() if on else llm.stop_profile()
+    )

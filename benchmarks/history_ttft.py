@@ -108,11 +108,7 @@ def measure(client: Client, histories: list[dict], budget: int, rounds: int, dea
             if time.monotonic() > deadline:
                 return rows
             question = tenant["questions"][r % len(tenant["questions"])]
-            plan = {
-                "no_memory": (question, {"mode": "off"}),
-                "history": (question, {"mode": "history", "budget": budget}),
-                "budget_cached": (f"{tenant['tail']}\n{question}", {"mode": "off"}),  # its tail cached at warm-up
-            }
+            plan = {mode: asked(mode, tenant, question, budget) for mode in MODES[:3]}
             if r % 5 == 0:
                 pasted = f"[{uuid.uuid4().hex}]\n{tenant['text']}\n{question}"
                 plan["whole_prefill"] = (pasted, {"mode": "off"})
@@ -141,6 +137,16 @@ def measure(client: Client, histories: list[dict], budget: int, rounds: int, dea
     return rows
 
 
+def asked(mode: str, tenant: dict, question: str, budget: int) -> tuple[str, dict]:
+    """(message, memory options) of a chat in `mode`, one of no memory, history mode and the history's tail pasted
+    before the question (`budget_cached`: the tail is in vLLM's prefix cache from the warm-up)."""
+    return {
+        "no_memory": (question, {"mode": "off"}),
+        "history": (question, {"mode": "history", "budget": budget}),
+        "budget_cached": (f"{tenant['tail']}\n{question}", {"mode": "off"}),
+    }[mode]
+
+
 def profile_modes(client: Client, histories: list[dict], budget: int, chats: int, folder: Path) -> dict:
     """`chats` chats of each mode (no memory first, then history mode and the same tokens from vLLM's prefix
     cache), tenants in turn, in one profiling window of the LLM replica's engine: each mode's device time a chat by
@@ -150,17 +156,12 @@ def profile_modes(client: Client, histories: list[dict], budget: int, chats: int
     llm = serve.get_deployment_handle("LLMServer", app_name="inferscale")
     blocks = ProfiledBlocks(folder, lambda on: llm.profile.remote(on).result())
     with blocks.window():
-        for mode in ("no_memory", "history", "budget_cached"):
+        for mode in MODES[:3]:
             with blocks.block(mode, chats):
                 for i in range(chats):
                     tenant = histories[i % len(histories)]
                     question = f"({uuid.uuid4().hex[:8]}) {tenant['questions'][i % len(tenant['questions'])]}"
-                    content, memory = {
-                        "no_memory": (question, {"mode": "off"}),
-                        "history": (question, {"mode": "history", "budget": budget}),
-                        "budget_cached": (f"{tenant['tail']}\n{question}", {"mode": "off"}),
-                    }[mode]
-                    chat(client, tenant["key"], content, memory)
+                    chat(client, tenant["key"], *asked(mode, tenant, question, budget))
     return blocks.report()  # device kernels; on a CPU the engine core's operators
 
 

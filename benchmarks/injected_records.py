@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import parser, sampled, scratch_dir, target, write_report  # noqa: E402
-from benchmarks._engine_profile import ProfiledBlocks, profiler_config  # noqa: E402
+from benchmarks._engine_profile import offline_blocks, profiler_config  # noqa: E402
 from benchmarks.ttft_vs_k import model_source  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
@@ -187,10 +187,7 @@ def main() -> None:
                     llm.generate([prompt], params, use_tqdm=False)
     profile = None
     if args.profile:  # device time per variant, a block each in one profiling window
-        profiled = ProfiledBlocks(
-            Path(engine_kwargs["profiler_config"]["torch_profiler_dir"]),
-            lambda on: llm.start_profile() if on else llm.stop_profile(),
-        )
+        profiled = offline_blocks(llm, engine_kwargs["profiler_config"])
         with profiled.window():
             for size in variants:
                 block = block_of(size)

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import parser, sampled, scratch_dir, shape_folder, target, write_report  # noqa: E402
-from benchmarks._engine_profile import ProfiledBlocks, profiler_config  # noqa: E402
+from benchmarks._engine_profile import offline_blocks, profiler_config  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
 from kvcore.rope import RopeConfig  # noqa: E402
@@ -208,10 +208,7 @@ def main() -> None:
     throughput = {label: statistics.median(r) for label, r in rates.items()}
     profile = None
     if args.profile:  # where a full batch's device time goes: injection against the same facts from the cache
-        profiled = ProfiledBlocks(
-            Path(engine_kwargs["profiler_config"]["torch_profiler_dir"]),
-            lambda on: llm.start_profile() if on else llm.stop_profile(),
-        )
+        profiled = offline_blocks(llm, engine_kwargs["profiler_config"])
         with profiled.window():
             for label in ("inject", "paste_prefix_cached"):
                 sets = [rng.sample(fact_ids, k_concurrent) for _ in range(concurrent)]
