@@ -63,6 +63,7 @@ class Shape:
     head_dim: int = 128
     fact_tokens: int = 30
     record_bytes_per_value: int = 2  # bf16 records; 4 for float32
+    record_precision: str = "dense"  # how the record store holds them: values, or "int8" codes
 
     @property
     def full_bytes(self) -> int:
@@ -71,6 +72,11 @@ class Shape:
     @property
     def int8_bytes(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * (self.fact_tokens + 4)
+
+    @property
+    def store_bytes(self) -> int:
+        """A fact's record in the store: what the node's K/V budget counts and a read from the store moves."""
+        return self.int8_bytes if self.record_precision == "int8" else self.full_bytes
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,7 @@ def simulate(run: Run, node: Node, shape: Shape, measured: Measured) -> dict:
     rates = [math.inf, measured.host_gbs, node.disk_gbs or measured.disk_gbs]
     times, tenant_of, facts_of = trace.draw()
     settings = settings_for(trace, int(node.store_gib * GIB))
-    state = NodeResidency(settings, shape.full_bytes, 0.5, run.facts_with_kv(trace)) if run.residency else None
+    state = NodeResidency(settings, shape.store_bytes, 0.5, run.facts_with_kv(trace)) if run.residency else None
     first, last = trace.chats - run.after - run.timed, trace.chats - run.after
     counts = [0, 0, 0, 0, 0]
     idle, demand = [], []
@@ -185,8 +191,8 @@ def simulate(run: Run, node: Node, shape: Shape, measured: Measured) -> dict:
             counts[tier] += 1
             if tier in (1, 2):
                 ms += sizes[tier] / (rates[tier] * 1e9) * 1e3
-            elif tier == Tiers.STORE:  # its full-precision record, read from the store's disk
-                ms += shape.full_bytes / (rates[2] * 1e9) * 1e3
+            elif tier == Tiers.STORE:  # its record, read from the store's disk
+                ms += shape.store_bytes / (rates[2] * 1e9) * 1e3
         idle.append(ms + pasted * measured.paste_ms_per_token)
         demand.append(measured.inject_gpu_ms + pasted * measured.paste_gpu_ms_per_token)
     if state is not None:
@@ -239,8 +245,8 @@ def capacity(
         middle = (low + high) // 2
         low, high = (middle, high) if at(middle)["p95_ms"] <= goal else (low, middle)
     limited_by = "p95"
-    if not residency:  # every fact's full-precision record must fit the fact store
-        stored = int(node.store_gib * GIB // (shape.full_bytes * trace.facts))
+    if not residency:  # every fact's record must fit the fact store
+        stored = int(node.store_gib * GIB // (shape.store_bytes * trace.facts))
         if stored < low:
             low, limited_by = max(stored, 1), "the fact store's disk"
     return {
@@ -265,7 +271,11 @@ def check_measured(path: Path, shape: Shape) -> dict:
         arena_ttft_ms=ref["hbm_ttft_ms"]["p50"],
         paste_ms_per_token=report["paste_ms_per_token"],
     )
-    shape = replace(shape, record_bytes_per_value=2 if report["record_dtype"] == "bfloat16" else 4)
+    shape = replace(
+        shape,
+        record_bytes_per_value=2 if report["record_dtype"] == "bfloat16" else 4,
+        record_precision=report.get("record_precision", "dense"),
+    )
     rows = []
     for row in report["runs"]:
         trace = ZipfTrace(
@@ -350,12 +360,18 @@ def main() -> None:
     p.add_argument("--tenant-s", type=float, default=1.0, help="Zipf exponent of tenant popularity")
     p.add_argument("--fact-s", type=float, default=1.0, help="Zipf exponent of fact popularity within a tenant")
     p.add_argument("--record-bytes", type=int, default=2, choices=[2, 4], help="bytes a record value takes")
+    p.add_argument(
+        "--record-precision", default="dense", choices=["dense", "int8"], help="how the record store holds records"
+    )
     p.add_argument("--load", type=float, default=0.5, help="offered rate / what the GPU serves with all in HBM")
     p.add_argument("--measured", type=Path, default=None, help="a tenants_per_gpu.py report to check the model against")
     args = p.parse_args()
     chats, timed = (3_000, 1_000) if args.quick else (12_000, 2_000)
     trace = ZipfTrace(tenants=1, chats=chats, rate_per_s=2.0, tenant_s=args.tenant_s, fact_s=args.fact_s)
-    shape, measured = Shape(record_bytes_per_value=args.record_bytes), Measured()
+    shape, measured = (
+        Shape(record_bytes_per_value=args.record_bytes, record_precision=args.record_precision),
+        Measured(),
+    )
     rows = []
     for node in NODES:  # both policies side by side, each node
         for name, residency in (("residency", True), ("every fact keeps K/V", False)):
@@ -388,7 +404,12 @@ def main() -> None:
             "benchmark": "capacity_model",
             "quick": args.quick,
             "measured": asdict(measured),
-            "shape": asdict(shape) | {"fact_full_bytes": shape.full_bytes, "fact_int8_bytes": shape.int8_bytes},
+            "shape": asdict(shape)
+            | {
+                "fact_full_bytes": shape.full_bytes,
+                "fact_int8_bytes": shape.int8_bytes,
+                "fact_store_bytes": shape.store_bytes,
+            },
             "trace": asdict(trace) | {"timed": timed},
             "load": args.load,
             "reference_ms": reference_ms(measured, args.load),

@@ -21,6 +21,7 @@
 # TTFT_PROFILE=1 has ttft profile a full batch of injection and of the prefix-cached facts (`device_profile`);
 # INJECTED_PROFILE=1 has injected-records profile each variant's block (device time by kernel, `device_profile`);
 # HISTORY_PROFILE_CHATS=N has history-ttft end with N chats a mode under vLLM's torch profiler (`device_profile`).
+# RECORD_PRECISION=int8 has tenants-gpu store records as int8 codes (the node's disk budget holds twice the facts).
 # Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
 # mps-on starts CUDA's multi-process service (every later CUDA process of the call shares the GPU through it,
@@ -107,7 +108,8 @@ for step in "$@"; do
         grep -E "^history_|^whole_history" "$out/history-quality.log" ;;
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
     encode-job-shape) run encode-job-shape 540 python3 benchmarks/encode_job.py --config "$SHAPE" --out "$out/encode_job_8b.json" ;;
-    tenants-gpu) run tenants-gpu 590 python3 benchmarks/tenants_per_gpu.py --out "$out/tenants_per_gpu.json"
+    tenants-gpu) run tenants-gpu 590 python3 benchmarks/tenants_per_gpu.py --record-precision "${RECORD_PRECISION:-dense}" \
+            --out "$out/tenants_per_gpu.json"
         grep -E "^HBM alone|^\{'tenants" "$out/tenants-gpu.log" ;;
     offload-tiers) run offload-tiers 420 python3 benchmarks/offload_tiers.py --out "$out/offload_tiers.json" ;;
     profile-tiers|profile-host|profile-disk)  # profile-tiers: both

@@ -9,7 +9,8 @@ Each prompt is answered greedily by plain prefill and with injection, in the sam
 identical greedy continuations and the largest logprob gap before any divergence. Records are stored as the
 encoder made them (float32 from the engine) and, beside them under tenants of their own, rounded to bf16 as
 `record_dtype` bf16 / `engine` stores them (the same one rounding of the pre-RoPE keys and the values):
-`record_dtypes` compares both against plain prefill and each other, with their bytes in the store.
+`record_dtypes` compares both against plain prefill and each other, with their bytes in the store; and a third
+copy as a store set to int8 holds the bf16 one (codes with a scale per layer, head and channel), against both.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvcore.record import FactKV  # noqa: E402
 from kvcore.store import LocalFactStore  # noqa: E402
 
 BF16 = "-bf16"  # the tenant suffix of the bf16 copies
+INT8 = "-int8"  # and of their int8 codes, as a record store set to int8 holds them
 
 PEOPLE = [
     ("Maya", "Porto", "marine biologist", "cat", "Pixel", "octopus stew", "tennis"),
@@ -145,10 +147,13 @@ def main() -> None:
                 )
             )
         llm.generate([c[0] for c in captures], [c[1] for c in captures], use_tqdm=False)
+    coded = LocalFactStore(store.root, precision="int8")
     for tenant, segments, _ in conversations:  # the same records rounded to bf16, as `record_dtype` stores them
-        store.put_many([as_bf16(store.get(tenant, fact_id), tenant + BF16) for fact_id, _ in segments])
+        rounded = [as_bf16(store.get(tenant, fact_id), tenant + BF16) for fact_id, _ in segments]
+        store.put_many(rounded)
+        coded.put_many([dataclasses.replace(record, tenant_id=tenant + INT8) for record in rounded])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
-    prompts = {suffix: [] for suffix in ("", BF16)}
+    prompts = {suffix: [] for suffix in ("", BF16, INT8)}
     for (tenant, segments, _), queries in zip(conversations, questions_ids):
         for suffix, listed in prompts.items():
             plan = MemoryPlan(tenant + suffix, tuple(f for f, _ in segments), store.version(tenant + suffix))
@@ -159,13 +164,16 @@ def main() -> None:
     for suffix, listed in prompts.items():
         requests = [memory_request(ids, plan, params) for ids, plan in listed]
         injected[suffix] = llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
-    figures = {name: compare(plain, injected[suffix]) for name, suffix in (("float32", ""), ("bfloat16", BF16))}
-    for name, suffix in (("float32", ""), ("bfloat16", BF16)):
+    copies = (("float32", ""), ("bfloat16", BF16), ("int8", INT8))
+    figures = {name: compare(plain, injected[suffix]) for name, suffix in copies}
+    for name, suffix in copies:
         figures[name]["store_bytes"] = sum(tenant_bytes(store, tenant + suffix) for tenant, _, _ in conversations)
     bf16_vs_f32 = compare(injected[""], injected[BF16])["identical"]
-    total, f32, bf16 = len(plain), figures["float32"], figures["bfloat16"]
+    int8_vs_bf16 = compare(injected[BF16], injected[INT8])["identical"]
+    total, f32, bf16, int8 = len(plain), figures["float32"], figures["bfloat16"], figures["int8"]
     print(f"{f32['identical']}/{total} identical greedy continuations; max logprob gap {f32['max_logprob_gap']:.3g}")
     print(f"bf16 records: {bf16['identical']}/{total} identical to plain, {bf16_vs_f32}/{total} to float32 records")
+    print(f"int8 records: {int8['identical']}/{total} identical to plain, {int8_vs_bf16}/{total} to bf16 records")
     write_report(
         args.out,
         {
@@ -179,12 +187,16 @@ def main() -> None:
             "max_logprob_gap": f32["max_logprob_gap"],
             "mean_logprob_gap": f32["mean_logprob_gap"],
             "requests_served_from_injected_kv": f32["served_injected"],
-            "record_dtypes": figures | {"bf16_identical_to_float32_records": bf16_vs_f32},
+            "record_dtypes": figures
+            | {"bf16_identical_to_float32_records": bf16_vs_f32, "int8_identical_to_bf16_records": int8_vs_bf16},
             "targets": [
                 target("greedy_identical_share", f32["identical"] / total, ">= 0.95"),
                 target("requests_served_from_injected_kv_share", f32["served_injected"] / total, ">= 1.0"),
                 target("greedy_identical_share_bf16_records", bf16["identical"] / total, ">= 0.95"),
                 target("bf16_record_bytes_over_float32", bf16["store_bytes"] / f32["store_bytes"], "<= 0.55"),
+                target("greedy_identical_share_int8_records", int8["identical"] / total, ">= 0.95"),
+                # codes and scales of a T-token record: (T + 4) / 2T of bf16's, plus the file's header (4 tensors a layer)
+                target("int8_record_bytes_over_bf16", int8["store_bytes"] / bf16["store_bytes"], "<= 0.7"),
             ],
         },
     )

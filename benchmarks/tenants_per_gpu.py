@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import engine_shape_defaults, parser, scratch_dir, shape_folder, target, write_report  # noqa: E402
 from benchmarks._node_residency import NodeResidency, ZipfTrace, settings_for  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
-from kvcore.record import EncodingParams, FactKV, dtype_name  # noqa: E402
+from kvcore.record import PRECISIONS, EncodingParams, FactKV, dtype_name  # noqa: E402
 from kvcore.rope import RopeConfig  # noqa: E402
 from kvcore.store import LocalFactStore  # noqa: E402
 
@@ -49,21 +49,36 @@ class Records:
     for the facts that hold K/V. Every record carries the same K/V tensors (bytes, not values, are measured)."""
 
     def __init__(
-        self, root: Path, config: dict, fingerprint: str, dtype: torch.dtype, tenants: int, facts: int
+        self,
+        root: Path,
+        config: dict,
+        fingerprint: str,
+        dtype: torch.dtype,
+        tenants: int,
+        facts: int,
+        precision: str = "dense",
     ) -> None:
+        """`precision`: how the store holds records ("int8": codes of the `dtype` values, decoded on the device as the
+        arena takes them; the arena still holds `dtype` values)."""
         rope = RopeConfig.from_hf_config(config)
         layers, heads = config["num_hidden_layers"], config.get("num_key_value_heads") or config["num_attention_heads"]
-        self.store = LocalFactStore(root)
+        self.store = LocalFactStore(root, precision=precision)
         self.params = EncodingParams(window=0, model_fingerprint=fingerprint, rope=rope, dtype=dtype_name(dtype))
-        self.k = torch.randn(layers, heads, FACT_TOKENS, rope.head_dim).to(dtype)
-        self.v = torch.randn(layers, heads, FACT_TOKENS, rope.head_dim).to(dtype)
-        self.frame_kv = (self.k[:, :, :FRAME_TOKENS].clone(), self.v[:, :, :FRAME_TOKENS].clone())
+        k = torch.randn(layers, heads, FACT_TOKENS, rope.head_dim).to(dtype)
+        v = torch.randn(layers, heads, FACT_TOKENS, rope.head_dim).to(dtype)
+        frame = FactKV(
+            "probe", "frame", tuple(range(FRAME_TOKENS)), *(x[:, :, :FRAME_TOKENS].clone() for x in (k, v)), self.params
+        )
+        fact = FactKV("probe", "fact", tuple(range(FACT_TOKENS)), k, v, self.params)
+        self.arena_fact_bytes = fact.nbytes  # what a fact takes in the arena (values)
+        frame, fact = self.store.stored(frame), self.store.stored(fact)  # quantized once: every record holds the same
+        self.k, self.v, self.frame_kv = fact.k, fact.v, (frame.k, frame.v)
         rng = np.random.default_rng(0)
         vocab = config["vocab_size"]
         self.tokens = rng.integers(100, vocab - 1, size=(tenants, facts, FACT_TOKENS)).tolist()
         self.frames = rng.integers(100, vocab - 1, size=(tenants, FRAME_TOKENS)).tolist()
         self.queries = rng.integers(100, vocab - 1, size=(64, QUERY_TOKENS)).tolist()
-        self.fact_bytes = self.k.numel() * 2 * self.k.element_size()
+        self.fact_bytes = fact.nbytes  # what a fact's record takes in the store (the node's K/V budget counts these)
         self.written = 0
         self.present: set[tuple[int, int]] = set()
         self.run = "ref"  # named in every tenant id: no run reads another's records or cached headers
@@ -309,6 +324,13 @@ def main() -> None:
     p.add_argument("--timed", type=int, help="timed chats, alone and again in batches (default 600)")
     p.add_argument("--batch", type=int, help="requests sent together in the batched part (default 16; 4 with --quick)")
     p.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--record-precision",
+        default="dense",
+        choices=list(PRECISIONS),
+        help="how the record store holds records: values in --record-dtype, or int8 codes of them (half the "
+        "bytes of bf16: the node's disk budget holds twice the facts with K/V; the arena still holds values)",
+    )
     args = p.parse_args()
     engine_shape_defaults(args, CONFIGS)
     quick = args.quick
@@ -320,8 +342,8 @@ def main() -> None:
     path, config, fingerprint = shape_folder(args.config)
     record_dtype = getattr(torch, args.record_dtype)
     work = Path(scratch_dir(prefix="tenants-gpu-"))
-    probe = Records(work / "probe", config, fingerprint, record_dtype, 1, 1)
-    tenant_bytes = facts * probe.fact_bytes
+    probe = Records(work / "probe", config, fingerprint, record_dtype, 1, 1, args.record_precision)
+    tenant_bytes = facts * probe.arena_fact_bytes  # HBM alone: tenants whose K/V the arena holds
     if quick:  # HBM alone holds two tenants; the disk budget four tenants' K/V; the host tier half of that
         args.arena_gib = args.arena_gib or 2 * tenant_bytes / GIB
         args.node_kv_gib = args.node_kv_gib or 4 * tenant_bytes / GIB
@@ -333,7 +355,7 @@ def main() -> None:
     hbm_alone = max(1, int(args.arena_gib * GIB // tenant_bytes))
     most = max(multiples) * hbm_alone
     store_root = work / "facts"
-    records = Records(store_root, config, fingerprint, record_dtype, most, facts)
+    records = Records(store_root, config, fingerprint, record_dtype, most, facts, args.record_precision)
     engine = Engine(args, path, store_root, fingerprint, work)
     ref = reference(engine, records, k, 6 if quick else 20, args.batch)
     goal = 2 * ref["hbm_ttft_ms"]["p95"]
@@ -371,6 +393,7 @@ def report(args, rows, ref, goal, hbm_alone, fact_bytes, records, engine, facts,
             "model": str(args.config),
             "engine_dtype": args.dtype,
             "record_dtype": args.record_dtype,
+            "record_precision": args.record_precision,
             "facts_per_tenant": facts,
             "k": k,
             "fact_tokens": FACT_TOKENS,

@@ -20,6 +20,7 @@ DEFAULT_WHOLE_LOAD_BYTES = 1 << 30
 
 
 RecordDtype = Literal["float32", "engine", "bfloat16", "float16"]
+RecordPrecision = Literal["dense", "int8"]  # kvcore.record.PRECISIONS (a test holds them equal)
 STORED_DTYPES = tuple(d for d in get_args(RecordDtype) if d != "engine")  # `engine` resolves to one of them
 
 
@@ -69,6 +70,12 @@ class ConnectorConfig(Frozen):
         description="The dtype of the records the engine encodes and its device arena holds: the engine's own (half "
         "the bytes in every tier at bf16; answers measured as good), float32 (re-rotation gives the cached values "
         "bit for bit), or one named.",
+    )
+    record_precision: RecordPrecision = Field(
+        "dense",
+        description="How the record store holds records, for every writer of it (the engine's captures, encoding "
+        "jobs): values in `record_dtype`, or int8 codes with a scale per layer, head and channel (half the bytes of "
+        "bf16 on disk; decoded on the device as the arena takes them).",
     )
     tiers: TierConfig | None = None
     report_placement: bool = Field(False, description="Record where each fact's K/V is held in Redis.")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from config.connector import DEFAULT_DEVICE_CACHE_BYTES, RecordDtype, TierConfig
+from config.connector import DEFAULT_DEVICE_CACHE_BYTES, RecordDtype, RecordPrecision, TierConfig
 from deployments.memory_prompt import FactOrder
 
 # history mode's question pass by default: layer 0 only (docs/history-selection.md, "The eighth run": on an
@@ -78,6 +78,11 @@ class LLMArgs(Strict):
     tiers: TierConfig | None = Field(None, description="Lower tiers under the device arena (pinned host, then disk).")
     record_dtype: RecordDtype = Field(
         "engine", description="The dtype of the records the engine encodes (`engine`: the served dtype)."
+    )
+    record_precision: RecordPrecision = Field(
+        "dense",
+        description="How the record store holds records, set by the replica at start for every writer of the store: "
+        "values, or int8 codes (half the bytes of bf16; docs/residency.md).",
     )
     num_replicas: int | Literal["auto"] = 1
     autoscaling_config: dict[str, Any] | None = Field(None, description="Ray Serve autoscaling, as given.")

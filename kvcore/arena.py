@@ -19,6 +19,7 @@ from typing import Callable, Hashable
 import torch
 
 from kvcore.errors import ArenaAllocationError, ArenaFullError, IncompatibleRecordsError
+from kvcore.quantize import Quantized, dequantize
 
 log = logging.getLogger(__name__)
 DEFAULT_DEVICE_CACHE_BYTES = 1 << 30  # the arena's size wherever a caller does not choose one
@@ -93,13 +94,19 @@ class DeviceArena:
         entry.step = self._step
         return entry.rows
 
-    def insert(self, key: Hashable, stamp: Hashable, k: torch.Tensor, v: torch.Tensor) -> list[int]:
-        """Copy a record's K/V `[layers, kv_heads, tokens, head_dim]` in; return its rows.
+    def insert(
+        self, key: Hashable, stamp: Hashable, k: torch.Tensor | Quantized, v: torch.Tensor | Quantized
+    ) -> list[int]:
+        """Copy a record's K/V `[layers, kv_heads, tokens, head_dim]` in; return its rows. An int8 record's codes
+        and scales go to the device as they are and are decoded there (a decode on the host costs more than the
+        whole read of a bf16 record).
 
         Raises `ArenaFullError` when the room can only come from records this step uses (or, with a
         per-tenant share, from the tenant's own such records), and `IncompatibleRecordsError` when the
         record's shape is not the engine's.
         """
+        if isinstance(k, Quantized):
+            k, v = (dequantize(side.to(self.device, non_blocking=True), self.dtype) for side in (k, v))
         self.insert_many([(key, stamp)], k, v, [0, k.shape[2]])
         return self._entries[key].rows
 

@@ -14,6 +14,8 @@ only on the per-layer save hook, not on when the engine calls `start_load_kv` (v
 after the forward in steps without synchronous loads). With a `record_dtype` (the engine's bf16, say) the
 pre-RoPE keys and the values are rounded to it once, after the exact inverse rotation: half the bytes in
 every tier, at the cost of that rounding (`benchmarks/injection_equivalence.py` measures what it does to answers).
+Where the store holds int8 records (its `precision`), the spans are quantized on the device before they cross to
+the host, and the hot copy handed to `on_stored` is what those codes decode to.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from kvcore.errors import KVCoreError
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import CapturePlan
+from kvcore.quantize import Quantized, dequantize, quantize_many
 from kvcore.record import EncodingParams, FactKV, dtype_name
 from kvcore.rope import RopeConfig, apply_rotation, cos_sin, table_dtype_of
 
@@ -201,22 +204,24 @@ class CaptureWorker:
             window=spec.plan.window, model_fingerprint=self._fingerprint, rope=self._rope, dtype=dtype_name(dtype)
         )
         tenant, spans = spec.plan.tenant_id, spec.plan.spans
+        coded = self._store.precision == "int8"  # the store's setting, read once a capture
         for first in range(0, len(spans), WRITE_GROUP):  # a group's files and their fsyncs go out together
             group = spans[first : first + WRITE_GROUP]
             kv = [(pre_rope[:, :, s.begin : s.end].contiguous(), v[:, :, s.begin : s.end].contiguous()) for s in group]
+            stored, kv = _coded(kv, dtype) if coded else ([(k.cpu(), v.cpu()) for k, v in kv], kv)
             self._store.put_many(
                 [
                     FactKV(
                         tenant_id=tenant,
                         fact_id=span.fact_id,
                         token_ids=spec.token_ids[span.begin : span.end],
-                        k=k_span.cpu(),
-                        v=v_span.cpu(),
+                        k=k_span,
+                        v=v_span,
                         params=params,
                         version=spec.plan.version,
                         meta={"encoder": "engine", "position": str(span.begin)},
                     )
-                    for span, (k_span, v_span) in zip(group, kv)
+                    for span, (k_span, v_span) in zip(group, stored)
                 ]
             )
             if self._on_stored is not None and spec.plan.keep_hot:
@@ -226,3 +231,15 @@ class CaptureWorker:
                 )
         if len(spans) > WRITE_GROUP:  # the earlier groups' headers, known at their own write's marker
             self._store.revalidate(tenant, [span.fact_id for span in spans])
+
+
+def _coded(
+    kv: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+) -> tuple[list[tuple[Quantized, Quantized]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Spans' K/V as int8 codes for the store, quantized where they lie (on the device: a quarter of float32's
+    bytes cross to the host), and the values those codes decode to, which is what a hot copy must hold so that
+    a fact answers the same from the arena as from its file."""
+    codes_k, codes_v = quantize_many([k for k, _ in kv]), quantize_many([v for _, v in kv])
+    stored = [(k.to("cpu"), v.to("cpu")) for k, v in zip(codes_k, codes_v)]
+    decoded = [(dequantize(k, dtype), dequantize(v, dtype)) for k, v in zip(codes_k, codes_v)]
+    return stored, decoded

@@ -61,7 +61,7 @@ def compose(
     `rotate=False` leaves keys at the positions they were computed with, which is wrong unless they were
     already post-RoPE at exactly these positions; it exists so tests can show why chunked RoPE is needed.
     """
-    parts = ([prefix] if prefix is not None else []) + list(records)
+    parts = [part.dense() for part in ([prefix] if prefix is not None else []) + list(records)]
     if not parts:
         raise IncompatibleRecordsError("nothing to compose: no prefix and no records")
     check_compatible(parts)

@@ -18,6 +18,7 @@ import torch
 
 from kvcore.history import MaxBounds, Span, chunk_mass, fixed_spans, select_from_heads, turn_chunk_pairs
 from kvcore.plan import CaptureSpan
+from kvcore.quantize import Quantized, dequantize
 from kvcore.record import FactKV
 from kvcore.rope import RopeConfig
 from kvcore.summaries import ChunkSummaries, compact, max_upper_bounds, summarize
@@ -27,7 +28,9 @@ HISTORY_CHUNK = 16  # tokens a chunk record (docs/history-selection.md: the best
 
 def history_chunks(record: FactKV, history_id: str, size: int = HISTORY_CHUNK) -> list[FactKV]:
     """A history encoded as one record, cut into the chunk records history mode serves (named and sized as an
-    engine's capture names them), each holding its own copy of its K/V."""
+    engine's capture names them), each holding its own copy of its K/V (values: each chunk is quantized on its own
+    where its store wants codes)."""
+    record = record.dense()
     return [
         FactKV(
             record.tenant_id,
@@ -94,7 +97,7 @@ class HistoryIndex:
         in milliseconds, where a CPU core takes seconds)."""
         if not records:
             raise ValueError("a history needs at least one chunk")
-        keys = torch.cat([r.k[:scoring_layers].to(device, torch.float32) for r in records], dim=2)  # [l, KVH, T, D]
+        keys = torch.cat([_early_keys(r, scoring_layers, device) for r in records], dim=2)  # [l, KVH, T, D]
         spans, at = [], 0
         for r in records:
             spans.append((at, at + len(r.token_ids)))
@@ -173,3 +176,10 @@ class HistoryIndex:
     ) -> list[int]:
         """`choose` from a `mass_order` already queued (the host waits here for the heads of both orders)."""
         return select_from_heads(self.spans, budget, by_mass, by_retrieval, recent)
+
+
+def _early_keys(record: FactKV, layers: int, device: torch.device | str) -> torch.Tensor:
+    """The record's keys of its first `layers` layers in float32 on `device` (int8 codes decoded there)."""
+    if isinstance(record.k, Quantized):
+        return dequantize(Quantized(record.k.codes[:layers], record.k.scales[:layers]).to(device))
+    return record.k[:layers].to(device, torch.float32)

@@ -24,6 +24,11 @@ class Quantized:
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * 4
 
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of the values the codes stand for."""
+        return self.codes.shape
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Quantized":
         return Quantized(
             self.codes.to(device, non_blocking=non_blocking), self.scales.to(device, non_blocking=non_blocking)

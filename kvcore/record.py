@@ -4,6 +4,12 @@ On disk a record is a safetensors file laid out layer by layer (`k.000`, `v.000`
 tensor `[kv_heads, tokens, head_dim]`, so one layer loads without reading the others. The header holds
 the ids, token ids, encoding parameters and a CRC32 per tensor; a record whose model fingerprint differs
 from the serving model's is refused rather than injected.
+
+A record may also be stored as int8 codes (`precision` "int8": half the bytes of bf16, a quarter of float32),
+with one float32 scale per layer, head and channel beside each layer (`ks.000`, `vs.000`), as the lower tiers
+keep K/V (`kvcore/quantize.py`). Such a file carries another format name, so a reader that knows only dense
+records refuses it instead of reading codes as values. Its `FactKV` holds the codes (`Quantized`); the engine
+decodes them on the device as it admits them, and `dense()` gives the values wherever a caller needs them.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Sequence
 
@@ -19,10 +25,13 @@ import torch
 
 from kvcore.conversation import check_identifier
 from kvcore.errors import FingerprintMismatchError, IncompatibleRecordsError, RecordCorruptError
+from kvcore.quantize import Quantized, dequantize, quantize
 from kvcore.rope import RopeConfig
 from kvcore.safetensors_io import dtype_of, read_header, read_tensor, write_many_atomic
 
-FORMAT = "inferscale.factkv/1"
+FORMAT = "inferscale.factkv/1"  # dense values
+FORMAT_INT8 = "inferscale.factkv-int8/1"  # int8 codes and their scales
+PRECISIONS = ("dense", "int8")
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -73,13 +82,15 @@ class EncodingParams:
 
 @dataclass(frozen=True, eq=False)
 class FactKV:
-    """K `[layers, kv_heads, tokens, head_dim]` before RoPE, V of the same shape, and their provenance."""
+    """K `[layers, kv_heads, tokens, head_dim]` before RoPE, V of the same shape, and their provenance.
+
+    K and V are values in `params.dtype`, or (both) int8 codes of such values with their scales (`Quantized`)."""
 
     tenant_id: str
     fact_id: str
     token_ids: tuple[int, ...]
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | Quantized
+    v: torch.Tensor | Quantized
     params: EncodingParams
     version: int = 1
     meta: dict[str, str] = field(default_factory=dict)
@@ -87,13 +98,23 @@ class FactKV:
     def __post_init__(self) -> None:
         check_identifier("tenant id", self.tenant_id)
         check_identifier("fact id", self.fact_id)
-        if self.k.shape != self.v.shape or self.k.dim() != 4:
+        if self.k.shape != self.v.shape or len(self.k.shape) != 4:
             raise IncompatibleRecordsError(
                 f"K {tuple(self.k.shape)} and V {tuple(self.v.shape)} must both be [L, H, T, D]"
             )
         if self.k.shape[2] != len(self.token_ids):
             raise IncompatibleRecordsError(f"K has {self.k.shape[2]} tokens but the record names {len(self.token_ids)}")
-        if self.k.dtype != self.v.dtype or dtype_name(self.k.dtype) != self.params.dtype:
+        if isinstance(self.k, Quantized) != isinstance(self.v, Quantized):
+            raise IncompatibleRecordsError("K and V must both be values or both be int8 codes")
+        if isinstance(self.k, Quantized):
+            dtype_by_name(self.params.dtype)  # what the codes decode to: a dtype records may hold
+            scales = (*self.k.shape[:2], 1, self.k.shape[3])
+            for side in (self.k, self.v):
+                if side.codes.dtype != torch.int8 or side.scales.dtype != torch.float32:
+                    raise IncompatibleRecordsError("int8 records hold int8 codes and float32 scales")
+                if tuple(side.scales.shape) != scales:
+                    raise IncompatibleRecordsError(f"scales {tuple(side.scales.shape)} must be {scales}")
+        elif self.k.dtype != self.v.dtype or dtype_name(self.k.dtype) != self.params.dtype:
             raise IncompatibleRecordsError(f"K/V dtype {self.k.dtype} does not match params dtype {self.params.dtype}")
 
     @property
@@ -105,8 +126,45 @@ class FactKV:
         return self.k.shape[2]
 
     @property
+    def precision(self) -> str:
+        """ "int8" for codes, "dense" for values (one of `PRECISIONS`)."""
+        return "int8" if isinstance(self.k, Quantized) else "dense"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the values (of what the codes decode to)."""
+        return dtype_by_name(self.params.dtype)
+
+    @property
     def nbytes(self) -> int:
+        """The bytes K and V take as held (codes and scales for an int8 record): what storing it costs."""
+        if isinstance(self.k, Quantized):
+            return self.k.nbytes + self.v.nbytes
         return self.k.numel() * self.k.element_size() * 2
+
+    def dense(self, device: torch.device | str | None = None) -> "FactKV":
+        """This record with values (decoded on `device`, the codes' own by default, for an int8 record)."""
+        if not isinstance(self.k, Quantized):
+            return self if device is None else replace(self, k=self.k.to(device), v=self.v.to(device))
+        k, v = (dequantize(side if device is None else side.to(device), self.dtype) for side in (self.k, self.v))
+        return replace(self, k=k, v=v)
+
+    def layer(self, index: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[H, T, D]` of one layer as values on `device` (an int8 layer decoded there)."""
+        if isinstance(self.k, Quantized):
+            return tuple(dequantize(side.layer(index).to(device), self.dtype) for side in (self.k, self.v))
+        return self.k[index].to(device), self.v[index].to(device)
+
+    def with_precision(self, precision: str) -> "FactKV":
+        """This record held at `precision` ("dense" or "int8"; int8 codes are taken per layer, head and channel
+        over the record's tokens, so each value is off by at most half its channel's scale)."""
+        if precision not in PRECISIONS:
+            raise IncompatibleRecordsError(f"record precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+        if precision == self.precision:
+            return self
+        if precision == "dense":
+            return self.dense()
+        return replace(self, k=quantize(self.k), v=quantize(self.v))
 
 
 def save_record(record: FactKV, path: Path) -> None:
@@ -122,11 +180,18 @@ def save_records(items: list[tuple[FactKV, Path]]) -> list[tuple[int, int, int]]
 
 def _file_contents(record: FactKV) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors: dict[str, torch.Tensor] = {}
+    quantized = isinstance(record.k, Quantized)
     for layer in range(record.num_layers):
-        tensors[f"k.{layer:03d}"] = record.k[layer]
-        tensors[f"v.{layer:03d}"] = record.v[layer]
+        if quantized:
+            tensors[f"k.{layer:03d}"] = record.k.codes[layer]
+            tensors[f"v.{layer:03d}"] = record.v.codes[layer]
+            tensors[f"ks.{layer:03d}"] = record.k.scales[layer]
+            tensors[f"vs.{layer:03d}"] = record.v.scales[layer]
+        else:
+            tensors[f"k.{layer:03d}"] = record.k[layer]
+            tensors[f"v.{layer:03d}"] = record.v[layer]
     metadata = {
-        "format": FORMAT,
+        "format": FORMAT_INT8 if quantized else FORMAT,
         "tenant_id": record.tenant_id,
         "fact_id": record.fact_id,
         "version": str(record.version),
@@ -158,6 +223,11 @@ def read_record(handle: BinaryIO, path: Path, expected_fingerprint: str | None =
         raise RecordCorruptError(f"{path}: the file is truncated")
     view = memoryview(data)
     k, v = (_stacked(view, path, header, crcs, side, layers) for side in ("k", "v"))
+    if meta["format"] == FORMAT_INT8:
+        k, v = (
+            Quantized(codes, _stacked(view, path, header, crcs, f"{side}s", layers))
+            for side, codes in zip("kv", (k, v))
+        )
     try:
         return FactKV(
             tenant_id=meta["tenant_id"],
@@ -182,8 +252,11 @@ def load_layer(path: Path, layer: int, expected_fingerprint: str | None = None) 
         _check_fingerprint(meta, path, expected_fingerprint)
         if not 0 <= layer < int(meta["num_layers"]):
             raise IndexError(f"{path}: layer {layer} out of range 0..{int(meta['num_layers']) - 1}")
-        k = _read_checked(handle, path, header, start, f"k.{layer:03d}", meta)
-        v = _read_checked(handle, path, header, start, f"v.{layer:03d}", meta)
+        k, v = (_read_checked(handle, path, header, start, f"{side}.{layer:03d}", meta) for side in "kv")
+        if meta["format"] == FORMAT_INT8:  # decoded here: a caller of one layer wants values
+            params = EncodingParams.from_json(meta["params"])
+            scales = (_read_checked(handle, path, header, start, f"{side}s.{layer:03d}", meta) for side in "kv")
+            k, v = (dequantize(Quantized(c, s), dtype_by_name(params.dtype)) for c, s in zip((k, v), scales))
     return k, v
 
 
@@ -233,7 +306,7 @@ def check_compatible(records: Sequence[FactKV]) -> None:
             raise IncompatibleRecordsError(f"fact {rec.fact_id!r} was encoded by another model than {first.fact_id!r}")
         if rec.params.rope != first.params.rope:
             raise IncompatibleRecordsError(f"fact {rec.fact_id!r} has another rope config than {first.fact_id!r}")
-        if rec.k.shape[:2] != first.k.shape[:2] or rec.k.shape[3] != first.k.shape[3] or rec.k.dtype != first.k.dtype:
+        if rec.k.shape[:2] != first.k.shape[:2] or rec.k.shape[3] != first.k.shape[3] or rec.dtype != first.dtype:
             raise IncompatibleRecordsError(f"fact {rec.fact_id!r} has another K/V layout than {first.fact_id!r}")
 
 
@@ -246,7 +319,7 @@ def _open(path: Path):
 
 def _metadata(header: dict, path: Path) -> dict[str, str]:
     meta = header.get("__metadata__") or {}
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (FORMAT, FORMAT_INT8):
         raise RecordCorruptError(f"{path}: not an inferscale fact record (format {meta.get('format')!r})")
     required = ("tenant_id", "fact_id", "version", "token_ids", "params", "crc32", "num_layers")
     missing = [key for key in required if key not in meta]

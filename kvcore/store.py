@@ -5,6 +5,10 @@ per-tenant version that every write bumps, with an in-memory LRU of recently rea
 are not re-read from disk per request. A cached record is used only while its file is the one it was
 read from (inode, size, mtime), so a rewritten fact is never served stale, even by another process.
 The tenant store of the tenants package implements the same protocol on top of Redis metadata.
+
+The store also says how its records are held (`precision`: values, or int8 codes at half the bytes of bf16), in a
+file of its own root, so that every writer of one store (the engine's captures, encoding jobs on any node, the
+CLI) writes the same form without each being told; readers take either form whatever the setting says.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from pathlib import Path
 from typing import Protocol, Sequence
 
 from kvcore.conversation import check_identifier
-from kvcore.errors import FactMissingError, StaleRecordError
-from kvcore.record import FactKV, RecordInfo, info_of, read_info_from, read_record, save_records
+from kvcore.errors import FactMissingError, IncompatibleRecordsError, StaleRecordError
+from kvcore.record import PRECISIONS, FactKV, RecordInfo, info_of, read_info_from, read_record, save_records
 
 log = logging.getLogger(__name__)
 _MAX_INFOS = 100_000  # headers are small; the scheduler checks them on every request
+PRECISION_FILE = "PRECISION"  # in the store's root: how its writers hold records ("dense" when absent)
 
 
 Stamp = tuple[int, ...]
@@ -58,8 +63,12 @@ class LocalFactStore:
     (every write replaces the marker after the record), so checking a 50-fact plan costs one `stat`.
     """
 
-    def __init__(self, root: Path, cache_bytes: int = 512 * 1024 * 1024) -> None:
+    def __init__(self, root: Path, cache_bytes: int = 512 * 1024 * 1024, precision: str | None = None) -> None:
+        """`precision`: how this object writes records, whatever the store's own setting says (None: that setting,
+        `set_precision`)."""
         self.root = Path(root)
+        self._fixed_precision = _checked_precision(precision) if precision is not None else None
+        self._precision_read: tuple[Stamp | None, str] = (None, "dense")  # the setting's file as last read
         self._cache: OrderedDict[tuple[str, str], tuple[Stamp, FactKV]] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._held = 0
@@ -86,6 +95,7 @@ class LocalFactStore:
         if len(tenants) != 1:
             raise ValueError("put_many takes records of exactly one tenant")
         tenant_id = tenants.pop()
+        records = [self.stored(record) for record in records]
         written = save_records([(record, self.path(record.tenant_id, record.fact_id)) for record in records])
         with self._lock:
             for record in records:
@@ -93,6 +103,40 @@ class LocalFactStore:
             version = self._bump(tenant_id)
         self._remember(tenant_id, records, written)
         return version
+
+    @property
+    def precision(self) -> str:
+        """How records are written here now: this object's own precision, else the store's setting."""
+        if self._fixed_precision is not None:
+            return self._fixed_precision
+        path = os.path.join(self.root, PRECISION_FILE)
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            return "dense"
+        stamp = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if self._precision_read[0] != stamp:
+            with open(path) as handle:
+                text = handle.read().strip()
+            try:
+                self._precision_read = (stamp, _checked_precision(text))
+            except IncompatibleRecordsError as exc:
+                raise IncompatibleRecordsError(f"{path}: {exc}") from None
+        return self._precision_read[1]
+
+    def set_precision(self, precision: str) -> None:
+        """Make `precision` the store's setting, for every writer of this root from their next write on (records
+        already written keep their form: readers take both)."""
+        precision = _checked_precision(precision)
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{PRECISION_FILE}.tmp{os.getpid()}-{threading.get_ident()}"
+        tmp.write_text(precision + "\n")
+        os.replace(tmp, self.root / PRECISION_FILE)
+        log.info("record store %s now writes %s records", self.root, precision)
+
+    def stored(self, record: FactKV) -> FactKV:
+        """`record` in the form this store writes it (what its bytes will count)."""
+        return record.with_precision(self.precision)
 
     def revalidate(self, tenant_id: str, record_ids: Sequence[str]) -> None:
         """Bring the known headers of these records up to the tenant's current marker now, a `stat` each (what
@@ -248,6 +292,12 @@ class LocalFactStore:
         hit = self._cache.pop(key, None)
         if hit is not None:
             self._held -= hit[1].nbytes
+
+
+def _checked_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise IncompatibleRecordsError(f"record precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    return precision
 
 
 def _signature(path: str, tenant_id: str, record_id: str) -> Stamp:

@@ -127,6 +127,8 @@ class TierStreams:
                 weight = weights.get(record_id)
                 if key not in self._tiers:  # neither here nor there: it joins the load through the tiers
                     record = fetch(tenant, record_id, stamp, hi)  # kept in the arena's dtype, as a spill would be
+                    if record.precision == "int8":  # codes decoded on the device, as the arena decodes them
+                        record = record.dense(self._arena.device)
                     k, v = record.k.to(self._arena.dtype), record.v.to(self._arena.dtype)
                     self._tiers.put(key, k, v, importance=weight or 0.0, label=tier_label(record_id, stamp))
                 parts.append(_Part(record_id, stamp, lo, hi, None, self._tiers.begin_load(key, weight)))
@@ -261,8 +263,7 @@ class TierStreams:
                 self._tiers.discard_damaged(part.reader)
                 part.reader = None
                 part.record = stream.fetch(stream.tenant_id, part.record_id, part.stamp, part.hi)
-        device = self._arena.device
-        return part.record.k[index].to(device), part.record.v[index].to(device)
+        return part.record.layer(index, self._arena.device)
 
     def finish(self) -> None:
         """Unpin the step's tier entries and bring what they held into the arena (spilling colder records)."""

@@ -45,6 +45,7 @@ class FactWriter:
         whatever did not commit is rolled back (a crash in between is the reconciler's to undo)."""
         now = time.time()
         pendings = []
+        items = [(fact_id, text, turn, self._stored(kv), rest) for fact_id, text, turn, kv, rest in items]
         for (fact_id, text, source_turn, kv, _), index_id in zip(
             items, self._facts.next_index_ids(self._id, len(items))
         ):
@@ -105,7 +106,7 @@ class FactWriter:
     def update(self, current: dict, text: str, vector: np.ndarray, kv: FactKV | None, metadata: dict | None) -> Fact:
         """Replace the visible version `current` with `text` (embedded as `vector`), its K/V if given and its
         metadata if given; the replaced version joins the fact's history."""
-        fact_id = current["id"]
+        fact_id, kv = current["id"], self._stored(kv)
         new_version = current["version"] + 1
         record_id = record_id_for(fact_id, new_version) if kv is not None else None
         nbytes = _size(text, kv)
@@ -171,7 +172,7 @@ class FactWriter:
 
     def attach_kv(self, current: dict, kv: FactKV) -> Fact:
         """Store the K/V of the active, not yet encoded version `current`; refused if it moved on meanwhile."""
-        fact_id, version = current["id"], current["version"]
+        fact_id, version, kv = current["id"], current["version"], self._stored(kv)
         record_id = record_id_for(fact_id, version, int(current.get("kv_gen") or 0))
         updated = {
             **current,
@@ -190,6 +191,11 @@ class FactWriter:
             self._records.delete(self._id, record_id)
             raise
         return Fact.from_meta(updated)
+
+    def _stored(self, kv: FactKV | None) -> FactKV | None:
+        """The K/V as the record store will hold it (int8 codes where the store says so), so that quotas and
+        residency count the bytes stored, not the bytes encoded."""
+        return self._records.stored(kv) if kv is not None else None
 
     def drop_kv(self, current: dict) -> str:
         """Drop the K/V of the active, encoded version `current` (KV residency: the fact is served by its text

@@ -51,6 +51,7 @@ def build_engine(args: AppArgs) -> MemoryEngine:
         device_tenant_bytes=args.llm.device_tenant_bytes,
         tiers=args.llm.tiers,
         record_dtype=args.llm.record_dtype,
+        record_precision=args.llm.record_precision,
         report_placement=True,
         placement_redis_url=placement_url,
     )

@@ -69,6 +69,7 @@ class MemoryEngine:
         self.fingerprint = connector.fingerprint
         self.model_name = str(model)
         self._store = LocalFactStore(connector.store_root)
+        self._store.set_precision(connector.record_precision)  # every writer of the store follows it
         self._tier_root = connector.tiers.disk_cache_dir if connector.tiers is not None else None
         kwargs = {"enable_prefix_caching": True, **(engine_kwargs or {})}
         install_prompt_suffix_detokenizer()  # the first token's text without decoding the whole prompt again

@@ -70,3 +70,16 @@ def test_a_runs_excess_over_the_model_is_grouped_by_its_recorded_cause():
     assert groups["old record read"]["p50"] == 20.0 and groups["store changed"]["p50"] == 15.0
     assert groups["new tenant"]["p50"] == 0.0
     assert excess_by_cause([(10.0, 50)], measured, 50, 30) == {}  # an older run's samples
+
+
+def test_int8_records_let_the_same_store_keep_more_facts_with_kv():
+    """The node's K/V budget counts records as the store holds them: int8 codes keep more facts with K/V than bf16
+    values in the same bytes, so fewer are pasted."""
+    node, trace = Node("small store", 64, 0, 0, 0.5), ZipfTrace(tenants=4, facts=200, k=10, chats=3000, rate_per_s=2.0)
+    dense, coded = (
+        simulate(Run(trace, residency=True, load=0.0, timed=1000), node, Shape(record_precision=p), Measured())
+        for p in ("dense", "int8")
+    )
+    assert Shape(record_precision="int8").store_bytes == Shape().int8_bytes < 0.6 * Shape().store_bytes
+    assert coded["facts_from"]["text"] < 0.8 * dense["facts_from"]["text"]
+    assert coded["p50_ms"] <= dense["p50_ms"]

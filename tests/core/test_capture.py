@@ -253,3 +253,42 @@ def test_a_capture_the_device_has_no_room_for_is_dropped_without_stopping_the_en
         capture.end_step()
     assert calls.count("full") == 2  # the layer that failed and the one before it: none after
     assert store.record_ids("t1") == [] and sorted(store.record_ids("t2")) == ["head", "tail"]
+
+
+def test_int8_store_gets_codes_and_the_hot_copy_answers_as_the_file_does(tmp_path):
+    """With the store set to int8 the capture writes codes (a quarter of float32's bytes), and the copy it keeps hot
+    holds what those codes decode to: a fact injected from the arena and the same fact read from its file write the
+    same cache, both within the codes' rounding of what the engine cached."""
+    layout, tokens, blocks, source = _engine_cache(seed=7)
+    store = LocalFactStore(tmp_path)
+    store.set_precision("int8")
+    hot = {name: torch.zeros_like(cache) for name, cache in source.items()}
+    hot_worker = InjectionWorker(store, FP, ROPE)
+    hot_worker.register(hot, layout)
+    capture = CaptureWorker(store, FP, ROPE, torch.float32, on_stored=hot_worker.admit_captured)
+    capture.register({name: i for i, name in enumerate(source)}, layout)
+    tracker = CaptureTracker()
+    tracker.add(
+        "r",
+        CapturePlan("t1", (CaptureSpan("head", 0, 4), CaptureSpan("tail", 4, tokens)), keep_hot=True),
+        list(range(100, 110)),
+    )
+    specs = tracker.step([("r", blocks, 0, tokens)])
+    for name, cache in source.items():
+        capture.save_layer(name, cache, specs)
+    capture.end_step()
+    record = store.get("t1", "tail")
+    assert record.precision == "int8" and record.dtype == torch.float32
+    assert record.nbytes < 0.45 * record.dense().nbytes
+
+    _inject_head_and_tail(store, hot_worker, blocks, tokens)
+    cold = {name: torch.zeros_like(cache) for name, cache in source.items()}
+    cold_worker = InjectionWorker(LocalFactStore(tmp_path), FP, ROPE)
+    cold_worker.register(cold, layout)
+    _inject_head_and_tail(store, cold_worker, blocks, tokens)
+    slots = slot_mapping(blocks, 0, tokens, BS)
+    for name in source:
+        assert torch.equal(hot[name], cold[name])
+        for got, want in zip(layout.gather(cold[name], slots), layout.gather(source[name], slots)):  # K, then V
+            error = (got.float() - want.float()).abs().max()
+            assert 0 < error <= want.float().abs().max() / 64  # within the codes' rounding (K re-rotated after it)

@@ -526,3 +526,41 @@ def test_a_request_matched_again_forgets_the_blocks_of_its_earlier_load(store):
     assert sched.finished("a") == {"inferscale": {"injected_tokens": 0, "records": 3, "fallback": None}}
     b = sched.finished("b")["inferscale"]
     assert (b["injected_tokens"], b["load_failed_tokens"]) == (0, 10)
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["full-precision-tiers", "int8-tiers"])
+def test_int8_records_write_their_values_from_the_arena_and_through_the_tiers(store, tmp_path, compress):
+    """Records stored as int8 codes are decoded where they are admitted: into the arena, or (a load the arena cannot
+    hold) into the lower tiers; either way the cache holds what the codes decode to, rotated to its positions."""
+    from kvcore.tiers import TieredStore
+
+    coded = LocalFactStore(tmp_path / "int8", precision="int8")
+    for record_id in ("p", "a", "b"):
+        coded.put(store.get("t1", record_id))
+    assert coded.get("t1", "a").precision == "int8"
+    layout = PagedLayout("rows", BS, 2, 8)
+    page_bytes = 3 * 2 * 8 * 4 * 2 * 16  # one 16-token page of 3 layers, float32 K and V
+    plan_a, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
+
+    def served(device_cache_bytes, tiers):
+        caches = {f"l{i}": torch.zeros(12, 2, BS, 16) for i in range(3)}
+        worker = run_step(
+            coded,
+            layout,
+            caches,
+            [("ra", plan_a, [3, 7]), ("rb", plan_b, [9])],
+            device_cache_bytes=device_cache_bytes,
+            tiers=tiers,
+        )
+        assert worker.take_failed_blocks() == set()
+        return caches
+
+    in_arena = served(8 * page_bytes, None)
+    assert_region(coded, layout, in_arena, plan_a, [3, 7])  # compose decodes the codes: the reference values
+    assert_region(coded, layout, in_arena, plan_b, [9])
+    streamed = served(2 * page_bytes, TieredStore("cpu", 0, tmp_path / "disk", compress_lower=compress))  # b streams
+    for layer in streamed:
+        assert torch.allclose(streamed[layer], in_arena[layer], atol=1e-6)
+    exact = {name: torch.zeros(12, 2, BS, 16) for name in in_arena}
+    run_step(store, layout, exact, [("ra", plan_a, [3, 7])])
+    assert any(not torch.equal(exact[name], in_arena[name]) for name in exact)  # the codes, not the values

@@ -113,3 +113,19 @@ def test_the_spins_are_off_by_default_and_bounded():
     for bad in (-1, 50):
         with pytest.raises(ValidationError, match="ahead_spin_ms"):
             AppArgs(state_dir="/s", llm={"ahead_spin_ms": bad})
+
+
+def test_record_precisions_are_the_cores_and_the_app_passes_its_choice_to_the_connector():
+    """The settings offer exactly the precisions the record format knows, and an unknown one fails at deploy."""
+    from typing import get_args
+
+    from config.connector import ConnectorConfig, RecordPrecision
+    from kvcore.record import PRECISIONS
+
+    assert get_args(RecordPrecision) == PRECISIONS
+    assert AppArgs(state_dir="/srv", llm={"record_precision": "int8"}).llm.record_precision == "int8"
+    assert ConnectorConfig(store_root="/srv", fingerprint="f").record_precision == "dense"
+    values = yaml.safe_load((Path(__file__).parents[2] / "helm/inferscale/values.yaml").read_text())
+    assert values["serve"]["llm"]["recordPrecision"] == "dense"
+    with pytest.raises(ValidationError, match="record_precision"):
+        AppArgs(state_dir="/srv", llm={"record_precision": "int4"})

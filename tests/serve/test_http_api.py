@@ -368,3 +368,12 @@ def test_every_operation_of_the_openapi_document_has_its_own_id():
         spec = create_app(SimpleNamespace(memories=None, metrics=None)).openapi()  # type: ignore[arg-type]
     ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
     assert len(ids) > 30 and len(ids) == len(set(ids))
+
+
+def test_the_llm_replica_gives_the_record_store_its_precision(cluster):
+    """Every writer of the record store follows the precision the LLM replicas were deployed with (`dense` here):
+    the replica writes it into the store's root at start."""
+    from kvcore.store import PRECISION_FILE, LocalFactStore
+
+    assert (cluster.state_dir / "records" / PRECISION_FILE).read_text().strip() == "dense"
+    assert LocalFactStore(cluster.state_dir / "records").precision == "dense"

@@ -192,3 +192,23 @@ def test_a_batch_insert_is_all_or_nothing(service, admin):
     assert torch.equal(service.records.get("alice", "n2.v1").k, kvs[1].k)
     with pytest.raises(InvalidInputError, match="distinct"):
         tenant.add_facts(["x", "y"], fact_ids=["z", "z"])
+
+
+def test_an_int8_store_charges_the_bytes_it_holds_and_serves_the_facts_codes(service, admin):
+    """With the record store set to int8, every way a fact's K/V arrives (insert, attach, update) is stored as codes
+    and charged at the codes' bytes: quotas and residency count what the disk holds."""
+    alice = service.authenticate(service.create_tenant(admin, "alice")[1])
+    service.records.set_precision("int8")
+    dense = make_record("x", 40, tenant_id="alice", dtype=torch.bfloat16)
+    coded_bytes = dense.with_precision("int8").nbytes
+    assert coded_bytes < 0.6 * dense.nbytes
+    added = alice.add_fact("my dog is called Rex", kv=dense)
+    late = alice.add_fact("my cat is called Tom")
+    alice.attach_kv(late.id, 1, make_record("y", 40, seed=2, tenant_id="alice", dtype=torch.bfloat16))
+    text_bytes = len("my dog is called Rex") + len("my cat is called Tom")
+    assert alice.usage()["bytes"] == text_bytes + 2 * coded_bytes
+    record = service.records.get("alice", added.record_id)
+    assert record.precision == "int8" and torch.equal(record.dense().k, dense.with_precision("int8").dense().k)
+    updated = alice.update_fact(added.id, "my dog is called Max", kv=make_record("z", 40, seed=3, tenant_id="alice"))
+    assert service.records.get("alice", updated.record_id).precision == "int8"
+    assert alice.usage()["bytes"] == text_bytes + 2 * coded_bytes  # same length of text, same shape of codes

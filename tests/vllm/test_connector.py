@@ -12,6 +12,7 @@ from vllm import SamplingParams
 from deployments.vllm_adapter.engine import memory_request
 from kvcore.conversation import Turn
 from kvcore.plan import MemoryPlan
+from kvcore.store import LocalFactStore
 from tests.conversations import MAYA as TURNS
 from tests.vllm.conftest import BLOCK, encode_conversation
 
@@ -70,6 +71,26 @@ def test_injected_memory_matches_plain_prefill(llm, loaded, forward, frame, stor
         assert report == {"injected_tokens": max(0, len(memory) - local), "records": len(ids), "fallback": None}
         if turn == 0:  # nothing of this tenant was cached yet: the connector supplied the whole region
             assert (local, injected) == (0, len(memory))
+
+
+def test_int8_records_answer_as_plain_prefill(llm, loaded, forward, frame, store):
+    """Records held as int8 codes (a quarter of these float32 records' bytes) are decoded as the engine's arena takes
+    them: the same greedy answers as a plain prefill, log-probabilities within the codes' rounding, nothing
+    recomputed."""
+    ids = encode_conversation(loaded, forward, frame, store, "maya-exact", TURNS)
+    coded = LocalFactStore(store.root, precision="int8")
+    for rid in ids:
+        coded.put(dataclasses.replace(store.get("maya-exact", rid), tenant_id="maya-int8"))
+    assert all(store.get("maya-int8", rid).precision == "int8" for rid in ids)
+    plan = MemoryPlan("maya-int8", tuple(ids), store.version("maya-int8"))
+    memory = region(store, plan)
+    for question in QUESTIONS:
+        query = frame.query_ids(loaded.tokenizer, question)
+        ((plain_tokens, plain_lp, _, _),) = ask(llm, [(memory + query, None)])
+        ((coded_tokens, coded_lp, _, report),) = ask(llm, [(memory + query, plan)])
+        assert report["fallback"] is None and report["injected_tokens"] > 0
+        assert coded_tokens == plain_tokens
+        assert max(abs(a - b) for a, b in zip(coded_lp, plain_lp)) < 0.1
 
 
 def test_random_kv_changes_the_answer(llm, loaded, forward, frame, store):
@@ -201,6 +222,33 @@ def test_engine_captured_records_reproduce_plain_prefill_exactly(llm, loaded, fr
     assert injected[3]["injected_tokens"] > 0 and injected[2] == len(memory)
     assert injected[0] == plain[0]
     assert max(abs(a - b) for a, b in zip(injected[1], plain[1])) < 1e-5
+
+
+def test_engine_captures_into_an_int8_store_write_codes_and_answer_as_plain_prefill(llm, loaded, frame, store):
+    """The engine's worker follows the store's setting: set to int8, its captures are stored as codes (decoded on the
+    device when injected) and the same question gets the plain prefill's greedy answer."""
+    from deployments.vllm_adapter.engine import capture_request
+    from kvcore.plan import CapturePlan, CaptureSpan
+
+    encode = lambda text: loaded.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    segments = [("prefix", list(frame.prefix_ids))] + [(f"turn{i}", encode(t.render())) for i, t in enumerate(TURNS)]
+    spans, memory = [], []
+    for fact_id, ids in segments:
+        spans.append(CaptureSpan(fact_id, len(memory), len(memory) + len(ids)))
+        memory += ids
+    store.set_precision("int8")
+    try:
+        plan = CapturePlan("maya-engine-int8", tuple(spans), window=len(TURNS))
+        llm.generate(*map(list, zip(capture_request(memory, plan))), use_tqdm=False)
+    finally:
+        store.set_precision("dense")
+    assert all(store.get("maya-engine-int8", f).precision == "int8" for f, _ in segments)
+    plan = MemoryPlan("maya-engine-int8", tuple(f for f, _ in segments), store.version("maya-engine-int8"))
+    query = frame.query_ids(loaded.tokenizer, "Where does Maya work?")
+    plain = ask(llm, [(memory + query, None)])[0]
+    injected = ask(llm, [(memory + query, plan)])[0]
+    assert injected[3]["injected_tokens"] > 0 and injected[3]["fallback"] is None
+    assert injected[0] == plain[0]
 
 
 def serve_four_tenants(llm, loaded, forward, frame, store, prefix: str, question: str):

@@ -129,6 +129,7 @@ applications:
         {{- end }}
         on_load_failure: {{ $llm.onLoadFailure }}
         record_dtype: {{ $llm.recordDtype }}
+        record_precision: {{ $llm.recordPrecision }}
         {{- if $llm.offload.enabled }}
         tiers:
           disk_cache_dir: /var/cache/inferscale/tiers
