@@ -1,9 +1,13 @@
-"""Blocks of a benchmark's requests under vLLM's own torch profiler: each block's device time by kernel.
+"""Blocks of a benchmark's requests under vLLM's own torch profiler: each block's device time by kernel, and
+its host time by CUDA call and (with Python stacks) by function.
 
 A step's wall time says how long the engine took, not on what. One profiling window covers every block (a torch
 profiler is started once: restarting one is not reliably supported), and each kernel or copy is given to the
 block whose wall-clock span holds its start, so two modes that differ by a few ms a step can be compared kernel
-by kernel. The engine needs `profiler_config(folder)` among its engine arguments.
+by kernel. Where two modes spend the same device time and not the same wall time, the difference is the host's:
+`host_report` splits it by CUDA runtime call (launches, copies, waits on the device, page-locked allocations) and,
+in a trace taken with Python stacks, by Python function (inclusive times: a function's callees count in it too).
+The engine needs `profiler_config(folder)` among its engine arguments.
 """
 
 from __future__ import annotations
@@ -17,16 +21,26 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")  # the host's CUDA calls, a wait on the device among them
+PYTHON_CATEGORIES = ("python_function",)  # only in a trace taken with Python stacks
+OUR_PACKAGES = ("kvcore/", "deployments/", "tenants/", "models/")
 
 
-def profiler_config(folder: Path) -> dict:
+def is_ours(name: str) -> bool:
+    """A traced Python function of inferscale's own packages: the trace names a file by its path under the
+    `sys.path` entry it was imported from ("kvcore/injection.py(192): _start"; vLLM's "vllm/…/models/llama.py")."""
+    return name.startswith(OUR_PACKAGES)
+
+
+def profiler_config(folder: Path, with_stack: bool = False) -> dict:
     """vLLM's `profiler_config` engine argument: torch traces in `folder`, the engine core's only (the frontend
-    would trace the whole window), without Python stacks (they would slow every step) and without vLLM's own
-    table of the window (this module sums the trace itself)."""
+    would trace the whole window), without vLLM's own table of the window (this module sums the trace itself), and
+    with Python stacks only when asked (`with_stack`: every Python call is traced, which slows the host several
+    times over: its times split the host's work, they do not measure it)."""
     return {
         "profiler": "torch",
         "torch_profiler_dir": str(Path(folder).resolve()),
-        "torch_profiler_with_stack": False,
+        "torch_profiler_with_stack": with_stack,
         "torch_profiler_dump_cuda_time_total": False,
         "ignore_frontend": True,
     }
@@ -46,22 +60,46 @@ def read_events(path: Path) -> tuple[int, list[dict]]:
 
 
 def by_block(
-    files: Iterable[Path], spans: dict[str, tuple[int, int]], categories: tuple[str, ...] = DEVICE_CATEGORIES
+    files: Iterable[Path],
+    spans: dict[str, tuple[int, int]],
+    categories: tuple[str, ...] = DEVICE_CATEGORIES,
+    exclusive: bool = False,
+    named: Callable[[str], bool] | None = None,
 ) -> dict[str, dict[str, float]]:
     """ms by event name in each block: events of `categories` whose start falls in the block's (start, end) span
-    of epoch ns."""
+    of epoch ns. `exclusive`: each event's own time, without the events of those categories nested in it on its
+    thread (a Python function's self time); `named`: only the names it accepts."""
     totals: dict[str, dict[str, float]] = {label: defaultdict(float) for label in spans}
     for path in files:
         base, events = read_events(path)
-        for event in events:
-            if event.get("cat") not in categories:
-                continue
+        chosen = [e for e in events if e.get("cat") in categories and (named is None or named(e["name"]))]
+        own = self_times(chosen) if exclusive else [float(e["dur"]) for e in chosen]
+        for event, us in zip(chosen, own):
             start = base + int(float(event["ts"]) * 1000)
             for label, (begin, end) in spans.items():
                 if begin <= start < end:
-                    totals[label][event["name"]] += float(event["dur"]) / 1000
+                    totals[label][event["name"]] += us / 1000
                     break
     return {label: dict(names) for label, names in totals.items()}
+
+
+def self_times(events: list[dict]) -> list[float]:
+    """Each event's duration (µs) less that of the events directly nested in it on the same thread."""
+    own = [float(e["dur"]) for e in events]
+    threads: dict[tuple, list[int]] = defaultdict(list)
+    for i, event in enumerate(events):
+        threads[(event.get("pid"), event.get("tid"))].append(i)
+    for indices in threads.values():
+        indices.sort(key=lambda i: (float(events[i]["ts"]), -float(events[i]["dur"])))
+        open_: list[tuple[float, int]] = []  # (end, index) of the events that hold the current one
+        for i in indices:
+            start = float(events[i]["ts"])
+            while open_ and open_[-1][0] <= start:
+                open_.pop()
+            if open_:
+                own[open_[-1][1]] -= float(events[i]["dur"])
+            open_.append((start + float(events[i]["dur"]), i))
+    return own
 
 
 def per_request(times: dict[str, float], requests: int, top: int) -> dict:
@@ -111,17 +149,22 @@ class ProfiledBlocks:
             self.requests[label] = requests
 
     def report(
-        self, top: int = 15, categories: tuple[str, ...] = DEVICE_CATEGORIES, fallback: tuple[str, ...] = ("cpu_op",)
+        self,
+        top: int = 15,
+        categories: tuple[str, ...] = DEVICE_CATEGORIES,
+        fallback: tuple[str, ...] = ("cpu_op",),
+        exclusive: bool = False,
+        named: Callable[[str], bool] | None = None,
     ) -> dict:
         """Each block's time a request by event name (device kernels and copies by default), and every block
         against each one before it. Where the trace holds none of `categories` (a CPU engine; a GPU whose
         profiling interface the sandbox does not expose), the `fallback` ones instead: the engine's operators on
         the host, inclusive times (nested ones counted again)."""
         files = [path for path in trace_files(self.folder) if path not in self._before]
-        times = by_block(files, self.spans, categories)
+        times = by_block(files, self.spans, categories, exclusive, named)
         if not any(times.values()) and fallback:
             categories = fallback
-            times = by_block(files, self.spans, categories)
+            times = by_block(files, self.spans, categories, exclusive, named)
         labels = list(self.spans)
         blocks = {label: per_request(times[label], self.requests[label], top) for label in labels}
         against = {
@@ -137,6 +180,18 @@ class ProfiledBlocks:
             "blocks": blocks,
             "differences": against,
         }
+
+    def host_report(self, top: int = 15) -> dict:
+        """Each block's host time a request, with every block against each one before it (`report`'s form; an empty
+        part is left out): by CUDA runtime call (`runtime`); where the trace has Python stacks, by Python function's
+        own time (`python`, where the host's time goes) and by inclusive time of inferscale's own functions
+        (`ours`: what our code costs a request, callees included)."""
+        found = {
+            "runtime": self.report(top, RUNTIME_CATEGORIES, fallback=()),
+            "python": self.report(top, PYTHON_CATEGORIES, fallback=(), exclusive=True),
+            "ours": self.report(top, PYTHON_CATEGORIES, fallback=(), named=is_ours),
+        }
+        return {name: part for name, part in found.items() if any(b["total_ms"] for b in part["blocks"].values())}
 
 
 def offline_blocks(llm, config: dict) -> ProfiledBlocks:

@@ -21,6 +21,9 @@
 # TTFT_PROFILE=1 has ttft profile a full batch of injection and of the prefix-cached facts (`device_profile`);
 # INJECTED_PROFILE=1 has injected-records profile each variant's block (device time by kernel, `device_profile`);
 # HISTORY_PROFILE_CHATS=N has history-ttft end with N chats a mode under vLLM's torch profiler (`device_profile`).
+# Each profile also splits the host's time by CUDA call (`host_profile`); PROFILE_STACK=1 adds Python stacks to the traces
+# (host time by Python function; the profiled requests run slower). HISTORY_ROUNDS=N sets history-ttft's rounds (60 tell
+# 1.3 from 1.4 on an H100; 12 cannot).
 # RECORD_PRECISION=int8 has tenants-gpu store records as int8 codes (the node's disk budget holds twice the facts).
 # Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
@@ -65,7 +68,8 @@ for step in "$@"; do
         echo "install: exit $?"; grep -E "^CHECK|^!!|UNEXPECTED|^no unexpected" "$out/install.log" | tail -6 ;;
     gpu-tests) run gpu-tests 200 python3 -m pytest tests/core/test_gpu.py tests/kernels tests/tenants/test_minilm.py tests/tenants/test_index_mirror.py tests/serve/test_query_batcher.py tests/benchmarks/test_retrieval.py tests/model/test_query_pass.py tests/model/test_history_chooser.py -m gpu -q -p no:cacheprovider ;;
     equivalence) run equivalence 200 python3 benchmarks/injection_equivalence.py --out "$out/equivalence.json" ;;
-    ttft) sampled ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" ${TTFT_PROFILE:+--profile} --out "$out/ttft.json" ;;
+    ttft) sampled ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" ${TTFT_PROFILE:+--profile} ${PROFILE_STACK:+--profile-stack} \
+            --out "$out/ttft.json" ;;
     inject-kernel) run inject-kernel 150 python3 benchmarks/inject_kernel.py --out "$out/inject_kernel.json"
         grep -E "ms .* GB/s" "$out/inject-kernel.log" ;;
     chunk-bounds) run chunk-bounds 240 python3 benchmarks/chunk_bounds.py --out "$out/chunk_bounds.json"
@@ -73,6 +77,7 @@ for step in "$@"; do
     retrieval) run retrieval 300 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
     chat-ahead) run chat-ahead 120 python3 benchmarks/chat_ahead.py --out "$out/chat_ahead.json" ;;
     injected-records) sampled injected-records 300 python3 benchmarks/injected_records.py --config "$SHAPE" ${INJECTED_PROFILE:+--profile} \
+            ${PROFILE_STACK:+--profile-stack} \
             --out "$out/injected_records.json"
         grep -E "^ *(none|[0-9]+x[0-9]+):" "$out/injected-records.log" ;;
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;
@@ -95,6 +100,7 @@ for step in "$@"; do
     history-ttft) sampled history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --tenants "${HISTORY_TTFT_TENANTS:-4}" \
             ${HISTORY_SCORING_LAYERS:+--scoring-layers "$HISTORY_SCORING_LAYERS"} ${HISTORY_ARENA_GIB:+--arena-gib "$HISTORY_ARENA_GIB"} \
             ${HISTORY_HOST_GIB:+--host-gib "$HISTORY_HOST_GIB"} ${HISTORY_PROFILE_CHATS:+--profile-chats "$HISTORY_PROFILE_CHATS"} \
+            ${PROFILE_STACK:+--profile-stack} ${HISTORY_ROUNDS:+--rounds "$HISTORY_ROUNDS"} \
             --out "$out/history_ttft.json"
         tail -30 "$out/history-ttft.log" ;;
     history-ttft-layers)  # the scoring layers side by side in one call, on the same host: each of HISTORY_LAYER_SET

@@ -150,7 +150,8 @@ def asked(mode: str, tenant: dict, question: str, budget: int) -> tuple[str, dic
 def profile_modes(client: Client, histories: list[dict], budget: int, chats: int, folder: Path) -> dict:
     """`chats` chats of each mode (no memory first, then history mode and the same tokens from vLLM's prefix
     cache), tenants in turn, in one profiling window of the LLM replica's engine: each mode's device time a chat by
-    kernel, and the modes against each other. Each question is new, so vLLM's prefix cache holds none of it."""
+    kernel and its host time by CUDA call (and Python function, with `--profile-stack`), the modes against each
+    other (`device_profile`, `host_profile`). Each question is new, so vLLM's prefix cache holds none of it."""
     from ray import serve
 
     llm = serve.get_deployment_handle("LLMServer", app_name="inferscale")
@@ -162,7 +163,7 @@ def profile_modes(client: Client, histories: list[dict], budget: int, chats: int
                     tenant = histories[i % len(histories)]
                     question = f"({uuid.uuid4().hex[:8]}) {tenant['questions'][i % len(tenant['questions'])]}"
                     chat(client, tenant["key"], *asked(mode, tenant, question, budget))
-    return blocks.report()  # device kernels; on a CPU the engine core's operators
+    return {"device_profile": blocks.report(), "host_profile": blocks.host_report()}  # on a CPU: its operators
 
 
 def _p(values: list[float], q: float) -> float:
@@ -261,6 +262,11 @@ def main() -> None:
         default=0,
         help="after the measured rounds, this many chats a mode under vLLM's torch profiler: device time by kernel",
     )
+    p.add_argument(
+        "--profile-stack",
+        action="store_true",
+        help="with --profile-chats: Python stacks in the trace too (host time by function; slows the profiled chats)",
+    )
     args = p.parse_args()
     started = time.monotonic()
     gpu = engine_shape_defaults(args, CONFIGS)
@@ -290,7 +296,7 @@ def main() -> None:
     if args.host_gib is not None:  # the lower tiers: pinned host memory (int8), then a disk folder
         llm["tiers"] = {"disk_cache_dir": str(state / "tiers"), "host_cache_bytes": int(args.host_gib * (1 << 30))}
     if args.profile_chats:
-        engine["profiler_config"] = profiler_config(state / "profile")
+        engine["profiler_config"] = profiler_config(state / "profile", with_stack=args.profile_stack)
     profile: dict | None = None
     base, admin, redis, app = start_cluster(
         state, gpu, shape, engine_kwargs=engine, llm_args=llm, early_layers=args.scoring_layers if shape else 0
@@ -355,7 +361,7 @@ def main() -> None:
         "rows": rows,
     }
     if profile is not None:
-        report["device_profile"] = profile
+        report |= profile
     write_report(args.out, report)
     print(json.dumps({"modes": report["modes"], "choose": report["history_choose_ms_p50"]}, indent=1), flush=True)
 

@@ -93,6 +93,11 @@ def main() -> None:
         action="store_true",
         help="also each variant's block of requests under vLLM's torch profiler: device time by kernel",
     )
+    p.add_argument(
+        "--profile-stack",
+        action="store_true",
+        help="with --profile: Python stacks in the trace too (host time by function; slows the profiled requests)",
+    )
     args = p.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may touch CUDA first
     gpu = torch.cuda.is_available()
@@ -124,7 +129,9 @@ def main() -> None:
     connector = ConnectorConfig(store_root=store.root, fingerprint=fingerprint, device_cache_bytes=8 << 30)
     engine_kwargs["enable_prefix_caching"] = True  # the `cached` reference; injected requests draw fresh orders
     if args.profile:
-        engine_kwargs["profiler_config"] = profiler_config(Path(scratch_dir(prefix="profile-")))
+        engine_kwargs["profiler_config"] = profiler_config(
+            Path(scratch_dir(prefix="profile-")), with_stack=args.profile_stack
+        )
     llm = build_llm(path, connector, dtype=args.dtype, max_model_len=tokens + 1024, seed=0, **engine_kwargs)
     rng = random.Random(1)
     pools = {size: [r for r in ids if r.startswith(f"s{size}-")] for size in sizes}
@@ -185,8 +192,8 @@ def main() -> None:
             with sampled(names[size]):
                 for prompt, params in block:
                     llm.generate([prompt], params, use_tqdm=False)
-    profile = None
-    if args.profile:  # device time per variant, a block each in one profiling window
+    profile: dict = {}
+    if args.profile:  # device and host time per variant, a block each in one profiling window
         profiled = offline_blocks(llm, engine_kwargs["profiler_config"])
         with profiled.window():
             for size in variants:
@@ -194,7 +201,7 @@ def main() -> None:
                 with profiled.block(names[size], len(block)):
                     for prompt, params in block:
                         llm.generate([prompt], params, use_tqdm=False)
-        profile = profiled.report()  # device kernels; on a CPU the engine core's operators
+        profile = {"device_profile": profiled.report(), "host_profile": profiled.host_report()}  # on a CPU: operators
     ttft = {names[v]: statistics.median(t) for v, t in times.items()}
     for name, ms in ttft.items():
         print(f"{name:>10}: {ms:8.2f} ms", flush=True)
@@ -219,7 +226,7 @@ def main() -> None:
             if smallest != whole
             else None,
             "fallbacks": fallbacks,
-            **({"device_profile": profile} if profile is not None else {}),
+            **profile,
             "targets": [
                 target(f"TTFT {smallest} / {whole} records (same tokens)", ttft[smallest] / ttft[whole], "<= 1.1"),
                 target(

@@ -12,7 +12,8 @@ with other questions (`paste_prefix_cached`); beside it, all 100 requests sharin
 (`paste_shared_prefix`: their attention reads one copy of the facts' K/V, which no retrieval gives, so it is
 reported, not a target). Records hold random K/V: this measures speed only; the tests prove the values. `--config` runs a model shape with dummy weights (the GPU run).
 With `--profile`, one more batch of (a) and one of `paste_prefix_cached` run under vLLM's torch profiler
-(`device_profile`: device time a request by kernel, injection against the cache).
+(`device_profile`: device time a request by kernel, injection against the cache; `host_profile`: host time by
+CUDA call, and by Python function with `--profile-stack`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def main() -> None:
         action="store_true",
         help="also one concurrent batch of inject and of paste_prefix_cached under vLLM's torch profiler",
     )
+    p.add_argument(
+        "--profile-stack",
+        action="store_true",
+        help="with --profile: Python stacks in the trace too (host time by function; slows the profiled batches)",
+    )
     args = p.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may touch CUDA first
     gpu = torch.cuda.is_available()
@@ -108,7 +114,9 @@ def main() -> None:
         store_root=store.root, fingerprint=fingerprint, device_cache_bytes=4 << 30, fused_kernel=not args.torch_path
     )
     if args.profile:
-        engine_kwargs["profiler_config"] = profiler_config(Path(scratch_dir(prefix="profile-")))
+        engine_kwargs["profiler_config"] = profiler_config(
+            Path(scratch_dir(prefix="profile-")), with_stack=args.profile_stack
+        )
     llm = build_llm(path, connector, dtype=args.dtype, max_model_len=4096, seed=0, **engine_kwargs)
     rng = random.Random(1)
     fact_ids = [f for f in tokens if f != "prefix"]
@@ -206,8 +214,8 @@ def main() -> None:
                 llm.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False)
                 rates[label].append(concurrent / (time.perf_counter() - start))
     throughput = {label: statistics.median(r) for label, r in rates.items()}
-    profile = None
-    if args.profile:  # where a full batch's device time goes: injection against the same facts from the cache
+    profile: dict = {}
+    if args.profile:  # where a full batch's device and host time go: injection against the same facts from the cache
         profiled = offline_blocks(llm, engine_kwargs["profiler_config"])
         with profiled.window():
             for label in ("inject", "paste_prefix_cached"):
@@ -218,7 +226,7 @@ def main() -> None:
                 batch = [request(k_concurrent, label == "inject", out_tokens=16, chosen=chosen) for chosen in sets]
                 with profiled.block(label, concurrent):
                     llm.generate([b[0] for b in batch], [b[1] for b in batch], use_tqdm=False)
-        profile = profiled.report()  # device kernels; on a CPU the engine core's operators
+        profile = {"device_profile": profiled.report(), "host_profile": profiled.host_report()}  # on a CPU: operators
     for label, rate in throughput.items():
         print(f"{concurrent} concurrent at k={k_concurrent}: {label} {rate:.1f} req/s", flush=True)
 
@@ -265,7 +273,7 @@ def main() -> None:
                 "req_per_s": throughput,
                 "req_per_s_each": rates,
             },
-            **({"device_profile": profile} if profile is not None else {}),
+            **profile,
             "targets": targets,
         },
     )

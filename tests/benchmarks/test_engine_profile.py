@@ -63,3 +63,48 @@ def test_per_request_ranks_names_and_difference_puts_the_largest_change_first():
     b = {"attention": 9.0, "gone": 5.0}
     assert list(difference(a, 2, b, 1, top=3).items()) == [("gone", -5.0), ("attention", -4.0), ("inject", 3.0)]
     assert list(difference(a, 2, b, 1, top=1)) == ["gone"]
+
+
+def _host_helper_of_the_test(a):
+    for _ in range(20):
+        torch.mm(a, a)
+
+
+def test_host_report_splits_a_block_by_python_function_where_the_trace_has_stacks(tmp_path):
+    """With Python stacks the host's time is split by function; a CPU trace has no CUDA calls, so that part is left
+    out rather than reported empty."""
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        with_stack=True,
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(tmp_path), worker_name="w", use_gzip=True),
+    )
+    a = torch.randn(64, 64)
+    blocks = ProfiledBlocks(tmp_path, lambda on: profiler.start() if on else profiler.stop())
+    with blocks.window():
+        with blocks.block("helper", requests=2):
+            _host_helper_of_the_test(a)
+        with blocks.block("plain", requests=1):
+            torch.mm(a, a)
+    host = blocks.host_report()
+    assert set(host) == {"python"}
+    helper, plain = host["python"]["blocks"]["helper"]["top_ms"], host["python"]["blocks"]["plain"]["top_ms"]
+    assert any("_host_helper_of_the_test" in name for name in helper)
+    assert not any("_host_helper_of_the_test" in name for name in plain)
+    named = next(name for name in host["python"]["differences"]["plain - helper"] if "_host_helper" in name)
+    assert host["python"]["differences"]["plain - helper"][named] < 0
+
+
+def test_self_times_take_out_directly_nested_events_per_thread():
+    from benchmarks._engine_profile import is_ours, self_times
+
+    events = [
+        {"name": "outer", "ts": 0, "dur": 100, "pid": 1, "tid": 1},
+        {"name": "child", "ts": 10, "dur": 30, "pid": 1, "tid": 1},
+        {"name": "grandchild", "ts": 15, "dur": 10, "pid": 1, "tid": 1},
+        {"name": "second child", "ts": 50, "dur": 20, "pid": 1, "tid": 1},
+        {"name": "other thread", "ts": 20, "dur": 50, "pid": 1, "tid": 2},  # not nested in `outer`
+    ]
+    assert self_times(events) == [50, 20, 10, 20, 50]
+    assert is_ours("kvcore/injection.py(192): _start") and is_ours("deployments/gateway.py(10): f")
+    assert not is_ours("vllm/v1/core/sched/scheduler.py(300): schedule")
+    assert not is_ours("vllm/model_executor/models/llama.py(534): forward")  # a folder of that name elsewhere
