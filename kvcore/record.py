@@ -42,6 +42,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise IncompatibleRecordsError(f"K/V dtype {dtype} is not supported (use float32, bfloat16 or float16)")
 
 
+def check_precision(precision: str) -> str:
+    """`precision` if records may be held so (one of `PRECISIONS`), else `IncompatibleRecordsError`."""
+    if precision not in PRECISIONS:
+        raise IncompatibleRecordsError(f"record precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    return precision
+
+
 def dtype_by_name(name: str) -> torch.dtype:
     """The K/V dtype a name gives ("bfloat16"): `dtype_name`'s inverse."""
     if name not in _DTYPE_NAMES:
@@ -127,7 +134,7 @@ class FactKV:
 
     @property
     def precision(self) -> str:
-        """ "int8" for codes, "dense" for values (one of `PRECISIONS`)."""
+        """How K and V are held: "int8" for codes, "dense" for values (one of `PRECISIONS`)."""
         return "int8" if isinstance(self.k, Quantized) else "dense"
 
     @property
@@ -158,9 +165,7 @@ class FactKV:
     def with_precision(self, precision: str) -> "FactKV":
         """This record held at `precision` ("dense" or "int8"; int8 codes are taken per layer, head and channel
         over the record's tokens, so each value is off by at most half its channel's scale)."""
-        if precision not in PRECISIONS:
-            raise IncompatibleRecordsError(f"record precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-        if precision == self.precision:
+        if check_precision(precision) == self.precision:
             return self
         if precision == "dense":
             return self.dense()

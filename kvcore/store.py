@@ -24,7 +24,15 @@ from typing import Protocol, Sequence
 
 from kvcore.conversation import check_identifier
 from kvcore.errors import FactMissingError, IncompatibleRecordsError, StaleRecordError
-from kvcore.record import PRECISIONS, FactKV, RecordInfo, info_of, read_info_from, read_record, save_records
+from kvcore.record import (
+    FactKV,
+    RecordInfo,
+    check_precision,
+    info_of,
+    read_info_from,
+    read_record,
+    save_records,
+)
 
 log = logging.getLogger(__name__)
 _MAX_INFOS = 100_000  # headers are small; the scheduler checks them on every request
@@ -67,7 +75,7 @@ class LocalFactStore:
         """`precision`: how this object writes records, whatever the store's own setting says (None: that setting,
         `set_precision`)."""
         self.root = Path(root)
-        self._fixed_precision = _checked_precision(precision) if precision is not None else None
+        self._fixed_precision = check_precision(precision) if precision is not None else None
         self._precision_read: tuple[Stamp | None, str] = (None, "dense")  # the setting's file as last read
         self._cache: OrderedDict[tuple[str, str], tuple[Stamp, FactKV]] = OrderedDict()
         self._cache_bytes = cache_bytes
@@ -119,7 +127,7 @@ class LocalFactStore:
             with open(path) as handle:
                 text = handle.read().strip()
             try:
-                self._precision_read = (stamp, _checked_precision(text))
+                self._precision_read = (stamp, check_precision(text))
             except IncompatibleRecordsError as exc:
                 raise IncompatibleRecordsError(f"{path}: {exc}") from None
         return self._precision_read[1]
@@ -127,7 +135,7 @@ class LocalFactStore:
     def set_precision(self, precision: str) -> None:
         """Make `precision` the store's setting, for every writer of this root from their next write on (records
         already written keep their form: readers take both)."""
-        precision = _checked_precision(precision)
+        precision = check_precision(precision)
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{PRECISION_FILE}.tmp{os.getpid()}-{threading.get_ident()}"
         tmp.write_text(precision + "\n")
@@ -292,12 +300,6 @@ class LocalFactStore:
         hit = self._cache.pop(key, None)
         if hit is not None:
             self._held -= hit[1].nbytes
-
-
-def _checked_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise IncompatibleRecordsError(f"record precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    return precision
 
 
 def _signature(path: str, tenant_id: str, record_id: str) -> Stamp:
