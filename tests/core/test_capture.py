@@ -64,6 +64,17 @@ def _inject_head_and_tail(store: LocalFactStore, worker: InjectionWorker, blocks
     assert worker.take_failed_blocks() == set()
 
 
+def _capturing_into_an_injector(store: LocalFactStore, layout, source: dict):
+    """Zeroed caches shaped like `source`, an injector over them, and a capture (float32 records) that keeps what it
+    stores hot in that injector's arena."""
+    target = {name: torch.zeros_like(cache) for name, cache in source.items()}
+    worker = InjectionWorker(store, FP, ROPE)
+    worker.register(target, layout)
+    capture = CaptureWorker(store, FP, ROPE, torch.float32, on_stored=worker.admit_captured)
+    capture.register({name: i for i, name in enumerate(source)}, layout)
+    return target, worker, capture
+
+
 @pytest.mark.parametrize("record_dtype", [torch.float32, None], ids=["float32-records", "engine-dtype-records"])
 def test_engine_cache_round_trips_through_a_record(tmp_path, record_dtype):
     """K/V an engine wrote (bf16, bf16 cos/sin table) -> captured record -> injected: identical bits with float32
@@ -112,11 +123,7 @@ def test_a_captured_record_is_kept_in_the_arena_and_served_from_it_without_readi
     the next request's load of it reads no file and writes the very values the engine had cached."""
     layout, tokens, blocks, source = _engine_cache(seed=5)
     store = LocalFactStore(tmp_path)
-    target = {name: torch.zeros_like(cache) for name, cache in source.items()}
-    worker = InjectionWorker(store, FP, ROPE)
-    worker.register(target, layout)
-    capture = CaptureWorker(store, FP, ROPE, torch.float32, on_stored=worker.admit_captured)
-    capture.register({name: i for i, name in enumerate(source)}, layout)
+    target, worker, capture = _capturing_into_an_injector(store, layout, source)
     tracker = CaptureTracker()
     spans = (CaptureSpan("head", 0, 4), CaptureSpan("tail", 4, tokens))
     tracker.add("cold", CapturePlan("t2", spans), list(range(100, 110)))  # not asked to keep hot: not kept
@@ -262,11 +269,7 @@ def test_int8_store_gets_codes_and_the_hot_copy_answers_as_the_file_does(tmp_pat
     layout, tokens, blocks, source = _engine_cache(seed=7)
     store = LocalFactStore(tmp_path)
     store.set_precision("int8")
-    hot = {name: torch.zeros_like(cache) for name, cache in source.items()}
-    hot_worker = InjectionWorker(store, FP, ROPE)
-    hot_worker.register(hot, layout)
-    capture = CaptureWorker(store, FP, ROPE, torch.float32, on_stored=hot_worker.admit_captured)
-    capture.register({name: i for i, name in enumerate(source)}, layout)
+    hot, hot_worker, capture = _capturing_into_an_injector(store, layout, source)
     tracker = CaptureTracker()
     tracker.add(
         "r",

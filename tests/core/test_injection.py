@@ -167,6 +167,16 @@ def run_step(store, layout, caches, plans, worker=None, **worker_kwargs):
     return worker
 
 
+def serve_a_and_b(store, layout, device_cache_bytes, tiers, dtype, **worker_kwargs) -> dict:
+    """Caches of `dtype` after one step of t1's plans ("p", "a") into blocks 3, 7 and ("b",) into block 9, none
+    failed."""
+    caches = {f"l{i}": torch.zeros(12, 2, BS, 16, dtype=dtype) for i in range(3)}
+    plans = [("ra", MemoryPlan("t1", ("p", "a"), 4), [3, 7]), ("rb", MemoryPlan("t1", ("b",), 4), [9])]
+    worker = run_step(store, layout, caches, plans, device_cache_bytes=device_cache_bytes, tiers=tiers, **worker_kwargs)
+    assert worker.take_failed_blocks() == set()
+    return caches
+
+
 def assert_region(store, layout, caches, plan, blocks):
     full = compose([store.get("t1", i) for i in plan.record_ids], start=0)
     for layer, cache in enumerate(caches.values()):
@@ -434,21 +444,9 @@ def test_float32_records_streamed_through_the_tiers_come_in_the_bf16_arenas_dtyp
 
     layout = PagedLayout("rows", BS, 2, 8)
     page_bytes = 3 * 2 * 8 * 2 * 2 * 16  # one 16-token page of 3 layers, bf16 K and V
-    plan_a, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
 
     def served(device_cache_bytes, tiers):
-        caches = {f"l{i}": torch.zeros(12, 2, BS, 16, dtype=torch.bfloat16) for i in range(3)}
-        worker = run_step(
-            store,
-            layout,
-            caches,
-            [("ra", plan_a, [3, 7]), ("rb", plan_b, [9])],
-            device_cache_bytes=device_cache_bytes,
-            tiers=tiers,
-            record_dtype=torch.bfloat16,
-        )
-        assert worker.take_failed_blocks() == set()
-        return caches
+        return serve_a_and_b(store, layout, device_cache_bytes, tiers, torch.bfloat16, record_dtype=torch.bfloat16)
 
     tiers = TieredStore("cpu", 0, tmp_path / "disk", compress_lower=compress)
     streamed = served(2 * page_bytes, tiers)  # room for p and a only: b streams
@@ -543,17 +541,7 @@ def test_int8_records_write_their_values_from_the_arena_and_through_the_tiers(st
     plan_a, plan_b = MemoryPlan("t1", ("p", "a"), 4), MemoryPlan("t1", ("b",), 4)
 
     def served(device_cache_bytes, tiers):
-        caches = {f"l{i}": torch.zeros(12, 2, BS, 16) for i in range(3)}
-        worker = run_step(
-            coded,
-            layout,
-            caches,
-            [("ra", plan_a, [3, 7]), ("rb", plan_b, [9])],
-            device_cache_bytes=device_cache_bytes,
-            tiers=tiers,
-        )
-        assert worker.take_failed_blocks() == set()
-        return caches
+        return serve_a_and_b(coded, layout, device_cache_bytes, tiers, torch.float32)
 
     in_arena = served(8 * page_bytes, None)
     assert_region(coded, layout, in_arena, plan_a, [3, 7])  # compose decodes the codes: the reference values
