@@ -26,6 +26,12 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")  # the host's CUDA calls, a wait on the device among them
 PYTHON_CATEGORIES = ("python_function",)  # only in a trace taken with Python stacks
 OUR_PACKAGES = ("kvcore/", "deployments/", "tenants/", "models/")
+WAITS = ("<built-in method acquire of _thread", "<built-in function sched_yield>", "threading.py(")  # idle threads
+
+
+def is_work(name: str) -> bool:
+    """Not a thread's idle wait (a lock, a yield): the other threads of the traced process wait most of a step."""
+    return not name.startswith(WAITS)
 
 
 def is_ours(name: str) -> bool:
@@ -70,13 +76,16 @@ def by_block(
 ) -> dict[str, dict[str, float]]:
     """ms by event name in each block: events of `categories` whose start falls in the block's (start, end) span
     of epoch ns. `exclusive`: each event's own time, without the events of those categories nested in it on its
-    thread (a Python function's self time); `named`: only the names it accepts."""
+    thread (a Python function's self time); `named`: only the names it accepts (a name left out still takes its
+    time out of the event it is nested in)."""
     totals: dict[str, dict[str, float]] = {label: defaultdict(float) for label in spans}
     for path in files:
         base, events = read_events(path)
-        chosen = [e for e in events if e.get("cat") in categories and (named is None or named(e["name"]))]
-        own = self_times(chosen) if exclusive else [float(e["dur"]) for e in chosen]
+        chosen = [e for e in events if e.get("cat") in categories]
+        own = self_times(chosen) if exclusive else [float(e["dur"]) for e in chosen]  # of all, then the named
         for event, us in zip(chosen, own):
+            if named is not None and not named(event["name"]):
+                continue
             start = base + int(float(event["ts"]) * 1000)
             for label, (begin, end) in spans.items():
                 if begin <= start < end:
@@ -186,11 +195,11 @@ class ProfiledBlocks:
     def host_report(self, top: int = 15) -> dict:
         """Each block's host time a request, with every block against each one before it (`report`'s form; an empty
         part is left out): by CUDA runtime call (`runtime`); where the trace has Python stacks, by Python function's
-        own time (`python`, where the host's time goes) and by inclusive time of inferscale's own functions
+        own time (`python`, where the host's time goes; idle threads' waits left out) and by inclusive time of inferscale's own functions
         (`ours`: what our code costs a request, callees included)."""
         found = {
             "runtime": self.report(top, RUNTIME_CATEGORIES, fallback=()),
-            "python": self.report(top, PYTHON_CATEGORIES, fallback=(), exclusive=True),
+            "python": self.report(top, PYTHON_CATEGORIES, fallback=(), exclusive=True, named=is_work),
             "ours": self.report(top, PYTHON_CATEGORIES, fallback=(), named=is_ours),
         }
         return {name: part for name, part in found.items() if any(b["total_ms"] for b in part["blocks"].values())}

@@ -108,3 +108,6 @@ def test_self_times_take_out_directly_nested_events_per_thread():
     assert is_ours("kvcore/injection.py(192): _start") and is_ours("deployments/gateway.py(10): f")
     assert not is_ours("vllm/v1/core/sched/scheduler.py(300): schedule")
     assert not is_ours("vllm/model_executor/models/llama.py(534): forward")  # a folder of that name elsewhere
+    from benchmarks._engine_profile import is_work
+
+    assert not is_work("<built-in method acquire of _thread.lock object at 0x7f>") and is_work("kvcore/x.py(1): f")
