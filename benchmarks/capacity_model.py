@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import parser, target, write_report  # noqa: E402
 from benchmarks._node_residency import NodeResidency, ZipfTrace, settings_for  # noqa: E402
+from kvcore.record import PRECISIONS  # noqa: E402
 
 GIB = 1 << 30
 
@@ -361,7 +362,7 @@ def main() -> None:
     p.add_argument("--fact-s", type=float, default=1.0, help="Zipf exponent of fact popularity within a tenant")
     p.add_argument("--record-bytes", type=int, default=2, choices=[2, 4], help="bytes a record value takes")
     p.add_argument(
-        "--record-precision", default="dense", choices=["dense", "int8"], help="how the record store holds records"
+        "--record-precision", default="dense", choices=list(PRECISIONS), help="how the record store holds records"
     )
     p.add_argument("--load", type=float, default=0.5, help="offered rate / what the GPU serves with all in HBM")
     p.add_argument("--measured", type=Path, default=None, help="a tenants_per_gpu.py report to check the model against")
