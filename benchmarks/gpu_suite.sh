@@ -24,6 +24,8 @@
 # Each profile also splits the host's time by CUDA call (`host_profile`); PROFILE_STACK=1 adds Python stacks to the traces
 # (host time by Python function; the profiled requests run slower). HISTORY_ROUNDS=N sets history-ttft's rounds (60 tell
 # 1.3 from 1.4 on an H100; 12 cannot).
+# BLOCK_SIZE=N runs ttft (into ttft-bsN.json) and serve-http with vLLM's KV blocks of N tokens (its default: 16):
+# vLLM's own bookkeeping of a request's injected tokens (new blocks, their hashes cached, older ones evicted) is per block.
 # RECORD_PRECISION=int8 has tenants-gpu store records as int8 codes (the node's disk budget holds twice the facts).
 # Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
@@ -68,8 +70,8 @@ for step in "$@"; do
         echo "install: exit $?"; grep -E "^CHECK|^!!|UNEXPECTED|^no unexpected" "$out/install.log" | tail -6 ;;
     gpu-tests) run gpu-tests 200 python3 -m pytest tests/core/test_gpu.py tests/kernels tests/tenants/test_minilm.py tests/tenants/test_index_mirror.py tests/serve/test_query_batcher.py tests/benchmarks/test_retrieval.py tests/model/test_query_pass.py tests/model/test_history_chooser.py -m gpu -q -p no:cacheprovider ;;
     equivalence) run equivalence 200 python3 benchmarks/injection_equivalence.py --out "$out/equivalence.json" ;;
-    ttft) sampled ttft 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" ${TTFT_PROFILE:+--profile} ${PROFILE_STACK:+--profile-stack} \
-            --out "$out/ttft.json" ;;
+    ttft) sampled "ttft${BLOCK_SIZE:+-bs$BLOCK_SIZE}" 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" ${TTFT_PROFILE:+--profile} ${PROFILE_STACK:+--profile-stack} \
+            ${BLOCK_SIZE:+--block-size "$BLOCK_SIZE"} --out "$out/ttft${BLOCK_SIZE:+-bs$BLOCK_SIZE}.json" ;;
     inject-kernel) run inject-kernel 150 python3 benchmarks/inject_kernel.py --out "$out/inject_kernel.json"
         grep -E "ms .* GB/s" "$out/inject-kernel.log" ;;
     chunk-bounds) run chunk-bounds 240 python3 benchmarks/chunk_bounds.py --out "$out/chunk_bounds.json"
@@ -84,7 +86,7 @@ for step in "$@"; do
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
     serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json" \
             --embed-device "${EMBED_DEVICE:-cuda}" --query-embedding "${QUERY_EMBEDDING:-process}" --ingress-replicas "${INGRESS_REPLICAS:-4}" \
-            --chat-transport "${CHAT_TRANSPORT:-auto}" --spin-ms "${SPIN_MS:-0}" \
+            --chat-transport "${CHAT_TRANSPORT:-auto}" --spin-ms "${SPIN_MS:-0}" ${BLOCK_SIZE:+--block-size "$BLOCK_SIZE"} \
             ${ENGINE_SM_PERCENT:+--engine-sm-percent "$ENGINE_SM_PERCENT"} ;;
     quality)  # the answer-quality dev set (SmolLM2 in bf16): windows, recomputation, prompt and off at k = 10, 50
         # (QUALITY_MODES, QUALITY_KS, QUALITY_LIMIT and QUALITY_CONCURRENCY narrow a run to one device call)

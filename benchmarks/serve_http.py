@@ -501,6 +501,12 @@ def main() -> None:
         help="the LLM replica's loop-lag probe interval (`llm.loop_lag_probe_ms`), read over each QPS phase; 0: off",
     )
     p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="the engine's KV block size (`llm.engine_kwargs.block_size`, the reference engine's too; default: vLLM's)",
+    )
+    p.add_argument(
         "--locust-s",
         type=int,
         default=0,
@@ -525,6 +531,7 @@ def main() -> None:
         ingress_replicas=args.ingress_replicas,
         chat_transport=args.chat_transport,
         spin_ms=args.spin_ms,
+        engine_kwargs={"block_size": args.block_size} if args.block_size else None,
         llm_args={"loop_lag_probe_ms": args.loop_lag_ms},
     )
     probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
@@ -544,6 +551,7 @@ def main() -> None:
         "ingress_replicas": app_args["ingress"].get("num_replicas", 1),
         "chat_transport": app_args["ingress"]["chat_transport"],
         "spin_ms": app_args["ingress"]["embed_spin_ms"],
+        "block_size": app_args["llm"].get("engine_kwargs", {}).get("block_size"),
         "engine_sm_percent": args.engine_sm_percent,
         "model": str(args.config) if args.config else "SmolLM2-135M",
         "phase_s": clock.seconds,

@@ -87,6 +87,13 @@ def main() -> None:
         action="store_true",
         help="with --profile: Python stacks in the trace too (host time by function; slows the profiled batches)",
     )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="the engine's KV block size (default: vLLM's); vLLM's per-block bookkeeping of injected tokens scales "
+        "with the blocks a request holds",
+    )
     args = p.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process may touch CUDA first
     gpu = torch.cuda.is_available()
@@ -110,6 +117,8 @@ def main() -> None:
         engine_kwargs.update(gpu_memory_utilization=0.6)
     else:
         engine_kwargs.update(enforce_eager=True, kv_cache_memory_bytes=1 << 30)
+    if args.block_size:
+        engine_kwargs["block_size"] = args.block_size
     connector = ConnectorConfig(
         store_root=store.root, fingerprint=fingerprint, device_cache_bytes=4 << 30, fused_kernel=not args.torch_path
     )
@@ -265,6 +274,7 @@ def main() -> None:
             "model": args.config and str(args.config) or path,
             "fused_kernel_allowed": not args.torch_path,
             "recompute": args.recompute,
+            "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
             "rows": rows,
             "concurrent": {
                 "requests": concurrent,
