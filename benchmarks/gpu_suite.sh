@@ -24,7 +24,7 @@
 # Each profile also splits the host's time by CUDA call (`host_profile`); PROFILE_STACK=1 adds Python stacks to the traces
 # (host time by Python function; the profiled requests run slower). HISTORY_ROUNDS=N sets history-ttft's rounds (60 tell
 # 1.3 from 1.4 on an H100; 12 cannot).
-# BLOCK_SIZE=N runs ttft (into ttft-bsN.json) and serve-http with vLLM's KV blocks of N tokens (its default: 16):
+# BLOCK_SIZE=N runs ttft (into ttft-bsN.json), serve-http and history-ttft with vLLM's KV blocks of N tokens (its default: 16):
 # vLLM's own bookkeeping of a request's injected tokens (new blocks, their hashes cached, older ones evicted) is per block.
 # RECORD_PRECISION=int8 has tenants-gpu store records as int8 codes (the node's disk budget holds twice the facts).
 # Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
@@ -102,7 +102,7 @@ for step in "$@"; do
     history-ttft) sampled history-ttft 590 python3 benchmarks/history_ttft.py --deadline-s "${HISTORY_DEADLINE_S:-520}" --tenants "${HISTORY_TTFT_TENANTS:-4}" \
             ${HISTORY_SCORING_LAYERS:+--scoring-layers "$HISTORY_SCORING_LAYERS"} ${HISTORY_ARENA_GIB:+--arena-gib "$HISTORY_ARENA_GIB"} \
             ${HISTORY_HOST_GIB:+--host-gib "$HISTORY_HOST_GIB"} ${HISTORY_PROFILE_CHATS:+--profile-chats "$HISTORY_PROFILE_CHATS"} \
-            ${PROFILE_STACK:+--profile-stack} ${HISTORY_ROUNDS:+--rounds "$HISTORY_ROUNDS"} \
+            ${PROFILE_STACK:+--profile-stack} ${HISTORY_ROUNDS:+--rounds "$HISTORY_ROUNDS"} ${BLOCK_SIZE:+--block-size "$BLOCK_SIZE"} \
             --out "$out/history_ttft.json"
         tail -30 "$out/history-ttft.log" ;;
     history-ttft-layers)  # the scoring layers side by side in one call, on the same host: each of HISTORY_LAYER_SET

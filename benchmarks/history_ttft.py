@@ -247,6 +247,7 @@ def main() -> None:
     p.add_argument("--history-tokens", type=int, help="tokens of each history (default 32768; --quick 1536)")
     p.add_argument("--budget", type=int, help="history mode's budget in tokens (default 2048; --quick 192)")
     p.add_argument("--rounds", type=int, help="questions a tenant (default 12; --quick 3)")
+    p.add_argument("--block-size", type=int, help="the engine's KV block size (default: vLLM's)")
     p.add_argument("--deadline-s", type=float, default=560, help="stop measuring after this long; report what ran")
     p.add_argument("--arena-gib", type=float, help="the LLM replica's device arena (default: the setting's)")
     p.add_argument("--host-gib", type=float, help="lower tiers under the arena, this much pinned host memory first")
@@ -283,7 +284,7 @@ def main() -> None:
     from models.loader import model_path
 
     tokenizer = AutoTokenizer.from_pretrained(model_path(load_settings().model))
-    engine = {"max_model_len": tokens + 4096}
+    engine = {"max_model_len": tokens + 4096} | ({"block_size": args.block_size} if args.block_size else {})
     # bf16 records on the GPU: a 32k-token history of the 8B shape is 4.3 GB
     llm = {"record_dtype": "engine", "history_scoring_layers": args.scoring_layers}
     if gpu and not args.quick:  # the arena holds ~7 such histories; the engine's process also holds vLLM's 45 %
@@ -358,6 +359,7 @@ def main() -> None:
             for k in ("record_dtype", "device_cache_bytes", "history_scoring_layers", "tiers")
             if k in app["llm"]
         },
+        "block_size": args.block_size,  # None: vLLM's default
         "rows": rows,
     }
     if profile is not None:
