@@ -67,6 +67,10 @@ class CaptureTracker:
             return
         self._pending.setdefault(request_id, _Pending(plan, tuple(prompt_ids)))
 
+    def __bool__(self) -> bool:
+        """Whether any request still waits for its spans (serving traffic alone: never)."""
+        return bool(self._pending)
+
     def step(self, scheduled: Sequence[tuple[str, Sequence[int] | None, int, int]]) -> list[CaptureSpec]:
         """`scheduled`: (request id, newly allocated block ids, tokens computed before, tokens this step)."""
         ready = []

@@ -85,6 +85,9 @@ class InferscaleConnector(KVConnectorBase_V1):
         self._scheduler.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        loads = self._scheduler.take_loads()
+        if not self._tracker:  # no capture waits: the step's requests need not be walked (every step, ~100 of them)
+            return InferscaleMetadata(loads=loads)
         counts = scheduler_output.num_scheduled_tokens
         steps = [
             (r.req_id, r.block_ids[0], r.num_computed_tokens, counts.get(r.req_id, 0))
@@ -94,7 +97,7 @@ class InferscaleConnector(KVConnectorBase_V1):
         for i, req_id in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
             steps.append((req_id, blocks[0] if blocks else None, cached.num_computed_tokens[i], counts.get(req_id, 0)))
-        return InferscaleMetadata(loads=self._scheduler.take_loads(), captures=self._tracker.step(steps))
+        return InferscaleMetadata(loads=loads, captures=self._tracker.step(steps))
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if connector_output.invalid_block_ids:  # loads the workers failed: the engine recomputes their tokens

@@ -29,11 +29,14 @@ def test_capture_plan_round_trips_and_rejects_bad_spans():
 
 def test_tracker_follows_blocks_across_chunked_prefill():
     tracker = CaptureTracker()
+    assert not tracker  # nothing waits: the connector skips walking the step's requests
     plan = CapturePlan("t1", (CaptureSpan("a", 2, 10),))
     tracker.add("r", plan, list(range(12)))
+    assert tracker
     assert tracker.step([("r", [7, 3], 0, 6)]) == []  # first chunk: 6 of 10 tokens
     (spec,) = tracker.step([("other", [1], 0, 4), ("r", [9], 6, 6)])
     assert spec.block_ids == (7, 3, 9) and spec.token_ids == tuple(range(12))
+    assert not tracker
     assert tracker.step([("r", None, 12, 1)]) == []  # delivered once
 
 
