@@ -19,8 +19,16 @@ def test_example_config_validates_and_typos_are_refused():
     ServeDeploySchema(**config)
     args = AppArgs(**config["applications"][0]["args"])
     assert args.llm.num_replicas == 2 and args.engine_kwargs(cuda=True)["max_model_len"] == 8192
+    assert args.engine_kwargs(cuda=True)["block_size"] == 64 and args.engine_kwargs(cuda=False)["block_size"] == 32
     with pytest.raises(ValidationError):
         AppArgs(**{**config["applications"][0]["args"], "llm": {"num_replica": 2}})
+
+
+def test_given_engine_arguments_win_over_the_defaults():
+    args = AppArgs(state_dir="/srv", llm={"engine_kwargs": {"block_size": 16, "dtype": "bfloat16"}})
+    assert args.engine_kwargs(cuda=True) == {"block_size": 16, "dtype": "bfloat16"}
+    assert args.engine_kwargs(cuda=False)["block_size"] == 16 and args.engine_kwargs(cuda=False)["dtype"] == "bfloat16"
+    assert AppArgs(state_dir="/srv").engine_kwargs(cuda=True) == {"block_size": 64}
 
 
 def test_the_arena_has_one_default_size():
