@@ -153,6 +153,13 @@ def ingress_gpu_share(replicas: int) -> float:
     return min(0.02, INGRESS_GPU_SHARE / replicas)
 
 
+def served_block_size(app_args: dict, cuda: bool) -> int | None:
+    """The KV block size the app's engine runs with (None: vLLM's own default)."""
+    from deployments.app_args import AppArgs
+
+    return AppArgs(**app_args).engine_kwargs(cuda).get("block_size")
+
+
 def start_cluster(
     state: Path,
     cuda: bool,

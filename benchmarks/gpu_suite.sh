@@ -24,8 +24,9 @@
 # Each profile also splits the host's time by CUDA call (`host_profile`); PROFILE_STACK=1 adds Python stacks to the traces
 # (host time by Python function; the profiled requests run slower). HISTORY_ROUNDS=N sets history-ttft's rounds (60 tell
 # 1.3 from 1.4 on an H100; 12 cannot).
-# BLOCK_SIZE=N runs ttft (into ttft-bsN.json), serve-http and history-ttft with vLLM's KV blocks of N tokens (its default: 16):
-# vLLM's own bookkeeping of a request's injected tokens (new blocks, their hashes cached, older ones evicted) is per block.
+# BLOCK_SIZE=N runs ttft (into ttft-bsN.json), serve-http and history-ttft with vLLM's KV blocks of N tokens (defaults: vLLM's 16
+# in ttft, the app's 64 on a GPU in the others): vLLM's bookkeeping of injected tokens (new blocks, hashes cached, older ones
+# evicted) is per block.
 # RECORD_PRECISION=int8 has tenants-gpu store records as int8 codes (the node's disk budget holds twice the facts).
 # Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).

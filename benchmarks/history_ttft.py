@@ -247,7 +247,7 @@ def main() -> None:
     p.add_argument("--history-tokens", type=int, help="tokens of each history (default 32768; --quick 1536)")
     p.add_argument("--budget", type=int, help="history mode's budget in tokens (default 2048; --quick 192)")
     p.add_argument("--rounds", type=int, help="questions a tenant (default 12; --quick 3)")
-    p.add_argument("--block-size", type=int, help="the engine's KV block size (default: vLLM's)")
+    p.add_argument("--block-size", type=int, help="the engine's KV block size (default: the app's)")
     p.add_argument("--deadline-s", type=float, default=560, help="stop measuring after this long; report what ran")
     p.add_argument("--arena-gib", type=float, help="the LLM replica's device arena (default: the setting's)")
     p.add_argument("--host-gib", type=float, help="lower tiers under the arena, this much pinned host memory first")
@@ -279,7 +279,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from benchmarks._cluster import card_arena_bytes, start_cluster
+    from benchmarks._cluster import card_arena_bytes, served_block_size, start_cluster
     from config import load_settings
     from models.loader import model_path
 
@@ -359,7 +359,7 @@ def main() -> None:
             for k in ("record_dtype", "device_cache_bytes", "history_scoring_layers", "tiers")
             if k in app["llm"]
         },
-        "block_size": args.block_size,  # None: vLLM's default
+        "block_size": served_block_size(app, gpu),
         "rows": rows,
     }
     if profile is not None:

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._cluster import start_cluster  # noqa: E402
+from benchmarks._cluster import served_block_size, start_cluster  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     load_failures_target,
     parser,
@@ -504,7 +504,7 @@ def main() -> None:
         "--block-size",
         type=int,
         default=None,
-        help="the engine's KV block size (`llm.engine_kwargs.block_size`, the reference engine's too; default: vLLM's)",
+        help="the engine's KV block size (`llm.engine_kwargs.block_size`, the reference engine's too; default: the app's)",
     )
     p.add_argument(
         "--locust-s",
@@ -551,7 +551,7 @@ def main() -> None:
         "ingress_replicas": app_args["ingress"].get("num_replicas", 1),
         "chat_transport": app_args["ingress"]["chat_transport"],
         "spin_ms": app_args["ingress"]["embed_spin_ms"],
-        "block_size": app_args["llm"].get("engine_kwargs", {}).get("block_size"),
+        "block_size": served_block_size(app_args, cuda),
         "engine_sm_percent": args.engine_sm_percent,
         "model": str(args.config) if args.config else "SmolLM2-135M",
         "phase_s": clock.seconds,
