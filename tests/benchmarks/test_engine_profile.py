@@ -7,7 +7,16 @@ import time
 import pytest
 import torch
 
-from benchmarks._engine_profile import ProfiledBlocks, difference, per_request, read_events, trace_files
+from benchmarks._engine_profile import (
+    ProfiledBlocks,
+    difference,
+    is_ours,
+    is_work,
+    per_request,
+    read_events,
+    self_times,
+    trace_files,
+)
 
 
 def profiler_switch(folder):
@@ -95,8 +104,6 @@ def test_host_report_splits_a_block_by_python_function_where_the_trace_has_stack
 
 
 def test_self_times_take_out_directly_nested_events_per_thread():
-    from benchmarks._engine_profile import is_ours, self_times
-
     events = [
         {"name": "outer", "ts": 0, "dur": 100, "pid": 1, "tid": 1},
         {"name": "child", "ts": 10, "dur": 30, "pid": 1, "tid": 1},
@@ -108,6 +115,4 @@ def test_self_times_take_out_directly_nested_events_per_thread():
     assert is_ours("kvcore/injection.py(192): _start") and is_ours("deployments/gateway.py(10): f")
     assert not is_ours("vllm/v1/core/sched/scheduler.py(300): schedule")
     assert not is_ours("vllm/model_executor/models/llama.py(534): forward")  # a folder of that name elsewhere
-    from benchmarks._engine_profile import is_work
-
     assert not is_work("<built-in method acquire of _thread.lock object at 0x7f>") and is_work("kvcore/x.py(1): f")
