@@ -34,7 +34,7 @@ from kvcore.store import LocalFactStore  # noqa: E402
 ROPE = RopeConfig(head_dim=8, theta=10000.0)
 FINGERPRINT = "f" * 24
 BLOCK, LAYERS, HEADS, DIM = 16, 2, 1, 8
-FACT_TOKENS, PREFIX_TOKENS, QUERY_TOKENS = 30, 24, 16
+PREFIX_TOKENS, QUERY_TOKENS = 24, 16
 TENANT = "bench"
 
 
@@ -62,21 +62,29 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--k", type=int, default=50)
     p.add_argument(
+        "--fact-tokens",
+        type=int,
+        default=30,
+        help="tokens a record (a history chat: --requests 1 --k 128 --fact-tokens 16, its chunk records)",
+    )
+    p.add_argument(
         "--device",
         default="cpu",
         help="where the caches and the arena live (cuda: the host's work "
         "beside asynchronous device work, as in the engine)",
     )
     args = p.parse_args()
-    steps = 5 if args.quick else 30
+    steps = 5 if args.quick else max(30, 3000 // args.requests)  # a one-request step is short: more of them
     store = LocalFactStore(Path(scratch_dir(prefix="connector-host-")))
-    fact_ids = [f"fact-{i}" for i in range(300)]
-    store.put_many([record("prefix", PREFIX_TOKENS, 999)] + [record(f, FACT_TOKENS, i) for i, f in enumerate(fact_ids)])
+    fact_ids = [f"fact-{i}" for i in range(max(300, 2 * args.k))]
+    store.put_many(
+        [record("prefix", PREFIX_TOKENS, 999)] + [record(f, args.fact_tokens, i) for i, f in enumerate(fact_ids)]
+    )
     version = store.version(TENANT)
     tokens = {r: list(store.info(TENANT, r).token_ids) for r in ["prefix", *fact_ids]}
     scheduler = InjectionScheduler(store, FINGERPRINT)
     worker = InjectionWorker(store, FINGERPRINT, ROPE, device_cache_bytes=64 << 20, step_writer=idle_writer)
-    blocks_per_request = -(-(PREFIX_TOKENS + args.k * FACT_TOKENS + QUERY_TOKENS) // BLOCK)
+    blocks_per_request = -(-(PREFIX_TOKENS + args.k * args.fact_tokens + QUERY_TOKENS) // BLOCK)
     caches = {
         f"layer.{i}": torch.zeros(
             args.requests * blocks_per_request, BLOCK, HEADS, 2 * DIM, device=args.device
@@ -122,6 +130,7 @@ def main() -> None:
         {
             "requests_per_step": args.requests,
             "k": args.k,
+            "fact_tokens": args.fact_tokens,
             "steps": steps,
             "scheduler_ms_per_request": round(sched_ms, 4),
             "worker_ms_per_request": round(worker_ms, 4),
