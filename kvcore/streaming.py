@@ -126,11 +126,8 @@ class TierStreams:
                 key = tier_key(tenant, record_id, stamp)
                 weight = weights.get(record_id)
                 if key not in self._tiers:  # neither here nor there: it joins the load through the tiers
-                    record = fetch(tenant, record_id, stamp, hi)  # kept in the arena's dtype, as a spill would be
-                    if record.precision == "int8":  # codes decoded on the device, as the arena decodes them
-                        record = record.dense(self._arena.device)
-                    k, v = record.k.to(self._arena.dtype), record.v.to(self._arena.dtype)
-                    self._tiers.put(key, k, v, importance=weight or 0.0, label=tier_label(record_id, stamp))
+                    record = fetch(tenant, record_id, stamp, hi)
+                    self._put_record(key, record, weight or 0.0, tier_label(record_id, stamp))
                 parts.append(_Part(record_id, stamp, lo, hi, None, self._tiers.begin_load(key, weight)))
         except BaseException:
             self._unpin(parts)
@@ -150,6 +147,20 @@ class TierStreams:
         self._streams.append(stream)
         self._read_ahead(stream, 0)
         return True
+
+    def _put_record(self, key: tuple, record: FactKV, importance: float, label: str) -> None:
+        """A record read from the fact store, into the tiers in the arena's dtype (as a spill would be). An int8
+        record's codes go down as they are where the tiers keep codes: the same codes the arena would decode, with
+        no device round trip (decoded there, quantized again, copied back, waited for) per record. Values that
+        tiers of codes quantize are quantized where the arena is (on a GPU: a few kernels, not ~10 ms of a host
+        core for a 30-token record of the 8B shape); int8 codes for tiers of values are decoded there too."""
+        if record.precision == "int8" and self._tiers.keeps_codes:
+            self._tiers.put_codes(key, record.k, record.v, self._arena.dtype, importance=importance, label=label)
+            return
+        if record.precision == "int8" or self._tiers.keeps_codes:
+            record = record.dense(self._arena.device)
+        k, v = record.k.to(self._arena.dtype), record.v.to(self._arena.dtype)
+        self._tiers.put(key, k, v, importance=importance, label=label)
 
     def _read_ahead(self, stream: _Stream, index: int) -> None:
         """Keep the stream's batch of tier parts current, and start reading its layer `index` on the reader

@@ -25,7 +25,7 @@ import torch
 
 from kvcore.host_pool import HostPool
 from kvcore.packed import RawEntry
-from kvcore.quantize import quantize_many
+from kvcore.quantize import Quantized, quantize_many
 from kvcore.tier_disk import DiskFile, Key, advise_willneed
 from kvcore.tier_media import DiskMedium, HostKV, PendingFile, check_key, host_copy, in_hand
 from kvcore.tier_policy import ScorePolicy, Tier, TierEntry
@@ -94,6 +94,11 @@ class TieredStore:
     def __contains__(self, key: Key) -> bool:
         return key in self._entries
 
+    @property
+    def keeps_codes(self) -> bool:
+        """Whether entries are held as int8 codes (`compress_lower`), so codes can come down as they are."""
+        return self._compress
+
     # ---- reads ----
     def begin_load(self, key: Key, importance: float | None = None) -> LayerReader:
         """Pin the entry and count a retrieval hit; its reader."""
@@ -130,6 +135,17 @@ class TieredStore:
     def put(self, key: Key, k: torch.Tensor, v: torch.Tensor, importance: float = 0.0, label: str = "") -> Tier:
         """Store one fact's K/V `[L, H, T, D]`; where it went."""
         self.put_many([(key, k, v, label)], [importance])
+        return self._entries[key].tier
+
+    def put_codes(
+        self, key: Key, k: Quantized, v: Quantized, dtype: torch.dtype, importance: float = 0.0, label: str = ""
+    ) -> Tier:
+        """Store K/V already held as int8 codes on the host (an int8 fact record read from the store) as they are:
+        no decode and quantization again, no wait for the device. `dtype`: what they decode to when loaded.
+        Only where the tiers keep codes (`keeps_codes`)."""
+        if not self._compress:
+            raise ValueError("these tiers keep values, not int8 codes")
+        self._add(key, host_copy(k, v, pinned=self.device.type == "cuda", pool=self._pool), dtype, label, importance)
         return self._entries[key].tier
 
     def put_many(self, items: list[KV], importance: list[float] | None = None) -> None:

@@ -131,6 +131,29 @@ def test_host_tier_entries_are_carved_from_its_pinned_pool_and_churn_keeps_every
     store.close()
 
 
+def test_codes_put_into_a_cuda_tier_land_in_its_pinned_pool_and_read_back_exactly(tmp_path):
+    """On CUDA an int8 record's codes go into the host tier's page-locked pool as they are (no device round trip),
+    then to disk as it fills, and each reads back as exactly what those codes decode to."""
+    from kvcore.quantize import dequantize, quantize
+    from kvcore.tier_media import HostKV
+    from kvcore.tiers import TieredStore
+
+    shape = (8, 4, 30, 128)
+    codes = {("t", f"f{i}"): tuple(quantize(torch.randn(shape).to(torch.bfloat16)) for _ in range(2)) for i in range(4)}
+    entry_bytes = sum(q.nbytes for q in codes[("t", "f0")])
+    store = TieredStore("cuda", 2 * entry_bytes, tmp_path, compress_lower=True, write_behind=True)
+    for key, (k, v) in codes.items():
+        store.put_codes(key, k, v, torch.bfloat16)
+        held = store._entries[key].held
+        assert isinstance(held, HostKV) and held.k.codes.is_pinned()
+    assert sorted(store.tier_of(key) for key in codes) == ["cpu", "cpu", "disk", "disk"]
+    store.flush()
+    for key, (k, v) in codes.items():
+        got_k, got_v = store.read(key)
+        assert torch.equal(got_k, dequantize(k, torch.bfloat16)) and torch.equal(got_v, dequantize(v, torch.bfloat16))
+    store.close()
+
+
 def test_a_history_index_on_cuda_chooses_the_chunks_the_cpu_index_chooses():
     """History mode's choice on a GPU replica (summaries, turn vectors and their (turn, chunk) pairs on the device,
     the bounds by the fused kernel, only the orders' heads copied back) equals the CPU index's."""

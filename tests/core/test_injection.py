@@ -12,6 +12,7 @@ from kvcore.injection import InjectionWorker
 from kvcore.injection_scheduler import InjectionScheduler
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import MemoryPlan
+from kvcore.quantize import dequantize
 from kvcore.record import FactKV, save_record
 from kvcore.spills import tier_key
 from kvcore.store import LocalFactStore
@@ -529,7 +530,8 @@ def test_a_request_matched_again_forgets_the_blocks_of_its_earlier_load(store):
 @pytest.mark.parametrize("compress", [False, True], ids=["full-precision-tiers", "int8-tiers"])
 def test_int8_records_write_their_values_from_the_arena_and_through_the_tiers(store, tmp_path, compress):
     """Records stored as int8 codes are decoded where they are admitted: into the arena, or (a load the arena cannot
-    hold) into the lower tiers; either way the cache holds what the codes decode to, rotated to its positions."""
+    hold) through the lower tiers, which take the codes as they are where they keep codes; either way the cache
+    holds exactly what the codes decode to, rotated to its positions."""
     from kvcore.tiers import TieredStore
 
     coded = LocalFactStore(tmp_path / "int8", precision="int8")
@@ -546,9 +548,16 @@ def test_int8_records_write_their_values_from_the_arena_and_through_the_tiers(st
     in_arena = served(8 * page_bytes, None)
     assert_region(coded, layout, in_arena, plan_a, [3, 7])  # compose decodes the codes: the reference values
     assert_region(coded, layout, in_arena, plan_b, [9])
-    streamed = served(2 * page_bytes, TieredStore("cpu", 0, tmp_path / "disk", compress_lower=compress))  # b streams
+    tiers = TieredStore("cpu", 0, tmp_path / "disk", compress_lower=compress)
+    as_values = []  # keys the tiers took as values (decoded, then quantized again where they keep codes)
+    put = tiers.put
+    tiers.put = lambda key, *args, **kwargs: as_values.append(key) or put(key, *args, **kwargs)
+    streamed = served(2 * page_bytes, tiers)  # b streams
     for layer in streamed:
-        assert torch.allclose(streamed[layer], in_arena[layer], atol=1e-6)
+        assert torch.equal(streamed[layer], in_arena[layer])
+    key = tier_key("t1", "b", coded.checked_infos("t1", ["b"])[0][0])
+    assert (key in as_values) != compress  # tiers of codes took b's codes as they are
+    assert torch.equal(tiers.read(key)[0], dequantize(coded.get("t1", "b").k, torch.float32))
     exact = {name: torch.zeros(12, 2, BS, 16) for name in in_arena}
     run_step(store, layout, exact, [("ra", plan_a, [3, 7])])
     assert any(not torch.equal(exact[name], in_arena[name]) for name in exact)  # the codes, not the values

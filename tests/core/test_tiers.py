@@ -132,6 +132,28 @@ def test_every_tier_gives_back_what_was_stored(tmp_path, compress):
             assert torch.allclose(got_k, k, atol=float(quantize(k).scales.max()) / 2 + 1e-6)
 
 
+def test_codes_come_down_as_they_are_into_either_tier_and_only_where_the_tiers_keep_codes(tmp_path):
+    """An int8 record's codes go into the tiers untouched (no decode and quantization again): host memory first,
+    then disk once it is full, each reading back exactly what those codes decode to in the dtype asked for.
+    Tiers that keep values refuse codes."""
+    codes = {f"f{i}": tuple(quantize(side) for side in kv(i)) for i in range(2)}
+    one = sum(q.nbytes for q in codes["f0"])
+    store = TieredStore("cpu", one, tmp_path, compress_lower=True)
+    assert store.keeps_codes
+    for name, (k, v) in codes.items():
+        store.put_codes(("t", name), k, v, torch.bfloat16, label=f"{name}@1")
+    assert [store.tier_of(("t", n)) for n in codes] == ["disk", "cpu"]  # the first moved down for the second
+    for name, (k, v) in codes.items():
+        got_k, got_v = read_all(store, ("t", name))
+        assert got_k.dtype == torch.bfloat16
+        assert torch.equal(got_k, dequantize(k, torch.bfloat16)) and torch.equal(got_v, dequantize(v, torch.bfloat16))
+    values = TieredStore("cpu", one, tmp_path / "values", compress_lower=False)
+    assert not values.keeps_codes
+    with pytest.raises(ValueError, match="values"):
+        values.put_codes(("t", "f0"), *codes["f0"], torch.bfloat16)
+    assert ("t", "f0") not in values
+
+
 def test_the_lowest_scoring_entry_moves_down_first(tmp_path):
     clock = Clock()
     store = TieredStore("cpu", 2 * ENTRY, tmp_path, compress_lower=False, clock=clock)
