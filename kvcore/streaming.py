@@ -152,8 +152,8 @@ class TierStreams:
         """A record read from the fact store, into the tiers in the arena's dtype (as a spill would be). An int8
         record's codes go down as they are where the tiers keep codes: the same codes the arena would decode, with
         no device round trip (decoded there, quantized again, copied back, waited for) per record. Values that
-        tiers of codes quantize are quantized where the arena is (on a GPU: a few kernels, not ~10 ms of a host
-        core for a 30-token record of the 8B shape); int8 codes for tiers of values are decoded there too."""
+        tiers of codes quantize are quantized where the arena is (on a GPU: a few kernels, not a host core's tens of
+        ms for a 30-token record of the 8B shape); int8 codes for tiers of values are decoded there too."""
         if record.precision == "int8" and self._tiers.keeps_codes:
             self._tiers.put_codes(key, record.k, record.v, self._arena.dtype, importance=importance, label=label)
             return
