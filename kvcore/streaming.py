@@ -151,13 +151,12 @@ class TierStreams:
     def _put_record(self, key: tuple, record: FactKV, importance: float, label: str) -> None:
         """A record read from the fact store, into the tiers in the arena's dtype (as a spill would be). An int8
         record's codes go down as they are where the tiers keep codes: the same codes the arena would decode, with
-        no device round trip (decoded there, quantized again, copied back, waited for) per record. Values that
-        tiers of codes quantize are quantized where the arena is (on a GPU: a few kernels, not a host core's tens of
-        ms for a 30-token record of the 8B shape); int8 codes for tiers of values are decoded there too."""
-        if record.precision == "int8" and self._tiers.keeps_codes:
-            self._tiers.put_codes(key, record.k, record.v, self._arena.dtype, importance=importance, label=label)
-            return
-        if record.precision == "int8" or self._tiers.keeps_codes:
+        no device round trip (decoded there, quantized again, copied back, waited for) per record; for tiers of
+        values they are decoded on the device, as the arena decodes them."""
+        if record.precision == "int8":
+            if self._tiers.keeps_codes:
+                self._tiers.put_codes(key, record.k, record.v, self._arena.dtype, importance=importance, label=label)
+                return
             record = record.dense(self._arena.device)
         k, v = record.k.to(self._arena.dtype), record.v.to(self._arena.dtype)
         self._tiers.put(key, k, v, importance=importance, label=label)
