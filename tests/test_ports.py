@@ -23,3 +23,13 @@ def test_a_port_in_use_is_skipped(monkeypatch):
         monkeypatch.setattr(ports, "_ephemeral_range", lambda: (32_768, 60_999))
         monkeypatch.setattr(ports.random, "randint", lambda a, b: next(picks))
         assert ports.free_port() == 24_321
+
+
+def test_a_port_is_never_handed_out_twice(monkeypatch):
+    """Seven draws for one Ray head once named the same port twice: a drawn port that this process handed out
+    already is skipped, though it is still free."""
+    monkeypatch.setattr(ports, "_ephemeral_range", lambda: (32_768, 60_999))
+    monkeypatch.setattr(ports, "_handed_out", set())
+    picks = iter([25_001, 25_001, 25_001, 25_002])
+    monkeypatch.setattr(ports.random, "randint", lambda a, b: next(picks))
+    assert [ports.free_port(), ports.free_port()] == [25_001, 25_002]
