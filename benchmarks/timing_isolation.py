@@ -116,13 +116,14 @@ class Api:
 
 
 def prefix_probes(
-    api: Api, victim: Who, attacker: Who, probes: int, rng: random.Random
+    api: Api, victim: Who, attacker: Who, probes: int, rng: random.Random, words: int
 ) -> tuple[list[float], list[float]]:
-    """Attacker TTFTs after the victim sent the same secret chat (has) or another one (not), interleaved."""
+    """Attacker TTFTs after the victim sent the same secret chat of `words` words (has) or another one (not),
+    interleaved."""
     has, not_ = [], []
     for i in range(2 * probes):
-        shared = secret(rng)
-        api.chat(victim, shared if i % 2 == 0 else secret(rng), mode="off")
+        shared = secret(rng, words)
+        api.chat(victim, shared if i % 2 == 0 else secret(rng, words), mode="off")
         (has if i % 2 == 0 else not_).append(api.chat(attacker, shared, mode="off"))
     return has, not_
 
@@ -152,15 +153,27 @@ def principals(api: Api, across: str) -> tuple[Who, Who]:
     return Who(key, "victim"), Who(key, "attacker")
 
 
-def run(api: Api, probes: int, injection_probes_count: int, seed: int = 0, across: str = "tenants") -> dict:
+def run(
+    api: Api, probes: int, injection_probes_count: int, seed: int = 0, across: str = "tenants", words: int = 60
+) -> dict:
+    """`words`: a prefix probe's secret length (a longer secret makes a cache hit save more prefill)."""
     rng = random.Random(seed)
     victim, attacker = principals(api, across)
     api.chat(attacker, "warm up", mode="off")
-    prefix = prefix_probes(api, victim, attacker, probes, rng)
-    control = prefix_probes(api, attacker, attacker, max(10, probes // 4), rng)  # a cache it does share: detectable
+    clock = time.monotonic()
+    prefix = prefix_probes(api, victim, attacker, probes, rng, words)
+    control_started = time.monotonic()
+    control = prefix_probes(api, attacker, attacker, max(10, probes // 4), rng, words)  # a cache it shares: detectable
+    injection_started = time.monotonic()
     injection = injection_probes(api, victim, attacker, injection_probes_count, rng)
+    seconds = {
+        "prefix": control_started - clock,
+        "control": injection_started - control_started,
+        "injection": time.monotonic() - injection_started,
+    }
     return {
         "across": across,
+        "seconds": {name: round(value, 1) for name, value in seconds.items()},
         "probes": {"prefix": probes, "injection": injection_probes_count},
         "auc": {"prefix_cache": auc(*prefix), "fact_injection": auc(*injection), "control_own_cache": auc(*control)},
         "ttft_ms": {"prefix": prefix, "injection": injection, "control": control},

@@ -68,7 +68,7 @@ def from_kv(chat: dict) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--load-s", type=int, default=45)
+    parser.add_argument("--load-s", type=int, default=20)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ray-mn-", dir="/tmp"))
     os.environ["RAY_TMPDIR"] = str(work)  # Ray's own files (the current cluster's address too) stay in the run's folder
@@ -81,7 +81,14 @@ def main() -> None:
     ray.init(address=nodes.address, log_to_driver=False, configure_logging=False)
     redis = LocalRedis(work / "redis").start()
     port, admin = free_port(), new_admin_key()
-    report: dict = {"nodes": len([n for n in ray.nodes() if n["Alive"]])}
+    report: dict = {"nodes": len([n for n in ray.nodes() if n["Alive"]]), "phase_s": {}}
+    started = time.monotonic()
+
+    def phase(name: str) -> None:  # seconds since the last phase ended: where the scenario's time goes
+        nonlocal started
+        report["phase_s"][name] = round(time.monotonic() - started, 1)
+        started = time.monotonic()
+
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         app = {
@@ -100,6 +107,7 @@ def main() -> None:
         }
         serve.run(build_app(app), name="inferscale", route_prefix="/")
         cluster = Cluster(f"http://127.0.0.1:{port}", admin, work / "state", redis)
+        phase("deploy")
         replicas = llm_replicas()
         report["llm_replicas"] = len(replicas)
         report["replica_nodes"] = len(
@@ -115,6 +123,7 @@ def main() -> None:
             if len(tenants) >= 2 and len(set().union(*map(set, placed.values()))) >= 2:
                 break
         report["placed_on"] = placed
+        phase("tenants")
         victim = replicas[0]
         run = run_with_fault(
             cluster, work, args.load_s, lambda: ray.kill(ray.get_actor(victim[0], namespace=victim[1]), no_restart=True)
@@ -124,6 +133,7 @@ def main() -> None:
         report["acked"], report["acked_at_fault"] = len(run["acked"]), run["acked_at_fault"]
         assert_every_acknowledged_write_stored_once(cluster, run["acked"])
         report["writes_stored_once"] = True
+        phase("load")
         deadline = time.monotonic() + 300
         after = {}
         while time.monotonic() < deadline:  # every tenant served again, from injected K/V
@@ -133,6 +143,7 @@ def main() -> None:
             time.sleep(2)
         report["after"] = after
         report["after_from_kv"] = all(from_kv(chat) for chat in after.values())
+        phase("recovery")
     finally:
         args.out.write_text(json.dumps(report, indent=1))
         serve.shutdown()
