@@ -168,6 +168,15 @@ class Engine:
         )
         self.fallbacks = 0
 
+    def sources(self, enabled: bool = True) -> dict[str, int]:
+        """Records loads found in the arena, host tier, disk tier or only the store, summed over the workers since
+        counting was turned on (`kvcore.load_sources`; off again with `enabled=False`)."""
+        counts: dict[str, int] = {}
+        for found in self.llm.collective_rpc("inferscale_count_sources", args=(enabled,)):
+            for source, n in found.items():
+                counts[source] = counts.get(source, 0) + n
+        return counts
+
     def ask(self, tokens: list[int], plan: MemoryPlan | None) -> float:
         """TTFT (ms) of one request alone."""
         return self.ask_many([(tokens, plan)])
@@ -264,11 +273,16 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
             served.append(len(injected))
         return records.request(tenant, injected, pasted, i), len(fresh), changed, new_tenant
 
+    sources: list[dict[str, int]] = []  # each timed request's records by where its load found them
+    engine.sources()
     for i in range(first, first + warm + timed):
         request, fresh, changed, new_tenant = next_request(i)
+        before = engine.sources()  # outside the timed call: a round trip to the workers
         ms = engine.ask(*request)
         if i >= first + warm:
             samples.append((round(ms, 2), len(request[1].record_ids) - 1, fresh, int(changed), int(new_tenant)))
+            sources.append({source: n - before[source] for source, n in engine.sources().items()})
+    engine.sources(False)
     ttft = [sample[0] for sample in samples]
     for start in range(first + warm + timed, trace.chats, batch):
         batches.append(engine.ask_many([next_request(i)[0] for i in range(start, min(start + batch, trace.chats))]))
@@ -290,6 +304,28 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
         # each request timed alone: (TTFT ms, facts injected, of them first read from an old record, its tenant's
         # store changed since the tenant's last request: 1, its tenant's first request through the engine: 1)
         "samples": samples,
+        # the same requests' records by where the load found them (arena, cpu: the pinned host tier, disk, store)
+        "sample_sources": sources,
+        "slow_sources": slow_sources(ttft, sources, 2 * ref["hbm_ttft_ms"]["p95"]),
+    }
+
+
+def slow_sources(ttft: list[float], sources: list[dict[str, int]], goal_ms: float) -> dict:
+    """Records a request found in each place, averaged over the requests slower than the goal and the rest: which
+    read the slow ones have in common."""
+
+    def mean(rows: list[dict[str, int]]) -> dict[str, float]:
+        return (
+            {s: round(float(np.mean([r.get(s, 0) for r in rows])), 2) for s in sorted(set().union(*rows))}
+            if rows
+            else {}
+        )
+
+    slow = [row for ms, row in zip(ttft, sources) if ms > goal_ms]
+    return {
+        "slow": len(slow),
+        "slow_mean": mean(slow),
+        "rest_mean": mean([r for ms, r in zip(ttft, sources) if ms <= goal_ms]),
     }
 
 

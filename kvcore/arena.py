@@ -85,6 +85,11 @@ class DeviceArena:
         """Records used from here on are kept until the next step begins."""
         self._step += 1
 
+    def holds(self, key: Hashable, stamp: Hashable) -> bool:
+        """Whether the record is resident at `stamp` (a look, not a use)."""
+        entry = self._entries.get(key)
+        return entry is not None and entry.stamp == stamp
+
     def rows(self, key: Hashable, stamp: Hashable) -> array | None:
         """The record's rows if it is resident at `stamp` (and mark it used by this step), else None."""
         entry = self._entries.get(key)

@@ -22,11 +22,13 @@ import torch
 from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES, DeviceArena, joined_longs
 from kvcore.errors import ArenaFullError, IncompatibleRecordsError, KVCoreError, PlanError
 from kvcore.injection_scheduler import LoadSpec
+from kvcore.load_sources import LoadSources
 from kvcore.packed import PackedInserter
 from kvcore.paged import CacheTarget, PagedLayout, step_slots
 from kvcore.placement import PlacementTracker, Sink
 from kvcore.record import FactKV, dtype_name
 from kvcore.rope import RopeConfig, RotationTable, table_dtype_of
+from kvcore.spills import tier_key
 from kvcore.step_writes import (
     StepPlan,
     StepWriter,
@@ -90,6 +92,7 @@ class InjectionWorker:
         self._writer: StepWriter | None = None  # a fused kernel for arena-only steps, when the caches allow one
         self._placement = PlacementTracker(placement) if placement is not None else None
         self._thrash_warned = -1
+        self.sources = LoadSources()  # where loads found their records, when a benchmark turns counting on
 
     def register(self, caches: dict[str, torch.Tensor], layout: PagedLayout) -> None:
         """Keep the engine's per-layer caches (ordered by the layer number in their names) and size the arena."""
@@ -203,6 +206,8 @@ class InjectionWorker:
                 self._fail(load, load.reason)
                 continue
             try:
+                if self.sources.enabled:
+                    self._count_sources(load)
                 if self._streams is not None and self._streams.begin(load, list(self._spans(load)), self._fetch):
                     continue
                 try:
@@ -216,6 +221,17 @@ class InjectionWorker:
                 self._fail(load, str(exc))
         if in_arena:
             self._step = self._plan(joined_longs(runs), in_arena)
+
+    def _count_sources(self, load: LoadSpec) -> None:
+        """Where this load's records are before it runs (a spill still queued counts in its tier)."""
+        self._flush_spills()
+        tiers = self._tiers
+        self.sources.count(
+            load.plan.tenant_id,
+            self._spans(load),
+            self._arena.holds,
+            lambda tenant, record_id, stamp: tiers.tier_of(tier_key(tenant, record_id, stamp)) if tiers else None,
+        )
 
     def _overflow(self, load: LoadSpec, exc: ArenaFullError) -> bool:
         """A load the arena cannot hold this step: streamed through the lower tiers (True, or False if they

@@ -25,6 +25,7 @@ from deployments.connector_worker import ConnectorWorker
 from kvcore.capture import CaptureSpec, CaptureTracker
 from kvcore.errors import PlanError
 from kvcore.injection_scheduler import InjectionScheduler, LoadSpec
+from kvcore.load_sources import LoadSources
 from kvcore.paged import detect_layout
 from kvcore.plan import CapturePlan
 from kvcore.rope import RopeConfig
@@ -144,6 +145,10 @@ class InferscaleConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._worker.capture.end_step()
         self._worker.injection.finish_step()
+
+    def load_sources(self) -> LoadSources:
+        """Where this worker's loads found their records (counted while a benchmark has it on)."""
+        return self._worker.injection.sources
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.injection.take_failed_blocks()

@@ -15,6 +15,7 @@ from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
 from config.connector import ConnectorConfig
+from deployments.vllm_adapter.worker_extension import WORKER_EXTENSION
 from kvcore.plan import CapturePlan, MemoryPlan
 
 CONNECTOR_CLASS = "InferscaleConnector"
@@ -33,8 +34,10 @@ def kv_transfer_config(connector: ConnectorConfig) -> KVTransferConfig:
 
 
 def build_llm(model: str | Path, connector: ConnectorConfig, **engine_kwargs: Any) -> LLM:
-    """An offline `LLM` with prefix caching on and KV injection wired in."""
+    """An offline `LLM` with prefix caching on, KV injection wired in and the workers' inferscale methods
+    (`worker_extension.py`) callable through `collective_rpc`."""
     engine_kwargs.setdefault("enable_prefix_caching", True)
+    engine_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
     return LLM(model=str(model), kv_transfer_config=kv_transfer_config(connector), **engine_kwargs)
 
 

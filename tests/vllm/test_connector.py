@@ -303,3 +303,40 @@ def test_damaged_or_removed_disk_tier_files_are_never_served(llm, loaded, forwar
     while any(p.exists() for p in on_disk):  # the damaged entries were dropped, not kept for later
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_benchmark_counts_where_each_load_found_its_records(llm, loaded, forward, frame, store):
+    """Counted through `collective_rpc` on the engine's workers: a first load reads every record from the fact
+    store, the same records asked again (under a new salt) come from the arena, and after other tenants pushed
+    them out, from the lower tiers."""
+
+    def counts(enabled: bool = True) -> dict[str, int]:
+        (found,) = llm.collective_rpc("inferscale_count_sources", args=(enabled,))
+        return found
+
+    counts()
+    try:
+        tenant = "sources"
+        ids = encode_conversation(loaded, forward, frame, store, tenant, TURNS)
+        query = frame.query_ids(loaded.tokenizer, QUESTIONS[2])
+
+        def ask_again() -> None:
+            from tests.core.factories import make_record
+
+            store.put(make_record(f"unrelated-{time.monotonic_ns()}", 3, tenant_id=tenant))  # a new salt
+            plan = MemoryPlan(tenant, tuple(ids), store.version(tenant))
+            (answer,) = ask(llm, [(region(store, plan) + query, plan)])
+            assert answer[3]["injected_tokens"] == len(region(store, plan)), answer[3]
+
+        ask_again()
+        assert counts() == {"arena": 0, "cpu": 0, "disk": 0, "store": len(ids)}
+        ask_again()
+        assert counts() == {"arena": len(ids), "cpu": 0, "disk": 0, "store": len(ids)}
+        serve_four_tenants(llm, loaded, forward, frame, store, "sources-others", QUESTIONS[2])
+        before = counts()
+        ask_again()
+        after = counts()
+        assert sum(after.values()) - sum(before.values()) == len(ids)
+        assert after["cpu"] + after["disk"] > before["cpu"] + before["disk"], (before, after)  # came up from the tiers
+    finally:
+        counts(False)
