@@ -12,6 +12,11 @@ from cluster.ray_head import LOOPBACK_ENV
 # Before any test module imports ray: Ray reads these at import (with them, a local Ray takes 127.0.0.1 as its
 # node address and its processes listen there, not on the machine's public interface).
 os.environ.update(LOOPBACK_ENV)
+# Ray Serve holds a stopping direct-ingress replica open 30 s so that an outside load balancer can take it out of
+# rotation; the tests' HAProxy runs beside it and their clusters are torn down whole, so every teardown (the
+# session's cluster, the two-node run, the CLI's deploys) would wait those 30 s for nothing. Inherited by the Ray
+# processes the tests start.
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 
 # The session fixtures that start something heavy, and the marker of every test that uses one (directly or

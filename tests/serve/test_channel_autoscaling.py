@@ -156,7 +156,7 @@ def test_the_autoscaler_adds_a_replica_for_chats_serve_never_routed_and_it_takes
     try:
         first, scaled, before, after = asyncio.run(load_until_scaled())
     finally:
-        # an app's own ingress drains for 30 s in high-throughput mode (an LLM deployment, behind the ingress, does not)
+        # an app's own ingress drains in high-throughput mode (30 s; 2 in the tests), an LLM deployment behind it does not
         serve.delete("channel-autoscaling", _blocking=False)
     assert (first, scaled) == (1, 2)  # 8 held chats over the channel, 2 a replica: Serve routed none of them
     assert len(set(before.values())) == 1  # one replica, every tenant's home
