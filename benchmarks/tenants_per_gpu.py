@@ -311,22 +311,16 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
 
 
 def slow_sources(ttft: list[float], sources: list[dict[str, int]], goal_ms: float) -> dict:
-    """Records a request found in each place, averaged over the requests slower than the goal and the rest: which
-    read the slow ones have in common."""
-
-    def mean(rows: list[dict[str, int]]) -> dict[str, float]:
-        return (
-            {s: round(float(np.mean([r.get(s, 0) for r in rows])), 2) for s in sorted(set().union(*rows))}
-            if rows
-            else {}
-        )
-
+    """Records a request found in each place, averaged over the requests slower than the goal and over the rest:
+    which read the slow ones have in common."""
     slow = [row for ms, row in zip(ttft, sources) if ms > goal_ms]
-    return {
-        "slow": len(slow),
-        "slow_mean": mean(slow),
-        "rest_mean": mean([r for ms, r in zip(ttft, sources) if ms <= goal_ms]),
-    }
+    rest = [row for ms, row in zip(ttft, sources) if ms <= goal_ms]
+    return {"slow": len(slow), "slow_mean": mean_counts(slow), "rest_mean": mean_counts(rest)}
+
+
+def mean_counts(rows: list[dict[str, int]]) -> dict[str, float]:
+    """Each source's mean count over `rows` (empty for none)."""
+    return {s: round(float(np.mean([row.get(s, 0) for row in rows])), 2) for s in sorted(set().union(*rows))}
 
 
 def preload(engine: Engine, records: Records, held: list[tuple[int, int]], k: int) -> None:
