@@ -152,6 +152,7 @@ class Engine:
                 host_cache_bytes=int(args.host_gib * GIB),
                 disk_cache_bytes=int(args.disk_tier_gib * GIB),
                 compress_lower=True,
+                pin_host_at_start=not args.pin_host_lazily,
             ),
         )
         kwargs = {"gpu_memory_utilization": 0.3} if gpu else {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20}
@@ -355,6 +356,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, help="requests sent together in the batched part (default 16; 4 with --quick)")
     p.add_argument("--record-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument(
+        "--pin-host-lazily",
+        action="store_true",
+        help="page-lock the host tier 256 MiB at a time as spills need it (as before 2026-12-07), not all as the "
+        "engine starts (`tiers.pin_host_at_start`)",
+    )
+    p.add_argument(
         "--record-precision",
         default="dense",
         choices=list(PRECISIONS),
@@ -424,6 +431,7 @@ def report(args, rows, ref, goal, hbm_alone, fact_bytes, records, engine, facts,
             "engine_dtype": args.dtype,
             "record_dtype": args.record_dtype,
             "record_precision": args.record_precision,
+            "host_pinned_at_start": not args.pin_host_lazily,
             "facts_per_tenant": facts,
             "k": k,
             "fact_tokens": FACT_TOKENS,

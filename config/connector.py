@@ -46,6 +46,11 @@ class TierConfig(Frozen):
     host_cache_bytes: int = Field(DEFAULT_HOST_CACHE_BYTES, ge=0, description="Pinned host memory for spilled records.")
     disk_cache_bytes: int | None = Field(None, gt=0, description="The slot's disk use at most (None: no cap).")
     compress_lower: bool = Field(True, description="Store int8 on the host and disk tiers (else full precision).")
+    pin_host_at_start: bool = Field(
+        True,
+        description="Page-lock the whole host tier as the engine starts (about a second per few GiB, once); else "
+        "256 MiB at a time as spills need it, each stalling the step that needs it by tens to hundreds of ms.",
+    )
 
 
 class ConnectorConfig(Frozen):

@@ -50,6 +50,8 @@ class ConnectorWorker:
                 write_behind=True,
                 disk_bytes=config.tiers.disk_cache_bytes,
             )
+            if config.tiers.pin_host_at_start:  # the worker is built before the engine captures its CUDA graphs
+                tiers.reserve_host()
         placement = None
         if config.report_placement:
             # a slot's name outlives the process, so a restarted replica takes back (and first clears) its own

@@ -13,9 +13,11 @@ device-wide synchronization that began after its return (`sync`), which the pool
 no room otherwise. When it cannot carve a block (all segments in use, or too fragmented), `take` returns None and
 the caller allocates as before.
 
-Segments are page-locked when first needed, by the step that needs one (a few tens of ms for 256 MiB), not ahead on
-a thread: the pool lives in the engine's worker process, where a page-locking call from another thread during
-the engine's CUDA graph capture would break the capture.
+Segments are page-locked all at once by `reserve`, which the engine's worker calls as it starts (before the engine
+captures its CUDA graphs: a page-locking call from another thread during a capture would break it), or else when
+first needed, by the step that needs one. The second stalls that step: a 256 MiB segment takes tens to hundreds of ms
+to page-lock, and a tier filling at a few entries a chat needs one every ~20 chats (H100, 2026-12-07: the int8 run's
+chats of 100-400 ms came every 3-29 chats, whatever their records' sources).
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ class HostPool:
     def reserved(self) -> int:
         """Bytes the pool holds from the driver."""
         return len(self._segments) * self._segment_bytes
+
+    def reserve(self) -> int:
+        """Page-lock every segment up to the capacity now (none left for a step to lock); the segments added."""
+        added = 0
+        while len(self._segments) < self._max_segments and self._add_segment():
+            added += 1
+        return added
 
     def take(self, nbytes: int) -> "PoolBlock | None":
         """A block of `nbytes` (its memory the holder's until the block is collected); None if there is no room

@@ -132,6 +132,17 @@ class TieredStore:
         advise_willneed([e.held for e in entries if e is not None and isinstance(e.held, Path)])
 
     # ---- writes ----
+    def reserve_host(self) -> float:
+        """Page-lock the host tier's whole budget now (on a GPU; nothing to do elsewhere): seconds it took. Call it
+        before serving, so that no step pays for page-locking the segments its spills need (`kvcore/host_pool.py`)."""
+        if self._pool is None:
+            return 0.0
+        started = time.perf_counter()
+        added = self._pool.reserve()
+        seconds = time.perf_counter() - started
+        log.info("host tier: %d segments (%.1f GiB) page-locked in %.1f s", added, self._pool.reserved / 2**30, seconds)
+        return seconds
+
     def put(self, key: Key, k: torch.Tensor, v: torch.Tensor, importance: float = 0.0, label: str = "") -> Tier:
         """Store one fact's K/V `[L, H, T, D]`; where it went."""
         self.put_many([(key, k, v, label)], [importance])

@@ -131,6 +131,24 @@ def test_host_tier_entries_are_carved_from_its_pinned_pool_and_churn_keeps_every
     store.close()
 
 
+def test_a_cuda_host_tier_reserved_at_start_pins_its_whole_budget_before_any_entry(tmp_path):
+    """`reserve_host` page-locks the pool's every segment before serving; entries put afterwards are carved from
+    them, so the pool does not grow while a step runs."""
+    from kvcore.host_pool import SEGMENT_BYTES
+    from kvcore.tiers import TieredStore
+
+    budget = 2 * SEGMENT_BYTES
+    store = TieredStore("cuda", budget, tmp_path, compress_lower=True, write_behind=True)
+    assert store._pool.reserved == 0
+    assert store.reserve_host() > 0
+    reserved = store._pool.reserved
+    assert reserved >= budget and all(segment.is_pinned() for segment in store._pool._segments)
+    k = torch.randn(8, 4, 30, 128, device="cuda").to(torch.bfloat16)
+    store.put_many([(("t", "f0"), k, k.clone(), "")])
+    assert store._entries[("t", "f0")].held.block is not None and store._pool.reserved == reserved
+    store.close()
+
+
 def test_codes_put_into_a_cuda_tier_land_in_its_pinned_pool_and_read_back_exactly(tmp_path):
     """On CUDA an int8 record's codes go into the host tier's page-locked pool as they are (no device round trip),
     then to disk as it fills, and each reads back as exactly what those codes decode to."""

@@ -54,6 +54,17 @@ def test_a_pool_grows_by_segments_up_to_its_capacity():
     assert pool.take(1024) is None and pool.take(2048) is None  # past a segment, or past the capacity
 
 
+def test_a_reserved_pool_holds_every_segment_and_never_grows_while_blocks_are_taken():
+    """`reserve` locks every segment up to the capacity at once, so taking blocks later adds none (no step pays for
+    page-locking); a second reserve adds nothing."""
+    pool, _ = pool_of(3000, 1024)
+    assert pool.reserve() == 3 and pool.reserved == 3 * 1024 and pool.in_use == 0
+    assert pool.reserve() == 0
+    held = [pool.take(1024) for _ in range(3)]
+    assert all(h is not None for h in held) and pool.reserved == 3 * 1024
+    assert len({h.view.data_ptr() for h in held}) == 3 and pool.take(ALIGN) is None
+
+
 def test_a_host_copy_carved_from_the_pool_is_one_upload_of_its_own_bytes():
     """An int8 entry copied into a pool block: the same codes, its four tensors in the block, the block held by the
     entry (returned with it), and its raw bytes for an upload the block's span, not the whole segment."""

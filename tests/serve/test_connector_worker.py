@@ -82,3 +82,24 @@ def test_a_worker_without_tiers_reports_its_arena_under_a_slot_that_a_restart_ta
         assert placed_when(tenant, lambda p: not p["replicas"])["tiers"] == {"gpu": 0, "cpu": 0, "disk": 0}
     finally:
         restarted.close()
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_a_worker_with_tiers_page_locks_its_host_tier_as_it_is_built_unless_told_not_to(tmp_path, monkeypatch, pin):
+    """The host tier is page-locked while the worker is built (before the engine captures its graphs), so no
+    serving step pays for it; `pin_host_at_start: false` leaves it to the steps."""
+    from config.connector import TierConfig
+    from kvcore.tiers import TieredStore
+
+    reserved = []
+    monkeypatch.setattr(TieredStore, "reserve_host", lambda self: reserved.append(self) or 0.0)
+    config = ConnectorConfig(
+        store_root=tmp_path / "records",
+        fingerprint=FP,
+        tiers=TierConfig(disk_cache_dir=tmp_path / "tiers", host_cache_bytes=1 << 20, pin_host_at_start=pin),
+    )
+    worker = ConnectorWorker.build(config, LocalFactStore(config.store_root), ROPE, torch.device("cpu"))
+    try:
+        assert reserved == ([worker.tiers] if pin else [])
+    finally:
+        worker.close()
