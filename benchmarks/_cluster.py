@@ -174,7 +174,6 @@ def start_cluster(
     ingress_replicas: int = 4,
     chat_transport: str = "auto",
     spin_ms: float = 0.0,
-    embed_compiled: bool = False,
 ):
     """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
     on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
@@ -186,7 +185,7 @@ def start_cluster(
     `chat_transport`: how chats reach the LLM replica (`ingress.chat_transport`: its channel, or Serve's handle);
     `spin_ms`: how long the query embedder's process and the ingress's loop poll instead of sleeping around a
     question (`ingress.embed_spin_ms`), and the LLM replica's loop after a note until its chat
-    (`llm.ahead_spin_ms`); `embed_compiled`: the query embedder's graphs capture Inductor's compiled forward."""
+    (`llm.ahead_spin_ms`)."""
     import os
 
     from ray import serve
@@ -219,7 +218,6 @@ def start_cluster(
         "query_embedding": query_embedding,
         "chat_transport": chat_transport,
         "embed_spin_ms": spin_ms,
-        "embed_compiled": embed_compiled,
     }  # a cold start of 100 tenants reads ~40 GB of records: not a lost replica
     if cuda:  # the GPU also embeds queries (a sliver of it per ingress replica), as a GPU deployment would
         llm["engine_kwargs"] = {"gpu_memory_utilization": 0.45, "max_model_len": 4096}

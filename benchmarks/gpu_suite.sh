@@ -11,7 +11,6 @@
 #          history-ttft-layers mps-on mps-off
 # QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own;
 # INGRESS_REPLICAS=N runs serve-http with N ingress replicas (default 4: each an event loop where requests queue).
-# EMBED_COMPILED=1 has serve-http's query embedder capture Inductor's compiled forward in its CUDA graphs.
 # SPIN_MS=2 has serve-http's query embedder, ingress loop and LLM replica's loop poll instead of sleeping around a chat.
 # VLLM_V1_OUTPUT_PROC_CHUNK_SIZE=N (vLLM's own, default 128) reaches serve-http's LLM replica and its engine alone: how many
 # of a step's finished chats vLLM's frontend hands out before the replica's event loop reads new chats again.
@@ -89,7 +88,7 @@ for step in "$@"; do
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
     serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json" \
             --embed-device "${EMBED_DEVICE:-cuda}" --query-embedding "${QUERY_EMBEDDING:-process}" --ingress-replicas "${INGRESS_REPLICAS:-4}" \
-            --chat-transport "${CHAT_TRANSPORT:-auto}" --spin-ms "${SPIN_MS:-0}" ${EMBED_COMPILED:+--embed-compiled} ${BLOCK_SIZE:+--block-size "$BLOCK_SIZE"} \
+            --chat-transport "${CHAT_TRANSPORT:-auto}" --spin-ms "${SPIN_MS:-0}" ${BLOCK_SIZE:+--block-size "$BLOCK_SIZE"} \
             ${ENGINE_SM_PERCENT:+--engine-sm-percent "$ENGINE_SM_PERCENT"} ;;
     quality)  # the answer-quality dev set (SmolLM2 in bf16): windows, recomputation, prompt and off at k = 10, 50
         # (QUALITY_MODES, QUALITY_KS, QUALITY_LIMIT and QUALITY_CONCURRENCY narrow a run to one device call)

@@ -481,11 +481,6 @@ def main() -> None:
         "llm.ahead_spin_ms; 0: they sleep)",
     )
     p.add_argument(
-        "--embed-compiled",
-        action="store_true",
-        help="the query embedder's CUDA graphs capture Inductor's compiled forward (ingress.embed_compiled)",
-    )
-    p.add_argument(
         "--chat-transport",
         choices=["auto", "channel", "serve"],
         default="auto",
@@ -536,7 +531,6 @@ def main() -> None:
         ingress_replicas=args.ingress_replicas,
         chat_transport=args.chat_transport,
         spin_ms=args.spin_ms,
-        embed_compiled=args.embed_compiled,
         engine_kwargs={"block_size": args.block_size} if args.block_size else None,
         llm_args={"loop_lag_probe_ms": args.loop_lag_ms},
     )
@@ -557,7 +551,6 @@ def main() -> None:
         "ingress_replicas": app_args["ingress"].get("num_replicas", 1),
         "chat_transport": app_args["ingress"]["chat_transport"],
         "spin_ms": app_args["ingress"]["embed_spin_ms"],
-        "embed_compiled": app_args["ingress"]["embed_compiled"],
         "block_size": served_block_size(app_args, cuda),
         "engine_sm_percent": args.engine_sm_percent,
         "model": str(args.config) if args.config else "SmolLM2-135M",

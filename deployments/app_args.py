@@ -124,11 +124,6 @@ class IngressArgs(Strict):
         description="Where the ingress embeds questions: a child process of its own (its forward never waits "
         "for the event loop's GIL) or a thread of the replica.",
     )
-    embed_compiled: bool = Field(
-        False,
-        description="With embed_device 'cuda': the query embedder's CUDA graphs capture Inductor's compiled forward "
-        "(fewer, fused kernels; ~10-25 s more at start) instead of the eager one.",
-    )
     embed_spin_ms: float = Field(
         0.0,
         ge=0,

@@ -281,12 +281,11 @@ class MiniLMEmbedder:
         return encode(self._weights, inputs[0], inputs[1])
 
 
-def query_embedder(device: str, max_batch: int, threads: int | None = None, compiled: bool = False) -> MiniLMEmbedder:
+def query_embedder(device: str, max_batch: int, threads: int | None = None) -> MiniLMEmbedder:
     """An embedder ready for queries (its CUDA graphs captured up to `max_batch`): what a query embedder's
-    process builds (`deployments/embed_forwarders.py`); `threads`: torch's CPU threads in that process; `compiled`:
-    its graphs capture Inductor's compiled forward."""
+    process builds (`deployments/embed_forwarders.py`); `threads`: torch's CPU threads in that process."""
     if threads is not None:
         torch.set_num_threads(threads)
-    embedder = MiniLMEmbedder(device=device, compiled=compiled)
+    embedder = MiniLMEmbedder(device=device)
     embedder.prepare(max_batch)
     return embedder

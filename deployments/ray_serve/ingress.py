@@ -236,15 +236,13 @@ class Ingress:
         bind_replica_grpc_to_node()
         self.args = AppArgs(**args)
         settings = load_settings(**self.args.settings)
-        device, compiled = self.args.ingress.embed_device, self.args.ingress.embed_compiled
-        in_thread = self.args.ingress.query_embedding == "thread"
-        if not in_thread:  # it starts while this replica does the rest
+        device = self.args.ingress.embed_device
+        if self.args.ingress.query_embedding == "process":  # it starts while this replica does the rest
             forwarder: Forwarder | MiniLMEmbedder = ProcessForwarder(
-                partial(query_embedder, device, QUERY_BATCH, compiled=compiled),
-                spin_s=self.args.ingress.embed_spin_ms / 1000,
+                partial(query_embedder, device, QUERY_BATCH), spin_s=self.args.ingress.embed_spin_ms / 1000
             )
-        embedder = MiniLMEmbedder(device=device, compiled=compiled and in_thread)  # facts written through this replica
-        if in_thread:
+        embedder = MiniLMEmbedder(device=device)  # facts written through this replica
+        if self.args.ingress.query_embedding == "thread":
             embedder.prepare(QUERY_BATCH)
             forwarder = embedder
         queries = QueryBatcher(forwarder, QUERY_BATCH, copy_bytes=self.args.ingress.search_copy_bytes)
