@@ -423,33 +423,6 @@ def _p50_p99(values: list[float]) -> dict[str, float]:
     return {"p50": round(statistics.median(ordered), 3), "p99": round(ordered[int(0.99 * (len(ordered) - 1))], 3)}
 
 
-def compiled_pieces(plain, query: str, repeats: int) -> dict:
-    """The graphs of Inductor's compiled forward against the eager forward's (`plain`), interleaved in rounds on the
-    same GPU: one query's total and device time (`embed_pieces`, back to back and 30 ms apart), and the compile."""
-    from models.minilm import MiniLMEmbedder
-
-    started = time.perf_counter()
-    compiled = MiniLMEmbedder(device=plain.device.type, compiled=True)
-    compiled.embed_tensor([query])
-    report: dict = {"compile_s": round(time.perf_counter() - started, 2)}
-    for name, gap_ms in (("back_to_back", 2.0), ("spaced", 30.0)):
-        runs: dict[str, list[dict[str, float]]] = {"plain": [], "compiled": []}
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        with torch.inference_mode():
-            for _ in range(min(repeats, 200)):
-                for which, embedder in (("plain", plain), ("compiled", compiled)):
-                    time.sleep(gap_ms / 1000)
-                    runs[which].append(embed_pieces(embedder, query, events))
-        report[name] = {
-            which: {piece: round(p50_p99([r[piece] for r in rs])["p50"], 4) for piece in rs[0]}
-            for which, rs in runs.items()
-        }
-    spaced = report["spaced"]
-    report["device_compiled_over_plain"] = round(spaced["compiled"]["device"] / spaced["plain"]["device"], 4)
-    report["total_compiled_over_plain"] = round(spaced["compiled"]["total"] / spaced["plain"]["total"], 4)
-    return report
-
-
 def cpu_threads(query: str, repeats: int) -> dict[str, dict[str, float]]:
     """One query's embedding on the CPU with 1, 2 and 4 threads."""
     from models.minilm import MiniLMEmbedder
@@ -490,7 +463,6 @@ def main() -> None:
         eager = MiniLMEmbedder(device=device, cuda_graphs=False)
         report["embed_ms"]["one_eager"] = timed(lambda: eager.embed_tensor([query]), repeats)
         report["embed_ms"]["under_load"] = under_load(embedder, query, min(repeats, 200))
-        report["embed_ms"]["compiled"] = compiled_pieces(embedder, query, repeats)
     report["embed_ms"]["cpu_threads"] = cpu_threads(query, min(repeats, 200))
     report["embed_ms"]["beside_busy_loop"] = beside_busy_loop(device, query, min(repeats, 200))
 

@@ -15,13 +15,12 @@ buffer (ids and mask in one), and copied to the graph's inputs in one transfer.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -123,15 +122,6 @@ def encode(w: _Weights, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
     return F.normalize(pooled, dim=-1)
 
 
-@functools.cache
-def compiled_encode() -> Callable[[_Weights, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`encode` through TorchInductor, shapes left dynamic (one compile serves every bucket past batch 1): it fuses
-    the eager forward's ~85 kernels (each residual add with its LayerNorm, the embeddings' gather and sums, the
-    pooling) into fewer, and a graph replay's device time is mostly per-kernel. Built on first use: compiling
-    takes ~10-25 s, once per process."""
-    return torch.compile(encode, dynamic=True, fullgraph=True)
-
-
 def padded(rows: Sequence[Sequence[int]], out: np.ndarray) -> np.ndarray:
     """Token id rows written into `out` `[2, batch, tokens]` (ids, then the attention mask), zero padded; rows past
     the texts attend to their first token, so a bucket's padding rows stay finite."""
@@ -156,7 +146,6 @@ class _Graph:
         batch: int,
         tokens: int,
         device: torch.device,
-        forward: Callable[[_Weights, torch.Tensor, torch.Tensor], torch.Tensor] = encode,
     ) -> None:
         self.inputs = torch.zeros((2, batch, tokens), dtype=torch.long, device=device)
         self.ids, self.mask = self.inputs[0], self.inputs[1]
@@ -167,13 +156,13 @@ class _Graph:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(2):  # a compiled forward compiles here, outside the capture
-                forward(w, self.ids, self.mask)
+            for _ in range(2):
+                encode(w, self.ids, self.mask)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads keep using the GPU
             self.inputs.copy_(self.staging, non_blocking=True)
-            self.out = forward(w, self.ids, self.mask)
+            self.out = encode(w, self.ids, self.mask)
 
     def run(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """The rows' vectors on the device (a copy), on the current stream. Calls come one at a time (the embedder's
@@ -208,10 +197,7 @@ class MiniLMEmbedder:
 
     dim = 384
 
-    def __init__(
-        self, device: str = "cpu", batch_size: int = 64, cuda_graphs: bool = True, compiled: bool = False
-    ) -> None:
-        """`compiled`: the CUDA graphs capture `compiled_encode` instead of the eager forward (CUDA graphs only)."""
+    def __init__(self, device: str = "cpu", batch_size: int = 64, cuda_graphs: bool = True) -> None:
         path = minilm_path()
         self._tokenizer = AutoTokenizer.from_pretrained(path)
         self._rust = Tokenizer.from_str(self._tokenizer.backend_tokenizer.to_str())  # a copy of its own settings
@@ -222,7 +208,6 @@ class MiniLMEmbedder:
         self._weights = _Weights.of(model, device)
         self._batch = batch_size
         self._graphs: dict[tuple[int, int], _Graph] | None = {} if cuda_graphs and self.device.type == "cuda" else None
-        self._forward = compiled_encode() if compiled and self._graphs is not None else encode
         self._lock = threading.Lock()  # one forward at a time; tokenizers are not thread safe
 
     @torch.inference_mode()
@@ -267,7 +252,7 @@ class MiniLMEmbedder:
         graph = self._graphs.get(key)
         if graph is None:
             try:
-                graph = self._graphs[key] = _Graph(self._weights, *key, self.device, self._forward)
+                graph = self._graphs[key] = _Graph(self._weights, *key, self.device)
             except torch.OutOfMemoryError:  # a full device, for now: this call fails, the next retries
                 raise
             except Exception as exc:  # noqa: BLE001 - a capture the driver refuses: eager from now on
