@@ -171,10 +171,12 @@ class Engine:
 
     def sources(self, enabled: bool = True) -> dict[str, int]:
         """Records loads found in the arena, host tier, disk tier or only the store, summed over the workers since
-        counting was turned on (`kvcore.load_sources`; off again with `enabled=False`)."""
+        counting was turned on (`kvcore.load_sources`; off again with `enabled=False`), and the running counts of
+        arena evictions, tier entries put and host segments page-locked (a request's are the difference)."""
         counts: dict[str, int] = {}
-        for found in self.llm.collective_rpc("inferscale_count_sources", args=(enabled,)):
-            for source, n in found.items():
+        found = self.llm.collective_rpc("inferscale_count_sources", args=(enabled,))
+        for worker in [*found, *self.llm.collective_rpc("inferscale_tier_counters")]:
+            for source, n in worker.items():
                 counts[source] = counts.get(source, 0) + n
         return counts
 
@@ -305,7 +307,8 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
         # each request timed alone: (TTFT ms, facts injected, of them first read from an old record, its tenant's
         # store changed since the tenant's last request: 1, its tenant's first request through the engine: 1)
         "samples": samples,
-        # the same requests' records by where the load found them (arena, cpu: the pinned host tier, disk, store)
+        # the same requests' records by where the load found them (arena, cpu: the pinned host tier, disk, store),
+        # and what moved meanwhile: records evicted from the arena, tier entries put, host segments page-locked
         "sample_sources": sources,
         "slow_sources": slow_sources(ttft, sources, 2 * ref["hbm_ttft_ms"]["p95"]),
     }

@@ -72,6 +72,11 @@ class HostPool:
         """Bytes the pool holds from the driver."""
         return len(self._segments) * self._segment_bytes
 
+    @property
+    def segments(self) -> int:
+        """Segments page-locked so far (each one a driver call, inside a step unless `reserve` ran)."""
+        return len(self._segments)
+
     def reserve(self) -> int:
         """Page-lock every segment up to the capacity now (none left for a step to lock); the segments added."""
         added = 0

@@ -181,6 +181,16 @@ class InjectionWorker:
             self._streams.spills.copy_down((tenant_id, record_id), stamp, lambda: (k.to(dtype), v.to(dtype)))
         return True
 
+    def tier_counters(self) -> dict[str, int]:
+        """Running counts of what moves below a load (a benchmark takes them around one request): records evicted
+        from the arena, entries put into the tiers, the host pool's page-locked segments."""
+        tiers = self._tiers
+        return {
+            "evictions": self._arena.evictions if self._arena is not None else 0,
+            "tier_entries": tiers.entries_added if tiers is not None else 0,
+            "host_segments": tiers.host_segments if tiers is not None else 0,
+        }
+
     @property
     def layer_index(self) -> dict[str, int]:
         return dict(self._layer_of)

@@ -67,6 +67,7 @@ class TieredStore:
         self.on_move = on_move  # replaceable: a worker points it at its placement tracker once it has one
         self._policy = ScorePolicy(age_scale_s, clock)
         self._entries: dict[Key, TierEntry] = {}
+        self.entries_added = 0  # entries put since the start (a spill or a record read for a load)
         self._lock = threading.Lock()  # between the caller and the background writer of disk files
         self._disk = DiskMedium(disk_dir, write_behind, self._lock, self._settle)
         # whole files read side by side (the reads, checksums and copies release the GIL); on a machine of few
@@ -130,6 +131,11 @@ class TieredStore:
         """Ask the kernel to start reading the disk entries among `keys` now (layer reads then hit memory)."""
         entries = (self._entries.get(key) for key in keys)
         advise_willneed([e.held for e in entries if e is not None and isinstance(e.held, Path)])
+
+    @property
+    def host_segments(self) -> int:
+        """The host pool's page-locked segments (0 without a pool)."""
+        return self._pool.segments if self._pool is not None else 0
 
     # ---- writes ----
     def reserve_host(self) -> float:
@@ -209,6 +215,7 @@ class TieredStore:
         """A fresh entry under `key` (replacing any old one), in host memory if room can be made, else on disk."""
         check_key(key)
         self.remove(key)
+        self.entries_added += 1
         entry = TierEntry("cpu", None, 0, host.layers, dtype, importance, last_use=self._policy.clock(), label=label)
         self._entries[key] = entry
         entry.loading += 1  # protected from eviction while it finds its place

@@ -150,6 +150,10 @@ class InferscaleConnector(KVConnectorBase_V1):
         """Where this worker's loads found their records (counted while a benchmark has it on)."""
         return self._worker.injection.sources
 
+    def tier_counters(self) -> dict[str, int]:
+        """Running counts of arena evictions, tier entries put and host segments page-locked (`InjectionWorker`)."""
+        return self._worker.injection.tier_counters()
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.injection.take_failed_blocks()
 

@@ -13,3 +13,7 @@ class InferscaleWorkerExtension:
         """Turn counting where loads find their records on (from zero) or off; the counts so far
         (`kvcore.load_sources`)."""
         return get_kv_transfer_group().load_sources().switch(enabled)
+
+    def inferscale_tier_counters(self) -> dict[str, int]:
+        """Running counts of arena evictions, tier entries put and host pool segments page-locked."""
+        return get_kv_transfer_group().tier_counters()

@@ -332,7 +332,12 @@ def test_a_benchmark_counts_where_each_load_found_its_records(llm, loaded, forwa
         assert counts() == {"arena": 0, "cpu": 0, "disk": 0, "store": len(ids)}
         ask_again()
         assert counts() == {"arena": len(ids), "cpu": 0, "disk": 0, "store": len(ids)}
+        (moved_before,) = llm.collective_rpc("inferscale_tier_counters")
         serve_four_tenants(llm, loaded, forward, frame, store, "sources-others", QUESTIONS[2])
+        (moved,) = llm.collective_rpc("inferscale_tier_counters")
+        # the others pushed this tenant's records out of the arena and down into the tiers; no pool on a CPU
+        assert moved["evictions"] > moved_before["evictions"] and moved["tier_entries"] > moved_before["tier_entries"]
+        assert moved["host_segments"] == 0, moved
         before = counts()
         ask_again()
         after = counts()
