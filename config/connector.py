@@ -48,8 +48,8 @@ class TierConfig(Frozen):
     compress_lower: bool = Field(True, description="Store int8 on the host and disk tiers (else full precision).")
     pin_host_at_start: bool = Field(
         True,
-        description="Page-lock the whole host tier as the engine starts (about a second per few GiB, once); else "
-        "256 MiB at a time as spills need it, each stalling the step that needs it by tens to hundreds of ms.",
+        description="Page-lock the whole host tier as the engine starts (once; its time is logged); else 256 MiB at "
+        "a time as spills need it, each page-locking inside the serving step that needs it.",
     )
 
 

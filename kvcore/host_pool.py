@@ -15,9 +15,10 @@ the caller allocates as before.
 
 Segments are page-locked all at once by `reserve`, which the engine's worker calls as it starts (before the engine
 captures its CUDA graphs: a page-locking call from another thread during a capture would break it), or else when
-first needed, by the step that needs one. The second stalls that step: a 256 MiB segment takes tens to hundreds of ms
-to page-lock, and a tier filling at a few entries a chat needs one every ~20 chats (H100, 2026-12-07: the int8 run's
-chats of 100-400 ms came every 3-29 chats, whatever their records' sources).
+first needed, by the step that needs one. The second stalls that step for as long as a 256 MiB segment takes to
+page-lock (tens of ms or more), and a tier filling at a few entries a chat needs one every ~20 chats (H100,
+2026-12-07: the int8 run's chats of 100-400 ms came every 3-29 chats, whatever their records' sources; the likeliest
+cause, to be confirmed).
 """
 
 from __future__ import annotations

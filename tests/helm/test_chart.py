@@ -61,7 +61,8 @@ def test_serve_config_names_the_builder_and_validates(helm):
     assert str(args.state_dir) == "/var/lib/inferscale" and args.llm.ray_actor_options["num_gpus"] == 1
     assert args.llm.autoscaling_config == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}
     assert args.llm.tiers.model_dump(mode="json") == {"disk_cache_dir": "/var/cache/inferscale/tiers", "host_cache_bytes": 32 << 30,
-                                                      "disk_cache_bytes": 180 << 30, "compress_lower": True}
+                                                      "disk_cache_bytes": 180 << 30, "compress_lower": True,
+                                                      "pin_host_at_start": True}
     from config.settings import load_settings
 
     residency = load_settings(**args.settings).residency  # KV residency: no budget by default, the knobs as given
@@ -76,6 +77,8 @@ def test_the_offload_tier_gets_a_node_local_disk_on_gpu_workers_or_is_off(helm):
     (gpu,) = [g for g in cluster["workerGroupSpecs"] if g["groupName"] == "gpu"]
     assert {"name": "tiers", "mountPath": "/var/cache/inferscale/tiers"} in gpu["template"]["spec"]["containers"][0]["volumeMounts"]
     assert {"name": "tiers", "emptyDir": {"sizeLimit": "200Gi"}} in gpu["template"]["spec"]["volumes"]
+    lazy = one(render(helm, "--set", "serve.llm.offload.pinHostAtStart=false"), "RayService")
+    assert yaml.safe_load(lazy["spec"]["serveConfigV2"])["applications"][0]["args"]["llm"]["tiers"]["pin_host_at_start"] is False
     off = one(render(helm, "--set", "serve.llm.offload.enabled=false"), "RayService")
     assert "tiers" not in yaml.safe_load(off["spec"]["serveConfigV2"])["applications"][0]["args"]["llm"]
     assert all(v["name"] != "tiers" for g in off["spec"]["rayClusterConfig"]["workerGroupSpecs"]

@@ -138,6 +138,7 @@ applications:
           disk_cache_bytes: {{ . | int64 }}
           {{- end }}
           compress_lower: true
+          pin_host_at_start: {{ $llm.offload.pinHostAtStart }}
         {{- end }}
         autoscaling_config:
           {{- toYaml $llm.autoscaling | nindent 10 }}
