@@ -66,7 +66,9 @@ def test_the_connector_config_round_trips_and_refuses_what_it_does_not_know():
         store_root="/srv/records",
         fingerprint="f",
         device_tenant_bytes=1 << 20,
-        tiers=TierConfig(disk_cache_dir="/srv/tiers", host_cache_bytes=64 << 20, compress_lower=False),
+        tiers=TierConfig(
+            disk_cache_dir="/srv/tiers", host_cache_bytes=64 << 20, compress_lower=False, pin_host_at_start=False
+        ),
         report_placement=True,
         placement_redis_url="redis://127.0.0.1:6379/0",
         record_dtype="engine",
@@ -77,6 +79,7 @@ def test_the_connector_config_round_trips_and_refuses_what_it_does_not_know():
         "host_cache_bytes": 64 << 20,
         "disk_cache_bytes": None,
         "compress_lower": False,
+        "pin_host_at_start": False,
     }
     assert ConnectorConfig.from_extra(extra) == config
     for bad, field in [
