@@ -169,7 +169,7 @@ class Engine:
         )
         self.fallbacks = 0
 
-    def sources(self, enabled: bool = True) -> dict[str, int]:
+    def counts(self, enabled: bool = True) -> dict[str, int]:
         """Records loads found in the arena, host tier, disk tier or only the store, summed over the workers since
         counting was turned on (`kvcore.load_sources`; off again with `enabled=False`), and the running counts of
         arena evictions, tier entries put and host segments page-locked (a request's are the difference)."""
@@ -277,15 +277,15 @@ def run_tenants(engine: Engine, records: Records, trace: ZipfTrace, args, ref: d
         return records.request(tenant, injected, pasted, i), len(fresh), changed, new_tenant
 
     sources: list[dict[str, int]] = []  # each timed request's records by where its load found them
-    engine.sources()
+    engine.counts()
     for i in range(first, first + warm + timed):
         request, fresh, changed, new_tenant = next_request(i)
-        before = engine.sources()  # outside the timed call: a round trip to the workers
+        before = engine.counts()  # outside the timed call: a round trip to the workers
         ms = engine.ask(*request)
         if i >= first + warm:
             samples.append((round(ms, 2), len(request[1].record_ids) - 1, fresh, int(changed), int(new_tenant)))
-            sources.append({source: n - before[source] for source, n in engine.sources().items()})
-    engine.sources(False)
+            sources.append({source: n - before[source] for source, n in engine.counts().items()})
+    engine.counts(False)
     ttft = [sample[0] for sample in samples]
     for start in range(first + warm + timed, trace.chats, batch):
         batches.append(engine.ask_many([next_request(i)[0] for i in range(start, min(start + batch, trace.chats))]))
