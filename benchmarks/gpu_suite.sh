@@ -7,7 +7,7 @@
 # A device call runs at most 600 s: serve-http, locust, tenants-gpu and history-ttft (up to 590 s each) take a call of their own,
 # after the call that ends with `setup` (the machine stays warm 30 s between calls: send the next one at once).
 #   steps: setup gpu-tests inject-kernel chunk-bounds retrieval chat-ahead injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
-#          profile-tiers (or profile-host, profile-disk) profile-encode quality record-precision history-quality history-ttft
+#          profile-tiers (or profile-host, profile-disk) profile-tier-loads profile-encode quality record-precision history-quality history-ttft
 #          history-ttft-layers mps-on mps-off
 # QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own;
 # INGRESS_REPLICAS=N runs serve-http with N ingress replicas (default 4: each an event loop where requests queue).
@@ -127,6 +127,13 @@ for step in "$@"; do
             [[ $step == profile-tiers || $step == "profile-$tier" ]] || continue
             run "profile-$tier" 200 python3 scripts/profile_tiers.py --tier "$tier" --out "$out/profile_$tier.txt"
             sed -n '/function calls/q;p' "$out/profile_$tier.txt"
+        done ;;
+    profile-tier-loads)  # torch alone: needs no setup (the worker, tiers and store without vLLM)
+        for store in warm cold; do
+            flag=; [[ $store == cold ]] && flag=--cold-store
+            run "profile-tier-loads-$store" 240 python3 scripts/profile_tier_loads.py --asks 10 $flag \
+                --out "$out/tier_loads_$store.json"
+            grep -E "median" "$out/profile-tier-loads-$store.log"
         done ;;
     profile-encode) run profile-encode 240 python3 scripts/profile_encode.py --config "$SHAPE" --out "$out/profile_encode.txt"
         head -1 "$out/profile_encode.txt" ;;
