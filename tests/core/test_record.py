@@ -45,7 +45,7 @@ def test_layers_stored_out_of_order_load_as_written(tmp_path):
     assert torch.equal(back.k, rec.k) and torch.equal(back.v, rec.v)
 
 
-def test_one_layer_loads_alone_and_layers_are_contiguous(tmp_path):
+def test_one_layer_loads_alone_and_each_side_is_contiguous(tmp_path):
     rec = make_record(layers=4)
     path = tmp_path / "r.safetensors"
     save_record(rec, path)
@@ -54,7 +54,9 @@ def test_one_layer_loads_alone_and_layers_are_contiguous(tmp_path):
     (length,) = struct.unpack("<Q", path.read_bytes()[:8])
     header = json.loads(path.read_bytes()[8 : 8 + length])
     order = sorted((info["data_offsets"][0], name) for name, info in header.items() if name != "__metadata__")
-    assert [name for _, name in order] == ["k.000", "v.000", "k.001", "v.001", "k.002", "v.002", "k.003", "v.003"]
+    assert [name for _, name in order] == [f"{side}.{layer:03d}" for side in "kv" for layer in range(4)]
+    back = load_record(path)  # each side one view of the bytes read, not a copy a layer
+    assert back.v.data_ptr() == back.k.data_ptr() + back.k.nbytes  # V right behind K in the one buffer
     with pytest.raises(IndexError):
         load_layer(path, 4)
 
