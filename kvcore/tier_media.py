@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -32,11 +32,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class HostKV:
-    """An entry's K and V `[L, H, T, D]` in host memory: int8 codes (`Quantized`) or full-precision values."""
+    """An entry's K and V `[L, H, T, D]` in host memory: int8 codes (`Quantized`) or full-precision values.
+
+    Copies from the device may still be on their way in: `ready` (a CUDA event recorded behind them) is waited for
+    by every reader of the bytes on the host (`wait`), so a spill never makes the step that evicted it wait."""
 
     k: Quantized | torch.Tensor
     v: Quantized | torch.Tensor
     block: PoolBlock | None = field(default=None, compare=False, repr=False)  # the pool memory k and v are views of
+    ready: Any = field(default=None, compare=False, repr=False)  # an event behind the copies into k and v, or None
+
+    def wait(self) -> None:
+        """Return once the bytes are all here (at once for an entry not copied from the device, or long copied)."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
     @property
     def quantized(self) -> bool:
@@ -52,16 +61,19 @@ class HostKV:
 
     def layer(self, index: int) -> tuple[Quantized | torch.Tensor, Quantized | torch.Tensor]:
         """One layer's K and V as held (codes or values)."""
+        self.wait()
         return (self.k.layer(index), self.v.layer(index)) if self.quantized else (self.k[index], self.v[index])
 
     def decode(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole entry in `dtype` (dequantized if held as codes)."""
+        self.wait()
         if self.quantized:
             return dequantize(self.k, dtype), dequantize(self.v, dtype)
         return self.k, self.v
 
     def host_codes(self) -> tuple[Quantized, Quantized] | None:
         """The entry's int8 codes when it holds codes in host memory, else None."""
+        self.wait()
         return (self.k, self.v) if self.quantized and self.k.codes.device.type == "cpu" else None
 
 
@@ -90,11 +102,12 @@ def host_copy(
     pinned: bool,
     non_blocking: bool = False,
     pool: HostPool | None = None,
+    ready: Any = None,
 ) -> HostKV:
     """Contiguous host copies of K and V (codes or values), in page-locked memory if `pinned`; with
-    `non_blocking`, copies from the device are only queued (the caller waits for them). Pinned int8 entries
-    get one buffer for their four tensors, so a load moves each to the device in one copy: a block of `pool`
-    where it has room."""
+    `non_blocking`, copies from the device are only queued, and `ready` (an event the caller records behind
+    them) is what the entry's readers wait for. Pinned int8 entries get one buffer for their four tensors, so a
+    load moves each to the device in one copy: a block of `pool` where it has room."""
     if pinned and isinstance(k, Quantized) and isinstance(v, Quantized):
         tensors = (k.codes, k.scales, v.codes, v.scales)
         specs = [(tuple(t.shape), t.dtype) for t in tensors]
@@ -102,7 +115,7 @@ def host_copy(
         views = slab(specs, pinned=True, buffer=block.view if block is not None else None)
         for view, t in zip(views, tensors):
             view.copy_(t, non_blocking=non_blocking)
-        return HostKV(Quantized(views[0], views[1]), Quantized(views[2], views[3]), block)
+        return HostKV(Quantized(views[0], views[1]), Quantized(views[2], views[3]), block, ready)
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu" and t.is_contiguous() and (t.is_pinned() or not pinned):
@@ -113,7 +126,7 @@ def host_copy(
     def each(x: Quantized | torch.Tensor) -> Quantized | torch.Tensor:
         return Quantized(copy(x.codes), copy(x.scales)) if isinstance(x, Quantized) else copy(x)
 
-    return HostKV(each(k), each(v))
+    return HostKV(each(k), each(v), ready=ready)
 
 
 @dataclass(frozen=True)
@@ -225,6 +238,7 @@ def check_key(key: Key) -> None:
 
 def _file_tensors(host: HostKV) -> dict[str, torch.Tensor]:
     """The file's tensors, layer after layer (so one layer is read on its own)."""
+    host.wait()
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(host.layers):
         for name, x in zip("kv", (host.k, host.v)):

@@ -169,8 +169,8 @@ class TieredStore:
         """Entries (a step's evictions from the device, or records read for a load; optionally each one's
         importance) into host memory where room can be made there, else to disk: quantized together on the tiers'
         device (values read on the host too: a GPU's few kernels, not a host core's tens of ms for a 30-token record
-        of the 8B shape) and copied to the host with one wait at the end, not a quantization and a synchronizing
-        copy each."""
+        of the 8B shape) and copied to the host, queued: an event recorded behind the copies is what a reader of an
+        entry waits for (`HostKV.wait`), so the step that spilled them goes on while they travel."""
         if not items:
             return
         ks, vs = [k for _, k, _, _ in items], [v for _, _, v, _ in items]
@@ -180,9 +180,10 @@ class TieredStore:
         else:
             packed = list(zip(ks, vs))
         pinned = self.device.type == "cuda"
-        hosts = [host_copy(k, v, pinned=pinned, non_blocking=True, pool=self._pool) for k, v in packed]
-        if any(k.is_cuda for k in ks):
-            torch.cuda.synchronize(ks[0].device)  # the copies above were queued, not waited for
+        ready = torch.cuda.Event() if any(k.is_cuda for k in ks) else None
+        hosts = [host_copy(k, v, pinned=pinned, non_blocking=True, pool=self._pool, ready=ready) for k, v in packed]
+        if ready is not None:
+            ready.record(torch.cuda.current_stream(ks[0].device))  # behind every copy queued above
         for (key, k, _, label), host, weight in zip(items, hosts, importance or [0.0] * len(items)):
             self._add(key, host, k.dtype, label, weight)
 

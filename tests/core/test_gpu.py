@@ -149,6 +149,31 @@ def test_a_cuda_host_tier_reserved_at_start_pins_its_whole_budget_before_any_ent
     store.close()
 
 
+def test_a_cuda_spill_returns_before_its_copies_land_and_its_readers_wait_for_them(tmp_path):
+    """`put_many` queues a step's spills and returns (the device still busy with work queued before them); the
+    entry's event is what a reader waits for, and what it reads is what was spilled."""
+    from kvcore.tiers import TieredStore
+
+    store = TieredStore("cuda", 1 << 28, tmp_path, compress_lower=True, write_behind=True)
+    store.reserve_host()
+    k, v = (torch.randn(32, 8, 30, 128, device="cuda").to(torch.bfloat16) for _ in range(2))
+    torch.cuda.synchronize()
+    busy = torch.randn(8192, 8192, device="cuda")
+    for _ in range(10):  # tens of ms of device work queued in front of the spill
+        busy = busy @ busy / 8192
+    store.put_many([(("t", "f0"), k, v, "")])
+    held = store._entries[("t", "f0")].held
+    assert held.ready is not None and not held.ready.query()  # returned with the copies still on their way
+    got_k, got_v = store.read(("t", "f0"))
+    assert held.ready.query()
+    for got, want in ((got_k, k), (got_v, v)):
+        want = want.float().cpu()
+        step = want.abs().amax(dim=-2, keepdim=True) / 127  # int8, then bf16 rounding
+        assert ((got.float() - want).abs() <= step / 2 + (want.abs() + step) * 2**-8 + 1e-6).all()
+        assert got.abs().sum() > 0
+    store.close()
+
+
 def test_codes_put_into_a_cuda_tier_land_in_its_pinned_pool_and_read_back_exactly(tmp_path):
     """On CUDA an int8 record's codes go into the host tier's page-locked pool as they are (no device round trip),
     then to disk as it fills, and each reads back as exactly what those codes decode to."""

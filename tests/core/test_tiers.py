@@ -403,3 +403,53 @@ def test_host_memory_makes_room_for_an_entry_larger_than_the_ones_it_moves_down(
     store.put(("t", "mid"), torch.randn(L, H, 5, D), torch.randn(L, H, 5, D))  # needs three small entries' room
     assert store.tier_of(("t", "mid")) == "cpu" and store.used("cpu") <= 3 * small_bytes
     assert [store.tier_of(("t", f"s{i}")) for i in range(3)] == ["disk", "disk", "disk"]
+
+
+class Arrival:
+    """A stand-in for the CUDA event behind a spill's queued copies: until something waits on it, the entry's host
+    buffers hold zeros (the copies have not landed); waiting lands them."""
+
+    def __init__(self, pairs):
+        self.pairs, self.waits = pairs, 0
+
+    def synchronize(self):
+        self.waits += 1
+        for dest, src in self.pairs:
+            dest.copy_(src)
+
+
+def test_every_host_reader_of_a_spilled_entry_waits_for_its_copies(tmp_path):
+    """A step's spill no longer waits for its copies to the host (`put_many` records an event behind them): each
+    reader of the entry's host bytes waits instead. Readers that skipped the wait would see the zeros here."""
+    import threading
+
+    from kvcore.tier_disk import DiskFile
+    from kvcore.tier_media import DiskMedium, HostKV
+
+    k, v = kv(7)
+    codes = [quantize(k), quantize(v)]
+    empty = [type(q)(torch.zeros_like(q.codes), torch.zeros_like(q.scales)) for q in codes]
+
+    def spilled() -> tuple[HostKV, Arrival]:
+        for q in empty:
+            q.codes.zero_(), q.scales.zero_()
+        pairs = [(e.codes, q.codes) for e, q in zip(empty, codes)] + [
+            (e.scales, q.scales) for e, q in zip(empty, codes)
+        ]
+        ready = Arrival(pairs)
+        return HostKV(*empty, ready=ready), ready
+
+    want = [dequantize(q) for q in codes]
+    host, ready = spilled()
+    assert all(torch.equal(got, w) for got, w in zip(host.decode(torch.float32), want)) and ready.waits == 1
+    host, ready = spilled()
+    layer = host.layer(2)
+    assert torch.equal(layer[0].codes, codes[0].codes[2]) and ready.waits == 1
+    host, ready = spilled()
+    assert torch.equal(host.host_codes()[1].codes, codes[1].codes) and ready.waits == 1
+    host, ready = spilled()
+    disk = DiskMedium(tmp_path, False, threading.Lock(), lambda key, pending: True)
+    path, _ = disk.write(("t", "f1"), host, torch.float32, "")
+    with DiskFile(path) as file:
+        got_k, got_v = file.read_all(L)
+    assert torch.equal(got_k.codes, codes[0].codes) and torch.equal(got_v.scales, codes[1].scales) and ready.waits == 1
