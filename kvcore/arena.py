@@ -20,6 +20,7 @@ import torch
 
 from kvcore.errors import ArenaAllocationError, ArenaFullError, IncompatibleRecordsError
 from kvcore.quantize import Quantized, dequantize
+from kvcore.transfers import to_device
 
 log = logging.getLogger(__name__)
 DEFAULT_DEVICE_CACHE_BYTES = 1 << 30  # the arena's size wherever a caller does not choose one
@@ -111,7 +112,12 @@ class DeviceArena:
         record's shape is not the engine's.
         """
         if isinstance(k, Quantized):
-            k, v = (dequantize(side.to(self.device, non_blocking=True), self.dtype) for side in (k, v))
+            k, v = (
+                dequantize(
+                    Quantized(to_device(side.codes, self.device), to_device(side.scales, self.device)), self.dtype
+                )
+                for side in (k, v)
+            )
         self.insert_many([(key, stamp)], k, v, [0, k.shape[2]])
         return self._entries[key].rows
 
@@ -133,7 +139,7 @@ class DeviceArena:
                 placed.append((key, stamp))
         finally:
             if rows:
-                index = long_tensor(rows).to(self.device)
+                index = to_device(long_tensor(rows), self.device)
                 self.k.index_copy_(1, index, k[:, :, : len(rows)].to(self.device, self.k.dtype).permute(0, 2, 1, 3))
                 self.v.index_copy_(1, index, v[:, :, : len(rows)].to(self.device, self.v.dtype).permute(0, 2, 1, 3))
             self._announce(placed)
@@ -250,7 +256,7 @@ class DeviceArena:
         """Reads rows' K/V `[L, H, T, D]` (copies: called before the rows are reused)."""
 
         def read() -> tuple[torch.Tensor, torch.Tensor]:
-            index = long_tensor(rows).to(self.device)
+            index = to_device(long_tensor(rows), self.device)
             return self.k.index_select(1, index).permute(0, 2, 1, 3), self.v.index_select(1, index).permute(0, 2, 1, 3)
 
         return read

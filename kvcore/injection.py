@@ -42,6 +42,7 @@ from kvcore.step_writes import (
 from kvcore.store import FactStore, Stamp
 from kvcore.streaming import TierStreams
 from kvcore.tiers import TieredStore
+from kvcore.transfers import to_device
 
 log = logging.getLogger(__name__)
 # a record just captured: its id, its file's stamp, K and V `[L, H, T, D]` still on the device
@@ -313,9 +314,7 @@ class InjectionWorker:
         writes the whole step here; a small step is rotated here, all layers at once; a large one per layer."""
         device = self._arena.device
         positions, slots = step_slots(loads, self._layout.block_size, device)
-        if device.type == "cuda":
-            rows = rows.pin_memory()
-        index = torch.stack((rows.to(device, non_blocking=True), positions, slots))
+        index = torch.stack((to_device(rows, device), positions, slots))
         self._table.reserve(max(load.end for load in loads))
         if self._writer is not None:
             self._writer(self._arena.k, self._arena.v, index, *self._table.tables)

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from kvcore.quantize import Quantized
+from kvcore.transfers import to_device
 
 ALIGN = 64  # bytes: every buffer starts aligned for any dtype and for vectorized loads
 TABLE_COLUMNS = 8  # per entry, in bytes: K codes, K scales, V codes, V scales; codes' and scales' layer strides; tokens; first token
@@ -120,9 +121,7 @@ def pack(entries: list[RawEntry], dtype: torch.dtype, device: torch.device) -> P
     for index, entry in enumerate(entries):
         owner.extend(array("q", [index]) * entry.tokens)
     host = torch.frombuffer(array("q", [x for row in rows for x in row]) + owner, dtype=torch.int64)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    moved = host.to(device, non_blocking=True)
+    moved = to_device(host, device)
     table = moved[: len(rows) * TABLE_COLUMNS].view(len(rows), TABLE_COLUMNS)
     return PackedEntries(flat, table, moved[len(rows) * TABLE_COLUMNS :], rows, starts, layers, heads, dim, dtype)
 

@@ -25,6 +25,7 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from kvcore.errors import LayoutError
+from kvcore.transfers import to_device
 
 Form = Literal["rows", "channels", "kv_split"]
 
@@ -141,9 +142,7 @@ def step_slots(
     header.extend(load.begin for load in loads)
     host = torch.frombuffer(bytearray(b"".join([header, *tables])), dtype=torch.int64)
     device = torch.device(device)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    packed = host.to(device, non_blocking=True)
+    packed = to_device(host, device)
     counts_t, offsets_t, begins_t, table = packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n], packed[3 * n :]
     total = sum(counts)  # known here: the expansions need no device-to-host sync
     firsts = torch.cumsum(counts_t, 0) - counts_t  # where each load's tokens start in the step

@@ -8,9 +8,12 @@ half its channel's scale; `dequantize` runs on whatever device the codes are mov
 from __future__ import annotations
 
 import itertools
+from array import array
 from dataclasses import dataclass
 
 import torch
+
+from kvcore.transfers import to_device
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,10 @@ def quantize_many(xs: list[torch.Tensor], joined: bool | None = None) -> list[Qu
         return [quantize(x) for x in xs]
     lengths = [x.shape[-2] for x in xs]
     together = torch.cat(xs, dim=-2).float()
-    owner = torch.repeat_interleave(
-        torch.arange(len(xs), device=together.device), torch.tensor(lengths, device=together.device)
-    )
+    owner = array("q")  # built on the host: a repeat on the device would wait for its output size
+    for i, n in enumerate(lengths):
+        owner.extend(array("q", [i]) * n)
+    owner = to_device(torch.frombuffer(owner, dtype=torch.int64), together.device)
     amax = together.new_zeros((*together.shape[:-2], len(xs), together.shape[-1]))
     index = owner.view(*[1] * (together.dim() - 2), -1, 1).expand_as(together)
     amax.scatter_reduce_(-2, index, together.abs(), "amax")

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvcore.arena import DeviceArena
+from kvcore.arena import DeviceArena, long_tensor
 from kvcore.errors import ArenaFullError, KVCoreError, RecordCorruptError
 from kvcore.layer_ahead import LayerAhead
 from kvcore.packed import PackedInserter, insert_packed
@@ -35,6 +35,7 @@ from kvcore.step_writes import write_rotated
 from kvcore.store import Stamp
 from kvcore.tier_reads import BatchedReads, Joined, LayerReader
 from kvcore.tiers import TieredStore
+from kvcore.transfers import to_device
 from kvcore.whole_loads import load_whole
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class TierStreams:
             for rows, (record_id, stamp, lo, hi) in zip(resident, spans):
                 if rows is not None:
                     parts.append(
-                        _Part(record_id, stamp, lo, hi, torch.tensor(rows[lo:hi], device=self._arena.device), None)
+                        _Part(record_id, stamp, lo, hi, to_device(long_tensor(rows[lo:hi]), self._arena.device), None)
                     )
                     continue
                 key = tier_key(tenant, record_id, stamp)
@@ -140,7 +141,7 @@ class TierStreams:
             [part.reader.key for part in parts if part.reader is not None]
         )  # all files read ahead at once
         device = self._arena.device
-        slots = slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size).to(device)
+        slots = to_device(slot_mapping(load.block_ids, load.begin, load.end, self._layout.block_size), device)
         self._table.reserve(load.end)
         cos, sin = self._table.lookup(torch.arange(load.begin, load.end, device=device))
         stream = _Stream(load, fetch, parts, slots, cos[:, None], sin[:, None])
@@ -245,7 +246,7 @@ class TierStreams:
                 first = taken + starts[position[id(part)]]
                 order.append(torch.arange(first + part.lo, first + part.hi))
         device = self._arena.device
-        return (torch.cat(in_arena) if in_arena else None), torch.cat(order).to(device)
+        return (torch.cat(in_arena) if in_arena else None), to_device(torch.cat(order), device)
 
     def _gather_parts(self, stream: _Stream, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The load's tokens of this layer, part by part (some parts read in place, or a damaged one replaced)."""

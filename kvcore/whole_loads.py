@@ -18,6 +18,7 @@ from kvcore.packed import PackedInserter
 from kvcore.store import Stamp
 from kvcore.tier_reads import LayerReader, upload
 from kvcore.tiers import TieredStore
+from kvcore.transfers import to_device
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,5 @@ def load_whole(
         rows = arena.reserve_many([((tenant, record_id), stamp) for record_id, stamp, _ in parts], lengths)
     except ArenaFullError:
         return False
-    index = long_tensor(rows)
-    device = arena.device
-    if device.type == "cuda":
-        index = index.pin_memory()
-    insert(packed, index.to(device, non_blocking=True), arena.k, arena.v)
+    insert(packed, to_device(long_tensor(rows), arena.device), arena.k, arena.v)
     return True

@@ -149,6 +149,22 @@ def test_a_cuda_host_tier_reserved_at_start_pins_its_whole_budget_before_any_ent
     store.close()
 
 
+def test_a_pageable_host_tensor_goes_to_the_device_without_waiting_for_queued_work():
+    """`to_device` queues the copy through page-locked memory: it returns while work queued before it still runs
+    (a plain copy from pageable memory would wait for that work), and the values arrive intact."""
+    from kvcore.transfers import to_device
+
+    host = torch.arange(1 << 20, dtype=torch.int64)
+    busy = torch.randn(8192, 8192, device="cuda")
+    for _ in range(10):  # tens of ms of device work queued in front of the copy
+        busy = busy @ busy / 8192
+    queued = torch.cuda.Event()
+    queued.record()
+    moved = to_device(host, "cuda")
+    assert not queued.query()  # the host did not wait for the work in front
+    assert torch.equal(moved.cpu(), host)
+
+
 def test_a_cuda_spill_returns_before_its_copies_land_and_its_readers_wait_for_them(tmp_path):
     """`put_many` queues a step's spills and returns (the device still busy with work queued before them); the
     entry's event is what a reader waits for, and what it reads is what was spilled."""
