@@ -8,7 +8,8 @@ Here the driver is asked once a segment (256 MiB), and each entry gets its own b
 
 A block is given back when its `PoolBlock` is collected (the entry holding it keeps it), not when the entry leaves
 its tier: readers and the disk tier's background writer may still hold the entry then. Its bytes may still be
-the source of an asynchronous copy to the device at that moment, so a returned block is reused only after a
+the source of an asynchronous copy to the device at that moment, or the destination of a spill's copy from it
+that has not landed, so a returned block is reused only after a
 device-wide synchronization that began after its return (`sync`), which the pool runs itself, once, when it finds
 no room otherwise. When it cannot carve a block (all segments in use, or too fragmented), `take` returns None and
 the caller allocates as before.
@@ -17,8 +18,8 @@ Segments are page-locked all at once by `reserve`, which the engine's worker cal
 captures its CUDA graphs: a page-locking call from another thread during a capture would break it), or else when
 first needed, by the step that needs one. The second stalls that step for as long as a 256 MiB segment takes to
 page-lock (tens of ms or more), and a tier filling at a few entries a chat needs one every ~20 chats (H100,
-2026-12-07: the int8 run's chats of 100-400 ms came every 3-29 chats, whatever their records' sources; the likeliest
-cause, to be confirmed).
+2026-12-07: with segments page-locked when first needed, each of the 22 chats of 450 that page-locked one took
+99-266 ms; with the tier page-locked at start, none did, and one chat went over 100 ms).
 """
 
 from __future__ import annotations
