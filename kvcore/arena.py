@@ -140,8 +140,9 @@ class DeviceArena:
         finally:
             if rows:
                 index = to_device(long_tensor(rows), self.device)
-                self.k.index_copy_(1, index, k[:, :, : len(rows)].to(self.device, self.k.dtype).permute(0, 2, 1, 3))
-                self.v.index_copy_(1, index, v[:, :, : len(rows)].to(self.device, self.v.dtype).permute(0, 2, 1, 3))
+                for arena_side, side in ((self.k, k), (self.v, v)):
+                    values = to_device(side[:, :, : len(rows)], self.device).to(arena_side.dtype)
+                    arena_side.index_copy_(1, index, values.permute(0, 2, 1, 3))
             self._announce(placed)
 
     def reserve_many(self, items: list[tuple[Hashable, Hashable]], lengths: list[int]) -> list[int]:
