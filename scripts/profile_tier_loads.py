@@ -12,7 +12,9 @@ that run meets, each timed alone with the device waited for, then profiled:
   host+free    the same, the evicted records' tier copies already made (the evictions cost nothing);
   store        `--store` records read from the fact store into the arena, the rest resident (page cache warm, or
                not: `--cold-store`);
-  store+host   the same beside `--host` host-tier records (the load goes through the tiers).
+  store+host   the same beside `--host` host-tier records (the load goes through the tiers);
+  landed+host  the same, the store records written just before the ask by another writer (the tenant's version
+               bumped), as the tenants run's re-encodes land.
 Not a benchmark with targets: a diagnostic. Needs torch only (no vLLM); `--device cpu` checks it runs.
 """
 
@@ -62,27 +64,26 @@ class Bench:
         self.device = torch.device(args.device)
         work = Path(scratch_dir(prefix="tier-loads-"))
         self.store = LocalFactStore(work / "store", precision=args.precision)
-        params = EncodingParams(window=0, model_fingerprint=FINGERPRINT, rope=self.rope, dtype="bfloat16")
+        # another writer of the same store, as the encoder is: its records land while the worker serves
+        self.writer = LocalFactStore(work / "store", precision=args.precision)
+        self._params = EncodingParams(window=0, model_fingerprint=FINGERPRINT, rope=self.rope, dtype="bfloat16")
         gen = torch.Generator().manual_seed(0)
-        base = {  # one random K/V a length, shared: what is timed does not depend on the values
+        self._base = {  # one random K/V a length, shared: what is timed does not depend on the values
             n: tuple(torch.randn(self.layers, self.heads, n, self.dim, generator=gen).bfloat16() for _ in range(2))
             for n in (FRAME_TOKENS, self.tokens)
         }
-
-        def record(fact_id: str, n: int, first: int) -> FactKV:
-            return FactKV(TENANT, fact_id, tuple(range(first, first + n)), *base[n], params, version=1)
-
         self.facts = [f"f{i}" for i in range(args.facts)]
-        self.store.put(record("frame", FRAME_TOKENS, 10))
+        self.store.put(self._record("frame", FRAME_TOKENS, 10))
         for first in range(0, len(self.facts), 64):
             self.store.put_many(
                 [
-                    record(f, self.tokens, 1000 + i * self.tokens)
+                    self._record(f, self.tokens, 1000 + i * self.tokens)
                     for i, f in enumerate(self.facts[first : first + 64], first)
                 ]
             )
         self.version = self.store.version(TENANT)
         self.token_ids = {f: list(self.store.info(TENANT, f).token_ids) for f in ["frame", *self.facts]}
+        self.landed = 0
         arena_record = self.layers * self.heads * self.dim * 2 * 2 * -(-self.tokens // 16) * 16  # bf16 pages
         cuda = self.device.type == "cuda"
         self.tiers = TieredStore(
@@ -132,6 +133,22 @@ class Bench:
         if not all(load.valid for load in loads) or self.worker.take_failed_blocks():
             raise RuntimeError(f"ask {request} failed")
         return ms
+
+    def _record(self, fact_id: str, n: int, first: int) -> FactKV:
+        return FactKV(TENANT, fact_id, tuple(range(first, first + n)), *self._base[n], self._params, version=1)
+
+    def land(self, count: int) -> list[str]:
+        """`count` new facts written by the other writer now (the tenant's version bumped), as a re-encode lands
+        just before the chat that reads it in the tenants run."""
+        ids = [f"n{self.landed + i}" for i in range(count)]
+        first = 10_000_000 + self.landed * self.tokens
+        self.writer.put_many([self._record(f, self.tokens, first + i * self.tokens) for i, f in enumerate(ids)])
+        self.landed += count
+        self.token_ids.update(
+            {f: list(range(first + i * self.tokens, first + (i + 1) * self.tokens)) for i, f in enumerate(ids)}
+        )
+        self.version = self.writer.version(TENANT)
+        return ids
 
     def evict_from_page_cache(self, fact: str) -> str:
         """Drop the fact's record file from the page cache, so the store reads it from disk."""
@@ -204,6 +221,7 @@ def run(args: argparse.Namespace) -> dict:
     last_up = list(recent)  # the last host ask's, in the arena since
     case("store", lambda: hot + last_up[: h - s] + [next(fresh) for _ in range(s)])
     case("store+host", lambda: hot[s:] + from_tiers(h) + [next(fresh) for _ in range(s)])
+    case("landed+host", lambda: hot[s:] + from_tiers(h) + bench.land(s))
     medians = {name: statistics.median(ms) for name, ms in cases.items()}
     base = medians["arena"]
     return {
@@ -219,6 +237,9 @@ def run(args: argparse.Namespace) -> dict:
             "host+spill": round((medians["host+spill"] - base) / h, 3),
             "host+free": round((medians["host+free"] - base) / h, 3),
             "store": round((medians["store"] - base) / s, 3),
+            "landed over store (both beside host records)": round(
+                (medians["landed+host"] - medians["store+host"]) / s, 3
+            ),
         },
         "per_ask": moved,  # records by where they were found, and evictions, tier entries put, host segments
         "profiles": profiles,
@@ -226,8 +247,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def tiered_count(args: argparse.Namespace) -> int:
-    """Facts pushed down to the tiers before the cases: three cases' host reads, and the warm-up between two."""
-    return 6 * args.asks * args.host + args.arena_records + 4 * args.host
+    """Facts pushed down to the tiers before the cases: four cases' host reads, and the warm-up between two."""
+    return 8 * args.asks * args.host + args.arena_records + 4 * args.host
 
 
 def main() -> None:
