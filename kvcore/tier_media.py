@@ -30,22 +30,44 @@ from kvcore.tier_disk import Key, file_name, write_tier_file
 log = logging.getLogger(__name__)
 
 
+class Arrival:
+    """Copies from the device to host memory, queued, and the event recorded behind them (`record`): waited for
+    once, by whichever reader of their bytes comes first (`wait`); later readers, and the other entries of the
+    same spill, then go on at once."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event  # a torch.cuda.Event (anything with record and synchronize), None once waited for
+
+    def record(self, stream: Any) -> None:
+        self._event.record(stream)
+
+    def wait(self) -> None:
+        event = self._event
+        if event is not None:
+            event.synchronize()
+            self._event = None
+
+    def landed(self) -> bool:
+        """Whether the copies have arrived (without waiting)."""
+        return self._event is None or self._event.query()
+
+
 @dataclass(frozen=True)
 class HostKV:
     """An entry's K and V `[L, H, T, D]` in host memory: int8 codes (`Quantized`) or full-precision values.
 
-    Copies from the device may still be on their way in: `ready` (a CUDA event recorded behind them) is waited for
-    by every reader of the bytes on the host (`wait`), so a spill never makes the step that evicted it wait."""
+    Copies from the device may still be on their way in (`ready`): every reader of the bytes on the host waits for
+    them first (`wait`), so a spill never makes the step that evicted it wait."""
 
     k: Quantized | torch.Tensor
     v: Quantized | torch.Tensor
     block: PoolBlock | None = field(default=None, compare=False, repr=False)  # the pool memory k and v are views of
-    ready: Any = field(default=None, compare=False, repr=False)  # an event behind the copies into k and v, or None
+    ready: Arrival | None = field(default=None, compare=False, repr=False)  # the copies into k and v, if queued
 
     def wait(self) -> None:
         """Return once the bytes are all here (at once for an entry not copied from the device, or long copied)."""
         if self.ready is not None:
-            self.ready.synchronize()
+            self.ready.wait()
 
     @property
     def quantized(self) -> bool:
@@ -102,10 +124,10 @@ def host_copy(
     pinned: bool,
     non_blocking: bool = False,
     pool: HostPool | None = None,
-    ready: Any = None,
+    ready: Arrival | None = None,
 ) -> HostKV:
     """Contiguous host copies of K and V (codes or values), in page-locked memory if `pinned`; with
-    `non_blocking`, copies from the device are only queued, and `ready` (an event the caller records behind
+    `non_blocking`, copies from the device are only queued, and `ready` (whose event the caller records behind
     them) is what the entry's readers wait for. Pinned int8 entries get one buffer for their four tensors, so a
     load moves each to the device in one copy: a block of `pool` where it has room."""
     if pinned and isinstance(k, Quantized) and isinstance(v, Quantized):

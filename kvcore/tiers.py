@@ -27,7 +27,7 @@ from kvcore.host_pool import HostPool
 from kvcore.packed import RawEntry
 from kvcore.quantize import Quantized, quantize_many
 from kvcore.tier_disk import DiskFile, Key, advise_willneed
-from kvcore.tier_media import DiskMedium, HostKV, PendingFile, check_key, host_copy, in_hand
+from kvcore.tier_media import Arrival, DiskMedium, HostKV, PendingFile, check_key, host_copy, in_hand
 from kvcore.tier_policy import ScorePolicy, Tier, TierEntry
 from kvcore.tier_reads import LayerReader, read_raw
 
@@ -180,7 +180,7 @@ class TieredStore:
         else:
             packed = list(zip(ks, vs))
         pinned = self.device.type == "cuda"
-        ready = torch.cuda.Event() if any(k.is_cuda for k in ks) else None
+        ready = Arrival(torch.cuda.Event()) if any(k.is_cuda for k in ks) else None
         hosts = [host_copy(k, v, pinned=pinned, non_blocking=True, pool=self._pool, ready=ready) for k, v in packed]
         if ready is not None:
             ready.record(torch.cuda.current_stream(ks[0].device))  # behind every copy queued above

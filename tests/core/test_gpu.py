@@ -179,9 +179,9 @@ def test_a_cuda_spill_returns_before_its_copies_land_and_its_readers_wait_for_th
         busy = busy @ busy / 8192
     store.put_many([(("t", "f0"), k, v, "")])
     held = store._entries[("t", "f0")].held
-    assert held.ready is not None and not held.ready.query()  # returned with the copies still on their way
+    assert held.ready is not None and not held.ready.landed()  # returned with the copies still on their way
     got_k, got_v = store.read(("t", "f0"))
-    assert held.ready.query()
+    assert held.ready.landed()
     for got, want in ((got_k, k), (got_v, v)):
         want = want.float().cpu()
         step = want.abs().amax(dim=-2, keepdim=True) / 127  # int8, then bf16 rounding

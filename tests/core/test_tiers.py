@@ -405,7 +405,7 @@ def test_host_memory_makes_room_for_an_entry_larger_than_the_ones_it_moves_down(
     assert [store.tier_of(("t", f"s{i}")) for i in range(3)] == ["disk", "disk", "disk"]
 
 
-class Arrival:
+class Landing:
     """A stand-in for the CUDA event behind a spill's queued copies: until something waits on it, the entry's host
     buffers hold zeros (the copies have not landed); waiting lands them."""
 
@@ -424,20 +424,20 @@ def test_every_host_reader_of_a_spilled_entry_waits_for_its_copies(tmp_path):
     import threading
 
     from kvcore.tier_disk import DiskFile
-    from kvcore.tier_media import DiskMedium, HostKV
+    from kvcore.tier_media import Arrival, DiskMedium, HostKV
 
     k, v = kv(7)
     codes = [quantize(k), quantize(v)]
     empty = [type(q)(torch.zeros_like(q.codes), torch.zeros_like(q.scales)) for q in codes]
 
-    def spilled() -> tuple[HostKV, Arrival]:
+    def spilled() -> tuple[HostKV, Landing]:
         for q in empty:
             q.codes.zero_(), q.scales.zero_()
         pairs = [(e.codes, q.codes) for e, q in zip(empty, codes)] + [
             (e.scales, q.scales) for e, q in zip(empty, codes)
         ]
-        ready = Arrival(pairs)
-        return HostKV(*empty, ready=ready), ready
+        ready = Landing(pairs)
+        return HostKV(*empty, ready=Arrival(ready)), ready
 
     want = [dequantize(q) for q in codes]
     host, ready = spilled()
@@ -445,6 +445,8 @@ def test_every_host_reader_of_a_spilled_entry_waits_for_its_copies(tmp_path):
     host, ready = spilled()
     layer = host.layer(2)
     assert torch.equal(layer[0].codes, codes[0].codes[2]) and ready.waits == 1
+    host.layer(1), host.decode(torch.float32)
+    assert ready.waits == 1 and host.ready.landed()  # waited for once: later reads go on at once
     host, ready = spilled()
     assert torch.equal(host.host_codes()[1].codes, codes[1].codes) and ready.waits == 1
     host, ready = spilled()
