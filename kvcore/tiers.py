@@ -64,6 +64,9 @@ class TieredStore:
             if self.device.type == "cuda" and host_bytes > 0
             else None
         )
+        self._copy_stream = (
+            None  # on a GPU, the stream that spills' copies to the host go down on (made when first needed)
+        )
         self.on_move = on_move  # replaceable: a worker points it at its placement tracker once it has one
         self._policy = ScorePolicy(age_scale_s, clock)
         self._entries: dict[Key, TierEntry] = {}
@@ -169,8 +172,8 @@ class TieredStore:
         """Entries (a step's evictions from the device, or records read for a load; optionally each one's
         importance) into host memory where room can be made there, else to disk: quantized together on the tiers'
         device (values read on the host too: a GPU's few kernels, not a host core's tens of ms for a 30-token record
-        of the 8B shape) and copied to the host, queued: an event recorded behind the copies is what a reader of an
-        entry waits for (`HostKV.wait`), so the step that spilled them goes on while they travel."""
+        of the 8B shape) and copied to the host, queued on a copy stream (`_copy_down`): the step that spilled them
+        goes on while they travel, and a reader of an entry waits for them (`HostKV.wait`)."""
         if not items:
             return
         ks, vs = [k for _, k, _, _ in items], [v for _, _, v, _ in items]
@@ -179,13 +182,31 @@ class TieredStore:
             packed = list(zip(quantize_many(ks), quantize_many(vs)))
         else:
             packed = list(zip(ks, vs))
-        pinned = self.device.type == "cuda"
-        ready = Arrival(torch.cuda.Event()) if any(k.is_cuda for k in ks) else None
-        hosts = [host_copy(k, v, pinned=pinned, non_blocking=True, pool=self._pool, ready=ready) for k, v in packed]
-        if ready is not None:
-            ready.record(torch.cuda.current_stream(ks[0].device))  # behind every copy queued above
+        if any(k.is_cuda for k in ks):
+            hosts = self._copy_down(packed, ks[0].device)
+        else:
+            pinned = self.device.type == "cuda"
+            hosts = [host_copy(k, v, pinned=pinned, pool=self._pool) for k, v in packed]
         for (key, k, _, label), host, weight in zip(items, hosts, importance or [0.0] * len(items)):
             self._add(key, host, k.dtype, label, weight)
+
+    def _copy_down(self, packed: list[tuple[Quantized | torch.Tensor, ...]], device: torch.device) -> list[HostKV]:
+        """Device K/V (codes or values) into page-locked host entries, copied on a stream of their own: the copies
+        wait for the kernels that made them, the step's forward does not wait for the copies (the copy engine moves
+        them beside its compute). The entries' readers wait for the `Arrival` recorded behind them."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        ready = Arrival(torch.cuda.Event())
+        with torch.cuda.stream(stream):
+            hosts = [host_copy(k, v, pinned=True, non_blocking=True, pool=self._pool, ready=ready) for k, v in packed]
+        for pair in packed:  # made on the compute stream, read on this one: not reused before these copies end
+            for side in pair:
+                for tensor in (side.codes, side.scales) if isinstance(side, Quantized) else (side,):
+                    tensor.record_stream(stream)
+        ready.record(stream)
+        return hosts
 
     def remove(self, key: Key) -> None:
         entry = self._entries.get(key)
