@@ -204,7 +204,8 @@ class TieredStore:
         for pair in packed:  # made on the compute stream, read on this one: not reused before these copies end
             for side in pair:
                 for tensor in (side.codes, side.scales) if isinstance(side, Quantized) else (side,):
-                    tensor.record_stream(stream)
+                    if tensor.is_cuda:
+                        tensor.record_stream(stream)
         ready.record(stream)
         return hosts
 
