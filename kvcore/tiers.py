@@ -68,8 +68,8 @@ class TieredStore:
             None  # on a GPU, the stream that spills' copies to the host go down on (made when first needed)
         )
         self.on_move = on_move  # replaceable: a worker points it at its placement tracker once it has one
-        self._policy = ScorePolicy(age_scale_s, clock)
         self._entries: dict[Key, TierEntry] = {}
+        self._policy = ScorePolicy(age_scale_s, clock, self._entries)
         self.entries_added = 0  # entries put since the start (a spill or a record read for a load)
         self._lock = threading.Lock()  # between the caller and the background writer of disk files
         self._disk = DiskMedium(disk_dir, write_behind, self._lock, self._settle)
@@ -82,6 +82,7 @@ class TieredStore:
                 "disk", found.path, found.nbytes, found.layers, found.dtype, last_use=clock(), label=found.label
             )
             self._used["disk"] += found.nbytes
+            self._policy.track(found.key, self._entries[found.key])
 
     # ---- queries ----
     def tier_of(self, key: Key) -> Tier | None:
@@ -108,7 +109,7 @@ class TieredStore:
         """Pin the entry and count a retrieval hit; its reader."""
         entry = self._entries[key]
         entry.loading += 1
-        self._policy.touch(entry, importance)
+        self._policy.touch(key, entry, importance)
         return LayerReader(key, entry, self.device)
 
     def end_load(self, reader: LayerReader) -> None:
@@ -255,7 +256,7 @@ class TieredStore:
         if nbytes > self._budget[tier]:
             return False
         while self._used[tier] + nbytes > self._budget[tier]:
-            victim = self._policy.victim(self._entries, tier, keep)
+            victim = self._policy.victim(tier, keep)
             if victim is None:
                 return False
             if tier == "cpu":  # host codes (or values) go to their file as they are
@@ -275,6 +276,7 @@ class TieredStore:
         with self._lock:  # the writer thread swaps a pending entry's file in under the same lock
             entry.tier, entry.held, entry.nbytes = tier, held, nbytes
         self._used[tier] += nbytes
+        self._policy.track(key, entry)
         self.on_move(key, tier, entry.label)
         if tier == "disk":
             self._make_room("disk", 0, keep=key)
