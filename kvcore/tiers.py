@@ -64,9 +64,8 @@ class TieredStore:
             if self.device.type == "cuda" and host_bytes > 0
             else None
         )
-        self._copy_stream = (
-            None  # on a GPU, the stream that spills' copies to the host go down on (made when first needed)
-        )
+        # on a GPU, the stream that spills' copies to the host go down on (made when first needed)
+        self._copy_stream: torch.cuda.Stream | None = None
         self.on_move = on_move  # replaceable: a worker points it at its placement tracker once it has one
         self._entries: dict[Key, TierEntry] = {}
         self._policy = ScorePolicy(age_scale_s, clock, self._entries)
