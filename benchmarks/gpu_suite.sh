@@ -28,7 +28,8 @@
 # in ttft, the app's 64 on a GPU in the others): vLLM's bookkeeping of injected tokens (new blocks, hashes cached, older ones
 # evicted) is per block.
 # TENANTS_GPU_ARGS (e.g. "--timed 300 --warm 200") go to tenants-gpu's script as they are, for a shorter run.
-# RECORD_PRECISION=int8 has tenants-gpu store records as int8 codes (the node's disk budget holds twice the facts).
+# RECORD_PRECISION=int8 has tenants-gpu store records as int8 codes (the node's disk budget holds twice the facts);
+# ARENA_PRECISION=int8 has its device arena hold int8 codes too (~1.6x the facts in HBM; "HBM alone" counts those).
 # Every step that starts a serving cluster leaves its processes' error lines in OUT_DIR/<step>-errors.log.
 # ENGINE_SM_PERCENT=N with mps-on holds serve-http's engine to N % of the SMs (the ingress embeds beside it).
 # mps-on starts CUDA's multi-process service (every later CUDA process of the call shares the GPU through it,
@@ -119,6 +120,7 @@ for step in "$@"; do
     encode-job) run encode-job 240 python3 benchmarks/encode_job.py --out "$out/encode_job.json" ;;
     encode-job-shape) run encode-job-shape 540 python3 benchmarks/encode_job.py --config "$SHAPE" --out "$out/encode_job_8b.json" ;;
     tenants-gpu) run tenants-gpu 590 python3 benchmarks/tenants_per_gpu.py --record-precision "${RECORD_PRECISION:-dense}" \
+            --arena-precision "${ARENA_PRECISION:-dense}" \
             ${TENANTS_GPU_ARGS:-} --out "$out/tenants_per_gpu.json"
         grep -E "^HBM alone|^\{'tenants" "$out/tenants-gpu.log" ;;
     offload-tiers) run offload-tiers 420 python3 benchmarks/offload_tiers.py --out "$out/offload_tiers.json" ;;

@@ -2,7 +2,7 @@
 
 One process, one real vLLM engine with the inferscale connector (device arena, pinned host tier, disk tier;
 prefix caching off, so every request injects). For each tenant count N (10x, 20x, ... what HBM alone holds:
-the arena over one tenant's K/V), a Zipf trace of chats (tenants by Zipf(1.0), each chat's k facts by Zipf(1.0)
+the arena over one tenant's K/V, as that arena holds it: values, or int8 codes with `--arena-precision int8`), a Zipf trace of chats (tenants by Zipf(1.0), each chat's k facts by Zipf(1.0)
 within its tenant) runs through inferscale's own residency rules (`_node_residency.py`: the node's K/V budget
 is what the record store's disk holds; a fact keeps K/V while it is used enough, dropped facts are pasted as
 text and encoded again once warm). The chats before the engine's part are only replayed; then the records of
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import engine_shape_defaults, parser, scratch_dir, shape_folder, target, write_report  # noqa: E402
 from benchmarks._node_residency import NodeResidency, ZipfTrace, settings_for  # noqa: E402
+from kvcore.arena import record_bytes  # noqa: E402
 from kvcore.plan import MemoryPlan  # noqa: E402
 from kvcore.record import PRECISIONS, EncodingParams, FactKV, dtype_name  # noqa: E402
 from kvcore.rope import RopeConfig  # noqa: E402
@@ -58,8 +59,8 @@ class Records:
         facts: int,
         precision: str = "dense",
     ) -> None:
-        """`precision`: how the store holds records ("int8": codes of the `dtype` values, decoded on the device as the
-        arena takes them; the arena still holds `dtype` values)."""
+        """`precision`: how the store holds records ("int8": codes of the `dtype` values, decoded on the device as a
+        dense arena takes them, kept as they are by an int8 arena)."""
         rope = RopeConfig.from_hf_config(config)
         layers, heads = config["num_hidden_layers"], config.get("num_key_value_heads") or config["num_attention_heads"]
         self.store = LocalFactStore(root, precision=precision)
@@ -70,7 +71,9 @@ class Records:
             "probe", "frame", tuple(range(FRAME_TOKENS)), *(x[:, :, :FRAME_TOKENS].clone() for x in (k, v)), self.params
         )
         fact = FactKV("probe", "fact", tuple(range(FACT_TOKENS)), k, v, self.params)
-        self.arena_fact_bytes = fact.nbytes  # what a fact takes in the arena (values)
+        self.arena_fact_bytes = {  # what a fact takes in the arena: its whole pages, of values or of codes
+            arena: record_bytes(layers, heads, rope.head_dim, FACT_TOKENS, dtype, arena) for arena in ("dense", "int8")
+        }
         frame, fact = self.store.stored(frame), self.store.stored(fact)  # quantized once: every record holds the same
         self.k, self.v, self.frame_kv = fact.k, fact.v, (frame.k, frame.v)
         rng = np.random.default_rng(0)
@@ -147,6 +150,7 @@ class Engine:
             store_root=store_root,
             fingerprint=fingerprint,
             device_cache_bytes=int(args.arena_gib * GIB),
+            arena_precision=args.arena_precision,
             tiers=TierConfig(
                 disk_cache_dir=work / "tiers",
                 host_cache_bytes=int(args.host_gib * GIB),
@@ -365,6 +369,13 @@ def main() -> None:
         "engine starts (`tiers.pin_host_at_start`)",
     )
     p.add_argument(
+        "--arena-precision",
+        default="dense",
+        choices=["dense", "int8"],
+        help="how the device arena holds records: values, or int8 codes with each page's scales (~1.6x the facts; "
+        "'HBM alone' then counts the tenants such an arena holds)",
+    )
+    p.add_argument(
         "--record-precision",
         default="dense",
         choices=list(PRECISIONS),
@@ -383,7 +394,7 @@ def main() -> None:
     record_dtype = getattr(torch, args.record_dtype)
     work = Path(scratch_dir(prefix="tenants-gpu-"))
     probe = Records(work / "probe", config, fingerprint, record_dtype, 1, 1, args.record_precision)
-    tenant_bytes = facts * probe.arena_fact_bytes  # HBM alone: tenants whose K/V the arena holds
+    tenant_bytes = facts * probe.arena_fact_bytes[args.arena_precision]  # HBM alone: tenants the arena holds
     if quick:  # HBM alone holds two tenants; the disk budget four tenants' K/V; the host tier half of that
         args.arena_gib = args.arena_gib or 2 * tenant_bytes / GIB
         args.node_kv_gib = args.node_kv_gib or 4 * tenant_bytes / GIB
@@ -434,6 +445,7 @@ def report(args, rows, ref, goal, hbm_alone, fact_bytes, records, engine, facts,
             "engine_dtype": args.dtype,
             "record_dtype": args.record_dtype,
             "record_precision": args.record_precision,
+            "arena_precision": args.arena_precision,
             "host_pinned_at_start": not args.pin_host_lazily,
             "facts_per_tenant": facts,
             "k": k,

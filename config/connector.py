@@ -21,6 +21,7 @@ DEFAULT_WHOLE_LOAD_BYTES = 1 << 30
 
 RecordDtype = Literal["float32", "engine", "bfloat16", "float16"]
 RecordPrecision = Literal["dense", "int8"]  # kvcore.record.PRECISIONS (a test holds them equal)
+ArenaPrecision = Literal["dense", "int8"]  # kvcore.arena.ArenaPrecision (a test holds them equal)
 STORED_DTYPES = tuple(d for d in get_args(RecordDtype) if d != "engine")  # `engine` resolves to one of them
 
 
@@ -81,6 +82,11 @@ class ConnectorConfig(Frozen):
         description="How the record store holds records, for every writer of it (the engine's captures, encoding "
         "jobs): values in `record_dtype`, or int8 codes with a scale per layer, head and channel (half the bytes of "
         "bf16 on disk; decoded on the device as the arena takes them).",
+    )
+    arena_precision: ArenaPrecision = Field(
+        "dense",
+        description="How the device arena holds records: values in `record_dtype`, or int8 codes with each page's "
+        "scales (~1.6x the facts in the same HBM; decoded as the step writes them).",
     )
     tiers: TierConfig | None = None
     report_placement: bool = Field(False, description="Record where each fact's K/V is held in Redis.")

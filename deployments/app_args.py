@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from config.connector import DEFAULT_DEVICE_CACHE_BYTES, RecordDtype, RecordPrecision, TierConfig
+from config.connector import DEFAULT_DEVICE_CACHE_BYTES, ArenaPrecision, RecordDtype, RecordPrecision, TierConfig
 from deployments.memory_prompt import FactOrder
 
 # history mode's question pass by default: layer 0 only (docs/history-selection.md, "The eighth run": on an
@@ -80,6 +80,11 @@ class LLMArgs(Strict):
         description="One tenant's share of the arena at most "
         "(None: no cap); a tenant at its share "
         "evicts its own records first.",
+    )
+    arena_precision: ArenaPrecision = Field(
+        "dense",
+        description="How the device arena holds records: values, or int8 codes with each page's scales (~1.6x the "
+        "facts in the same HBM; docs/residency.md).",
     )
     tiers: TierConfig | None = Field(None, description="Lower tiers under the device arena (pinned host, then disk).")
     record_dtype: RecordDtype = Field(

@@ -71,6 +71,7 @@ class ConnectorWorker:
             device_tenant_bytes=config.device_tenant_bytes,
             packed_inserter=optional_kernel("packed_insert", "insert_packed_kernel") if kernels else None,
             record_dtype=record_dtype,
+            arena_precision=config.arena_precision,
         )
         return cls(
             injection,

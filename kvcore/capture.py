@@ -15,7 +15,7 @@ after the forward in steps without synchronous loads). With a `record_dtype` (th
 pre-RoPE keys and the values are rounded to it once, after the exact inverse rotation: half the bytes in
 every tier, at the cost of that rounding (`benchmarks/injection_equivalence.py` measures what it does to answers).
 Where the store holds int8 records (its `precision`), the spans are quantized on the device before they cross to
-the host, and the hot copy handed to `on_stored` is what those codes decode to.
+the host, and the hot copy handed to `on_stored` is those codes, still on the device.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from kvcore.errors import KVCoreError
 from kvcore.paged import PagedLayout, slot_mapping
 from kvcore.plan import CapturePlan
-from kvcore.quantize import Quantized, dequantize, quantize_many
+from kvcore.quantize import Quantized, quantize_many
 from kvcore.record import EncodingParams, FactKV, dtype_name
 from kvcore.rope import RopeConfig, apply_rotation, cos_sin, table_dtype_of
 
@@ -93,7 +93,7 @@ WRITE_GROUP = 64  # records written (and fsynced) together: a 32k-token history 
 
 # (tenant id, [(record id, the stored file's stamp, K, V on the device)]): a write group just stored, handed on
 # while its K/V are still on the device (the injector keeps them hot: whoever wrote them is about to ask for them)
-Stored = Callable[[str, list[tuple[str, tuple[int, ...], torch.Tensor, torch.Tensor]]], None]
+Stored = Callable[[str, list[tuple[str, tuple[int, ...], torch.Tensor | Quantized, torch.Tensor | Quantized]]], None]
 
 
 @dataclass
@@ -212,7 +212,7 @@ class CaptureWorker:
         for first in range(0, len(spans), WRITE_GROUP):  # a group's files and their fsyncs go out together
             group = spans[first : first + WRITE_GROUP]
             kv = [(pre_rope[:, :, s.begin : s.end].contiguous(), v[:, :, s.begin : s.end].contiguous()) for s in group]
-            stored, kv = _coded(kv, dtype) if coded else ([(k.cpu(), v.cpu()) for k, v in kv], kv)
+            stored, kv = _coded(kv) if coded else ([(k.cpu(), v.cpu()) for k, v in kv], kv)
             self._store.put_many(
                 [
                     FactKV(
@@ -238,12 +238,10 @@ class CaptureWorker:
 
 
 def _coded(
-    kv: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
-) -> tuple[list[tuple[Quantized, Quantized]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[list[tuple[Quantized, Quantized]], list[tuple[Quantized, Quantized]]]:
     """Spans' K/V as int8 codes for the store, quantized where they lie (on the device: a quarter of float32's
-    bytes cross to the host), and the values those codes decode to, which is what a hot copy must hold so that
-    a fact answers the same from the arena as from its file."""
-    codes_k, codes_v = quantize_many([k for k, _ in kv]), quantize_many([v for _, v in kv])
-    stored = [(k.to("cpu"), v.to("cpu")) for k, v in zip(codes_k, codes_v)]
-    decoded = [(dequantize(k, dtype), dequantize(v, dtype)) for k, v in zip(codes_k, codes_v)]
-    return stored, decoded
+    bytes cross to the host), and the same codes where they lie as the hot copy: the arena decodes them, or keeps
+    them as they are, so a fact answers the same from the arena as from its file."""
+    codes = list(zip(quantize_many([k for k, _ in kv]), quantize_many([v for _, v in kv])))
+    return [(k.to("cpu"), v.to("cpu")) for k, v in codes], codes

@@ -19,13 +19,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES, DeviceArena, joined_longs
+from kvcore.arena import DEFAULT_DEVICE_CACHE_BYTES, ArenaPrecision, DeviceArena, joined_longs
 from kvcore.errors import ArenaFullError, IncompatibleRecordsError, KVCoreError, PlanError
 from kvcore.injection_scheduler import LoadSpec
 from kvcore.load_sources import LoadSources
 from kvcore.packed import PackedInserter
 from kvcore.paged import CacheTarget, PagedLayout, step_slots
 from kvcore.placement import PlacementTracker, Sink
+from kvcore.quantize import Quantized
 from kvcore.record import FactKV, dtype_name
 from kvcore.rope import RopeConfig, RotationTable, table_dtype_of
 from kvcore.spills import tier_key
@@ -66,10 +67,13 @@ class InjectionWorker:
         device_tenant_bytes: int | None = None,
         packed_inserter: PackedInserter | None = None,
         record_dtype: torch.dtype | None = torch.float32,
+        arena_precision: ArenaPrecision = "dense",
     ) -> None:
         """`record_dtype`: the records' dtype, which the device arena holds them in (None: the engine cache's own,
-        as `CaptureWorker` reads it); a record stored in another is converted as the arena takes it."""
+        as `CaptureWorker` reads it); a record stored in another is converted as the arena takes it.
+        `arena_precision`: the arena's rows as values, or as int8 codes with per-page scales (~1.6x the facts)."""
         self._store = store
+        self._arena_precision = arena_precision
         self._record_dtype = record_dtype
         self._fingerprint = fingerprint
         self._rope = rope
@@ -122,6 +126,7 @@ class InjectionWorker:
             on_evict=self._spill if self._tiers is not None else None,
             on_change=on_change,
             tenant_bytes=self._device_tenant_bytes,
+            precision=self._arena_precision,
         )
         try:
             self._arena.allocate()  # its memory claimed as the engine starts: a size that cannot fit stops the start
@@ -161,9 +166,11 @@ class InjectionWorker:
         finally:
             self._flush_spills()  # the group's copies go down together: one quantization, one wait
 
-    def _keep_captured(self, tenant_id: str, record_id: str, stamp: Stamp, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """One captured record into the arena and its copy to the tiers; False once the arena should not be asked
-        again."""
+    def _keep_captured(
+        self, tenant_id: str, record_id: str, stamp: Stamp, k: torch.Tensor | Quantized, v: torch.Tensor | Quantized
+    ) -> bool:
+        """One captured record (values, or an int8 store's codes) into the arena and its copy to the tiers; False
+        once the arena should not be asked again."""
         dtype = self._arena.dtype
         try:
             self._arena.insert((tenant_id, record_id), stamp, k, v)
@@ -179,7 +186,10 @@ class InjectionWorker:
             log.warning("captured records are no longer kept in the device arena", exc_info=True)
             return False
         if self._streams is not None:
-            self._streams.spills.copy_down((tenant_id, record_id), stamp, lambda: (k.to(dtype), v.to(dtype)))
+            coded = isinstance(k, Quantized)
+            self._streams.spills.copy_down(
+                (tenant_id, record_id), stamp, lambda: (k, v) if coded else (k.to(dtype), v.to(dtype))
+            )
         return True
 
     def tier_counters(self) -> dict[str, int]:
@@ -317,7 +327,9 @@ class InjectionWorker:
         index = torch.stack((to_device(rows, device), positions, slots))
         self._table.reserve(max(load.end for load in loads))
         if self._writer is not None:
-            self._writer(self._arena.k, self._arena.v, index, *self._table.tables)
+            arena = self._arena
+            scales = (arena.k_scales, arena.v_scales) if arena.quantized else None
+            self._writer(arena.k, arena.v, index, *self._table.tables, scales, arena.page_tokens)
             return StepPlan(WritePath.FUSED, index)
         cos, sin = self._table.lookup(index[1])
         step = StepPlan(WritePath.CHUNKED, index, cos[:, None], sin[:, None])
@@ -333,9 +345,7 @@ class InjectionWorker:
 
     def _gather(self, rows: torch.Tensor, layer: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the step's arena rows: `[L, T, H, D]` for all layers, or `[T, H, D]` for one."""
-        if layer is None:
-            return self._arena.k.index_select(1, rows), self._arena.v.index_select(1, rows)
-        return self._arena.k[layer].index_select(0, rows), self._arena.v[layer].index_select(0, rows)
+        return self._arena.gather(rows, layer)
 
     def _spans(self, load: LoadSpec):
         """(record id, stamp, first token, end token) of each record inside the load's [begin, end)."""

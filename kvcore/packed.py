@@ -76,9 +76,19 @@ class PackedEntries:
 
 class PackedInserter(Protocol):
     """Writes every token of `packed` into the arena's K and V `[L, R, H, D]` at `rows` (int64 `[sum T]`,
-    on the device), dequantized to the arena's dtype exactly as `insert_packed` does."""
+    on the device), dequantized to the arena's dtype exactly as `insert_packed` does; into an int8 arena (its
+    per-page `scales`, `[L, pages, H, D]` float32 each, and `page_tokens`) the codes as they are, each entry's
+    scales into every page its rows fall in."""
 
-    def __call__(self, packed: PackedEntries, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def __call__(
+        self,
+        packed: PackedEntries,
+        rows: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        page_tokens: int = 0,
+    ) -> None: ...
 
 
 def raw_entry(k: Quantized, v: Quantized) -> RawEntry:
@@ -126,14 +136,27 @@ def pack(entries: list[RawEntry], dtype: torch.dtype, device: torch.device) -> P
     return PackedEntries(flat, table, moved[len(rows) * TABLE_COLUMNS :], rows, starts, layers, heads, dim, dtype)
 
 
-def insert_packed(packed: PackedEntries, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def insert_packed(
+    packed: PackedEntries,
+    rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    page_tokens: int = 0,
+) -> None:
     """`PackedInserter` in torch: each entry dequantized (float32 product, rounded to the arena's dtype once)
-    and copied into its rows."""
+    and copied into its rows; or, into an int8 arena, its codes and, for each page its rows fall in, its scales."""
     for index, (first, end) in enumerate(zip(packed.starts, packed.starts[1:])):
         k_q, v_q = packed.entry(index)
         at = rows[first:end]
-        k.index_copy_(1, at, (k_q.codes.float() * k_q.scales).to(k.dtype).permute(0, 2, 1, 3))
-        v.index_copy_(1, at, (v_q.codes.float() * v_q.scales).to(v.dtype).permute(0, 2, 1, 3))
+        if scales is None:
+            k.index_copy_(1, at, (k_q.codes.float() * k_q.scales).to(k.dtype).permute(0, 2, 1, 3))
+            v.index_copy_(1, at, (v_q.codes.float() * v_q.scales).to(v.dtype).permute(0, 2, 1, 3))
+            continue
+        pages = torch.unique(torch.div(at, page_tokens, rounding_mode="floor"))
+        for codes, table, q in ((k, scales[0], k_q), (v, scales[1], v_q)):
+            codes.index_copy_(1, at, q.codes.permute(0, 2, 1, 3))
+            table.index_copy_(1, pages, q.scales.expand(-1, -1, pages.numel(), -1).permute(0, 2, 1, 3))
 
 
 def aligned(size: int) -> int:

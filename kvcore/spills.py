@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from kvcore.arena import EvictedKV
 from kvcore.placement import tier_label
 from kvcore.store import Stamp
 from kvcore.tiers import KV, TieredStore
@@ -32,8 +33,11 @@ def tier_key(tenant_id: str, record_id: str, stamp: Stamp) -> tuple[str, str]:
 class SpillQueue:
     """A step's arena evictions, stored in the tiers together at its end, and the placements they defer."""
 
-    def __init__(self, tiers: TieredStore, on_arena_change: ArenaChange | None = None) -> None:
-        self._tiers, self._on_arena_change = tiers, on_arena_change
+    def __init__(
+        self, tiers: TieredStore, on_arena_change: ArenaChange | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        """`dtype`: what an int8 arena's evicted codes decode to."""
+        self._tiers, self._on_arena_change, self._dtype = tiers, on_arena_change, dtype
         self._queued: list[tuple[KV, float]] = []  # (item, importance)
         self._queued_entries: set[tuple[str, str]] = set()  # their tier keys
         self._importance: dict[RecordKey, float] = {}  # (tenant, record) -> its last retrieval score
@@ -52,18 +56,16 @@ class SpillQueue:
             self._importance[plan.tenant_id, record_id] = weight
         return weights
 
-    def spill(self, key: RecordKey, stamp: Stamp, read: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def spill(self, key: RecordKey, stamp: Stamp, read: Callable[[], EvictedKV]) -> None:
         """A record leaving the arena: queued for the tiers unless they hold this version already."""
         if self._queue(key, stamp, read, self._importance.pop(key, 0.0)):
             self._in_transit.add((key, stamp))  # its "gone" report waits for its tier entry
 
-    def copy_down(self, key: RecordKey, stamp: Stamp, read: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def copy_down(self, key: RecordKey, stamp: Stamp, read: Callable[[], EvictedKV]) -> None:
         """A record staying in the arena gets its tier copy now (a capture), so that leaving it later costs nothing."""
         self._queue(key, stamp, read, self._importance.get(key, 0.0))
 
-    def _queue(
-        self, key: RecordKey, stamp: Stamp, read: Callable[[], tuple[torch.Tensor, torch.Tensor]], weight: float
-    ) -> bool:
+    def _queue(self, key: RecordKey, stamp: Stamp, read: Callable[[], EvictedKV], weight: float) -> bool:
         """Queue the record's K/V for the tiers (read once): True while its entry is on its way, False if the
         tiers hold this version already."""
         entry = tier_key(key[0], key[1], stamp)
@@ -81,7 +83,7 @@ class SpillQueue:
         queued, self._queued = self._queued, []
         self._queued_entries = set()
         try:
-            self._tiers.put_many([item for item, _ in queued], [weight for _, weight in queued])
+            self._tiers.put_many([item for item, _ in queued], [weight for _, weight in queued], self._dtype)
         finally:
             deferred, self._deferred, self._in_transit = self._deferred, [], set()
             for change in deferred:

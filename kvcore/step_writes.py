@@ -24,11 +24,19 @@ class StepWriter(Protocol):
     """Writes every layer of a step from the arena into joint `[K | V]` cache rows, rotating K on the way.
 
     Called with the arena's K and V `[L, R, H, D]`, the step index `[3, T]` (arena row, position, slot)
-    and the float32 cos/sin tables `[N, D/2]`. A device kernel (deployments/triton_adapter) implements it.
+    and the float32 cos/sin tables `[N, D/2]`; an int8 arena's codes come with its per-page scales and page size.
+    A device kernel (deployments/triton_adapter) implements it.
     """
 
     def __call__(
-        self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        page_tokens: int = 0,
     ) -> None: ...
 
 

@@ -99,7 +99,7 @@ class TierStreams:
         self._on_fail = on_fail  # (load, reason): its blocks are reported failed
         self._streams: list[_Stream] = []
         self._ahead = LayerAhead(arena.device)
-        self.spills = SpillQueue(tiers, on_arena_change)
+        self.spills = SpillQueue(tiers, on_arena_change, arena.dtype)
 
     @property
     def active(self) -> bool:
@@ -227,8 +227,8 @@ class TierStreams:
         rows, order = stream.order
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         if rows is not None:
-            k = torch.cat([self._arena.k[index].index_select(0, rows), k])
-            v = torch.cat([self._arena.v[index].index_select(0, rows), v])
+            in_arena = self._arena.gather(rows, index)
+            k, v = torch.cat([in_arena[0], k]), torch.cat([in_arena[1], v])
         return k.index_select(0, order), v.index_select(0, order)
 
     def _order(self, stream: _Stream, starts: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -254,8 +254,9 @@ class TierStreams:
         keys, values = [], []
         for part in stream.parts:
             if part.rows is not None:
-                keys.append(self._arena.k[index].index_select(0, part.rows))
-                values.append(self._arena.v[index].index_select(0, part.rows))
+                k, v = self._arena.gather(part.rows, index)
+                keys.append(k)
+                values.append(v)
                 continue
             k, v = self._layer_of(stream, part, index)  # host or disk tier: this layer only, on the device
             keys.append(k[:, part.lo : part.hi].transpose(0, 1).to(self._arena.dtype))
@@ -303,18 +304,22 @@ class TierStreams:
         return {id(p): (k[:, :, a:b], v[:, :, a:b]) for p, a, b in zip(stream.batch[0], starts, starts[1:])}
 
     def _promote(self, tenant_id: str, part: _Part, streamed: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Into the arena, from the layers this step streamed (or, if the step stopped early, from the tier)."""
-        if streamed is not None:
-            k, v = streamed
-        elif len(part.read) == part.reader.layers:
-            k, v = torch.stack([k for k, _ in part.read]), torch.stack([v for _, v in part.read])
-        else:
-            try:
+        """Into the arena, from the layers this step streamed (or, if the step stopped early, from the tier); an
+        int8 arena takes the entry as the tier holds it, codes as they are (quantizing the decoded layers again
+        would move codes)."""
+        try:
+            if self._arena.quantized:
+                k, v = self._tiers.read_held(part.reader.key)
+            elif streamed is not None:
+                k, v = streamed
+            elif len(part.read) == part.reader.layers:
+                k, v = torch.stack([k for k, _ in part.read]), torch.stack([v for _, v in part.read])
+            else:
                 k, v = self._tiers.read(part.reader.key)
-            except RecordCorruptError as exc:
-                log.warning("%s; the entry is dropped", exc)
-                self._tiers.discard_damaged(part.reader)
-                return
+        except RecordCorruptError as exc:
+            log.warning("%s; the entry is dropped", exc)
+            self._tiers.discard_damaged(part.reader)
+            return
         part.read = []
         try:
             self._arena.insert((tenant_id, part.record_id), part.stamp, k, v)

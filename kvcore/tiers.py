@@ -32,7 +32,7 @@ from kvcore.tier_policy import ScorePolicy, Tier, TierEntry
 from kvcore.tier_reads import LayerReader, read_raw
 
 log = logging.getLogger(__name__)
-KV = tuple[Key, torch.Tensor, torch.Tensor, str]  # key, K and V `[L, H, T, D]`, label
+KV = tuple[Key, torch.Tensor | Quantized, torch.Tensor | Quantized, str]  # key, K and V `[L, H, T, D]`, label
 
 
 class TieredStore:
@@ -119,12 +119,22 @@ class TieredStore:
 
     def read(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole entry `[L, H, T, D]` in its original dtype (dequantized), on the host; a file in one read."""
+        return self._held(key).decode(self._entries[key].dtype)
+
+    def read_held(self, key: Key) -> tuple[Quantized | torch.Tensor, Quantized | torch.Tensor]:
+        """The whole entry as its tier keeps it (int8 codes or values), on the host: an int8 arena takes codes as
+        they are, and quantizes values as they come."""
+        held = self._held(key)
+        held.wait()
+        return held.k, held.v
+
+    def _held(self, key: Key) -> HostKV:
         entry = self._entries[key]
         held = in_hand(entry.held)
         if isinstance(held, Path):
             with DiskFile(held) as file:
                 held = HostKV(*file.read_all(entry.layers))
-        return held.decode(entry.dtype)
+        return held
 
     def read_raw(self, readers: list[LayerReader], pinned: bool) -> list[RawEntry] | None:
         """The readers' int8 entries as host bytes, files read side by side (`kvcore.tier_reads.read_raw`)."""
@@ -168,27 +178,39 @@ class TieredStore:
         self._add(key, host_copy(k, v, pinned=self.device.type == "cuda", pool=self._pool), dtype, label, importance)
         return self._entries[key].tier
 
-    def put_many(self, items: list[KV], importance: list[float] | None = None) -> None:
+    def put_many(
+        self, items: list[KV], importance: list[float] | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         """Entries (a step's evictions from the device, or records read for a load; optionally each one's
         importance) into host memory where room can be made there, else to disk: quantized together on the tiers'
         device (values read on the host too: a GPU's few kernels, not a host core's tens of ms for a 30-token record
         of the 8B shape) and copied to the host, queued on a copy stream (`_copy_down`): the step that spilled them
-        goes on while they travel, and a reader of an entry waits for them (`HostKV.wait`)."""
+        goes on while they travel, and a reader of an entry waits for them (`HostKV.wait`). Entries already held as
+        int8 codes (an int8 arena's evictions: its own precision) go down as they are, in tiers of values too,
+        decoding to `dtype` when loaded."""
         if not items:
             return
+        codes = [isinstance(k, Quantized) for _, k, _, _ in items]
+        if any(codes) and dtype is None:
+            raise ValueError("entries of int8 codes need the dtype they decode to")
         ks, vs = [k for _, k, _, _ in items], [v for _, _, v, _ in items]
         if self._compress:
-            ks, vs = [k.to(self.device) for k in ks], [v.to(self.device) for v in vs]
-            packed = list(zip(quantize_many(ks), quantize_many(vs)))
-        else:
-            packed = list(zip(ks, vs))
-        if any(k.is_cuda for k in ks):
-            hosts = self._copy_down(packed, ks[0].device)
+            values = [i for i, is_codes in enumerate(codes) if not is_codes]
+            quantized = zip(
+                quantize_many([ks[i].to(self.device) for i in values]),
+                quantize_many([vs[i].to(self.device) for i in values]),
+            )
+            for i, (k, v) in zip(values, quantized):
+                ks[i], vs[i] = k, v
+        packed = list(zip(ks, vs))
+        device = next((d for d in map(_device_of, ks) if d.type == "cuda"), None)
+        if device is not None:
+            hosts = self._copy_down(packed, device)
         else:
             pinned = self.device.type == "cuda"
             hosts = [host_copy(k, v, pinned=pinned, pool=self._pool) for k, v in packed]
         for (key, k, _, label), host, weight in zip(items, hosts, importance or [0.0] * len(items)):
-            self._add(key, host, k.dtype, label, weight)
+            self._add(key, host, dtype if isinstance(k, Quantized) else k.dtype, label, weight)
 
     def _copy_down(self, packed: list[tuple[Quantized | torch.Tensor, ...]], device: torch.device) -> list[HostKV]:
         """Device K/V (codes or values) into page-locked host entries, copied on a stream of their own: the copies
@@ -294,3 +316,7 @@ class TieredStore:
         if entry.tier == "disk":
             self._disk.remove(entry.held)
         self.on_move(key, None, entry.label)
+
+
+def _device_of(x: torch.Tensor | Quantized) -> torch.device:
+    return x.codes.device if isinstance(x, Quantized) else x.device

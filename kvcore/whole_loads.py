@@ -1,8 +1,8 @@
 """Small tier loads brought into the device arena whole, before the forward, so the step is written from it.
 
 The entries' int8 bytes move in one copy each (`TieredStore.read_raw`: host entries as they lie, disk files
-read side by side into one buffer) and are dequantized straight into their arena rows (one kernel launch with
-a `PackedInserter`, else `insert_packed`). LeoAM's pipeline inequality decides when: streaming hides the
+read side by side into one buffer) and are dequantized straight into their arena rows, or copied as they are into
+an int8 arena's (one kernel launch with a `PackedInserter`, else `insert_packed`). LeoAM's pipeline inequality decides when: streaming hides the
 transfer under the layers' compute but costs host work on every layer (a read, a gather and a rotation each);
 below `whole_load_bytes` the transfer takes less time than that work, so it is cheaper to pay it once, in
 front. Loads above it, with an entry at full precision or damaged, or that the arena cannot take, are streamed.
@@ -48,5 +48,9 @@ def load_whole(
         rows = arena.reserve_many([((tenant, record_id), stamp) for record_id, stamp, _ in parts], lengths)
     except ArenaFullError:
         return False
-    insert(packed, to_device(long_tensor(rows), arena.device), arena.k, arena.v)
+    at = to_device(long_tensor(rows), arena.device)
+    if arena.quantized:
+        insert(packed, at, arena.k, arena.v, (arena.k_scales, arena.v_scales), arena.page_tokens)
+    else:
+        insert(packed, at, arena.k, arena.v)
     return True

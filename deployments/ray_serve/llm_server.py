@@ -52,6 +52,7 @@ def build_engine(args: AppArgs) -> MemoryEngine:
         tiers=args.llm.tiers,
         record_dtype=args.llm.record_dtype,
         record_precision=args.llm.record_precision,
+        arena_precision=args.llm.arena_precision,
         report_placement=True,
         placement_redis_url=placement_url,
     )

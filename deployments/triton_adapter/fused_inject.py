@@ -7,6 +7,8 @@ pre-RoPE K and V once from the arena, rotates K in registers with the engine-rou
 and writes the `[K | V]` row of its cache slot directly, for all layers in one launch (the layers'
 caches are separate tensors, reached through a table of their base addresses).
 
+An int8 arena's codes are decoded in the same pass (code times its page's scale, in float32, before the rotation).
+
 Scope: caches whose slot rows hold K then V contiguously (vLLM CUDA FlashAttention's NHD layout), the
 neox rotation over the whole head, a power-of-two half head. Anything else keeps the torch path.
 """
@@ -34,6 +36,8 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 def _inject_rows(
     k_ptr,
     v_ptr,
+    k_scales_ptr,
+    v_scales_ptr,
     index_ptr,
     cos_ptr,
     sin_ptr,
@@ -42,6 +46,8 @@ def _inject_rows(
     src_layer_stride,
     src_row_stride,
     src_head_stride,
+    scales_layer_stride,
+    scales_page_stride,
     dest_slot_stride,
     dest_head_stride,
     HEADS: tl.constexpr,
@@ -49,8 +55,11 @@ def _inject_rows(
     HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
-    """Program (t, layer): tokens t*BLOCK_T.. of one layer. `index` is [3, tokens]: arena row, position, slot."""
+    """Program (t, layer): tokens t*BLOCK_T.. of one layer. `index` is [3, tokens]: arena row, position, slot.
+    With PAGE, the arena holds int8 codes and each PAGE-token page its float32 scales `[L, pages, H, D]`: each
+    value is decoded (code times scale, in float32) as it is read."""
     layer = tl.program_id(1).to(tl.int64)  # layer * stride passes 2**31 elements in large arenas
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < tokens
@@ -70,15 +79,26 @@ def _inject_rows(
     angle = position[:, None, None] * HALF + channel[None, None, :]
     cos = tl.load(cos_ptr + angle, mask=t_ok[:, None, None], other=0.0)
     sin = tl.load(sin_ptr + angle, mask=t_ok[:, None, None], other=0.0)
-    k1 = tl.load(k_ptr + src, mask=ok, other=0.0).to(tl.float32)
-    k2 = tl.load(k_ptr + src + HALF, mask=ok, other=0.0).to(tl.float32)
+    k1 = tl.load(k_ptr + src, mask=ok, other=0).to(tl.float32)
+    k2 = tl.load(k_ptr + src + HALF, mask=ok, other=0).to(tl.float32)
+    v1 = tl.load(v_ptr + src, mask=ok, other=0)
+    v2 = tl.load(v_ptr + src + HALF, mask=ok, other=0)
+    if PAGE:
+        at = (
+            layer * scales_layer_stride
+            + (row // PAGE)[:, None, None] * scales_page_stride
+            + head[None, :, None] * (2 * HALF)
+            + channel[None, None, :]
+        )
+        k1 = k1 * tl.load(k_scales_ptr + at, mask=ok, other=0.0)
+        k2 = k2 * tl.load(k_scales_ptr + at + HALF, mask=ok, other=0.0)
+        v1 = v1.to(tl.float32) * tl.load(v_scales_ptr + at, mask=ok, other=0.0)
+        v2 = v2.to(tl.float32) * tl.load(v_scales_ptr + at + HALF, mask=ok, other=0.0)
 
     dest_base = tl.load(dest_table_ptr + layer).to(tl.pointer_type(OUT_DTYPE))
     dest = slot[:, None, None] * dest_slot_stride + head[None, :, None] * dest_head_stride + channel[None, None, :]
     tl.store(dest_base + dest, (k1 * cos - k2 * sin).to(OUT_DTYPE), mask=ok)
     tl.store(dest_base + dest + HALF, (k2 * cos + k1 * sin).to(OUT_DTYPE), mask=ok)
-    v1 = tl.load(v_ptr + src, mask=ok, other=0.0)
-    v2 = tl.load(v_ptr + src + HALF, mask=ok, other=0.0)
     tl.store(dest_base + dest + 2 * HALF, v1.to(OUT_DTYPE), mask=ok)
     tl.store(dest_base + dest + 3 * HALF, v2.to(OUT_DTYPE), mask=ok)
 
@@ -106,15 +126,26 @@ class FusedRowWriter:
         self._warps = warps
 
     def __call__(
-        self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        page_tokens: int = 0,
     ) -> None:
-        """`k`, `v` the arena `[L, R, H, D]`; `index` `[3, T]` int64 (row, position, slot); `cos`/`sin` `[N, D/2]` float32."""
+        """`k`, `v` the arena `[L, R, H, D]`; `index` `[3, T]` int64 (row, position, slot); `cos`/`sin` `[N, D/2]`
+        float32. An int8 arena's codes come with its per-page `scales` (`[L, pages, H, D]` float32) and page size."""
         tokens = index.shape[1]
         if tokens == 0:
             return
+        k_scales, v_scales = scales if scales is not None else (k, v)  # unread without PAGE
         _inject_rows[(triton.cdiv(tokens, self._block_t), k.shape[0])](
             k,
             v,
+            k_scales,
+            v_scales,
             index,
             cos,
             sin,
@@ -123,6 +154,8 @@ class FusedRowWriter:
             k.stride(0),
             k.stride(1),
             k.stride(2),
+            k_scales.stride(0),
+            k_scales.stride(1),
             self._slot_stride,
             self._head_stride,
             HEADS=self._heads,
@@ -130,6 +163,7 @@ class FusedRowWriter:
             HALF=self._half,
             BLOCK_T=self._block_t,
             OUT_DTYPE=self._dtype,
+            PAGE=page_tokens if scales is not None else 0,
             num_warps=self._warps,
         )
 

@@ -67,11 +67,11 @@ def _inject_head_and_tail(store: LocalFactStore, worker: InjectionWorker, blocks
     assert worker.take_failed_blocks() == set()
 
 
-def _capturing_into_an_injector(store: LocalFactStore, layout, source: dict):
+def _capturing_into_an_injector(store: LocalFactStore, layout, source: dict, arena_precision: str = "dense"):
     """Zeroed caches shaped like `source`, an injector over them, and a capture (float32 records) that keeps what it
     stores hot in that injector's arena."""
     target = {name: torch.zeros_like(cache) for name, cache in source.items()}
-    worker = InjectionWorker(store, FP, ROPE)
+    worker = InjectionWorker(store, FP, ROPE, arena_precision=arena_precision)
     worker.register(target, layout)
     capture = CaptureWorker(store, FP, ROPE, torch.float32, on_stored=worker.admit_captured)
     capture.register({name: i for i, name in enumerate(source)}, layout)
@@ -265,14 +265,15 @@ def test_a_capture_the_device_has_no_room_for_is_dropped_without_stopping_the_en
     assert store.record_ids("t1") == [] and sorted(store.record_ids("t2")) == ["head", "tail"]
 
 
-def test_int8_store_gets_codes_and_the_hot_copy_answers_as_the_file_does(tmp_path):
+@pytest.mark.parametrize("arena_precision", ["dense", "int8"])
+def test_int8_store_gets_codes_and_the_hot_copy_answers_as_the_file_does(tmp_path, arena_precision):
     """With the store set to int8 the capture writes codes (a quarter of float32's bytes), and the copy it keeps hot
-    holds what those codes decode to: a fact injected from the arena and the same fact read from its file write the
-    same cache, both within the codes' rounding of what the engine cached."""
+    is those codes (decoded by a dense arena, kept by an int8 one): a fact injected from the arena and the same fact
+    read from its file write the same cache, both within the codes' rounding of what the engine cached."""
     layout, tokens, blocks, source = _engine_cache(seed=7)
     store = LocalFactStore(tmp_path)
     store.set_precision("int8")
-    hot, hot_worker, capture = _capturing_into_an_injector(store, layout, source)
+    hot, hot_worker, capture = _capturing_into_an_injector(store, layout, source, arena_precision)
     tracker = CaptureTracker()
     tracker.add(
         "r",
@@ -289,7 +290,7 @@ def test_int8_store_gets_codes_and_the_hot_copy_answers_as_the_file_does(tmp_pat
 
     _inject_head_and_tail(store, hot_worker, blocks, tokens)
     cold = {name: torch.zeros_like(cache) for name, cache in source.items()}
-    cold_worker = InjectionWorker(LocalFactStore(tmp_path), FP, ROPE)
+    cold_worker = InjectionWorker(LocalFactStore(tmp_path), FP, ROPE, arena_precision=arena_precision)
     cold_worker.register(cold, layout)
     _inject_head_and_tail(store, cold_worker, blocks, tokens)
     slots = slot_mapping(blocks, 0, tokens, BS)

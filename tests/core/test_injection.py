@@ -561,3 +561,56 @@ def test_int8_records_write_their_values_from_the_arena_and_through_the_tiers(st
     exact = {name: torch.zeros(12, 2, BS, 16) for name in in_arena}
     run_step(store, layout, exact, [("ra", plan_a, [3, 7])])
     assert any(not torch.equal(exact[name], in_arena[name]) for name in exact)  # the codes, not the values
+
+
+@pytest.mark.parametrize("arena_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("whole_load_bytes", [0, 1 << 30], ids=["streamed", "whole"])
+@pytest.mark.parametrize("compress", [False, True], ids=["full-precision-tiers", "int8-tiers"])
+def test_an_int8_arena_serves_what_the_codes_decode_to_from_itself_and_through_the_tiers(
+    store, tmp_path, compress, whole_load_bytes, arena_dtype
+):
+    """An int8 arena keeps records as codes with their scales: int8 records go in as their codes, records of values
+    are quantized as the store would quantize them, and either way the cache gets what a dense arena writes from
+    the int8 records. Through a small arena the records spill (as codes) and come back, streamed or whole, and the
+    cache is still exactly that (a streamed record comes back as its tier codes: its decoded bf16 layers,
+    quantized again, would move codes)."""
+    from kvcore.tiers import TieredStore
+
+    coded = LocalFactStore(tmp_path / "int8", precision="int8")
+    for record_id in ("p", "a", "b"):
+        coded.put(store.get("t1", record_id))
+    layout = PagedLayout("rows", BS, 2, 8)
+    page_bytes = 3 * 2 * 8 * 4 * 2 * 16  # one 16-token page of 3 layers, float32 K and V
+    dtype = {"record_dtype": arena_dtype}
+    reference = serve_a_and_b(coded, layout, 8 * page_bytes, None, torch.float32, **dtype)  # a dense arena decodes
+    for records in (coded, store):
+        served = serve_a_and_b(records, layout, 8 * page_bytes, None, torch.float32, arena_precision="int8", **dtype)
+        for name in served:
+            assert torch.equal(served[name], reference[name])
+    caches = {f"l{i}": torch.zeros(16, 2, BS, 16) for i in range(3)}
+    tiers = TieredStore("cpu", page_bytes, tmp_path / "disk", compress_lower=compress)
+    worker = InjectionWorker(
+        coded,
+        FP,
+        ROPE,
+        device_cache_bytes=2 * 3 * 2 * 8 * (16 + 4) * 2,  # two int8 pages (16 codes and a float32 scale a channel)
+        tiers=tiers,
+        whole_load_bytes=whole_load_bytes,
+        arena_precision="int8",
+        record_dtype=arena_dtype,
+    )
+    plan_pa, plan_b, plan_p = (MemoryPlan("t1", ids, 4) for ids in (("p", "a"), ("b",), ("p",)))
+    # p spills as b comes in, comes back from the tiers (r3), and is then served from the copy it left in the arena
+    steps = [("r1", plan_pa, [0, 1]), ("r2", plan_b, [2]), ("r3", plan_p, [5]), ("r4", plan_p, [6])]
+    for step in steps:
+        run_step(coded, layout, caches, [step], worker=worker)
+    p_key = tier_key("t1", "p", coded.checked_infos("t1", ["p"])[0][0])
+    assert p_key in tiers  # spilled, as codes or decoded values
+    assert worker.take_failed_blocks() == set()
+    region = {f"l{i}": torch.zeros(12, 2, BS, 16) for i in range(3)}
+    run_step(coded, layout, region, [("rp", plan_p, [5]), ("rb", plan_b, [2])], **dtype)  # a dense arena
+    for name in caches:
+        for block, twin in ((5, 5), (6, 5), (2, 2)):
+            got = layout.gather(caches[name], slot_mapping([block], 0, 3, BS))
+            want = layout.gather(region[name], slot_mapping([twin], 0, 3, BS))
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (name, block)

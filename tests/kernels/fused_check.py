@@ -46,13 +46,15 @@ def _store(root: Path, dtype: torch.dtype) -> LocalFactStore:
     return store
 
 
-def run(device: str, dtype: torch.dtype, writer_factory) -> list[torch.Tensor]:
+def run(device: str, dtype: torch.dtype, writer_factory, arena: str = "dense") -> list[torch.Tensor]:
     """Two requests' loads written into fresh channel-layout caches; returns the caches."""
     with tempfile.TemporaryDirectory(prefix="fused-") as root:  # the records are read while the loads run
-        return _write(_store(Path(root), dtype), device, dtype, writer_factory)
+        return _write(_store(Path(root), dtype), device, dtype, writer_factory, arena)
 
 
-def _write(store: LocalFactStore, device: str, dtype: torch.dtype, writer_factory) -> list[torch.Tensor]:
+def _write(
+    store: LocalFactStore, device: str, dtype: torch.dtype, writer_factory, arena: str = "dense"
+) -> list[torch.Tensor]:
     layout = PagedLayout("channels", BLOCK, HEADS, ROPE.head_dim)
     caches = {
         f"model.layers.{i}.attn": torch.zeros(
@@ -61,7 +63,7 @@ def _write(store: LocalFactStore, device: str, dtype: torch.dtype, writer_factor
         for i in range(LAYERS)
     }
     scheduler = InjectionScheduler(store, FINGERPRINT)
-    worker = InjectionWorker(store, FINGERPRINT, ROPE, step_writer=writer_factory)
+    worker = InjectionWorker(store, FINGERPRINT, ROPE, step_writer=writer_factory, arena_precision=arena)
     worker.register(caches, layout)
     plans = {
         "a": (MemoryPlan("t1", ("f0", "f1", "f2", "f3"), 3), [5, 1, 9, 12, 3, 7, 2, 20, 21, 22, 23]),
@@ -78,7 +80,8 @@ def _write(store: LocalFactStore, device: str, dtype: torch.dtype, writer_factor
     return [cache.float().cpu() for cache in caches.values()]
 
 
-def main(device: str, dtype: torch.dtype) -> None:
+def main(device: str, dtype: torch.dtype, arena: str = "dense") -> None:
+    """`arena`: the worker's arena precision (`int8`: codes decoded by the kernel against the torch gather's)."""
     from deployments.triton_adapter.fused_inject import fused_row_writer
 
     made = []
@@ -87,10 +90,10 @@ def main(device: str, dtype: torch.dtype) -> None:
         made.append(fused_row_writer(rows, rope, *config))
         return made[-1]
 
-    fused, reference = run(device, dtype, factory), run(device, dtype, None)
+    fused, reference = run(device, dtype, factory, arena), run(device, dtype, None, arena)
     configs_equal = (
         all(
-            all(torch.equal(a, b) for a, b in zip(run(device, dtype, lambda r, p, c=c: factory(r, p, c)), fused))
+            all(torch.equal(a, b) for a, b in zip(run(device, dtype, lambda r, p, c=c: factory(r, p, c), arena), fused))
             for c in TILES_AND_WARPS
         )
         if device == "cuda"
@@ -117,4 +120,4 @@ def main(device: str, dtype: torch.dtype) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], getattr(torch, sys.argv[2]))
+    main(sys.argv[1], getattr(torch, sys.argv[2]), *sys.argv[3:])

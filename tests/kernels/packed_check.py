@@ -50,7 +50,46 @@ def _entries() -> tuple[list[RawEntry], list[tuple[Quantized, Quantized]]]:
     return raws, entries
 
 
+def codes_main(device: str) -> None:
+    """An int8 arena of 4-token pages: each entry's rows in pages of its own, in a shuffled page order."""
+    from deployments.triton_adapter.packed_insert import _unsupported, insert_packed_kernel
+
+    page = 4
+    packed = pack(_entries()[0], torch.bfloat16, torch.device(device))
+    order = torch.randperm(ROWS // page, generator=torch.Generator().manual_seed(7)).tolist()
+    rows: list[int] = []
+    for first, end in zip(packed.starts, packed.starts[1:]):
+        pages, order = order[: -(-(end - first) // page)], order[-(-(end - first) // page) :]
+        rows += [p * page + j for p in pages for j in range(page)][: end - first]
+    rows = torch.tensor(rows, device=device)
+    arenas = []
+    for insert in (insert_packed_kernel, insert_packed):  # -128 and NaN mark what was not written
+        codes = [torch.full((LAYERS, ROWS, HEADS, DIM), -128, dtype=torch.int8, device=device) for _ in "kv"]
+        tables = [torch.full((LAYERS, ROWS // page, HEADS, DIM), float("nan"), device=device) for _ in "kv"]
+        insert(packed, rows, *codes, tuple(tables), page)
+        arenas.append((torch.stack(codes), torch.stack(tables)))
+    (codes, tables), (want_codes, want_tables) = arenas
+    written = codes != -128
+    scaled = ~tables.isnan()
+    print(
+        json.dumps(
+            {
+                "kernel_used": _unsupported(packed, codes[0], codes[1], tuple(tables)) == "",
+                "written": int(written.sum()),
+                "scales_written": int(scaled.sum()),
+                "equal": bool(torch.equal(codes, want_codes) and torch.equal(written, want_codes != -128)),
+                "scales_equal": bool(
+                    torch.equal(scaled, ~want_tables.isnan()) and torch.equal(tables[scaled], want_tables[scaled])
+                ),
+            }
+        )
+    )
+
+
 def main(device: str, dtype_name: str) -> None:
+    if dtype_name == "int8":
+        codes_main(device)
+        return
     from deployments.triton_adapter.packed_insert import (
         _unsupported,
         insert_packed_kernel,
@@ -72,7 +111,7 @@ def main(device: str, dtype_name: str) -> None:
     print(
         json.dumps(
             {
-                "kernel_used": _unsupported(packed, kernel[0], kernel[1]) == "",
+                "kernel_used": _unsupported(packed, kernel[0], kernel[1], None) == "",
                 "written": int(written.sum()),
                 "same_rows": bool(torch.equal(written, ~reference.isnan())),
                 "equal": bool(torch.equal(got, want)),

@@ -25,6 +25,23 @@ def test_interpreted_kernel_in_bfloat16_is_within_one_ulp():
     assert got["same_rows"] and got["max_ulps"] <= 1.0
 
 
+def test_interpreted_kernel_copies_codes_and_page_scales_into_an_int8_arena():
+    """Into an int8 arena the codes go in as they are and each entry's scales into every page it holds: the
+    entries (31 tokens) take 10 pages of 4 tokens."""
+    got = _check("cpu", "int8", interpret=True)
+    assert got["kernel_used"] and got["written"] == 2 * 3 * 31 * 3 * 16
+    assert got["scales_written"] == 2 * 3 * 10 * 3 * 16
+    assert got["equal"] and got["scales_equal"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_kernel_copies_codes_into_an_int8_arena_on_cuda():
+    got = _check("cuda", "int8", interpret=False)
+    assert got["kernel_used"] and got["written"] == 2 * 3 * 31 * 3 * 16
+    assert got["equal"] and got["scales_equal"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_kernel_matches_the_torch_path_on_cuda():

@@ -140,3 +140,32 @@ def test_record_precisions_are_the_cores_and_the_app_passes_its_choice_to_the_co
     assert values["serve"]["llm"]["recordPrecision"] == "dense"
     with pytest.raises(ValidationError, match="record_precision"):
         AppArgs(state_dir="/srv", llm={"record_precision": "int4"})
+
+
+def test_arena_precision_is_the_cores_and_reaches_the_workers_arena(tmp_path):
+    """The settings offer the arena precisions the core knows; the connector's choice reaches the worker's arena
+    (int8: codes, with scale tables); an unknown one fails at deploy; the chart's default is dense."""
+    from typing import get_args
+
+    import torch
+
+    from config.connector import ArenaPrecision, ConnectorConfig
+    from deployments.connector_worker import ConnectorWorker
+    from kvcore.arena import ArenaPrecision as CoreArenaPrecision
+    from kvcore.paged import PagedLayout
+    from kvcore.store import LocalFactStore
+    from tests.core.factories import ROPE
+
+    assert get_args(ArenaPrecision) == get_args(CoreArenaPrecision)
+    assert AppArgs(state_dir="/srv", llm={"arena_precision": "int8"}).llm.arena_precision == "int8"
+    with pytest.raises(ValidationError, match="arena_precision"):
+        AppArgs(state_dir="/srv", llm={"arena_precision": "fp4"})
+    config = ConnectorConfig(
+        store_root=tmp_path / "records", fingerprint="f", device_cache_bytes=1 << 20, arena_precision="int8"
+    )
+    worker = ConnectorWorker.build(config, LocalFactStore(config.store_root), ROPE, torch.device("cpu"))
+    worker.injection.register({f"l{i}": torch.zeros(16, 2, 4, 16) for i in range(3)}, PagedLayout("rows", 4, 2, 8))
+    arena = worker.injection._arena
+    assert arena.quantized and arena.k.dtype == torch.int8 and arena.k_scales.dtype == torch.float32
+    values = yaml.safe_load((Path(__file__).parents[2] / "helm/inferscale/values.yaml").read_text())
+    assert values["serve"]["llm"]["arenaPrecision"] == "dense"

@@ -130,6 +130,7 @@ applications:
         on_load_failure: {{ $llm.onLoadFailure }}
         record_dtype: {{ $llm.recordDtype }}
         record_precision: {{ $llm.recordPrecision }}
+        arena_precision: {{ $llm.arenaPrecision }}
         {{- if $llm.offload.enabled }}
         tiers:
           disk_cache_dir: /var/cache/inferscale/tiers
