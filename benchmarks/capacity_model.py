@@ -4,7 +4,7 @@ Inputs: figures measured on the H200 (dated, each named by the benchmark that me
 with its k facts in the device arena, the pinned host->device and cold disk rates the tiers reach, a pasted
 fact token's prefill cost (idle, and in GPU time per request under a full batch), and the engine's GPU time
 per injected request under a full batch; a model shape and record dtype (a fact's bytes in HBM at full
-precision, and as int8 codes below it); a node type (per GPU: the HBM given to the arena, pinned host memory,
+precision or as int8 codes with per-page scales (`--arena-precision`), and as int8 codes below it); a node type (per GPU: the HBM given to the arena, pinned host memory,
 the disk tier, the record store's disk and its read rate); and a popularity trace (each chat's tenant by
 Zipf(s) over the tenants, its k facts by Zipf within the tenant).
 
@@ -65,10 +65,18 @@ class Shape:
     fact_tokens: int = 30
     record_bytes_per_value: int = 2  # bf16 records; 4 for float32
     record_precision: str = "dense"  # how the record store holds them: values, or "int8" codes
+    arena_precision: str = "dense"  # how HBM holds them: values, or "int8" codes with each 16-token page's scales
 
     @property
     def full_bytes(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.fact_tokens * self.record_bytes_per_value
+
+    @property
+    def arena_bytes(self) -> int:
+        """A fact in the device arena: its values, or its codes and a float32 scale per channel for each page."""
+        if self.arena_precision != "int8":
+            return self.full_bytes
+        return 2 * self.layers * self.kv_heads * self.head_dim * (self.fact_tokens + 4 * -(-self.fact_tokens // 16))
 
     @property
     def int8_bytes(self) -> int:
@@ -160,7 +168,7 @@ class Run:
 def simulate(run: Run, node: Node, shape: Shape, measured: Measured) -> dict:
     """p50 / p95 TTFT (ms) under the run's load and where facts came from, for its tenants on one GPU of `node`."""
     trace = run.trace
-    sizes = [shape.full_bytes, shape.int8_bytes, shape.int8_bytes]
+    sizes = [shape.arena_bytes, shape.int8_bytes, shape.int8_bytes]
     capacities = [int(node.hbm_arena_gib * GIB), int(node.host_gib * GIB), int(node.disk_gib * GIB)]
     tiers = Tiers(capacities, sizes)
     rates = [math.inf, measured.host_gbs, node.disk_gbs or measured.disk_gbs]
@@ -226,7 +234,7 @@ def capacity(
 ) -> dict:
     """The most tenants whose p95 stays within 2x the all-in-HBM TTFT at the same load (doubling, then bisection)."""
     goal = 2 * reference_ms(measured, load)
-    hbm_alone = max(1, int(node.hbm_arena_gib * GIB // (shape.full_bytes * trace.facts)))
+    hbm_alone = max(1, int(node.hbm_arena_gib * GIB // (shape.arena_bytes * trace.facts)))
     runs: dict[int, dict] = {}
 
     def at(tenants: int) -> dict:
@@ -276,6 +284,7 @@ def check_measured(path: Path, shape: Shape) -> dict:
         shape,
         record_bytes_per_value=2 if report["record_dtype"] == "bfloat16" else 4,
         record_precision=report.get("record_precision", "dense"),
+        arena_precision=report.get("arena_precision", "dense"),
     )
     rows = []
     for row in report["runs"]:
@@ -364,13 +373,20 @@ def main() -> None:
     p.add_argument(
         "--record-precision", default="dense", choices=list(PRECISIONS), help="how the record store holds records"
     )
+    p.add_argument(
+        "--arena-precision", default="dense", choices=["dense", "int8"], help="how the device arena holds records"
+    )
     p.add_argument("--load", type=float, default=0.5, help="offered rate / what the GPU serves with all in HBM")
     p.add_argument("--measured", type=Path, default=None, help="a tenants_per_gpu.py report to check the model against")
     args = p.parse_args()
     chats, timed = (3_000, 1_000) if args.quick else (12_000, 2_000)
     trace = ZipfTrace(tenants=1, chats=chats, rate_per_s=2.0, tenant_s=args.tenant_s, fact_s=args.fact_s)
     shape, measured = (
-        Shape(record_bytes_per_value=args.record_bytes, record_precision=args.record_precision),
+        Shape(
+            record_bytes_per_value=args.record_bytes,
+            record_precision=args.record_precision,
+            arena_precision=args.arena_precision,
+        ),
         Measured(),
     )
     rows = []

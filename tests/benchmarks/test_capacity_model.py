@@ -83,3 +83,13 @@ def test_int8_records_let_the_same_store_keep_more_facts_with_kv():
     assert Shape(record_precision="int8").store_bytes == Shape().int8_bytes < 0.6 * Shape().store_bytes
     assert coded["facts_from"]["text"] < 0.8 * dense["facts_from"]["text"]
     assert coded["p50_ms"] <= dense["p50_ms"]
+
+
+def test_an_int8_arena_holds_a_fact_in_its_codes_and_one_scale_a_channel_for_each_page():
+    """30 tokens of the 8B shape: 30 codes and two pages' scales (8 bytes) a channel, against 60 bytes of bf16;
+    the tiers below and the record store are unchanged by it."""
+    dense, int8 = Shape(), Shape(arena_precision="int8")
+    channels = 2 * 32 * 8 * 128
+    assert dense.arena_bytes == dense.full_bytes == channels * 60
+    assert int8.arena_bytes == channels * 38
+    assert (int8.int8_bytes, int8.store_bytes) == (dense.int8_bytes, dense.store_bytes)
