@@ -284,7 +284,7 @@ class TierStreams:
             self._settle(stream)
             self._unpin(stream.parts)
         for stream in streams:
-            streamed = self._streamed(stream)
+            streamed = {} if self._arena.quantized else self._streamed(stream)  # an int8 arena takes tier codes
             for part in stream.parts:
                 if part.reader is not None and part.reader.key in self._tiers:
                     self._promote(stream.tenant_id, part, streamed.get(id(part)))

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from vllm import SamplingParams
 
 from kvcore.conversation import Fact, Turn
 from kvcore.encoding import EncodingJob, encode_jobs, plan_fact_jobs
@@ -56,6 +57,45 @@ def llm(loaded, store, tier_dir, tmp_path_factory):
     )
     yield engine
     del engine
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+QUESTIONS = ["What is the name of Maya's cat?", "Where does Maya work?", "What is Maya allergic to?"]
+
+
+def side_engine(loaded, connector, **kwargs):
+    """A second engine beside the session's (a module's own connector settings): float32, eager, small."""
+    from deployments.vllm_adapter.engine import build_llm
+
+    return build_llm(
+        loaded.path,
+        connector,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        block_size=BLOCK,
+        seed=0,
+        kv_cache_memory_bytes=256 << 20,
+        **kwargs,
+    )
+
+
+def ask(llm, items):
+    """items: (prompt ids, plan or None); all go into one generate call (one batch). Per item: the tokens, their
+    log probabilities, the engine's cached-token count and the connector's report."""
+    from deployments.vllm_adapter.engine import memory_request
+
+    requests = [memory_request(ids, plan, GREEDY) for ids, plan in items]
+    outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            [list(lp.values())[0].logprob for lp in o.outputs[0].logprobs],
+            o.num_cached_tokens,
+            (o.kv_transfer_params or {}).get("inferscale"),
+        )
+        for o in outs
+    ]
 
 
 def encode_conversation(loaded, forward, frame, store, tenant: str, turns: list[Turn]) -> list[str]:

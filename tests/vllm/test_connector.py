@@ -7,36 +7,16 @@ import time
 
 import pytest
 import torch
-from vllm import SamplingParams
 
-from deployments.vllm_adapter.engine import memory_request
 from kvcore.conversation import Turn
 from kvcore.plan import MemoryPlan
 from kvcore.store import LocalFactStore
 from tests.conversations import MAYA as TURNS
-from tests.vllm.conftest import BLOCK, encode_conversation
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
-QUESTIONS = ["What is the name of Maya's cat?", "Where does Maya work?", "What is Maya allergic to?"]
+from tests.vllm.conftest import BLOCK, QUESTIONS, ask, encode_conversation
 
 
 def region(store, plan):
     return [t for rid in plan.record_ids for t in store.info(plan.tenant_id, rid).token_ids]
-
-
-def ask(llm, items):
-    """items: (prompt ids, plan or None); all go into one generate call (one batch)."""
-    requests = [memory_request(ids, plan, GREEDY) for ids, plan in items]
-    outs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
-    return [
-        (
-            list(o.outputs[0].token_ids),
-            [list(lp.values())[0].logprob for lp in o.outputs[0].logprobs],
-            o.num_cached_tokens,
-            (o.kv_transfer_params or {}).get("inferscale"),
-        )
-        for o in outs
-    ]
 
 
 def boundary_turns(loaded, frame, on_boundary: bool) -> list[Turn]:

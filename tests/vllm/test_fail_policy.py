@@ -6,25 +6,16 @@ import pytest
 from vllm import SamplingParams
 
 from config.connector import ConnectorConfig
-from deployments.vllm_adapter.engine import build_llm, memory_request
+from deployments.vllm_adapter.engine import memory_request
 from kvcore.plan import MemoryPlan
 from tests.conversations import MAYA as TURNS
-from tests.vllm.conftest import BLOCK, encode_conversation
+from tests.vllm.conftest import encode_conversation, side_engine
 
 
 @pytest.fixture(scope="module")
 def strict_llm(loaded, store, llm):  # after the shared engine exists, so both fit side by side
     connector = ConnectorConfig(store_root=store.root, fingerprint=loaded.spec.fingerprint, on_load_failure="fail")
-    engine = build_llm(
-        loaded.path,
-        connector,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=1024,
-        block_size=BLOCK,
-        seed=0,
-        kv_cache_memory_bytes=256 << 20,
-    )
+    engine = side_engine(loaded, connector)
     yield engine
     del engine
 

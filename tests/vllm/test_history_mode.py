@@ -15,7 +15,7 @@ from kvcore.plan import CapturePlan, CaptureSpan, MemoryPlan
 from kvcore.query_pass import question_queries
 from models.early_layers import load_early_layers
 from tests.conversations import MAYA
-from tests.vllm.test_connector import GREEDY, ask
+from tests.vllm.conftest import GREEDY, ask
 
 CHUNK = 16
 TENANT = "history-maya"

@@ -5,17 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from vllm import SamplingParams
 
 from config.connector import ConnectorConfig, TierConfig
-from deployments.vllm_adapter.engine import build_llm, memory_request
 from kvcore.plan import MemoryPlan
 from kvcore.store import LocalFactStore
 from tests.conversations import MAYA as TURNS
-from tests.vllm.conftest import BLOCK, encode_conversation
+from tests.vllm.conftest import QUESTIONS, ask, encode_conversation, side_engine
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
-QUESTIONS = ["What is the name of Maya's cat?", "Where does Maya work?", "What is Maya allergic to?"]
 INT8_PAGE = 30 * 3 * 64 * 2 * (16 + 4)  # SmolLM2: 16 codes and one float32 scale a channel, K and V
 
 
@@ -28,32 +24,9 @@ def int8_llm(loaded, store, llm, tmp_path_factory):  # after the shared engine e
         arena_precision="int8",
         tiers=TierConfig(disk_cache_dir=tmp_path_factory.mktemp("int8-tiers"), host_cache_bytes=1 << 20),
     )
-    engine = build_llm(
-        loaded.path,
-        connector,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=1024,
-        block_size=BLOCK,
-        seed=0,
-        kv_cache_memory_bytes=256 << 20,
-        enable_prefix_caching=False,  # every ask injects again, from the arena or the tiers
-    )
+    engine = side_engine(loaded, connector, enable_prefix_caching=False)  # every ask injects again
     yield engine
     del engine
-
-
-def answers(engine, items):
-    requests = [memory_request(ids, plan, GREEDY) for ids, plan in items]
-    outs = engine.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
-    return [
-        (
-            list(o.outputs[0].token_ids),
-            [list(lp.values())[0].logprob for lp in o.outputs[0].logprobs],
-            (o.kv_transfer_params or {}).get("inferscale"),
-        )
-        for o in outs
-    ]
 
 
 def test_an_int8_arena_answers_as_plain_prefill_from_itself_and_through_the_tiers(
@@ -72,8 +45,8 @@ def test_an_int8_arena_answers_as_plain_prefill_from_itself_and_through_the_tier
         for _ in range(2):
             for question in QUESTIONS:
                 query = frame.query_ids(loaded.tokenizer, question)
-                ((plain, plain_lp, _),) = answers(int8_llm, [(memory + query, None)])
-                ((got, got_lp, report),) = answers(int8_llm, [(memory + query, plan)])
+                ((plain, plain_lp, _, _),) = ask(int8_llm, [(memory + query, None)])
+                ((got, got_lp, _, report),) = ask(int8_llm, [(memory + query, plan)])
                 assert report["fallback"] is None and report["injected_tokens"] == len(memory)
                 assert got == plain
                 assert max(abs(a - b) for a, b in zip(got_lp, plain_lp)) < 0.1
