@@ -89,6 +89,11 @@ class DeviceArena:
         return 0 if self.k is None else self.k.shape[1]
 
     @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An int8 arena's per-page scale tables (K, V), for a kernel that reads or writes its codes; else None."""
+        return (self.k_scales, self.v_scales) if self.quantized else None
+
+    @property
     def records(self) -> int:
         return len(self._entries)
 

@@ -328,8 +328,7 @@ class InjectionWorker:
         self._table.reserve(max(load.end for load in loads))
         if self._writer is not None:
             arena = self._arena
-            scales = (arena.k_scales, arena.v_scales) if arena.quantized else None
-            self._writer(arena.k, arena.v, index, *self._table.tables, scales, arena.page_tokens)
+            self._writer(arena.k, arena.v, index, *self._table.tables, arena.scales, arena.page_tokens)
             return StepPlan(WritePath.FUSED, index)
         cos, sin = self._table.lookup(index[1])
         step = StepPlan(WritePath.CHUNKED, index, cos[:, None], sin[:, None])

@@ -48,9 +48,5 @@ def load_whole(
         rows = arena.reserve_many([((tenant, record_id), stamp) for record_id, stamp, _ in parts], lengths)
     except ArenaFullError:
         return False
-    at = to_device(long_tensor(rows), arena.device)
-    if arena.quantized:
-        insert(packed, at, arena.k, arena.v, (arena.k_scales, arena.v_scales), arena.page_tokens)
-    else:
-        insert(packed, at, arena.k, arena.v)
+    insert(packed, to_device(long_tensor(rows), arena.device), arena.k, arena.v, arena.scales, arena.page_tokens)
     return True
