@@ -9,7 +9,8 @@
 #   steps: setup gpu-tests inject-kernel chunk-bounds retrieval chat-ahead injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
 #          profile-tiers (or profile-host, profile-disk) profile-tier-loads profile-encode quality record-precision history-quality history-ttft
 #          history-ttft-layers mps-on mps-off
-# QUERY_EMBEDDING=thread has serve-http's ingress embed questions in a thread instead of a process of its own;
+# QUERY_EMBEDDING=thread (or inline) has serve-http's ingress embed questions in a thread (or launched from its event loop)
+# instead of a process of its own;
 # INGRESS_REPLICAS=N runs serve-http with N ingress replicas (default 4: each an event loop where requests queue).
 # SPIN_MS=2 has serve-http's query embedder, ingress loop and LLM replica's loop poll instead of sleeping around a chat.
 # VLLM_V1_OUTPUT_PROC_CHUNK_SIZE=N (vLLM's own, default 128) reaches serve-http's LLM replica and its engine alone: how many

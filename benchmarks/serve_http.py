@@ -462,9 +462,10 @@ def main() -> None:
     )
     p.add_argument(
         "--query-embedding",
-        choices=["process", "thread"],
+        choices=["process", "thread", "inline"],
         default="process",
-        help="the ingress embeds questions in a process of its own (default) or in a thread of the replica",
+        help="the ingress embeds questions in a process of its own (default), in a thread of the replica, or "
+        "launched from its event loop (`InlineForwarder`)",
     )
     p.add_argument(
         "--ingress-replicas",

@@ -124,10 +124,11 @@ class IngressArgs(Strict):
     embed_device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where retrieval embeds queries (cuda needs num_gpus in ray_actor_options)."
     )
-    query_embedding: Literal["process", "thread"] = Field(
+    query_embedding: Literal["process", "thread", "inline"] = Field(
         "process",
         description="Where the ingress embeds questions: a child process of its own (its forward never waits "
-        "for the event loop's GIL) or a thread of the replica.",
+        "for the event loop's GIL), a thread of the replica, or launched from the event loop, which asks the "
+        "device between other requests' callbacks whether it is done (no thread wakes on either side).",
     )
     embed_spin_ms: float = Field(
         0.0,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 import torch
@@ -97,26 +97,46 @@ class MirrorIndexes:
     def search(self, vectors: torch.Tensor, asks: Sequence[SearchAsk | None]) -> Hits:
         """Per question (row of `vectors`), (scores, ids) of its tenant's nearest, or None where it asked for no
         search or the copy does not hold its tenant; every top-k stays on the device until one read-back."""
-        tops: list[tuple[ExactIndex, torch.Tensor, torch.Tensor] | None] = []
+        return self.search_started(vectors, asks)()
+
+    def search_started(self, vectors: torch.Tensor, asks: Sequence[SearchAsk | None]) -> "Callable[[], Hits]":
+        """`search` with its read-back started and not waited for: the call returned makes the hits once the
+        device's stream has reached this point (on a CUDA copy the host copies land in pinned memory)."""
+        tops: list[tuple[ExactIndex, int] | None] = []
+        values, rows = [], []
         for vector, ask in zip(vectors, asks):
             index = self._indexes.get(ask.tenant_id) if ask is not None else None
-            tops.append(None if index is None else (index, *index.top_rows(vector, ask.k)))  # type: ignore[union-attr]
-        found = [top for top in tops if top is not None]
-        if not found:
-            return [None] * len(tops)
-        scores = torch.cat([values.float() for _, values, _ in found]).cpu().numpy()
-        rows = torch.cat([rows for _, _, rows in found]).cpu().numpy()
-        out: Hits = []
-        at = 0
-        for top in tops:
-            if top is None:
-                out.append(None)
+            if index is None:
+                tops.append(None)
                 continue
-            index, values, _ = top
-            n = values.shape[0]
-            out.append((scores[at : at + n], index.ids_at(rows[at : at + n])))
-            at += n
-        return out
+            scores, top = index.top_rows(vector, ask.k)  # type: ignore[union-attr]
+            tops.append((index, scores.shape[0]))
+            values.append(scores.float())
+            rows.append(top)
+        if not values:
+            return lambda: [None] * len(tops)
+        on_host = self.device.type == "cpu"
+        scores_back = torch.cat(values).to("cpu", non_blocking=not on_host)  # pinned where non-blocking
+        rows_back = torch.cat(rows).to("cpu", non_blocking=not on_host)
+
+        def hits() -> Hits:
+            scores, found_rows = scores_back.numpy(), rows_back.numpy()
+            out: Hits = []
+            at = 0
+            for top in tops:
+                if top is None:
+                    out.append(None)
+                    continue
+                index, n = top
+                out.append((scores[at : at + n], index.ids_at(found_rows[at : at + n])))
+                at += n
+            return out
+
+        if on_host:
+            return hits
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return lambda: (done.synchronize(), hits())[1]
 
 
 def copy_bytes(rows: int, dim: int) -> int:

@@ -26,7 +26,7 @@ from config.settings import load_settings
 from deployments.app_args import AppArgs
 from deployments.chat_channel import ChannelAddress, ChannelClosed, ChannelPool
 from deployments.chat_task import ChatAhead, ChatTask
-from deployments.embed_forwarders import Forwarder, ProcessForwarder
+from deployments.embed_forwarders import Forwarder, InlineForwarder, ProcessForwarder
 from deployments.gateway import Gateway
 from deployments.http_api import create_app
 from deployments.job_queue import JobRunner
@@ -245,6 +245,8 @@ class Ingress:
         if self.args.ingress.query_embedding == "thread":
             embedder.prepare(QUERY_BATCH)
             forwarder = embedder
+        elif self.args.ingress.query_embedding == "inline":  # an embedder of its own: no lock shared with writes
+            forwarder = InlineForwarder(query_embedder(device, QUERY_BATCH))
         queries = QueryBatcher(forwarder, QUERY_BATCH, copy_bytes=self.args.ingress.search_copy_bytes)
         service = connect_service(
             self.args.redis(settings),

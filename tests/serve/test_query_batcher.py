@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from deployments import loop_spin
-from deployments.embed_forwarders import EmbedBatch, EmbedderProcessError, ProcessForwarder, ThreadForwarder
+from deployments import embed_forwarders, loop_spin
+from deployments.embed_forwarders import (
+    EmbedBatch,
+    EmbedderProcessError,
+    InlineForwarder,
+    ProcessForwarder,
+    ThreadForwarder,
+)
 from deployments.query_batcher import QueryBatcher
 from tenants.index_mirror import IndexUpdate, SearchAsk
 from tenants.vector_index import ExactIndex
@@ -394,11 +400,12 @@ def test_a_second_batcher_following_the_same_indexes_is_refused_when_it_follows(
     assert source.claimed is second._ledger
 
 
-@pytest.mark.parametrize("where", ["thread", "process"])
+@pytest.mark.parametrize("where", ["thread", "process", "inline"])
 def test_a_question_is_searched_in_the_copy_beside_its_forward(where):
     """The copy answers as the owner's index does for the vector the question got; a question that asked for no
     search, or whose tenant the owner kept back, gets none; after a failed batch the copy is built again."""
-    forwarder = ProcessForwarder(_lengths) if where == "process" else _Lengths()
+    forwarders = {"process": lambda: ProcessForwarder(_lengths), "inline": lambda: InlineForwarder(_Lengths())}
+    forwarder = forwarders.get(where, _Lengths)()
     try:
         (asked, plain, kept_back, after), source = _searched_beside(forwarder)
     finally:
@@ -520,19 +527,89 @@ def test_the_callers_work_runs_once_its_text_is_handed_over_and_its_failure_is_o
     assert last.vector.tolist() == [3.0, 1.0] and "work beside a question's embedding failed" in caplog.text
 
 
+class _Landing:
+    """A device's event that lands after `polls` asks."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls, self.asked = polls, 0
+
+    def query(self) -> bool:
+        self.asked += 1
+        return self.asked > self.polls
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 5.0])
+def test_an_inline_forward_is_launched_after_the_callers_work_and_answered_between_other_callbacks(monkeypatch, spin_s):
+    """The launch waits one callback (the caller's note goes first); while the device works the loop serves other
+    callbacks between its asks, asks again at once while it spins and on a timer after; the questions that came
+    meanwhile make the next batch."""
+    order: list[str] = []
+    events: list[_Landing] = []
+
+    def started(embedder, copy, batch):
+        order.append(f"launch {batch.texts}")
+        events.append(_Landing(polls=20))
+        vectors = embedder.embed_tensor(batch.texts)
+        return (lambda: embed_forwarders.Answer(vectors, [None] * len(batch.texts))), events[-1]
+
+    monkeypatch.setattr(embed_forwarders, "_start_batch", started)
+    ticks = 0
+
+    async def ticking() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def main():
+        ticker = asyncio.ensure_future(ticking())
+        batcher = QueryBatcher(InlineForwarder(_Lengths(), spin_s=spin_s, poll_s=0.002), max_batch=8)
+        first = asyncio.ensure_future(batcher.embed("a", then=lambda: order.append("note a")))
+        await asyncio.sleep(0)
+        rest = [asyncio.ensure_future(batcher.embed("b" * n)) for n in range(2, 4)]
+        answers = [await first, *await asyncio.gather(*rest)]
+        ticker.cancel()
+        return answers, batcher.batches
+
+    answers, batches = asyncio.run(main())
+    assert order == ["note a", "launch ['a']", "launch ['bb', 'bbb']"] and batches == 2
+    assert [a.vector[0].item() for a in answers] == [1, 2, 3]
+    assert all(e.asked == 21 for e in events)
+    assert ticks >= 20  # other callbacks ran between the asks
+    if spin_s:  # asked again on each pass of the loop: 20 asks in far less than 20 timers' 40 ms
+        assert answers[0].forward_ms < 20, answers
+    else:  # on 2 ms timers: the wait shows in the forward's leg, and in the next batch's wait
+        assert answers[0].forward_ms > 40 and answers[1].wait_ms > 40, answers
+
+
+def test_an_inline_forward_that_fails_fails_its_waiters_and_the_next_batch_runs():
+    async def main():
+        batcher = QueryBatcher(InlineForwarder(_Lengths()))
+        with pytest.raises(ValueError, match="bad text"):
+            await batcher.embed("boom")
+        return await batcher.embed("abc")
+
+    assert asyncio.run(main()).vector[0].item() == 3
+
+
 @pytest.mark.gpu
-def test_the_embedders_process_searches_its_copy_on_the_gpu():
-    """MiniLM and the copy on CUDA in the child: its answer is the host index's for the vector it returned."""
+@pytest.mark.parametrize("where", ["process", "inline"])
+def test_the_query_embedder_searches_its_copy_on_the_gpu(where):
+    """MiniLM and the copy on CUDA, in the child or launched from the loop: the answer is the host index's for the
+    vector it returned, and the vector is the host's MiniLM's."""
     from functools import partial
 
-    from models.minilm import query_embedder
+    from models.minilm import MiniLMEmbedder, query_embedder
 
     source = _Source()
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((1000, 384)).astype(np.float32)
     source.index = ExactIndex(384)
     source.index.upsert(np.arange(1000), vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
-    forwarder = ProcessForwarder(partial(query_embedder, "cuda", 8))
+    if where == "process":
+        forwarder = ProcessForwarder(partial(query_embedder, "cuda", 8))
+    else:
+        forwarder = InlineForwarder(query_embedder("cuda", 8))
 
     async def main():
         batcher = QueryBatcher(forwarder)
@@ -543,7 +620,9 @@ def test_the_embedders_process_searches_its_copy_on_the_gpu():
         answers = asyncio.run(main())
     finally:
         forwarder.close()
-    for embedded in answers:
+    on_host = MiniLMEmbedder().embed([f"question {i}" for i in range(5)])
+    for i, embedded in enumerate(answers):
+        assert np.allclose(embedded.vector.numpy(), on_host[i], atol=1e-4)
         scores, ids = source.index.search(embedded.vector, 50)
         assert embedded.found is not None and embedded.found.ids.tolist() == ids.tolist()
         assert np.allclose(embedded.found.scores, scores, atol=1e-5)
