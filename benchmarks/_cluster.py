@@ -167,7 +167,7 @@ def start_cluster(
     proxy: str = "haproxy",
     embed_device: str = "cuda",
     engine_sm_percent: int | None = None,
-    query_embedding: str = "process",
+    query_embedding: str = "auto",
     engine_kwargs: dict | None = None,
     llm_args: dict | None = None,
     early_layers: int = 0,
@@ -178,8 +178,8 @@ def start_cluster(
     """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
     on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
     CUDA's multi-process service `engine_sm_percent` holds the engine to that share of the SMs (the rest stay
-    free for the ingress's query embeddings); `query_embedding`: the ingress embeds questions in a process of
-    its own or in a thread; `engine_kwargs` go to vLLM over the defaults (a longer context, say), `llm_args` to
+    free for the ingress's query embeddings); `query_embedding`: the ingress embeds questions from its event
+    loop, in a process of its own or in a thread (`ingress.query_embedding`; auto: inline on a GPU); `engine_kwargs` go to vLLM over the defaults (a longer context, say), `llm_args` to
     the LLM deployment over its defaults; a shape gets random weights of its first `early_layers` layers; on a GPU
     `ingress_replicas` ingress replicas (each one event loop: more of them, less time a request waits for one);
     `chat_transport`: how chats reach the LLM replica (`ingress.chat_transport`: its channel, or Serve's handle);

@@ -9,8 +9,8 @@
 #   steps: setup gpu-tests inject-kernel chunk-bounds retrieval chat-ahead injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
 #          profile-tiers (or profile-host, profile-disk) profile-tier-loads profile-encode quality record-precision history-quality history-ttft
 #          history-ttft-layers mps-on mps-off
-# QUERY_EMBEDDING=thread (or inline) has serve-http's ingress embed questions in a thread (or launched from its event loop)
-# instead of a process of its own;
+# QUERY_EMBEDDING=process (or thread) has serve-http's ingress embed questions in a process of its own (or a thread)
+# instead of launching them from its event loop (the app's default on a GPU);
 # INGRESS_REPLICAS=N runs serve-http with N ingress replicas (default 4: each an event loop where requests queue).
 # SPIN_MS=2 has serve-http's query embedder, ingress loop and LLM replica's loop poll instead of sleeping around a chat.
 # VLLM_V1_OUTPUT_PROC_CHUNK_SIZE=N (vLLM's own, default 128) reaches serve-http's LLM replica and its engine alone: how many
@@ -89,7 +89,7 @@ for step in "$@"; do
     serve-hop) run serve-hop 150 python3 benchmarks/serve_hop.py --out "$out/serve_hop.json" ;;
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
     serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json" \
-            --embed-device "${EMBED_DEVICE:-cuda}" --query-embedding "${QUERY_EMBEDDING:-process}" --ingress-replicas "${INGRESS_REPLICAS:-4}" \
+            --embed-device "${EMBED_DEVICE:-cuda}" --query-embedding "${QUERY_EMBEDDING:-auto}" --ingress-replicas "${INGRESS_REPLICAS:-4}" \
             --chat-transport "${CHAT_TRANSPORT:-auto}" --spin-ms "${SPIN_MS:-0}" ${BLOCK_SIZE:+--block-size "$BLOCK_SIZE"} \
             ${ENGINE_SM_PERCENT:+--engine-sm-percent "$ENGINE_SM_PERCENT"} ;;
     quality)  # the answer-quality dev set (SmolLM2 in bf16): windows, recomputation, prompt and off at k = 10, 50

@@ -462,10 +462,10 @@ def main() -> None:
     )
     p.add_argument(
         "--query-embedding",
-        choices=["process", "thread", "inline"],
-        default="process",
-        help="the ingress embeds questions in a process of its own (default), in a thread of the replica, or "
-        "launched from its event loop (`InlineForwarder`)",
+        choices=["auto", "process", "thread", "inline"],
+        default="auto",
+        help="the ingress embeds questions launched from its event loop (`InlineForwarder`), in a process of its "
+        "own or in a thread of the replica (auto, the app's default: inline on a GPU, a process on the CPU)",
     )
     p.add_argument(
         "--ingress-replicas",
@@ -537,6 +537,7 @@ def main() -> None:
     )
     probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
     clock.done("deploy")
+    from deployments.app_args import IngressArgs
     from models.minilm import MiniLMEmbedder
     from tenants.connect import connect_service
 
@@ -548,7 +549,7 @@ def main() -> None:
         "proxy": args.proxy,
         "cuda": cuda,
         "embed_device": app_args["ingress"].get("embed_device", "cpu"),
-        "query_embedding": app_args["ingress"]["query_embedding"],
+        "query_embedding": IngressArgs(**app_args["ingress"]).query_embedding_way,
         "ingress_replicas": app_args["ingress"].get("num_replicas", 1),
         "chat_transport": app_args["ingress"]["chat_transport"],
         "spin_ms": app_args["ingress"]["embed_spin_ms"],

@@ -18,6 +18,7 @@ too: the wake goes out before the request is read), never a core held while no c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import json
 import logging
@@ -181,27 +182,31 @@ class InlineForwarder:
     Here the loop that read the request launches the graph's replay, the search and their read-back into pinned
     memory (a few host calls on a core that is awake), then keeps a callback ready that asks the device whether it
     is done, for at most `spin_s` (then every `poll_s`): other requests are served between the asks, and nothing
-    sleeps. The launch is deferred by one callback, so a caller's own work beside the question (its note to the
-    LLM replica) goes out first. On the host (no device) the forward runs on the loop, whole. Queries get a stream
-    of their own, so a fact batch embedded by another thread of this process does not queue them."""
+    sleeps. A caller's own work beside the question (its note to the LLM replica) runs while the device computes.
+    On the host (no device) the forward runs on the loop, whole, one callback after the caller's work. Queries get
+    a stream of their own, so a fact batch embedded by another thread of this process does not queue them."""
 
     def __init__(self, embedder: TensorEmbedder, spin_s: float = 0.02, poll_s: float = 0.0002) -> None:
         device = _device_of(embedder)
         self._embedder, self._copy = embedder, MirrorIndexes(device)
         self._spin_s, self._poll_s = spin_s, poll_s
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._on_stream = (lambda: torch.cuda.stream(stream)) if stream is not None else contextlib.nullcontext
+        self.launch_at_once = stream is not None  # the device computes while the caller's work runs
 
     def submit(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
-        loop.call_soon(self._launch, loop, batch, done)
+        """On a device, launched at once: the caller's own work (its note to the LLM replica) then runs while the
+        device computes. On the host the forward is the work itself, so it waits one callback for the caller's."""
+        if self.launch_at_once:
+            self._launch(loop, batch, done)
+        else:
+            loop.call_soon(self._launch, loop, batch, done)
 
     def _launch(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
-            if self._stream is None:
+            with self._on_stream():
                 answer, landed = _start_batch(self._embedder, self._copy, batch)
-            else:
-                with torch.cuda.stream(self._stream):
-                    answer, landed = _start_batch(self._embedder, self._copy, batch)
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
             done(exc, started, time.perf_counter(), time.thread_time() - cpu)
             return

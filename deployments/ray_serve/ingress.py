@@ -236,16 +236,16 @@ class Ingress:
         bind_replica_grpc_to_node()
         self.args = AppArgs(**args)
         settings = load_settings(**self.args.settings)
-        device = self.args.ingress.embed_device
-        if self.args.ingress.query_embedding == "process":  # it starts while this replica does the rest
+        device, way = self.args.ingress.embed_device, self.args.ingress.query_embedding_way
+        if way == "process":  # it starts while this replica does the rest
             forwarder: Forwarder | MiniLMEmbedder = ProcessForwarder(
                 partial(query_embedder, device, QUERY_BATCH), spin_s=self.args.ingress.embed_spin_ms / 1000
             )
         embedder = MiniLMEmbedder(device=device)  # facts written through this replica
-        if self.args.ingress.query_embedding == "thread":
+        if way == "thread":
             embedder.prepare(QUERY_BATCH)
             forwarder = embedder
-        elif self.args.ingress.query_embedding == "inline":  # an embedder of its own: no lock shared with writes
+        elif way == "inline":  # an embedder of its own: no lock shared with the writes' forwards
             forwarder = InlineForwarder(query_embedder(device, QUERY_BATCH))
         queries = QueryBatcher(forwarder, QUERY_BATCH, copy_bytes=self.args.ingress.search_copy_bytes)
         service = connect_service(

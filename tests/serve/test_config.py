@@ -169,3 +169,14 @@ def test_arena_precision_is_the_cores_and_reaches_the_workers_arena(tmp_path):
     assert arena.quantized and arena.k.dtype == torch.int8 and arena.k_scales.dtype == torch.float32
     values = yaml.safe_load((Path(__file__).parents[2] / "helm/inferscale/values.yaml").read_text())
     assert values["serve"]["llm"]["arenaPrecision"] == "dense"
+
+
+def test_questions_are_embedded_from_the_loop_on_a_gpu_and_in_a_process_on_the_cpu_unless_named():
+    def way(**ingress) -> str:
+        return AppArgs(state_dir="/s", ingress=ingress).ingress.query_embedding_way
+
+    assert way() == "process" and way(embed_device="cuda") == "inline"
+    assert way(embed_device="cuda", query_embedding="process") == "process"
+    assert way(query_embedding="inline") == "inline" and way(query_embedding="thread") == "thread"
+    with pytest.raises(ValidationError, match="query_embedding"):
+        way(query_embedding="fiber")

@@ -539,10 +539,12 @@ class _Landing:
 
 
 @pytest.mark.parametrize("spin_s", [0.0, 5.0])
-def test_an_inline_forward_is_launched_after_the_callers_work_and_answered_between_other_callbacks(monkeypatch, spin_s):
-    """The launch waits one callback (the caller's note goes first); while the device works the loop serves other
-    callbacks between its asks, asks again at once while it spins and on a timer after; the questions that came
-    meanwhile make the next batch."""
+@pytest.mark.parametrize("at_once", [True, False])
+def test_an_inline_forward_is_answered_between_other_callbacks(monkeypatch, spin_s, at_once):
+    """On a device the forward is launched before the caller's own work (its note runs while the device
+    computes); on the host it waits one callback, so the note goes first. While the device works the loop
+    serves other callbacks between its asks, asks again at once while it spins and on a timer after; the
+    questions that came meanwhile make the next batch."""
     order: list[str] = []
     events: list[_Landing] = []
 
@@ -563,7 +565,9 @@ def test_an_inline_forward_is_launched_after_the_callers_work_and_answered_betwe
 
     async def main():
         ticker = asyncio.ensure_future(ticking())
-        batcher = QueryBatcher(InlineForwarder(_Lengths(), spin_s=spin_s, poll_s=0.002), max_batch=8)
+        forwarder = InlineForwarder(_Lengths(), spin_s=spin_s, poll_s=0.002)
+        forwarder.launch_at_once = at_once
+        batcher = QueryBatcher(forwarder, max_batch=8)
         first = asyncio.ensure_future(batcher.embed("a", then=lambda: order.append("note a")))
         await asyncio.sleep(0)
         rest = [asyncio.ensure_future(batcher.embed("b" * n)) for n in range(2, 4)]
@@ -572,7 +576,8 @@ def test_an_inline_forward_is_launched_after_the_callers_work_and_answered_betwe
         return answers, batcher.batches
 
     answers, batches = asyncio.run(main())
-    assert order == ["note a", "launch ['a']", "launch ['bb', 'bbb']"] and batches == 2
+    first_two = ["launch ['a']", "note a"] if at_once else ["note a", "launch ['a']"]
+    assert order == [*first_two, "launch ['bb', 'bbb']"] and batches == 2
     assert [a.vector[0].item() for a in answers] == [1, 2, 3]
     assert all(e.asked == 21 for e in events)
     assert ticks >= 20  # other callbacks ran between the asks
