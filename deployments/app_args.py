@@ -129,7 +129,7 @@ class IngressArgs(Strict):
         description="Where the ingress embeds questions: launched from the event loop, which asks the device between "
         "other requests' callbacks whether it is done (no thread wakes on either side); a child process of its own "
         "(its forward never waits for the event loop's GIL); or a thread of the replica. auto: inline on a GPU, a "
-        "process on the CPU (where the forward is minutes of host work that would hold the loop).",
+        "process on the CPU (where the forward is ~8 ms of the host's own work, which would hold the loop).",
     )
     embed_spin_ms: float = Field(
         0.0,

@@ -222,7 +222,11 @@ class InlineForwarder:
         cpu: float,
         spin_until: float,
     ) -> None:
-        if landed is not None and not landed.query():
+        try:
+            pending = landed is not None and not landed.query()
+        except Exception:  # noqa: BLE001 - a device error: the answer raises it to every waiting request
+            pending = False
+        if pending:
             args = (loop, answer, landed, done, started, cpu, spin_until)
             if time.perf_counter() < spin_until:
                 loop.call_soon(self._check, *args)

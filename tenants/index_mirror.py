@@ -134,9 +134,14 @@ class MirrorIndexes:
 
         if on_host:
             return hits
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        return lambda: (done.synchronize(), hits())[1]
+        landed = torch.cuda.Event()
+        landed.record(torch.cuda.current_stream(self.device))
+
+        def hits_landed() -> Hits:
+            landed.synchronize()
+            return hits()
+
+        return hits_landed
 
 
 def copy_bytes(rows: int, dim: int) -> int:

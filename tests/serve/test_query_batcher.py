@@ -587,6 +587,41 @@ def test_an_inline_forward_is_answered_between_other_callbacks(monkeypatch, spin
         assert answers[0].forward_ms > 40 and answers[1].wait_ms > 40, answers
 
 
+def test_an_inline_forward_whose_device_fails_fails_its_waiters_and_the_next_batch_runs(monkeypatch):
+    """A device error raised while the loop asks whether the forward is done reaches every waiter (none waits for
+    ever), and the next batch is served."""
+
+    class _Broken:
+        asked = 0
+
+        def query(self) -> bool:  # fails on the second ask, from a callback of the loop's own
+            self.asked += 1
+            if self.asked > 1:
+                raise RuntimeError("device lost")
+            return False
+
+    def answer_raising() -> embed_forwarders.Answer:
+        raise RuntimeError("device lost")
+
+    def started(embedder, copy, batch):
+        if batch.texts == ["first"]:
+            return answer_raising, _Broken()
+        vectors = embedder.embed_tensor(batch.texts)
+        return (lambda: embed_forwarders.Answer(vectors, [None] * len(batch.texts))), _Landing(polls=2)
+
+    monkeypatch.setattr(embed_forwarders, "_start_batch", started)
+
+    async def main():
+        forwarder = InlineForwarder(_Lengths())
+        forwarder.launch_at_once = True
+        batcher = QueryBatcher(forwarder)
+        with pytest.raises(RuntimeError, match="device lost"):
+            await asyncio.wait_for(batcher.embed("first"), 5)
+        return await asyncio.wait_for(batcher.embed("abc"), 5)
+
+    assert asyncio.run(main()).vector[0].item() == 3
+
+
 def test_an_inline_forward_that_fails_fails_its_waiters_and_the_next_batch_runs():
     async def main():
         batcher = QueryBatcher(InlineForwarder(_Lengths()))
