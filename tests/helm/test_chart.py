@@ -72,6 +72,24 @@ def test_serve_config_names_the_builder_and_validates(helm):
     assert load_settings(**args.settings).residency.node_kv_bytes == 10**12
 
 
+def test_the_ingress_embeds_on_its_cpu_unless_a_gpu_share_is_asked_for_with_room_beside_the_llm(helm):
+    from deployments.app_args import AppArgs
+
+    def ingress(*flags: str) -> dict:
+        service = one(render(helm, *flags), "RayService")
+        return yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+
+    args = ingress()
+    assert args["ingress"]["embed_device"] == "cpu" and "num_gpus" not in args["ingress"]["ray_actor_options"]
+    assert AppArgs(**args).ingress.query_embedding_way == "process"
+    args = ingress("--set", "serve.ingress.embedDevice=cuda", "--set-json", "serve.llm.gpusPerReplica=0.9")
+    assert args["ingress"]["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 0.02}
+    assert AppArgs(**args).ingress.query_embedding_way == "inline" and args["llm"]["ray_actor_options"]["num_gpus"] == 0.9
+    done = subprocess.run([str(helm), "template", "rel", str(CHART), "--set", "serve.ingress.embedDevice=cuda"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "needs GPU room beside the LLM replicas" in done.stderr
+
+
 def test_the_offload_tier_gets_a_node_local_disk_on_gpu_workers_or_is_off(helm):
     cluster = one(render(helm), "RayService")["spec"]["rayClusterConfig"]
     (gpu,) = [g for g in cluster["workerGroupSpecs"] if g["groupName"] == "gpu"]
@@ -162,7 +180,8 @@ def test_external_redis_needs_its_url_secret(helm):
 @pytest.mark.parametrize("bad", ["gpuWorkers.gpus=0", "serve.llm.onLoadFailure=ignore", "redis.appendfsync=sometimes",
                                  "encodeJob.tenant=Bad_Name", "state.mountPath=relative",
                                  "serve.llm.offload.diskSizeLimit=lots", "serve.proxy=nginx",
-                                 "serve.residency.memoryKvBytes=-1"])
+                                 "serve.residency.memoryKvBytes=-1", "serve.ingress.embedDevice=tpu",
+                                 "serve.ingress.gpuShare=0"])
 def test_schema_refuses_bad_values(helm, bad):
     done = subprocess.run([str(helm), "template", "rel", str(CHART), "--set", bad], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "values don't meet the specifications of the schema" in done.stderr

@@ -154,8 +154,15 @@ applications:
         max_body_bytes: {{ .Values.serve.ingress.maxBodyBytes | int64 }}
         default_recompute: {{ .Values.serve.ingress.defaultRecompute | int }}
         chat_transport: {{ .Values.serve.ingress.chatTransport }}
+        embed_device: {{ .Values.serve.ingress.embedDevice }}
         ray_actor_options:
           num_cpus: 1
+          {{- if eq .Values.serve.ingress.embedDevice "cuda" }}
+          {{- if ge (float64 $llm.gpusPerReplica) (float64 .Values.gpuWorkers.gpus) }}
+          {{- fail "serve.ingress.embedDevice=cuda needs GPU room beside the LLM replicas: set serve.llm.gpusPerReplica below gpuWorkers.gpus (e.g. 0.9 with one GPU a worker)" }}
+          {{- end }}
+          num_gpus: {{ .Values.serve.ingress.gpuShare }}
+          {{- end }}
 {{- end }}
 
 {{/* One container spec for Ray pods; args: dict with ctx, name, resources, probes. */}}
