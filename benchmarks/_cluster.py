@@ -174,6 +174,7 @@ def start_cluster(
     ingress_replicas: int = 4,
     chat_transport: str = "auto",
     spin_ms: float = 0.0,
+    ingress_apps: int = 1,
 ):
     """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
     on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
@@ -185,7 +186,8 @@ def start_cluster(
     `chat_transport`: how chats reach the LLM replica (`ingress.chat_transport`: its channel, or Serve's handle);
     `spin_ms`: how long the query embedder's process and the ingress's loop poll instead of sleeping around a
     question (`ingress.embed_spin_ms`), and the LLM replica's loop after a note until its chat
-    (`llm.ahead_spin_ms`)."""
+    (`llm.ahead_spin_ms`); `ingress_apps`: how many ingress applications will share the GPU's ingress share
+    (`deploy_second_ingress` adds the second)."""
     import os
 
     from ray import serve
@@ -230,7 +232,7 @@ def start_cluster(
         ingress |= {
             "num_replicas": ingress_replicas,
             "embed_device": embed_device,
-            "ray_actor_options": {"num_cpus": 1, "num_gpus": ingress_gpu_share(ingress_replicas)}
+            "ray_actor_options": {"num_cpus": 1, "num_gpus": ingress_gpu_share(ingress_apps * ingress_replicas)}
             if embed_device == "cuda"
             else {"num_cpus": 2},
         }
@@ -244,6 +246,20 @@ def start_cluster(
     args = {"redis_url": redis.url, "state_dir": str(state), "admin_key": admin, "llm": llm, "ingress": ingress}
     serve.run(build_app(args), name="inferscale", route_prefix="/")
     return f"http://127.0.0.1:{port}", admin, redis, args
+
+
+def deploy_second_ingress(app_args: dict, overrides: dict, route_prefix: str = "/b") -> str:
+    """A second ingress application over the running app's LLM replicas, its ingress args with `overrides`, under
+    `route_prefix` (returned): two ingress settings served side by side by one engine, for requests interleaved
+    between them (start the cluster with `ingress_apps=2`, so both fit the GPU's ingress share)."""
+    from ray import serve
+
+    from deployments.ray_serve.app import build_ingress
+
+    args = {**app_args, "ingress": {**app_args["ingress"], **overrides}}
+    llm = serve.get_deployment_handle("LLMServer", app_name="inferscale")
+    serve.run(build_ingress(args, llm, name="IngressB"), name="inferscale-b", route_prefix=route_prefix)
+    return route_prefix
 
 
 def card_arena_bytes(most: int) -> int:

@@ -11,6 +11,8 @@ the same engine class with no HTTP, as the reference; and (`--quick`) the floor 
 processes of their own. `--config` serves a model shape with dummy weights (SmolLM2's tokenizer); `--locust-s N` instead makes
 the tenants, waits until their facts are encoded (`encode_burst_s`), then runs N seconds of Locust on them
 (one user per tenant) and reports errors, the streamed chats' time to first token and their whole time.
+`--ab-ingress JSON` deploys a second ingress app with those ingress args changed over the same LLM replicas and
+interleaves its injected chats with the first's in the timed rounds (`ab`: both sides' legs, B over A).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._cluster import served_block_size, start_cluster  # noqa: E402
+from benchmarks._cluster import deploy_second_ingress, served_block_size, start_cluster  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     load_failures_target,
     parser,
@@ -146,7 +148,7 @@ def _post(base: str, path: str, payload: bytes, headers: dict) -> tuple[float, h
         if conn.sock is None:
             conn.connect()  # not part of the chat's time
         started = time.perf_counter()
-        conn.request("POST", path, body=payload, headers=headers)
+        conn.request("POST", urlsplit(base).path.rstrip("/") + path, body=payload, headers=headers)
         return started, conn.getresponse()
 
     try:
@@ -178,13 +180,22 @@ def _read_events(answer: http.client.HTTPResponse, mode: str, started: float) ->
 
 
 def sample_rounds(
-    base: str, tenants: list[tuple[str, str]], k: int, rounds: int, samples: dict[str, list[dict]]
+    base: str,
+    tenants: list[tuple[str, str]],
+    k: int,
+    rounds: int,
+    samples: dict[str, list[dict]],
+    alternate: str | None = None,
 ) -> None:
-    """`rounds` streamed chats of each mode, interleaved, a new question each round, into `samples`."""
+    """`rounds` streamed chats of each mode, interleaved, a new question each round, into `samples`; a key
+    `inject@b` samples injected chats through `alternate` (the second ingress app's base URL)."""
     for r in range(rounds):
-        for mode in samples:
-            ms, usage = streamed(base, tenants[r % len(tenants)][1], k, mode, f"What does box {r} hold? ({mode} {r})")
-            samples[mode].append(
+        for key in samples:
+            mode, _, through = key.partition("@")
+            url = alternate if through else base
+            assert url is not None, f"{key} needs the second ingress"
+            ms, usage = streamed(url, tenants[r % len(tenants)][1], k, mode, f"What does box {r} hold? ({key} {r})")
+            samples[key].append(
                 {
                     "ttft_ms": ms,
                     "server_ttft_ms": usage["ttft_ms"],  # from the ingress handler's start to its first token
@@ -508,6 +519,15 @@ def main() -> None:
         help="the engine's KV block size (`llm.engine_kwargs.block_size`, the reference engine's too; default: the app's)",
     )
     p.add_argument(
+        "--ab-ingress",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="a second ingress application over the same LLM replicas with these ingress args changed (e.g. "
+        '\'{"query_embedding": "process"}\'); its injected chats are interleaved with the first\'s in the timed '
+        "rounds and reported as `ab` (one engine, one host: an A/B of ingress settings in one run)",
+    )
+    p.add_argument(
         "--locust-s",
         type=int,
         default=0,
@@ -534,8 +554,10 @@ def main() -> None:
         spin_ms=args.spin_ms,
         engine_kwargs={"block_size": args.block_size} if args.block_size else None,
         llm_args={"loop_lag_probe_ms": args.loop_lag_ms},
+        ingress_apps=2 if args.ab_ingress else 1,
     )
     probe = deploy_probe(app_args["ingress"].get("num_replicas", 1))
+    alternate = base + deploy_second_ingress(app_args, args.ab_ingress) if args.ab_ingress else None
     clock.done("deploy")
     from deployments.app_args import IngressArgs
     from models.minilm import MiniLMEmbedder
@@ -590,10 +612,14 @@ def main() -> None:
         # copy; at 24, 0.1 %), then one prompt request per tenant
         http_qps(base, tenants, k, "inject", tenants_n * (2 if args.quick else 24), first=10_000)
         http_qps(base, tenants, k, "prompt", tenants_n, first=20_000)
+        if alternate is not None:  # the second ingress's replicas load their indexes and search copies too
+            http_qps(alternate, tenants, k, "inject", tenants_n * (2 if args.quick else 24), first=30_000)
         clock.done("warm_up")
-        samples: dict[str, list[dict]] = {"inject": [], "prompt": []}
+        samples: dict[str, list[dict]] = {"inject": [], "prompt": []} | ({"inject@b": []} if alternate else {})
         with sampled("http-rounds"):
-            sample_rounds(base, tenants, k, rounds_n, samples)
+            sample_rounds(base, tenants, k, rounds_n, samples, alternate)
+        if alternate is not None:  # the rest of the report is the first ingress's, as without it
+            report["ab"] = ab_figures(args.ab_ingress, samples["inject"], samples.pop("inject@b"))
         floor, mode_floor = [], []
         for _ in range(3):  # interleaved, so drift of the machine falls on both
             floor += floor_ms(base, tenants[0][1], calls=100)
@@ -694,19 +720,13 @@ def gap_legs(inject: list[dict]) -> dict[str, float]:
     return {leg: round(statistics.median(values), 3) for leg, values in legs.items()}
 
 
-def http_figures(
-    samples: dict[str, list[dict]], floor: list[float], mode_floor: list[float], qps: dict[str, float], rounds: int
-) -> dict:
-    inject = samples["inject"]
+def inject_figures(inject: list[dict]) -> dict:
+    """What the injected chats' samples say of the path: HTTP TTFT over the engine's, retrieval and its legs, the
+    gap leg by leg, the hop, and the CPU time of the layout and the embedding's forward."""
     over = [s["ttft_ms"] - s["engine_ttft_ms"] for s in inject]
     retrieval = [s["retrieval_ms"] for s in inject]
     embed = [s["retrieval_embed_ms"] for s in inject]
     return {
-        "ttft_ms_p50": {mode: statistics.median(s["ttft_ms"] for s in v) for mode, v in samples.items()},
-        "engine_ttft_ms_p50": {mode: statistics.median(s["engine_ttft_ms"] for s in v) for mode, v in samples.items()},
-        "engine_phases_ms_p50": {
-            mode: phase_medians([s["engine_phases_ms"] for s in v]) for mode, v in samples.items()
-        },
         "http_minus_engine_ttft_ms": {"p50": statistics.median(over), "p99": pct(over, 0.99)},
         "retrieval_ms": {
             "p50": statistics.median(retrieval),
@@ -739,6 +759,37 @@ def http_figures(
             for leg in ("layout", "embed_forward")
             if all(leg in s["cpu_ms"] for s in inject)
         },
+    }
+
+
+def ab_figures(overrides: dict, first: list[dict], second: list[dict]) -> dict:
+    """The injected chats of both ingress apps, interleaved round by round on one engine: each one's figures, and the
+    second's HTTP - engine and retrieval p50 over the first's."""
+    a, b = inject_figures(first), inject_figures(second)
+    return {
+        "ingress_b": overrides,
+        "a": a,
+        "b": b,
+        "b_over_a": {
+            "http_minus_engine_p50": round(
+                b["http_minus_engine_ttft_ms"]["p50"] / a["http_minus_engine_ttft_ms"]["p50"], 4
+            ),
+            "retrieval_p50": round(b["retrieval_ms"]["p50"] / a["retrieval_ms"]["p50"], 4),
+        },
+    }
+
+
+def http_figures(
+    samples: dict[str, list[dict]], floor: list[float], mode_floor: list[float], qps: dict[str, float], rounds: int
+) -> dict:
+    inject = samples["inject"]
+    return {
+        "ttft_ms_p50": {mode: statistics.median(s["ttft_ms"] for s in v) for mode, v in samples.items()},
+        "engine_ttft_ms_p50": {mode: statistics.median(s["engine_ttft_ms"] for s in v) for mode, v in samples.items()},
+        "engine_phases_ms_p50": {
+            mode: phase_medians([s["engine_phases_ms"] for s in v]) for mode, v in samples.items()
+        },
+        **inject_figures(inject),
         "ingress_floor_ms": {"p50": statistics.median(floor), "p99": pct(floor, 0.99)},
         "mode_floor_ms": {
             "p50": statistics.median(mode_floor),

@@ -38,9 +38,17 @@ def build_app(args: dict[str, Any]) -> Application:
     else:
         llm_options["num_replicas"] = parsed.llm.num_replicas
     llm = serve.deployment(LLMServer, name="LLMServer").options(**llm_options).bind(plain)
-    ingress = serve.deployment(Ingress, name="Ingress").options(
+    return build_ingress(args, llm)
+
+
+def build_ingress(args: dict[str, Any], llm: Any, name: str = "Ingress") -> Application:
+    """The HTTP ingress over `llm`: the LLM deployment of the same application, or a handle to another
+    application's (`serve.get_deployment_handle`), so that a second ingress with other settings serves the same
+    LLM replicas under a route of its own (`benchmarks/serve_http.py --ab-ingress`)."""
+    parsed = AppArgs(**args)
+    ingress = serve.deployment(Ingress, name=name).options(
         num_replicas=parsed.ingress.num_replicas,
         max_ongoing_requests=parsed.ingress.max_ongoing_requests,
         ray_actor_options=parsed.ingress.ray_actor_options,
     )
-    return ingress.bind(llm, plain)
+    return ingress.bind(llm, parsed.model_dump(mode="json"))
