@@ -180,7 +180,8 @@ def start_cluster(
     on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
     CUDA's multi-process service `engine_sm_percent` holds the engine to that share of the SMs (the rest stay
     free for the ingress's query embeddings); `query_embedding`: the ingress embeds questions from its event
-    loop, in a process of its own or in a thread (`ingress.query_embedding`; auto: inline on a GPU); `engine_kwargs` go to vLLM over the defaults (a longer context, say), `llm_args` to
+    loop, in a process of its own or in a thread (`ingress.query_embedding`; auto: inline on a GPU);
+    `engine_kwargs` go to vLLM over the defaults (a longer context, say), `llm_args` to
     the LLM deployment over its defaults; a shape gets random weights of its first `early_layers` layers; on a GPU
     `ingress_replicas` ingress replicas (each one event loop: more of them, less time a request waits for one);
     `chat_transport`: how chats reach the LLM replica (`ingress.chat_transport`: its channel, or Serve's handle);
