@@ -383,8 +383,8 @@ def whole_step(served: dict, device: str, query: str, repeats: int, k: int = 50)
     """The ingress's retrieval (change feed, facts) with the question embedded in a process of its own and searched
     in that process's copy (`copy`) or on the host after it (`host`), and embedded and searched from the event loop
     (`inline`), interleaved, 2 ms and 30 ms apart: p50 and p99 of each (ms), the share of questions the copies
-    answered, and whether every way found the same facts. `served`: for "process" and "inline", the tenant as a
-    service of its own serves it (one search copy follows one set of indexes)."""
+    answered, and whether every way found the same facts. `served`: for each way of embedding ("process",
+    "inline"), a (service, tenant) pair of its own, since one search copy follows one set of indexes."""
     import asyncio
     from functools import partial
 
