@@ -40,6 +40,7 @@ import torch
 
 from deployments import loop_spin
 from deployments.message_socket import BlockingSide, LoopSide, socket_pair
+from models.minilm import GraphNotCaptured
 from tenants.index_mirror import (
     Hits,
     IndexUpdate,
@@ -112,18 +113,18 @@ class Forwarder(Protocol):
 
 def _run_batch(embedder: TensorEmbedder, copy: MirrorIndexes, batch: EmbedBatch) -> Answer:
     """The forward, the copy's updates and searches, the vectors on the host: one device wait, off the loop."""
-    answer, _ = _start_batch(embedder, copy, batch)
+    answer, _ = _start_batch(embedder.embed_tensor, copy, batch)
     return answer()
 
 
 def _start_batch(
-    embedder: TensorEmbedder, copy: MirrorIndexes, batch: EmbedBatch
+    forward: Callable[[Sequence[str]], torch.Tensor], copy: MirrorIndexes, batch: EmbedBatch
 ) -> tuple[Callable[[], Answer], torch.cuda.Event | None]:
     """The forward, the copy's updates and searches, and the read-back of vectors and hits, launched: the call
     returned makes the answer (waiting for the device if it has not finished), and the event (None on the host)
     tells when it has. A failure of the copy (out of device memory for a tenant sent whole) leaves the questions
     their vectors."""
-    vectors = embedder.embed_tensor(batch.texts)
+    vectors = forward(batch.texts)
     copy_failed = False
     try:
         copy.apply(batch.updates)
@@ -184,11 +185,17 @@ class InlineForwarder:
     is done, for at most `spin_s` (then every `poll_s`): other requests are served between the asks, and nothing
     sleeps. A caller's own work beside the question (its note to the LLM replica) runs while the device computes.
     On the host (no device) the forward runs on the loop, whole, one callback after the caller's work. Queries get
-    a stream of their own, so a fact batch embedded by another thread of this process does not queue them."""
+    a stream of their own, so a fact batch embedded by another thread of this process does not queue them. The loop
+    only replays graphs captured already: a batch whose bucket has none yet (a question longer than the buckets
+    captured at start) runs once in a thread, which captures it."""
 
     def __init__(self, embedder: TensorEmbedder, spin_s: float = 0.02, poll_s: float = 0.0002) -> None:
         device = _device_of(embedder)
         self._embedder, self._copy = embedder, MirrorIndexes(device)
+        # on the loop only what replays captured graphs: a bucket to capture first (a long question) runs once in
+        # a thread of its own, since a capture takes tens of ms that the loop would stall for
+        self._on_loop = getattr(embedder, "embed_tensor_captured", embedder.embed_tensor)
+        self._pool: ThreadPoolExecutor | None = None
         self._spin_s, self._poll_s = spin_s, poll_s
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._on_stream = (lambda: torch.cuda.stream(stream)) if stream is not None else contextlib.nullcontext
@@ -206,11 +213,26 @@ class InlineForwarder:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             with self._on_stream():
-                answer, landed = _start_batch(self._embedder, self._copy, batch)
+                answer, landed = _start_batch(self._on_loop, self._copy, batch)
+        except GraphNotCaptured:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed-capture")
+            self._pool.submit(self._in_thread, loop, batch, done)
+            return
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
             done(exc, started, time.perf_counter(), time.thread_time() - cpu)
             return
         self._check(loop, answer, landed, done, started, time.thread_time() - cpu, started + self._spin_s)
+
+    def _in_thread(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
+        """A batch whose graph is captured first, whole, off the loop (the next batches of its bucket replay it)."""
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            with self._on_stream():
+                outcome: Answer | BaseException = _start_batch(self._embedder.embed_tensor, self._copy, batch)[0]()
+        except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
+            outcome = exc
+        loop.call_soon_threadsafe(done, outcome, started, time.perf_counter(), time.thread_time() - cpu)
 
     def _check(
         self,
@@ -241,7 +263,9 @@ class InlineForwarder:
         done(outcome, started, time.perf_counter(), cpu + time.thread_time() - before)
 
     def close(self) -> None:
-        """Nothing runs between callbacks: a batch in flight ends with its loop."""
+        """A batch in flight on the loop ends with its loop; one capturing in the thread is not waited for."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 class EmbedderProcessError(RuntimeError):

@@ -192,6 +192,10 @@ def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return event
 
 
+class GraphNotCaptured(RuntimeError):
+    """A forward would need a CUDA graph captured first (`MiniLMEmbedder.embed_tensor_captured`)."""
+
+
 class MiniLMEmbedder:
     """Texts to normalised 384-d float32 vectors, on CPU (or `device`), in batches."""
 
@@ -213,10 +217,25 @@ class MiniLMEmbedder:
     @torch.inference_mode()
     def embed_tensor(self, texts: Sequence[str]) -> torch.Tensor:
         """`[len(texts), 384]` on the embedder's device."""
+        return self._embed(texts, capture=True)
+
+    @torch.inference_mode()
+    def embed_tensor_captured(self, texts: Sequence[str]) -> torch.Tensor:
+        """`embed_tensor` where every bucket the texts need is captured already: `GraphNotCaptured` (before any
+        device work) where one is not, so a caller that must not stall (an event loop) can run it elsewhere once."""
+        return self._embed(texts, capture=False)
+
+    def _embed(self, texts: Sequence[str], capture: bool) -> torch.Tensor:
         out = []
         with self._lock:
-            for first in range(0, len(texts), self._batch):
-                rows = self.token_ids(texts[first : first + self._batch])
+            batches = [
+                self.token_ids(texts[first : first + self._batch]) for first in range(0, len(texts), self._batch)
+            ]
+            if not capture and self._graphs is not None:
+                missing = [self._bucket(rows) for rows in batches if self._bucket(rows) not in self._graphs]
+                if missing:
+                    raise GraphNotCaptured(f"the query embedder has no CUDA graph yet for buckets {missing}")
+            for rows in batches:
                 graph = self._graph_for(rows)
                 out.append(graph.run(rows) if graph is not None else self._eager(rows))
         if not out:
@@ -247,8 +266,7 @@ class MiniLMEmbedder:
         """The bucket's graph for these rows (captured on first use), or None where graphs are off or refused."""
         if self._graphs is None:
             return None
-        tokens = max(len(ids) for ids in rows)
-        key = (1 << (len(rows) - 1).bit_length(), next(b for b in LENGTH_BUCKETS if b >= tokens))
+        key = self._bucket(rows)
         graph = self._graphs.get(key)
         if graph is None:
             try:
@@ -259,6 +277,12 @@ class MiniLMEmbedder:
                 log.warning("CUDA graph capture of the query embedder failed (%s); running it eagerly", exc)
                 self._graphs = None
         return graph if self._graphs is not None else None
+
+    @staticmethod
+    def _bucket(rows: list[list[int]]) -> tuple[int, int]:
+        """(batch, tokens) of the graph these rows run in: powers of two up, the length to its bucket."""
+        tokens = max(len(ids) for ids in rows)
+        return 1 << (len(rows) - 1).bit_length(), next(b for b in LENGTH_BUCKETS if b >= tokens)
 
     def _eager(self, rows: list[list[int]]) -> torch.Tensor:
         tokens = max(len(ids) for ids in rows)

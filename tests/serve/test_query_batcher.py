@@ -19,6 +19,7 @@ from deployments.embed_forwarders import (
     ThreadForwarder,
 )
 from deployments.query_batcher import QueryBatcher
+from models.minilm import GraphNotCaptured
 from tenants.index_mirror import IndexUpdate, SearchAsk
 from tenants.vector_index import ExactIndex
 
@@ -548,10 +549,10 @@ def test_an_inline_forward_is_answered_between_other_callbacks(monkeypatch, spin
     order: list[str] = []
     events: list[_Landing] = []
 
-    def started(embedder, copy, batch):
+    def started(forward, copy, batch):
         order.append(f"launch {batch.texts}")
         events.append(_Landing(polls=20))
-        vectors = embedder.embed_tensor(batch.texts)
+        vectors = forward(batch.texts)
         return (lambda: embed_forwarders.Answer(vectors, [None] * len(batch.texts))), events[-1]
 
     monkeypatch.setattr(embed_forwarders, "_start_batch", started)
@@ -603,10 +604,10 @@ def test_an_inline_forward_whose_device_fails_fails_its_waiters_and_the_next_bat
     def answer_raising() -> embed_forwarders.Answer:
         raise RuntimeError("device lost")
 
-    def started(embedder, copy, batch):
+    def started(forward, copy, batch):
         if batch.texts == ["first"]:
             return answer_raising, _Broken()
-        vectors = embedder.embed_tensor(batch.texts)
+        vectors = forward(batch.texts)
         return (lambda: embed_forwarders.Answer(vectors, [None] * len(batch.texts))), _Landing(polls=2)
 
     monkeypatch.setattr(embed_forwarders, "_start_batch", started)
@@ -620,6 +621,40 @@ def test_an_inline_forward_whose_device_fails_fails_its_waiters_and_the_next_bat
         return await asyncio.wait_for(batcher.embed("abc"), 5)
 
     assert asyncio.run(main()).vector[0].item() == 3
+
+
+class _Buckets(_Lengths):
+    """An embedder with graphs captured for texts up to 4 characters: longer ones need a capture, which happens in
+    whichever thread calls `embed_tensor`; records the thread of every forward."""
+
+    def __init__(self) -> None:
+        self.captured, self.threads = 4, []
+
+    def embed_tensor(self, texts):
+        self.threads.append(threading.current_thread().name)
+        self.captured = max(self.captured, *map(len, texts))
+        return super().embed_tensor(texts)
+
+    def embed_tensor_captured(self, texts):
+        if max(map(len, texts)) > self.captured:
+            raise GraphNotCaptured("no graph yet")
+        return self.embed_tensor(texts)
+
+
+def test_an_inline_forward_that_needs_a_graph_captured_runs_once_in_a_thread_and_then_on_the_loop():
+    embedder = _Buckets()
+
+    async def main():
+        batcher = QueryBatcher(InlineForwarder(embedder))
+        answers = [await batcher.embed(text) for text in ("abc", "abcdefgh", "abcdefg", "ab")]
+        batcher.close()
+        return answers, threading.current_thread().name
+
+    answers, loop_thread = asyncio.run(main())
+    assert [a.vector[0].item() for a in answers] == [3, 8, 7, 2]
+    # the long question's bucket was captured off the loop; the next one of its size replayed on the loop
+    assert embedder.threads[0] == loop_thread and embedder.threads[1].startswith("query-embed-capture")
+    assert embedder.threads[2:] == [loop_thread, loop_thread]
 
 
 def test_an_inline_forward_that_fails_fails_its_waiters_and_the_next_batch_runs():

@@ -63,6 +63,31 @@ def test_cuda_graph_buckets_equal_the_eager_forward():
     assert graphed._graphs, "no graph was captured"
 
 
+def test_without_graphs_the_captured_only_forward_is_the_plain_one(minilm):
+    texts = ["Where does Maya work?", "x " * 60]
+    assert np.allclose(minilm.embed_tensor_captured(texts).numpy(), minilm.embed_tensor(texts).numpy())
+
+
+@pytest.mark.gpu
+def test_the_captured_only_forward_refuses_a_bucket_not_captured_before_any_device_work():
+    """Buckets prepared at start replay; a longer question's bucket is refused (`GraphNotCaptured`) until a plain
+    forward has captured it, and then gives the plain forward's answer."""
+    import torch
+
+    from models.minilm import GraphNotCaptured
+
+    embedder = MiniLMEmbedder(device="cuda")
+    embedder.prepare(4)  # batches up to 4, lengths up to 32 tokens
+    short, long = ["Where does Maya work?"], ["where " * 50]
+    captured = dict(embedder._graphs)
+    assert torch.allclose(embedder.embed_tensor_captured(short), embedder.embed_tensor(short), atol=1e-6)
+    with pytest.raises(GraphNotCaptured):
+        embedder.embed_tensor_captured(long)
+    assert embedder._graphs == captured  # nothing captured by the refusal
+    plain = embedder.embed_tensor(long)
+    assert torch.allclose(embedder.embed_tensor_captured(long), plain, atol=1e-6)
+
+
 @pytest.mark.gpu
 def test_a_bucket_replayed_on_two_streams_keeps_each_calls_answer():
     """A history's turns are embedded on one stream while a question is embedded on another (the chooser's second
