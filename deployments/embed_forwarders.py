@@ -149,6 +149,16 @@ def _start_batch(
     return answer, landed
 
 
+def _answer_from_thread(run: Callable[[], Answer], loop: asyncio.AbstractEventLoop, done: Done) -> None:
+    """In a worker thread: run a batch whole and hand its outcome, clock and CPU time to `done` on the loop."""
+    started, cpu = time.perf_counter(), time.thread_time()
+    try:
+        outcome: Answer | BaseException = run()
+    except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
+        outcome = exc
+    loop.call_soon_threadsafe(done, outcome, started, time.perf_counter(), time.thread_time() - cpu)
+
+
 def _device_of(embedder: TensorEmbedder) -> torch.device:
     return torch.device(getattr(embedder, "device", "cpu"))
 
@@ -164,12 +174,7 @@ class ThreadForwarder:
         self._pool.submit(self._run, loop, batch, done)
 
     def _run(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
-        started, cpu = time.perf_counter(), time.thread_time()
-        try:
-            outcome: Answer | BaseException = _run_batch(self._embedder, self._copy, batch)
-        except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
-            outcome = exc
-        loop.call_soon_threadsafe(done, outcome, started, time.perf_counter(), time.thread_time() - cpu)
+        _answer_from_thread(lambda: _run_batch(self._embedder, self._copy, batch), loop, done)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -226,13 +231,12 @@ class InlineForwarder:
 
     def _in_thread(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
         """A batch whose graph is captured first, whole, off the loop (the next batches of its bucket replay it)."""
-        started, cpu = time.perf_counter(), time.thread_time()
-        try:
+
+        def run() -> Answer:
             with self._on_stream():
-                outcome: Answer | BaseException = _start_batch(self._embedder.embed_tensor, self._copy, batch)[0]()
-        except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
-            outcome = exc
-        loop.call_soon_threadsafe(done, outcome, started, time.perf_counter(), time.thread_time() - cpu)
+                return _run_batch(self._embedder, self._copy, batch)
+
+        _answer_from_thread(run, loop, done)
 
     def _check(
         self,
