@@ -211,6 +211,7 @@ def sample_rounds(
                         for key in (
                             "engine_ttft_ms",
                             "retrieval_ms",
+                            "retrieval_ahead_ms",
                             "retrieval_embed_ms",
                             "prefilled_tokens",
                             "injected_tokens",
@@ -691,12 +692,18 @@ def stop_cluster() -> None:
     ray.shutdown()
 
 
+def _in_handler(sample: dict) -> float:
+    """Of a chat's retrieval, the part inside the handler's time (the rest ran before it, from the middleware)."""
+    return sample["retrieval_ms"] - sample.get("retrieval_ahead_ms", 0.0)
+
+
 def gap_legs(inject: list[dict]) -> dict[str, float]:
     """HTTP TTFT - engine TTFT, p50 of each leg: outside the ingress's handler (the proxy, HTTP, the client), cut
     into the ingress's way from its middleware to the handler (routing, auth, the body's validation), the first
     token's from the handler to the transport, and what is outside the ingress's app (HAProxy, the replica's HTTP
-    server, the client); retrieval, the rest of the handler's work before the task leaves (the task), the way to
-    the replica, its layout, the first token's way back (the legs of one request sum to its gap)."""
+    server, the client); retrieval (its part inside the handler: it may begin in the middleware), the rest of the
+    handler's work before the task leaves (the task), the way to the replica, its layout, the first token's way back
+    (the legs of one request sum to its gap)."""
     timed = [
         s
         for s in inject
@@ -711,9 +718,9 @@ def gap_legs(inject: list[dict]) -> dict[str, float]:
             for s in timed
         ],
         **{leg: [s["ingress_ms"][leg] for s in timed] for leg in ("to_handler", "to_transport")},
-        "retrieval": [s["retrieval_ms"] for s in timed],
+        "retrieval": [_in_handler(s) for s in timed],
         "handler_other": [
-            s["server_ttft_ms"] - s["engine_ttft_ms"] - s["retrieval_ms"] - sum(s["hop_ms"].values()) for s in timed
+            s["server_ttft_ms"] - s["engine_ttft_ms"] - _in_handler(s) - sum(s["hop_ms"].values()) for s in timed
         ],
         **{leg: [s["hop_ms"][leg] for s in timed] for leg in ("to_replica", "layout", "first_token_back")},
     }
@@ -739,10 +746,13 @@ def inject_figures(inject: list[dict]) -> dict:
                 for name, at in (("p50", statistics.median), ("p99", lambda v: pct(v, 0.99)))
                 if all(leg in s["embed_legs_ms"] for s in inject)
             },
-            **{  # retrieval's steps: before the embedding, the embedding (with the copy's search beside its forward)
-                # as awaited, the search's answer taken (or, where the copy's was stale, searched again), the facts
+            # of retrieval, the part done before the ingress's handler started (begun in its middleware)
+            "ahead_p50": statistics.median(s.get("retrieval_ahead_ms", 0.0) for s in inject),
+            **{  # retrieval's steps: the question handed over, the way on to the handler's wait (FastAPI's work when
+                # begun ahead), the embedding (with the copy's search beside its forward) as awaited, the search's
+                # answer taken (or, where the copy's was stale, searched again), the facts
                 f"step_{leg}_p50": statistics.median(s["retrieval_legs_ms"][leg] for s in inject)
-                for leg in ("before_embed", "embed", "search", "facts")
+                for leg in ("hand_over", "to_wait", "embed", "search", "facts")
                 if all(leg in s.get("retrieval_legs_ms", {}) for s in inject)
             },
             "searched_in_copy_share": round(sum(s.get("retrieval_in_copy", False) for s in inject) / len(inject), 3),

@@ -140,6 +140,14 @@ class IngressArgs(Strict):
         "not sleep while a question is embedded; 0: both sleep. CPU time bounded by each request; a spin longer "
         "than the gap between chats keeps the process's core awake while chats keep coming (a core per replica).",
     )
+    retrieval_ahead: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Start a chat's retrieval in the ingress's middleware as the request arrives (its body read and "
+        "validated and its key checked there, once), so the question's forward runs while FastAPI routes and parses "
+        "the request for its handler; off: the handler starts it. auto: on where questions are embedded on a GPU; "
+        "off on the CPU, where the forward is the host's own work (two cores' torch threads) and FastAPI's work "
+        "beside it only slowed both (HTTP - engine 21.3 against 20.7 ms, `serve_http.py --quick`, 2026-12-07).",
+    )
     search_copy_bytes: int = Field(
         1 << 30,
         ge=0,
@@ -199,6 +207,11 @@ class IngressArgs(Strict):
         if self.query_embedding != "auto":
             return self.query_embedding
         return "inline" if self.embed_device == "cuda" else "process"
+
+    @property
+    def retrieval_ahead_on(self) -> bool:
+        """`retrieval_ahead` with auto resolved: on where questions are embedded on a GPU."""
+        return self.retrieval_ahead == "on" or (self.retrieval_ahead == "auto" and self.embed_device == "cuda")
 
 
 class AppArgs(Strict):

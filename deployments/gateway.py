@@ -25,7 +25,7 @@ from deployments.llm_backend import LLMBackend
 from deployments.memories import Memories
 from deployments.memory_prompt import FactOrder
 from deployments.metrics import Metrics
-from deployments.query_batcher import Embedded, QueryBatcher
+from deployments.query_batcher import Embedded, EmbedTicket, QueryBatcher
 from deployments.rate_limit import RateLimiter
 from deployments.schemas import GenerationRequest
 from deployments.tenant_admin import TenantAdmin
@@ -59,6 +59,7 @@ class PreparedChat:
     dispatched: float | None = None  # wall clock when the task left for the replica
     searched_in_copy: bool = False  # the query embedder's copy answered the search (not the ingress's matrix)
     first_event: float | None = None  # wall clock when the replica's first event came back
+    retrieval_started: float | None = None  # perf_counter when retrieval began (before the handler, when ahead)
 
     @property
     def embed_ms(self) -> float:
@@ -88,6 +89,43 @@ class _Retrieval:
     embedded: Embedded | None = None
     legs: dict[str, float] | None = None
     in_copy: bool = False
+    started: float | None = None  # perf_counter when it began
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat's request checked against this ingress's limits, with what serving it needs: the memory it reads
+    (the tenant's own or an end user's), k, its token budget, history mode's history and budget, the turns."""
+
+    memory: Tenant
+    k: int
+    max_tokens: int
+    history_id: str | None
+    budget: int
+    conversation: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class RetrievalStarted:
+    """A chat's retrieval under way: its question handed to the embedder (None: nothing to retrieve)."""
+
+    started: float  # perf_counter
+    ticket: EmbedTicket | None
+    handed: float = 0.0  # perf_counter once the question was handed over
+
+
+@dataclass(frozen=True)
+class EarlyChat:
+    """A chat planned and its retrieval started before its handler ran (the ingress's middleware does both as
+    the request arrives, so the question's forward runs while FastAPI routes, parses and validates)."""
+
+    plan: ChatPlan
+    retrieval: RetrievalStarted
+
+    def abandon(self) -> None:
+        """Its handler never ran (the request failed before it): nobody waits for the question."""
+        if self.retrieval.ticket is not None:
+            self.retrieval.ticket.abandon()
 
 
 def order_facts(hits: list[tuple[Fact, float]], order: FactOrder) -> list[tuple[Fact, float]]:
@@ -140,29 +178,54 @@ class Gateway:
         return tenant
 
     # ---- chat ----
-    async def prepare_chat(self, tenant: Tenant, body: GenerationRequest, api_key: str = "") -> PreparedChat:
-        """Validate, pick the memory (the tenant's, or an end user's scope), embed the question (batched with
-        concurrent ones), retrieve from the in-process index (no Redis round trip while nothing changed) and
-        build the task the LLM replica serves; count the retrievals for KV residency, asking (with the caller's
-        `api_key`) for the K/V of dropped facts that are warm again."""
+    def plan_chat(self, tenant: Tenant, body: GenerationRequest) -> ChatPlan:
+        """Check a chat against this ingress's limits and pick its memory (the tenant's, or an end user's scope)."""
         if body.model != self.served_name:
             raise UnknownModelError(f"unknown model {body.model!r}; this server serves {self.served_name!r}")
-        tenant = self.memories.in_scope(tenant, body.scope())
+        memory = self.memories.in_scope(tenant, body.scope())
         k, max_tokens = self._limits(body)
-        history_id, budget = self._history_of(tenant, body)
-        conversation = body.conversation()
-        found = await self._retrieve(tenant, body, k, conversation, api_key)
+        history_id, budget = self._history_of(memory, body)
+        return ChatPlan(memory, k, max_tokens, history_id, budget, body.conversation())
+
+    def start_retrieval(self, plan: ChatPlan, body: GenerationRequest) -> RetrievalStarted:
+        """On the loop, without waiting: hand the chat's question to the embedder (batched with concurrent ones;
+        on a device its forward and search are launched from this call when the embedder is idle) and send the
+        LLM replica its note. Nothing for modes `off` and `history`, nor at k = 0."""
+        started = time.perf_counter()
+        if body.memory.mode in ("off", "history") or plan.k == 0:
+            return RetrievalStarted(started, None)
+        query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
+        ticket = self.queries.start(
+            query, SearchAsk(plan.memory.id, plan.k), self._ahead(plan.memory, plan.conversation)
+        )
+        return RetrievalStarted(started, ticket, time.perf_counter())
+
+    async def prepare_chat(
+        self, tenant: Tenant, body: GenerationRequest, api_key: str = "", early: EarlyChat | None = None
+    ) -> PreparedChat:
+        """Plan the chat and retrieve its facts (or finish what `early` began), retrieving from the in-process
+        index (no Redis round trip while nothing changed), and build the task the LLM replica serves; count the
+        retrievals for KV residency, asking (with the caller's `api_key`) for the K/V of dropped facts that are
+        warm again."""
+        if early is not None:
+            plan, started = early.plan, early.retrieval
+        else:
+            plan = self.plan_chat(tenant, body)
+            started = self.start_retrieval(plan, body)
+        found = await self._retrieve(plan, body, started, api_key)
         self.metrics.retrieval.observe(found.ms / 1000)
         recompute = next(
-            m for m in (body.memory.recompute, tenant.entry.recompute, self.args.default_recompute) if m is not None
+            m
+            for m in (body.memory.recompute, plan.memory.entry.recompute, self.args.default_recompute)
+            if m is not None
         )
         task = ChatTask(
-            tenant.id,
+            plan.memory.id,
             found.version,
-            conversation,
+            plan.conversation,
             found.facts,
             body.memory.mode,
-            max_tokens,
+            plan.max_tokens,
             body.temperature,
             body.top_p,
             body.seed,
@@ -170,15 +233,23 @@ class Gateway:
             min(recompute, len(found.facts)),
             body.raw_prompt(),
             body.logprob_count(),
-            history_id,
-            budget,
+            plan.history_id,
+            plan.budget,
         )
         lookup = None
         # where they sat when retrieved: read as the task leaves, well before the replica's load (its layout, then an
         # engine step) can report a new place
         if body.memory.mode == "inject" and found.facts:
-            lookup = functools.partial(self._tier_counts, tenant, found.facts)
-        return PreparedChat(task, found.ms, found.embedded, lookup, found.legs, searched_in_copy=found.in_copy)
+            lookup = functools.partial(self._tier_counts, plan.memory, found.facts)
+        return PreparedChat(
+            task,
+            found.ms,
+            found.embedded,
+            lookup,
+            found.legs,
+            searched_in_copy=found.in_copy,
+            retrieval_started=found.started,
+        )
 
     def _limits(self, body: GenerationRequest) -> tuple[int, int]:
         """The chat's k and max_tokens, each checked against this ingress's limits."""
@@ -193,31 +264,40 @@ class Gateway:
         return k, max_tokens
 
     async def _retrieve(
-        self, tenant: Tenant, body: GenerationRequest, k: int, conversation: tuple[tuple[str, str], ...], api_key: str
+        self, plan: ChatPlan, body: GenerationRequest, started: RetrievalStarted, api_key: str
     ) -> _Retrieval:
-        """The chat's facts, in prompt order, with the store version they were read at and retrieval's timing (no
-        retrieval for modes `off` and `history`, nor at k = 0: the version alone)."""
-        started = time.perf_counter()
-        if body.memory.mode in ("off", "history") or k == 0:
-            return _Retrieval((), tenant.version(), (time.perf_counter() - started) * 1000)
-        query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
+        """The chat's facts, in prompt order, with the store version they were read at and retrieval's timing, from
+        its start (the version alone where nothing was asked)."""
+        tenant = plan.memory
+        if started.ticket is None:
+            version, ended = tenant.version(), time.perf_counter()
+            return _Retrieval((), version, (ended - started.started) * 1000, started=started.started)
         asked = time.perf_counter()
-        embedded = await self.queries.embed(query, SearchAsk(tenant.id, k), then=self._ahead(tenant, conversation))
+        embedded = await started.ticket.result()
         back = time.perf_counter()
-        retrieved = tenant.retrieve(embedded.vector, k, embedded.found)
+        retrieved = tenant.retrieve(embedded.vector, plan.k, embedded.found)
         searched = time.perf_counter()
         hits = order_facts(retrieved.hits, body.memory.order or self.args.default_order)
         facts = tuple(RetrievedFact(f.id, f.text, f.record_id, score) for f, score in hits)
         if self.residency is not None:
             self._count_uses(self.residency, tenant, [f for f, _ in hits], api_key)
         ended = time.perf_counter()
-        legs = {  # the embedding's own legs (`Embedded`) lie inside `embed`
-            "before_embed": round((asked - started) * 1000, 3),
+        legs = {  # the embedding's own legs (`Embedded`) lie inside `embed`; ahead, the handler's start lies between
+            "hand_over": round((started.handed - started.started) * 1000, 3),
+            "to_wait": round((asked - started.handed) * 1000, 3),
             "embed": round((back - asked) * 1000, 3),
             "search": round((searched - back) * 1000, 3),
             "facts": round((ended - searched) * 1000, 3),
         }
-        return _Retrieval(facts, retrieved.version, (ended - started) * 1000, embedded, legs, retrieved.from_copy)
+        return _Retrieval(
+            facts,
+            retrieved.version,
+            (ended - started.started) * 1000,
+            embedded,
+            legs,
+            retrieved.from_copy,
+            started.started,
+        )
 
     def _ahead(self, tenant: Tenant, conversation: tuple[tuple[str, str], ...]) -> Callable[[], None] | None:
         """The note that lets the chat's replica tokenize the conversation and wake up while the question is embedded,

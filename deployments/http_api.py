@@ -27,6 +27,7 @@ from deployments.event_stream import DONE, EventStream
 from deployments.gateway import Gateway, PreparedChat
 from deployments.mem0_api import mem0_router
 from deployments.query_batcher import Embedded
+from deployments.retrieval_ahead import AUTHENTICATED, EARLY, RetrievalAhead
 from deployments.schemas import (
     UNSUPPORTED,
     AddMemories,
@@ -104,7 +105,13 @@ def _key(request: Request) -> str | None:
 
 async def _tenant_auth(request: Request) -> Tenant:
     """A dependency, so it runs before the body is validated: no valid key is a 401, whatever the body. Async,
-    so FastAPI runs it on the event loop: a thread hop per request cost more than the key lookup itself."""
+    so FastAPI runs it on the event loop: a thread hop per request cost more than the key lookup itself. A chat
+    whose key the middleware checked (`RetrievalAhead`) takes that outcome: one check, one count, a request."""
+    checked = request.scope.get("state", {}).pop(AUTHENTICATED, None)
+    if isinstance(checked, TenantError):
+        raise checked
+    if checked is not None:
+        return checked
     return request.app.state.gateway.tenant(_key(request))
 
 
@@ -130,6 +137,11 @@ class LimitsAndMetrics:
 
     def __init__(self, app: Callable, gateway: Gateway) -> None:
         self._app, self._gateway = app, gateway
+        self._ahead = (
+            RetrievalAhead(gateway, {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest}, _key)
+            if gateway.args.retrieval_ahead_on
+            else None
+        )
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -145,7 +157,9 @@ class LimitsAndMetrics:
         status, marks = 500, scope.setdefault("state", {})
         marks[ARRIVED] = time.perf_counter()  # the request's way through FastAPI to its handler starts here
         if scope["method"] == "POST" and scope["path"] in CHAT_PATHS:
-            self._gateway.queries.wake()  # the question's embedder gets ready while FastAPI reads the request
+            self._gateway.queries.wake()  # the question's embedder gets ready while the request is read
+            if self._ahead is not None:
+                receive = await self._ahead.begin(scope, receive)
 
         async def observed(message: dict) -> None:
             nonlocal status
@@ -158,6 +172,7 @@ class LimitsAndMetrics:
         try:
             await self._app(scope, receive, observed)
         finally:
+            RetrievalAhead.end(scope)
             self._count(scope, status)
 
     def _count(self, scope: dict, status: int) -> None:
@@ -290,7 +305,8 @@ def _openai_routes(gateway: Gateway) -> APIRouter:
 async def _generate(gateway: Gateway, tenant: Tenant, body: GenerationRequest, shape: _Shape, request: Request):
     """A chat or text completion: the task prepared and sent, its answer streamed (SSE) or whole."""
     received, api_key = time.perf_counter(), _key(request) or ""
-    prepared = await gateway.prepare_chat(tenant, body, api_key)
+    early = request.scope.get("state", {}).pop(EARLY, None)  # planned, its retrieval started, by the middleware
+    prepared = await gateway.prepare_chat(tenant, body, api_key, early)
     prepared.dispatched = time.time()
     events = gateway.llm.chat(prepared.task, prepared.look_up_tiers)
     first = await _first_event(events)  # engine errors surface before any byte is sent
@@ -323,6 +339,7 @@ async def _generate(gateway: Gateway, tenant: Tenant, body: GenerationRequest, s
         prepared,
         ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
         await prepared.memory_tiers(),
+        received,
     )
     gateway.observe_usage(usage, body.memory.mode)
     return {
@@ -442,9 +459,12 @@ def _embed_legs(embedded: Embedded | None) -> dict[str, float]:
 
 
 def _usage(
-    final: dict[str, Any] | None, prepared: PreparedChat, ttft_ms: float, tiers: dict[str, int]
+    final: dict[str, Any] | None, prepared: PreparedChat, ttft_ms: float, tiers: dict[str, int], received: float
 ) -> dict[str, Any]:
+    """The chat's usage: OpenAI's counts, the engine's, and where the time went. `received`: when the handler
+    started, the TTFT's origin (retrieval may have started before it, in the middleware)."""
     engine = (final or {}).get("usage", {})
+    ahead = 0.0 if prepared.retrieval_started is None else max(0.0, received - prepared.retrieval_started) * 1000
     return {
         "prompt_tokens": engine.get("prompt_tokens", 0),
         "completion_tokens": engine.get("completion_tokens", 0),
@@ -458,6 +478,7 @@ def _usage(
         "history_chunks": engine.get("history_chunks", 0),
         "history_choose_ms": engine.get("history_choose_ms"),
         "retrieval_ms": round(prepared.retrieval_ms, 3),
+        "retrieval_ahead_ms": round(min(ahead, prepared.retrieval_ms), 3),  # of it, before the handler started
         "retrieval_embed_ms": round(prepared.embed_ms, 3),
         "retrieval_embed_legs_ms": _embed_legs(prepared.embedded),
         "retrieval_legs_ms": prepared.legs_ms or {},
@@ -621,6 +642,7 @@ async def _sse(
         prepared,
         ttft_ms if ttft_ms is not None else (time.perf_counter() - received) * 1000,
         await prepared.memory_tiers(),
+        received,
     )
     usage["ingress_ms"] = _ingress_legs(marks or {}, received, first_token)
     gateway.observe_usage(usage, mode)

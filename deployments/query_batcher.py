@@ -73,6 +73,30 @@ class _Waiting:
     generation: int | None = None  # of the tenant's vectors the copy searches, once its batch starts
 
 
+class EmbedTicket:
+    """A question handed to the embedder (`QueryBatcher.start`): its vector once the batch answers."""
+
+    def __init__(self, waiting: _Waiting) -> None:
+        self._waiting = waiting
+
+    async def result(self) -> Embedded:
+        vector, found, started, ended, cpu = await self._waiting.future
+        resumed = time.perf_counter()
+        return Embedded(
+            vector,
+            (started - self._waiting.since) * 1000,
+            (ended - started) * 1000,
+            (resumed - ended) * 1000,
+            cpu * 1000,
+            found,
+        )
+
+    def abandon(self) -> None:
+        """Nobody will wait for it (its request ended before its handler ran): a failure is not reported as
+        never retrieved."""
+        self._waiting.future.add_done_callback(lambda future: future.cancelled() or future.exception())
+
+
 class QueryBatcher:
     """`await embed(text)` -> the text's vector, batched with concurrent callers, with its timing; with a
     `SearchAsk`, its tenant searched too, beside the forward (once `follow` named the indexes).
@@ -127,6 +151,11 @@ class QueryBatcher:
         search (no `follow`, no room, its tenant not caught up, or a process restarted meanwhile). `then`: the
         caller's own work once the text is handed over (its forward started, or queued behind one), before the
         wait; what it raises is logged, never the embedding's failure."""
+        return await self.start(text, ask, then).result()
+
+    def start(self, text: str, ask: SearchAsk | None = None, then: Callable[[], object] | None = None) -> EmbedTicket:
+        """`embed`'s first half, without awaiting: on the loop, the text handed over now (a forward launched from
+        this very call where the embedder was idle); `EmbedTicket.result` waits for it."""
         loop = asyncio.get_running_loop()
         waiting = _Waiting(text, ask, loop.create_future(), time.perf_counter())
         self._pending.append(waiting)
@@ -137,16 +166,7 @@ class QueryBatcher:
                 then()
             except Exception:  # noqa: BLE001 - an optimisation's failure must not fail the question
                 log.warning("work beside a question's embedding failed", exc_info=True)
-        vector, found, started, ended, cpu = await waiting.future
-        resumed = time.perf_counter()
-        return Embedded(
-            vector,
-            (started - waiting.since) * 1000,
-            (ended - started) * 1000,
-            (resumed - ended) * 1000,
-            cpu * 1000,
-            found,
-        )
+        return EmbedTicket(waiting)
 
     def close(self) -> None:
         if self._source is not None:  # its copy goes with the forwarder: the indexes may keep another

@@ -92,7 +92,8 @@ def cluster(ray_local, tmp_path_factory):
             "tiers": {"disk_cache_dir": str(state / "tiers"), "host_cache_bytes": 64 << 20},
             "loop_lag_probe_ms": 5,
         },
-        "ingress": {"max_body_bytes": 64 * 1024, "first_event_timeout_s": 10},
+        # retrieval begun in the middleware: a GPU's default (off on the CPU), the way every serving test takes
+        "ingress": {"max_body_bytes": 64 * 1024, "first_event_timeout_s": 10, "retrieval_ahead": "on"},
     }
     serve.run(build_app(args), name="inferscale", route_prefix="/")
     yield Cluster(f"http://127.0.0.1:{port}", admin, state, redis)

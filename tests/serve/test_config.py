@@ -180,3 +180,13 @@ def test_questions_are_embedded_from_the_loop_on_a_gpu_and_in_a_process_on_the_c
     assert way(query_embedding="inline") == "inline" and way(query_embedding="thread") == "thread"
     with pytest.raises(ValidationError, match="query_embedding"):
         way(query_embedding="fiber")
+
+
+def test_retrieval_begins_in_the_middleware_on_a_gpu_and_in_the_handler_on_the_cpu_unless_named():
+    def ahead(**ingress) -> bool:
+        return AppArgs(state_dir="/s", ingress=ingress).ingress.retrieval_ahead_on
+
+    assert ahead() is False and ahead(embed_device="cuda") is True
+    assert ahead(retrieval_ahead="on") is True and ahead(embed_device="cuda", retrieval_ahead="off") is False
+    with pytest.raises(ValidationError, match="retrieval_ahead"):
+        ahead(retrieval_ahead=True)
