@@ -32,7 +32,13 @@ class _Paths(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802 - http.server's name
         self.rfile.read(int(self.headers["Content-Length"]))
-        usage = {"engine_ttft_ms": 1.0, "ttft_ms": 2.0, "retrieval_ms": 0.5, "retrieval_embed_ms": 0.4}
+        usage = {
+            "engine_ttft_ms": 1.0,
+            "ttft_ms": 2.0,
+            "retrieval_ms": 0.5,
+            "retrieval_ahead_ms": 0.1,
+            "retrieval_embed_ms": 0.4,
+        }
         usage |= {"prefilled_tokens": 3, "injected_tokens": 0, "load_failed_tokens": 0, "prompt_tokens": 9}
         usage["path"] = self.path
         event = {"choices": [{"delta": {"content": "x"}}], "usage": usage}
@@ -84,3 +90,17 @@ def test_the_ab_figures_are_each_sides_own_and_b_over_a_their_ratio():
     assert ab["a"]["http_minus_engine_ttft_ms"]["p50"] == 6.0 and ab["b"]["http_minus_engine_ttft_ms"]["p50"] == 5.0
     assert ab["b_over_a"] == {"http_minus_engine_p50": round(5 / 6, 4), "retrieval_p50": round(1.0 / 1.5, 4)}
     assert ab["ingress_b"] == {"query_embedding": "process"}
+
+
+def test_the_gap_counts_only_the_part_of_retrieval_inside_the_handler_and_its_legs_sum_to_it():
+    """Retrieval begun in the middleware overlaps the way to the handler: counting it whole would count that time
+    twice (the legs would sum to more than the gap)."""
+    sample = _sample(20.0, 12.0, 1.5) | {
+        "retrieval_ahead_ms": 0.4,
+        "ingress_ms": {"to_handler": 0.5, "to_transport": 0.05},
+        "hop_ms": {"to_replica": 0.5, "layout": 0.3, "first_token_back": 0.25},
+    }
+    legs = serve_http.gap_legs([sample])
+    assert legs["retrieval"] == 1.1
+    assert abs(sum(legs.values()) - (sample["ttft_ms"] - sample["engine_ttft_ms"])) < 1e-9
+    assert serve_http.gap_legs([sample | {"retrieval_ahead_ms": 0.0}])["retrieval"] == 1.5
