@@ -190,9 +190,9 @@ class Gateway:
     def start_retrieval(self, plan: ChatPlan, body: GenerationRequest) -> RetrievalStarted:
         """On the loop, without waiting: hand the chat's question to the embedder (batched with concurrent ones;
         on a device its forward and search are launched from this call when the embedder is idle) and send the
-        LLM replica its note. Nothing for modes `off` and `history`, nor at k = 0."""
+        LLM replica its note. Nothing in mode `off`, nor at k = 0."""
         started = time.perf_counter()
-        if body.memory.mode in ("off", "history") or plan.k == 0:
+        if body.memory.mode == "off" or plan.k == 0:
             return RetrievalStarted(started, None)
         query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
         ticket = self.queries.start(
@@ -219,6 +219,8 @@ class Gateway:
             for m in (body.memory.recompute, plan.memory.entry.recompute, self.args.default_recompute)
             if m is not None
         )
+        if body.memory.mode == "history":  # its facts are injected after the chunks; none is recomputed
+            recompute = 0
         task = ChatTask(
             plan.memory.id,
             found.version,
@@ -239,7 +241,7 @@ class Gateway:
         lookup = None
         # where they sat when retrieved: read as the task leaves, well before the replica's load (its layout, then an
         # engine step) can report a new place
-        if body.memory.mode == "inject" and found.facts:
+        if body.memory.mode in ("inject", "history") and found.facts:
             lookup = functools.partial(self._tier_counts, plan.memory, found.facts)
         return PreparedChat(
             task,
@@ -253,7 +255,10 @@ class Gateway:
 
     def _limits(self, body: GenerationRequest) -> tuple[int, int]:
         """The chat's k and max_tokens, each checked against this ingress's limits."""
-        k = self.args.default_k if body.memory.k is None else body.memory.k
+        if body.memory.k is not None:
+            k = body.memory.k
+        else:  # history mode attends to the history; facts join it where the chat asks for them
+            k = 0 if body.memory.mode == "history" else self.args.default_k
         if k > self.args.max_k:
             raise InvalidInputError(f"memory.k must be at most {self.args.max_k}")
         if body.memory.recompute is not None and body.memory.recompute > k:
@@ -317,6 +322,8 @@ class Gateway:
             raise InvalidInputError("history mode serves a tenant's own history; end users' memories have none")
         if tenant.entry.history is None:
             raise InvalidInputError("this memory has no history yet: write one with PUT /v1/history")
+        if body.memory.recompute:
+            raise InvalidInputError("history mode injects its facts after the history's chunks: memory.recompute is 0")
         return tenant.entry.history, body.memory.budget or self.args.default_history_budget
 
     async def write_history(self, tenant: Tenant, text: str, api_key: str) -> dict[str, Any]:

@@ -83,7 +83,13 @@ class MemoryOptions(ScopeFields):
 
     model_config = ConfigDict(extra="forbid")
 
-    k: int | None = Field(None, ge=0, le=1000, description="Facts to retrieve (0: none).")
+    k: int | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="Facts to retrieve (0: none; default: the server's, and none in history mode, where facts "
+        "retrieved are injected after the history's chosen chunks).",
+    )
     mode: ChatMode = "inject"
     budget: int | None = Field(
         None,

@@ -275,7 +275,7 @@ class MemoryEngine:
         """The chat's prompt laid out (history mode's chunks chosen first), with the chosen chunks and the choice's
         timings; a prompt the model's context cannot hold with the answer is a `ValueError`."""
         if (
-            task.mode == "inject" and self._tier_root is not None
+            task.mode in ("inject", "history") and self._tier_root is not None
         ):  # disk-tier facts start loading before the engine sees them
             self._prefetch(task.tenant_id, [f.record_id for f in task.facts if f.record_id])
         mode = "inject" if task.mode == "history" else task.mode  # history mode injects its chosen chunks
@@ -295,7 +295,9 @@ class MemoryEngine:
             # `call`: the choice as this loop waited for it (the worker thread's start and the way back included)
             chunks, chosen = choice.items, {**choice.timings(), "call": round((time.perf_counter() - called) * 1000, 3)}
             prefix_ids, query_ids = split
-            laid = lay_out(mode, task.tenant_id, task.version, prefix_ids, chunks, query_ids, frame, task.recompute)
+            # retrieved facts follow the history's chunks, in the chat's order, nearest the question; none recomputed
+            items = [*chunks, *self._items(task.tenant_id, task.facts)]
+            laid = lay_out(mode, task.tenant_id, task.version, prefix_ids, items, query_ids, frame)
         else:
             laid = self._lay_out(task, mode, split, frame)
             if task.mode in ("inject", "prompt") and task.facts:

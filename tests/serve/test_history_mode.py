@@ -9,6 +9,7 @@ import time
 import pytest
 import requests
 
+from cluster.demo import FACTS
 from kvcore.conversation import Turn
 from tests.conversations import MAYA
 
@@ -70,6 +71,34 @@ def test_a_history_is_written_once_and_chats_attend_to_the_chunks_within_their_b
     assert steps["total"] == pytest.approx(sum(steps[k] for k in parts), abs=0.01)
     # the host's clock holds the steps; the loop's wait holds the host's; the chat's TTFT holds the wait
     assert 0 < steps["total"] <= steps["wall"] + 0.01 and steps["wall"] <= steps["call"] < usage["ttft_ms"]
+
+
+def test_facts_retrieved_in_history_mode_are_injected_after_the_chosen_chunks(cluster):
+    """A chat in history mode that asks for facts gets both: the history's chunks, then the tenant's retrieved
+    facts (their K/V injected, nearest the question); without `memory.k` it attends to the history alone."""
+    auth = cluster.new_tenant("history-facts")
+    cluster.add_and_wait(auth, [f.text for f in FACTS])  # the demo's facts: a grey cat called Pixel, among others
+    filler = "".join(t.render() for t in FILLER * 4)  # a history that never mentions the cat
+    written = requests.put(f"{cluster.base}/v1/history", json={"text": filler}, headers=auth, timeout=120)
+    assert written.status_code == 200, written.text
+    history = written.json()
+    fact = cluster.chat(auth, "What is the name of Maya's cat?", memory={"k": 1}).json()["usage"]  # inject mode
+    alone = _history_chat(cluster, auth, "What is the name of Maya's cat?", budget=100_000).json()["usage"]
+    assert alone["memory_tokens"] == history["tokens"] and alone["memory_tiers"] == {}  # no fact by default
+
+    both = _history_chat(cluster, auth, "What is the name of Maya's cat?", budget=100_000, k=1)
+    assert both.status_code == 200, both.text
+    usage = both.json()["usage"]
+    assert usage["history_chunks"] == history["chunks"]
+    assert usage["memory_tokens"] == history["tokens"] + fact["memory_tokens"]  # the chunks, then the fact
+    tiers = usage["memory_tiers"]  # the fact had K/V: in the replica's arena, or the store before its report
+    assert sum(tiers.values()) == 1 and set(tiers) <= {"gpu", "store"}, usage
+    assert usage["injected_tokens"] + usage["prefix_cached_tokens"] >= usage["memory_tokens"]  # none prefilled
+    assert usage["retrieval_ms"] > 0 and alone["retrieval_ms"] < usage["retrieval_ms"]
+    assert "Pixel" in both.json()["choices"][0]["message"]["content"]  # the fact, not the history, knows it
+
+    refused = _history_chat(cluster, auth, "What is the name of Maya's cat?", k=1, recompute=1)
+    assert refused.status_code == 400 and "memory.recompute" in refused.json()["error"]["message"]
 
 
 def test_a_new_history_replaces_the_old_and_bad_writes_are_refused(cluster):
