@@ -54,7 +54,7 @@ class RetrievalAhead:
             return replay
         try:
             body = self._models[scope["path"]].model_validate(json.loads(whole))
-        except (ValueError, ValidationError):  # FastAPI answers it (422) as it always did
+        except (ValueError, ValidationError, RecursionError):  # FastAPI answers it (422, or 400) as it always did
             return replay
         state = scope.setdefault("state", {})
         api_key = self._key_of(Request(scope))
