@@ -564,6 +564,8 @@ def main() -> None:
     from models.minilm import MiniLMEmbedder
     from tenants.connect import connect_service
 
+    ingress = IngressArgs(**app_args["ingress"])
+
     service = connect_service(redis.url, state, MiniLMEmbedder(device="cuda" if cuda else "cpu"))
     report: dict = {
         "k": k,
@@ -572,7 +574,8 @@ def main() -> None:
         "proxy": args.proxy,
         "cuda": cuda,
         "embed_device": app_args["ingress"].get("embed_device", "cpu"),
-        "query_embedding": IngressArgs(**app_args["ingress"]).query_embedding_way,
+        "query_embedding": ingress.query_embedding_way,
+        "retrieval_ahead": ingress.retrieval_ahead_on,
         "ingress_replicas": app_args["ingress"].get("num_replicas", 1),
         "chat_transport": app_args["ingress"]["chat_transport"],
         "spin_ms": app_args["ingress"]["embed_spin_ms"],

@@ -89,7 +89,6 @@ class _Retrieval:
     embedded: Embedded | None = None
     legs: dict[str, float] | None = None
     in_copy: bool = False
-    started: float | None = None  # perf_counter when it began
 
 
 @dataclass(frozen=True)
@@ -250,7 +249,7 @@ class Gateway:
             lookup,
             found.legs,
             searched_in_copy=found.in_copy,
-            retrieval_started=found.started,
+            retrieval_started=started.started,
         )
 
     def _limits(self, body: GenerationRequest) -> tuple[int, int]:
@@ -276,7 +275,7 @@ class Gateway:
         tenant = plan.memory
         if started.ticket is None:
             version, ended = tenant.version(), time.perf_counter()
-            return _Retrieval((), version, (ended - started.started) * 1000, started=started.started)
+            return _Retrieval((), version, (ended - started.started) * 1000)
         asked = time.perf_counter()
         embedded = await started.ticket.result()
         back = time.perf_counter()
@@ -301,7 +300,6 @@ class Gateway:
             embedded,
             legs,
             retrieved.from_copy,
-            started.started,
         )
 
     def _ahead(self, tenant: Tenant, conversation: tuple[tuple[str, str], ...]) -> Callable[[], None] | None:
