@@ -624,6 +624,7 @@ def main() -> None:
             sample_rounds(base, tenants, k, rounds_n, samples, alternate)
         if alternate is not None:  # the rest of the report is the first ingress's, as without it
             report["ab"] = ab_figures(args.ab_ingress, samples["inject"], samples.pop("inject@b"))
+            write_report(args.out, report)  # the A/B kept if a later phase runs out of the call's time
         floor, mode_floor = [], []
         for _ in range(3):  # interleaved, so drift of the machine falls on both
             floor += floor_ms(base, tenants[0][1], calls=100)
