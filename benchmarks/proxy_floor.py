@@ -14,23 +14,38 @@ import statistics
 import sys
 from pathlib import Path
 
+from starlette.requests import Request  # at module level: FastAPI resolves the routes' string annotations here
+from starlette.responses import StreamingResponse
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._cluster import start_local_serve  # noqa: E402
 from benchmarks._common import timed_ms  # noqa: E402
+from deployments.event_stream import EventStream  # noqa: E402
 
 
-def measure(base: str, key: str, calls: int, path: str = "/v1/models") -> list[float]:
-    """ms of `calls` authenticated GETs of `path` on one connection, after 20 that open it and warm caches."""
+def measure(base: str, key: str, calls: int, path: str = "/v1/models", body: dict | None = None) -> list[float]:
+    """ms of `calls` authenticated GETs of `path` (POSTs of `body`) on one connection, after 20 that open it and
+    warm caches; a streamed answer is read to its end."""
     import requests
 
     session, headers = requests.Session(), {"Authorization": f"Bearer {key}"}
-    return timed_ms(lambda: session.get(f"{base}{path}", headers=headers, timeout=60).raise_for_status(), calls)
+    if body is None:
+        return timed_ms(lambda: session.get(f"{base}{path}", headers=headers, timeout=60).raise_for_status(), calls)
+    return timed_ms(
+        lambda: session.post(f"{base}{path}", json=body, headers=headers, timeout=60).raise_for_status(), calls
+    )
+
+
+STREAMS = ("starlette", "event_stream")  # the probe's one-event streams: Starlette's response, the ingress's own
 
 
 def deploy_probe(num_replicas: int) -> str:
-    """The mode's own floor beside ours: a trivial FastAPI ingress (one route, no auth, no work) deployed as
-    an app of its own in the running cluster, with as many replicas as the real ingress; returns its path."""
+    """The mode's own floor beside ours: a trivial FastAPI ingress (no auth, no work) deployed as an app of its
+    own in the running cluster, with as many replicas as the real ingress; returns its path. `GET /` answers at
+    once; `POST /<stream>` (`STREAMS`) reads a JSON body and streams one event, with Starlette's
+    `StreamingResponse` (which watches for the client leaving in tasks of its own) or the ingress's `EventStream`
+    (which leaves that to Serve)."""
     from fastapi import FastAPI
     from ray import serve
 
@@ -39,6 +54,19 @@ def deploy_probe(num_replicas: int) -> str:
     @app.get("/")
     async def ok() -> dict:
         return {"ok": True}
+
+    async def one_event():
+        yield b"data: {}\n\n"
+
+    @app.post("/starlette")
+    async def starlette(request: Request) -> StreamingResponse:
+        await request.json()
+        return StreamingResponse(one_event(), media_type="text/event-stream")
+
+    @app.post("/event_stream")
+    async def event_stream(request: Request) -> EventStream:
+        await request.json()
+        return EventStream(one_event())
 
     @serve.deployment(name="Probe", num_replicas=num_replicas, ray_actor_options={"num_cpus": 0})
     @serve.ingress(app)

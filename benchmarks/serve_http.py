@@ -46,7 +46,7 @@ from benchmarks._common import (  # noqa: E402
 )
 from benchmarks._http_load import LoadResult, closed_loop  # noqa: E402
 from benchmarks._process_cpu import PhaseCpu  # noqa: E402
-from benchmarks.proxy_floor import deploy_probe  # noqa: E402
+from benchmarks.proxy_floor import STREAMS, deploy_probe  # noqa: E402
 from benchmarks.proxy_floor import measure as floor_ms
 
 MODEL = "inferscale-smollm2"
@@ -625,10 +625,13 @@ def main() -> None:
         if alternate is not None:  # the rest of the report is the first ingress's, as without it
             report["ab"] = ab_figures(args.ab_ingress, samples["inject"], samples.pop("inject@b"))
             write_report(args.out, report)  # the A/B kept if a later phase runs out of the call's time
-        floor, mode_floor = [], []
+        floor, mode_floor, stream_floor = [], [], {name: [] for name in STREAMS}
         for _ in range(3):  # interleaved, so drift of the machine falls on both
             floor += floor_ms(base, tenants[0][1], calls=100)
             mode_floor += floor_ms(base, tenants[0][1], calls=100, path=probe)
+            for name in STREAMS:  # a one-event stream, with and without Starlette's own watch for the client leaving
+                stream_floor[name] += floor_ms(base, "", calls=100, path=f"{probe}{name}", body={"q": "box 1"})
+        report["stream_floor_ms"] = stream_floors(stream_floor)
         total = 2 * tenants_n if args.quick else 20 * tenants_n  # inject's; prompt's: a fifth (5x slower)
         qps, cpu, lag = {"ceiling": http_ceiling(base, tenants, 20 * tenants_n)}, {}, {}
         for mode, count in (("prompt", max(total // 5, tenants_n)), ("inject", total)):
@@ -774,6 +777,12 @@ def inject_figures(inject: list[dict]) -> dict:
             if all(leg in s["cpu_ms"] for s in inject)
         },
     }
+
+
+def stream_floors(samples: dict[str, list[float]]) -> dict[str, float]:
+    """The probe's one-event streams, p50 ms each, and the ingress's `EventStream` over Starlette's response."""
+    p50 = {name: round(statistics.median(values), 3) for name, values in samples.items()}
+    return p50 | {"event_stream_over_starlette": round(p50["event_stream"] / p50["starlette"], 4)}
 
 
 def ab_figures(overrides: dict, first: list[dict], second: list[dict]) -> dict:
