@@ -601,6 +601,7 @@ def main() -> None:
             stop_cluster()
             redis.stop()
         return
+    measured = False
     try:
         tenants = make_tenants(base, admin, tenants_n, k)
         clock.done("tenants")
@@ -650,8 +651,11 @@ def main() -> None:
         report |= http_figures(samples, floor, mode_floor, qps, rounds_n)
         report["qps_process_cpu"] = cpu  # per part of the cluster: CPU ms a request, cores, the busiest thread
         finish(report, args.out, k, tenants_n, facts_n)  # written now too: the reference below may run out of time
+        measured = True
     finally:
         stop_cluster()
+        if not measured:  # failed: the reference below does not run, and the Redis server is left to nobody
+            redis.stop()
     clock.done("cluster_stopped")
     try:
         qps_questions = [question(i) for i in range(total)]
