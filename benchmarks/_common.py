@@ -168,4 +168,5 @@ def write_report(path: Path, payload: dict[str, Any]) -> None:
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
-    print(json.dumps(payload["targets"], indent=2))
+    if "targets" in payload:  # a report written part way (a run that may not finish) has none yet
+        print(json.dumps(payload["targets"], indent=2))

@@ -287,7 +287,9 @@ class Gateway:
             self._count_uses(self.residency, tenant, [f for f, _ in hits], api_key)
         ended = time.perf_counter()
         legs = {  # the embedding's own legs (`Embedded`) lie inside `embed`; ahead, the handler's start lies between
-            "hand_over": round((started.handed - started.started) * 1000, 3),
+            # the question handed over (on a device, its forward and search launched), then the note to the replica
+            "launch": round((started.ticket.launched - started.started) * 1000, 3),
+            "note": round((started.handed - started.ticket.launched) * 1000, 3),
             "to_wait": round((asked - started.handed) * 1000, 3),
             "embed": round((back - asked) * 1000, 3),
             "search": round((searched - back) * 1000, 3),

@@ -74,10 +74,11 @@ class _Waiting:
 
 
 class EmbedTicket:
-    """A question handed to the embedder (`QueryBatcher.start`): its vector once the batch answers."""
+    """A question handed to the embedder (`QueryBatcher.start`): its vector once the batch answers. `launched`:
+    perf_counter once it was handed over (its forward launched, or queued), before the caller's own work."""
 
-    def __init__(self, waiting: _Waiting) -> None:
-        self._waiting = waiting
+    def __init__(self, waiting: _Waiting, launched: float) -> None:
+        self._waiting, self.launched = waiting, launched
 
     async def result(self) -> Embedded:
         vector, found, started, ended, cpu = await self._waiting.future
@@ -161,12 +162,13 @@ class QueryBatcher:
         self._pending.append(waiting)
         if not self._running:
             self._start_next(loop)
+        launched = time.perf_counter()
         if then is not None:
             try:
                 then()
             except Exception:  # noqa: BLE001 - an optimisation's failure must not fail the question
                 log.warning("work beside a question's embedding failed", exc_info=True)
-        return EmbedTicket(waiting)
+        return EmbedTicket(waiting, launched)
 
     def close(self) -> None:
         if self._source is not None:  # its copy goes with the forwarder: the indexes may keep another

@@ -153,9 +153,11 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
         legs = usage["retrieval_embed_legs_ms"]  # waiting for the thread, the forward, the way back to the request
         assert legs["forward"] > 0 and abs(sum(legs.values()) - usage["retrieval_embed_ms"]) < 0.01, usage
         steps = usage["retrieval_legs_ms"]  # retrieval cut into its steps, which fill it
-        assert set(steps) == {"hand_over", "to_wait", "embed", "search", "facts"} and steps["search"] > 0, usage
+        assert set(steps) == {"launch", "note", "to_wait", "embed", "search", "facts"} and steps["search"] > 0, usage
+        assert steps["note"] > 0, usage  # the note to the replica goes once the question is handed over
         # the embedding runs from the hand-over to the end of the wait (the handler's start may lie between)
-        assert steps["hand_over"] + steps["to_wait"] + steps["embed"] >= usage["retrieval_embed_ms"] - 0.01, usage
+        hand_over = steps["launch"] + steps["note"]
+        assert hand_over + steps["to_wait"] + steps["embed"] >= usage["retrieval_embed_ms"] - 0.01, usage
         assert abs(sum(steps.values()) - usage["retrieval_ms"]) < 0.01, usage
         assert usage["retrieval_in_copy"] is True, usage  # searched beside the question's forward
         hop = usage["hop_ms"]  # the legs between the ingress and the engine, each inside the request's own TTFT
