@@ -759,9 +759,10 @@ def inject_figures(inject: list[dict]) -> dict:
             },
             # of retrieval, the part done before the ingress's handler started (begun in its middleware)
             "ahead_p50": statistics.median(s.get("retrieval_ahead_ms", 0.0) for s in inject),
-            **{  # retrieval's steps: the question handed over (launched), the note to the replica, the way on to the handler's wait (FastAPI's work when
-                # begun ahead), the embedding (with the copy's search beside its forward) as awaited, the search's
-                # answer taken (or, where the copy's was stale, searched again), the facts
+            **{  # retrieval's steps: the question handed over (launched), the note to the replica, the way on to
+                # the handler's wait (FastAPI's work when begun ahead), the embedding (with the copy's search beside
+                # its forward) as awaited, the search's answer taken (or, where the copy's was stale, searched
+                # again), the facts
                 f"step_{leg}_p50": statistics.median(s["retrieval_legs_ms"][leg] for s in inject)
                 for leg in ("launch", "note", "to_wait", "embed", "search", "facts")
                 if all(leg in s.get("retrieval_legs_ms", {}) for s in inject)
