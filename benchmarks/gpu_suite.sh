@@ -12,7 +12,8 @@
 # QUERY_EMBEDDING=process (or thread) has serve-http's ingress embed questions in a process of its own (or a thread)
 # instead of launching them from its event loop (the app's default on a GPU); AB_INGRESS='{"query_embedding": "process"}'
 # has serve-http also deploy a second ingress with those args over the same LLM replicas, its chats interleaved (`ab`);
-# SERVE_TENANTS=N runs serve-http with N tenants instead of 100 (a shorter run, for an A/B where a call has less time left).
+# SERVE_TENANTS=N runs serve-http with N tenants instead of 100 (a shorter run, for an A/B where a call has less time left);
+# AB_ONLY=1 ends an A/B's serve-http after its rounds (no floors, QPS or engine-alone reference).
 # INGRESS_REPLICAS=N runs serve-http with N ingress replicas (default 4: each an event loop where requests queue).
 # SPIN_MS=2 has serve-http's query embedder, ingress loop and LLM replica's loop poll instead of sleeping around a chat.
 # VLLM_V1_OUTPUT_PROC_CHUNK_SIZE=N (vLLM's own, default 128) reaches serve-http's LLM replica and its engine alone: how many
@@ -94,7 +95,7 @@ for step in "$@"; do
             --embed-device "${EMBED_DEVICE:-cuda}" --query-embedding "${QUERY_EMBEDDING:-auto}" --ingress-replicas "${INGRESS_REPLICAS:-4}" \
             --chat-transport "${CHAT_TRANSPORT:-auto}" --spin-ms "${SPIN_MS:-0}" ${BLOCK_SIZE:+--block-size "$BLOCK_SIZE"} \
             ${ENGINE_SM_PERCENT:+--engine-sm-percent "$ENGINE_SM_PERCENT"} ${AB_INGRESS:+--ab-ingress "$AB_INGRESS"} \
-            ${SERVE_TENANTS:+--tenants "$SERVE_TENANTS"} ;;
+            ${SERVE_TENANTS:+--tenants "$SERVE_TENANTS"} ${AB_ONLY:+--ab-only} ;;
     quality)  # the answer-quality dev set (SmolLM2 in bf16): windows, recomputation, prompt and off at k = 10, 50
         # (QUALITY_MODES, QUALITY_KS, QUALITY_LIMIT and QUALITY_CONCURRENCY narrow a run to one device call)
         python3 -m benchmarks.quality.devset --out /tmp/devset.json

@@ -12,7 +12,8 @@ processes of their own. `--config` serves a model shape with dummy weights (Smol
 the tenants, waits until their facts are encoded (`encode_burst_s`), then runs N seconds of Locust on them
 (one user per tenant) and reports errors, the streamed chats' time to first token and their whole time.
 `--ab-ingress JSON` deploys a second ingress app with those ingress args changed over the same LLM replicas and
-interleaves its injected chats with the first's in the timed rounds (`ab`: both sides' legs, B over A).
+interleaves its injected chats with the first's in the timed rounds (`ab`: both sides' legs, B over A);
+`--ab-only` ends the run there.
 """
 
 from __future__ import annotations
@@ -529,6 +530,12 @@ def main() -> None:
         "rounds and reported as `ab` (one engine, one host: an A/B of ingress settings in one run)",
     )
     p.add_argument(
+        "--ab-only",
+        action="store_true",
+        help="with --ab-ingress: end the run after the A/B's rounds (no floors, QPS or engine-alone reference), "
+        "for a device call that has time for the comparison only",
+    )
+    p.add_argument(
         "--locust-s",
         type=int,
         default=0,
@@ -536,6 +543,8 @@ def main() -> None:
         "tenants made and encoded first); with it, only that is measured",
     )
     args = p.parse_args()
+    if args.ab_only and not args.ab_ingress:
+        p.error("--ab-only compares two ingress apps: give --ab-ingress")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the reference engine starts after CUDA is up
     cuda = torch.cuda.is_available()
     k, tenants_n, rounds_n = (20, 8, 8) if args.quick else (50, 100, 100)  # 100: a p99 is not the maximum of 24
@@ -625,6 +634,10 @@ def main() -> None:
             sample_rounds(base, tenants, k, rounds_n, samples, alternate)
         if alternate is not None:  # the rest of the report is the first ingress's, as without it
             report["ab"] = ab_figures(args.ab_ingress, samples["inject"], samples.pop("inject@b"))
+            if args.ab_only:
+                report["targets"] = ab_targets(report["ab"], k)
+                write_report(args.out, report)
+                return  # the cluster and the Redis server are stopped below
             write_report(args.out, report)  # the A/B kept if a later phase runs out of the call's time
         floor, mode_floor, stream_floor = [], [], {name: [] for name in STREAMS}
         for _ in range(3):  # interleaved, so drift of the machine falls on both
@@ -788,6 +801,18 @@ def stream_floors(samples: dict[str, list[float]]) -> dict[str, float]:
     """The probe's one-event streams, p50 ms each, and the ingress's `EventStream` over Starlette's response."""
     p50 = {name: round(statistics.median(values), 3) for name, values in samples.items()}
     return p50 | {"event_stream_over_starlette": round(p50["event_stream"] / p50["starlette"], 4)}
+
+
+def ab_targets(ab: dict, k: int) -> list[dict]:
+    """An A/B run's targets: each side's HTTP TTFT - engine TTFT against the serving path's goal."""
+    return [
+        target(
+            f"HTTP TTFT - engine TTFT, p50 ms (inject, k={k}, retrieval included; ingress {side})",
+            ab[side]["http_minus_engine_ttft_ms"]["p50"],
+            "<= 3",
+        )
+        for side in ("a", "b")
+    ]
 
 
 def ab_figures(overrides: dict, first: list[dict], second: list[dict]) -> dict:

@@ -104,3 +104,14 @@ def test_the_gap_counts_only_the_part_of_retrieval_inside_the_handler_and_its_le
     assert legs["retrieval"] == 1.1
     assert abs(sum(legs.values()) - (sample["ttft_ms"] - sample["engine_ttft_ms"])) < 1e-9
     assert serve_http.gap_legs([sample | {"retrieval_ahead_ms": 0.0}])["retrieval"] == 1.5
+
+
+def test_an_ab_only_run_states_each_sides_gap_as_a_target():
+    ab = serve_http.ab_figures(
+        {"retrieval_ahead": "off"},
+        [_sample(10.0, 7.0, 1.0), _sample(12.0, 8.0, 1.2)],
+        [_sample(11.0, 7.0, 1.5), _sample(14.0, 8.0, 1.7)],
+    )
+    targets = serve_http.ab_targets(ab, k=50)
+    assert [(t["value"], t["goal"], t["met"]) for t in targets] == [(3.5, "<= 3", False), (5.0, "<= 3", False)]
+    assert "ingress a" in targets[0]["name"] and "ingress b" in targets[1]["name"]
