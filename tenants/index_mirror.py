@@ -111,13 +111,17 @@ class MirrorIndexes:
                 continue
             scores, top = index.top_rows(vector, ask.k)  # type: ignore[union-attr]
             tops.append((index, scores.shape[0]))
-            values.append(scores.float())
+            values.append(scores)  # float32, as the index's vectors
             rows.append(top)
         if not values:
             return lambda: [None] * len(tops)
         on_host = self.device.type == "cpu"
-        scores_back = torch.cat(values).to("cpu", non_blocking=not on_host)  # pinned where non-blocking
-        rows_back = torch.cat(rows).to("cpu", non_blocking=not on_host)
+        if len(values) == 1:  # one question: nothing to join (each operation is a host call on its path)
+            scores_on, rows_on = values[0], rows[0]
+        else:
+            scores_on, rows_on = torch.cat(values), torch.cat(rows)
+        scores_back = scores_on.to("cpu", non_blocking=not on_host)  # pinned where non-blocking
+        rows_back = rows_on.to("cpu", non_blocking=not on_host)
 
         def hits() -> Hits:
             scores, found_rows = scores_back.numpy(), rows_back.numpy()

@@ -3,7 +3,9 @@
 A tenant holds up to some thousands of facts, so an exact search of a 384-d query is a `[n, 384] @ [384]`
 product and a top-k: ~50 µs on one CPU core, a few µs of GPU time (measured against FAISS's flat index,
 which does the same work at the same speed on CPU: `benchmarks/retrieval.py`). Rows are addressed by the
-facts' int64 index ids; a removed row is masked, and its slot reused by the next insert.
+facts' int64 index ids; a removed row is masked, and its slot reused by the next insert. The mask is a row of
+scores to add (0 for a live row, -inf for a free one), so a search is one `addmv` and a top-k: on the question's
+path each operation is a host call, and a core that idled runs them slowly (`docs/serving-path.md`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class ExactIndex:
         self.dim, self.device = dim, torch.device(device)
         capacity = max(1, capacity)
         self._vectors = torch.zeros((capacity, dim), dtype=torch.float32, device=self.device)  # [capacity, dim]
-        self._live = torch.zeros(capacity, dtype=torch.bool, device=self.device)  # [capacity]
+        self._floor = torch.full((capacity,), float("-inf"), device=self.device)  # [capacity]: 0 live, -inf free
         self._row_of: dict[int, int] = {}
         self._id_at: list[int | None] = [None] * capacity
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -37,7 +39,7 @@ class ExactIndex:
         if rows:
             index = torch.tensor(rows, device=self.device)
             self._vectors[index] = torch.from_numpy(vectors).to(self.device)
-            self._live[index] = True
+            self._floor[index] = 0.0
 
     def remove(self, ids: np.ndarray) -> None:
         rows = [self._row_of.pop(int(i)) for i in np.asarray(ids, dtype=np.int64).reshape(-1) if int(i) in self._row_of]
@@ -45,7 +47,7 @@ class ExactIndex:
             self._id_at[row] = None
             self._free.append(row)
         if rows:
-            self._live[torch.tensor(rows, device=self.device)] = False
+            self._floor[torch.tensor(rows, device=self.device)] = float("-inf")
 
     def search(self, query: np.ndarray | torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(scores, ids) of the `k` nearest, best first; fewer when the index holds fewer."""
@@ -59,9 +61,7 @@ class ExactIndex:
         query = torch.as_tensor(query, dtype=torch.float32).to(self.device, non_blocking=True).reshape(self.dim)
         if k <= 0:
             return query.new_empty(0), torch.empty(0, dtype=torch.long, device=self.device)
-        scores = self._vectors @ query  # [capacity]
-        scores.masked_fill_(~self._live, float("-inf"))
-        top = torch.topk(scores, k)
+        top = torch.topk(torch.addmv(self._floor, self._vectors, query), k)  # [capacity] scores, free rows -inf
         return top.values, top.indices
 
     def ids_at(self, rows: np.ndarray) -> np.ndarray:
@@ -108,6 +108,6 @@ class ExactIndex:
     def _grow(self) -> None:
         old = self._vectors.shape[0]
         self._vectors = torch.cat([self._vectors, torch.zeros_like(self._vectors)])
-        self._live = torch.cat([self._live, torch.zeros_like(self._live)])
+        self._floor = torch.cat([self._floor, torch.full_like(self._floor, float("-inf"))])
         self._id_at += [None] * old
         self._free = list(range(2 * old - 1, old - 1, -1))
