@@ -140,6 +140,14 @@ class IngressArgs(Strict):
         "not sleep while a question is embedded; 0: both sleep. CPU time bounded by each request; a spin longer "
         "than the gap between chats keeps the process's core awake while chats keep coming (a core per replica).",
     )
+    keep_warm_ms: float = Field(
+        0.0,
+        ge=0,
+        le=5000,
+        description="How long the ingress's event loop keeps polling instead of sleeping after a chat arrives or ends, "
+        "so the next chat is served by a core that kept running (on a GPU host a core that idled ran the same host "
+        "calls at a third of their speed); a core per replica while chats come within it; 0: the loop sleeps.",
+    )
     retrieval_ahead: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Start a chat's retrieval in the ingress's middleware as the request arrives (its body read and "
