@@ -56,6 +56,14 @@ class LLMArgs(Strict):
         description="After a note sent ahead of a chat, how long the replica's loop polls instead of sleeping until "
         "the chat arrives; 0: it sleeps. CPU time bounded by each chat.",
     )
+    keep_warm_ms: float = Field(
+        0.0,
+        ge=0,
+        le=5000,
+        description="How long the replica's event loop keeps polling instead of sleeping after a chat, its note or its "
+        "end arrives over the chat channel (`ingress.keep_warm_ms` says why); a core while chats come within it; 0: "
+        "the loop sleeps.",
+    )
     loop_lag_probe_ms: float = Field(
         0.0,
         ge=0,
