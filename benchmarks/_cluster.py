@@ -109,9 +109,10 @@ def keep_errors(out: Path, *ray_temps: Path, before: int = 2, after: int = 30) -
 DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
 
-def start_local_serve(proxy: str, num_cpus: int) -> int:
-    """A local Ray (loopback only) with Serve in `proxy` mode started in this process; returns the HTTP port.
-    Ray reads the mode as it starts, so nothing of Ray may have started in this process before."""
+def start_local_serve(proxy: str, num_cpus: int, busy_polling: bool = False) -> int:
+    """A local Ray (loopback only) with Serve in `proxy` mode started in this process (HAProxy's threads busy
+    polling with `busy_polling`); returns the HTTP port. Ray reads the mode as it starts, so nothing of Ray may
+    have started in this process before."""
     import os
 
     from cluster.ray_head import LOOPBACK_ENV, free_port
@@ -124,7 +125,7 @@ def start_local_serve(proxy: str, num_cpus: int) -> int:
     temp_dir = scratch_dir(prefix="ray-", dir="/tmp")  # short: Ray's and HAProxy's unix sockets live under it
     if os.environ.get(ERRORS_ENV):  # registered after the folder's removal, so it runs before it
         atexit.register(keep_errors, Path(os.environ[ERRORS_ENV]), Path(temp_dir))
-    apply_serve_env(proxy, Path(temp_dir) / "serve")  # type: ignore[arg-type]
+    apply_serve_env(proxy, Path(temp_dir) / "serve", busy_polling)  # type: ignore[arg-type]
     import ray  # only now: Ray Serve reads the mode's switches when it is first imported
     from ray import serve
 

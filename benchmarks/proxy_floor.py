@@ -37,19 +37,42 @@ def measure(base: str, key: str, calls: int, path: str = "/v1/models", body: dic
     )
 
 
+class _KeptWarmProbe:
+    """Touches a `KeptWarm` as each request arrives and ends (a no-op with a zero window)."""
+
+    def __init__(self, app, window_s: float) -> None:
+        from deployments.loop_spin import KeptWarm
+
+        self._app, self._warm = app, KeptWarm(window_s)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        self._warm.touch()
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self._warm.touch()
+
+
 STREAMS = ("starlette", "event_stream")  # the probe's one-event streams: Starlette's response, the ingress's own
 
 
-def deploy_probe(num_replicas: int) -> str:
+def deploy_probe(num_replicas: int, name: str = "probe", keep_warm_ms: float | None = None) -> str:
     """The mode's own floor beside ours: a trivial FastAPI ingress (no auth, no work) deployed as an app of its
-    own in the running cluster, with as many replicas as the real ingress; returns its path. `GET /` answers at
-    once; `POST /<stream>` (`STREAMS`) reads a JSON body and streams one event, with Starlette's
+    own in the running cluster, with as many replicas as the real ingress; returns its path (`/<name>/`). `GET /`
+    answers at once; `POST /<stream>` (`STREAMS`) reads a JSON body and streams one event, with Starlette's
     `StreamingResponse` (which watches for the client leaving in tasks of its own) or the ingress's `EventStream`
-    (which leaves that to Serve)."""
+    (which leaves that to Serve). With `keep_warm_ms` (0 included, for a like-for-like probe that sleeps), a plain
+    ASGI middleware keeps each replica's loop polling instead of sleeping for that long after each request
+    (`loop_spin.KeptWarm`, as `ingress.keep_warm_ms` keeps the ingress's)."""
     from fastapi import FastAPI
     from ray import serve
 
     app = FastAPI()
+    if keep_warm_ms is not None:
+        app.add_middleware(_KeptWarmProbe, window_s=keep_warm_ms / 1000)
 
     @app.get("/")
     async def ok() -> dict:
@@ -73,8 +96,8 @@ def deploy_probe(num_replicas: int) -> str:
     class Probe:
         """Answers at once: what is measured is the proxy, the replica's HTTP server and FastAPI."""
 
-    serve.run(Probe.bind(), name="probe", route_prefix="/probe")
-    return "/probe/"
+    serve.run(Probe.bind(), name=name, route_prefix=f"/{name}")
+    return f"/{name}/"
 
 
 def main() -> None:

@@ -62,7 +62,8 @@ def run_up(settings: Settings, *, port: int, out: TextIO, deploy: Deploy | None 
             redis = LocalRedis(settings.state_dir / "redis", settings.redis.port, settings.redis.appendfsync).start()
         redis_url = settings.redis.url or redis.url
         head_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: HAProxy's sockets live below it too
-        apply_serve_env(settings.serve.proxy, Path(head_dir) / "serve")  # the head and its workers read it at start
+        # the head and its workers read it at start
+        apply_serve_env(settings.serve.proxy, Path(head_dir) / "serve", settings.serve.haproxy_busy_polling)
         head = RayHead.start(
             num_cpus=max(8, os.cpu_count() or 2), num_gpus=torch.cuda.device_count() or None, temp_dir=head_dir
         )

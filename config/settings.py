@@ -109,6 +109,12 @@ class ServeSettings(BaseModel):
         description="haproxy: Ray Serve's high-throughput mode (HAProxy ingress, direct ingress, gRPC "
         "between replicas); python: Ray Serve's default Python proxy.",
     )
+    haproxy_busy_polling: bool = Field(
+        False,
+        description="HAProxy's threads poll without sleeping (its `busy-polling`: a request is read by a core that "
+        "kept running; each HAProxy thread a busy core). Clusters started on this machine (`inferscale up`, tests, "
+        "benchmarks), whose HAProxy starts through inferscale's wrapper.",
+    )
     recompute: int = Field(
         1,
         ge=0,

@@ -109,7 +109,8 @@ def ray_local():
     from deployments.ray_serve.serve_mode import apply_serve_env
 
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's unix sockets must fit 107 characters
-    apply_serve_env(load_settings().serve.proxy, Path(temp_dir) / "serve")
+    serve = load_settings().serve
+    apply_serve_env(serve.proxy, Path(temp_dir) / "serve", serve.haproxy_busy_polling)
     ray.init(
         address="local",
         num_cpus=8,

@@ -1,9 +1,13 @@
-"""Ray Serve's listeners kept on loopback when the node's address is loopback (a local cluster).
+"""Ray Serve's listeners kept on loopback when the node's address is loopback (a local cluster), and HAProxy's
+busy polling where asked for.
 
 Two of Ray 2.60's listeners bind all interfaces whatever the HTTP host is. HAProxy: Ray renders `bind *:<stats port>` and `bind :<metrics port>` (all interfaces) whatever the HTTP
 host is. Ray starts HAProxy as `<binary> -db -f <config> ...`; this wrapper, named as the binary,
 rewrites those two lines of the config to the HTTP frontend's address when it is a loopback one, then
-replaces itself with the real HAProxy. Replicas: each serves inter-deployment gRPC on `[::]:0`;
+replaces itself with the real HAProxy; asked to (`serve.haproxy_busy_polling`), it also adds `busy-polling` to
+the config's `global` section: HAProxy's threads then poll with no timeout instead of sleeping, so a request is
+read by a core that kept running (HAProxy's manual names virtual machines, where an idle core is handed to the
+host, as the case for it; each thread is a busy core). Replicas: each serves inter-deployment gRPC on `[::]:0`;
 `bind_replica_grpc_to_node` makes the replica bind its node's address instead when that is loopback (the
 handles connect to the node's address anyway). On other hosts (a Kubernetes pod) both stay as Ray has them.
 """
@@ -37,14 +41,29 @@ def pin_side_listeners(config: str) -> str:
     return _ALL_INTERFACES_BIND.sub(lambda m: f"{m.group(1)}{host}:{m.group(2)}", config)
 
 
-def main(real_binary: str, args: Sequence[str]) -> None:
+_GLOBAL = re.compile(r"^global\s*$", re.MULTILINE)
+
+
+def with_busy_polling(config: str) -> str:
+    """`config` with `busy-polling` as the first line of its `global` section (once)."""
+    if re.search(r"^\s*busy-polling\s*$", config, re.MULTILINE):
+        return config
+    match = _GLOBAL.search(config)
+    if match is None:
+        raise ValueError("HAProxy's config has no global section to add busy-polling to")
+    return f"{config[: match.end()]}\n    busy-polling{config[match.end() :]}"
+
+
+def main(real_binary: str, args: Sequence[str], busy_polling: bool = False) -> None:
     args = list(args)
     if "-f" in args and args.index("-f") + 1 < len(args):
         path = Path(args[args.index("-f") + 1])
         config = path.read_text()
-        pinned = pin_side_listeners(config)
-        if pinned != config:
-            path.write_text(pinned)
+        rewritten = pin_side_listeners(config)
+        if busy_polling:
+            rewritten = with_busy_polling(rewritten)
+        if rewritten != config:
+            path.write_text(rewritten)
     os.execv(real_binary, [real_binary, *args])
 
 

