@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 
 import psutil
+import pytest
 
 from deployments.ray_serve.loopback import pin_side_listeners
 
@@ -58,3 +59,41 @@ def _python_proxy() -> bool:
     from config import load_settings
 
     return load_settings().serve.proxy == "python"
+
+
+HAPROXY_CONFIG = """global
+    maxconn 100
+defaults
+    mode http
+    timeout client 1s
+    timeout server 1s
+    timeout connect 1s
+frontend http_frontend
+    bind 127.0.0.1:18123
+    default_backend b
+backend b
+    server s 127.0.0.1:18124
+"""
+
+
+def test_the_wrapper_turns_busy_polling_on_when_asked_and_haproxy_accepts_the_config(tmp_path):
+    import subprocess
+
+    from deployments.ray_serve.loopback import with_busy_polling
+    from deployments.ray_serve.serve_mode import write_haproxy_wrapper
+
+    polled = with_busy_polling(HAPROXY_CONFIG)
+    assert polled.splitlines()[:3] == ["global", "    busy-polling", "    maxconn 100"]
+    assert with_busy_polling(polled) == polled  # once
+    with pytest.raises(ValueError, match="global"):
+        with_busy_polling("defaults\n    mode http\n")
+    for busy in (False, True):
+        folder = tmp_path / str(busy)
+        folder.mkdir()
+        config = folder / "haproxy.cfg"
+        config.write_text(HAPROXY_CONFIG)
+        checked = subprocess.run(
+            [str(write_haproxy_wrapper(folder, busy)), "-c", "-f", str(config)], capture_output=True, text=True
+        )
+        assert checked.returncode == 0, checked.stderr  # the real HAProxy, run by the wrapper, accepts it
+        assert ("busy-polling" in config.read_text()) is busy
