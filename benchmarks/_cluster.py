@@ -176,7 +176,6 @@ def start_cluster(
     chat_transport: str = "auto",
     spin_ms: float = 0.0,
     ingress_apps: int = 1,
-    keep_warm_ms: float = 0.0,
 ):
     """(base URL, admin key, redis, app args) of a cluster started in this process with Serve's `proxy` mode;
     on a GPU the ingress embeds queries on `embed_device` (on the CPU with two threads a replica), and under
@@ -190,8 +189,7 @@ def start_cluster(
     `spin_ms`: how long the query embedder's process and the ingress's loop poll instead of sleeping around a
     question (`ingress.embed_spin_ms`), and the LLM replica's loop after a note until its chat
     (`llm.ahead_spin_ms`); `ingress_apps`: how many ingress applications will share the GPU's ingress share
-    (`deploy_second_ingress` adds the second); `keep_warm_ms`: how long the ingress's and the LLM replica's loops
-    poll instead of sleeping after each chat (`ingress.keep_warm_ms`, `llm.keep_warm_ms`)."""
+    (`deploy_second_ingress` adds the second)."""
     import os
 
     from ray import serve
@@ -214,7 +212,6 @@ def start_cluster(
         "env": env,
         "max_ongoing_requests": 256,
         "ahead_spin_ms": min(spin_ms, 20.0),  # the note's chat follows within ms: its setting stops at 20
-        "keep_warm_ms": keep_warm_ms,
         "ray_actor_options": {"num_cpus": 1, "num_gpus": LLM_GPU_SHARE} if cuda else {"num_cpus": 1},
     }
     ingress = {
@@ -225,7 +222,6 @@ def start_cluster(
         "query_embedding": query_embedding,
         "chat_transport": chat_transport,
         "embed_spin_ms": spin_ms,
-        "keep_warm_ms": keep_warm_ms,
     }  # a cold start of 100 tenants reads ~40 GB of records: not a lost replica
     if cuda:  # the GPU also embeds queries (a sliver of it per ingress replica), as a GPU deployment would
         llm["engine_kwargs"] = {"gpu_memory_utilization": 0.45, "max_model_len": 4096}

@@ -16,7 +16,6 @@
 # AB_ONLY=1 ends an A/B's serve-http after its rounds (no floors, QPS or engine-alone reference).
 # INGRESS_REPLICAS=N runs serve-http with N ingress replicas (default 4: each an event loop where requests queue).
 # SPIN_MS=2 has serve-http's query embedder, ingress loop and LLM replica's loop poll instead of sleeping around a chat.
-# KEEP_WARM_MS=N has serve-http's ingress and LLM replica loops poll instead of sleeping for N ms after each chat.
 # VLLM_V1_OUTPUT_PROC_CHUNK_SIZE=N (vLLM's own, default 128) reaches serve-http's LLM replica and its engine alone: how many
 # of a step's finished chats vLLM's frontend hands out before the replica's event loop reads new chats again.
 # CHAT_TRANSPORT=serve has serve-http's chats reach the LLM replica through Serve's handle (default: its chat channel).
@@ -95,7 +94,7 @@ for step in "$@"; do
     locust) run locust 570 python3 benchmarks/serve_http.py --config "$SHAPE" --locust-s 120 --out "$out/locust.json" ;;
     serve-http) sampled serve-http 590 python3 benchmarks/serve_http.py --config "$SHAPE" --out "$out/serve_http.json" \
             --embed-device "${EMBED_DEVICE:-cuda}" --query-embedding "${QUERY_EMBEDDING:-auto}" --ingress-replicas "${INGRESS_REPLICAS:-4}" \
-            --chat-transport "${CHAT_TRANSPORT:-auto}" --spin-ms "${SPIN_MS:-0}" --keep-warm-ms "${KEEP_WARM_MS:-0}" ${BLOCK_SIZE:+--block-size "$BLOCK_SIZE"} \
+            --chat-transport "${CHAT_TRANSPORT:-auto}" --spin-ms "${SPIN_MS:-0}" ${BLOCK_SIZE:+--block-size "$BLOCK_SIZE"} \
             ${ENGINE_SM_PERCENT:+--engine-sm-percent "$ENGINE_SM_PERCENT"} ${AB_INGRESS:+--ab-ingress "$AB_INGRESS"} \
             ${SERVE_TENANTS:+--tenants "$SERVE_TENANTS"} ${AB_ONLY:+--ab-only} ;;
     quality)  # the answer-quality dev set (SmolLM2 in bf16): windows, recomputation, prompt and off at k = 10, 50

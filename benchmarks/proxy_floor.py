@@ -9,9 +9,11 @@ the latency of that request as JSON: the HTTP path, the proxy, the ingress repli
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from starlette.requests import Request  # at module level: FastAPI resolves the routes' string annotations here
@@ -37,23 +39,26 @@ def measure(base: str, key: str, calls: int, path: str = "/v1/models", body: dic
     )
 
 
-class _KeptWarmProbe:
-    """Touches a `KeptWarm` as each request arrives and ends (a no-op with a zero window)."""
+class _AwakeProbe:
+    """A plain ASGI middleware that keeps the replica's event loop polling instead of sleeping for `window_s` after
+    each request (a no-op with a zero window): a loop that never waits in its poll for the next request."""
 
     def __init__(self, app, window_s: float) -> None:
-        from deployments.loop_spin import KeptWarm
-
-        self._app, self._warm = app, KeptWarm(window_s)
+        self._app, self._window_s, self._until, self._spinning = app, window_s, 0.0, False
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)
-            return
-        self._warm.touch()
-        try:
-            await self._app(scope, receive, send)
-        finally:
-            self._warm.touch()
+        if scope["type"] == "http" and self._window_s > 0:
+            self._until = time.perf_counter() + self._window_s
+            if not self._spinning:
+                self._spinning = True
+                asyncio.get_running_loop().call_soon(self._spin)
+        await self._app(scope, receive, send)
+
+    def _spin(self) -> None:
+        if time.perf_counter() < self._until:
+            asyncio.get_running_loop().call_soon(self._spin)
+        else:
+            self._spinning = False
 
 
 STREAMS = ("starlette", "event_stream")  # the probe's one-event streams: Starlette's response, the ingress's own
@@ -65,14 +70,13 @@ def deploy_probe(num_replicas: int, name: str = "probe", keep_warm_ms: float | N
     answers at once; `POST /<stream>` (`STREAMS`) reads a JSON body and streams one event, with Starlette's
     `StreamingResponse` (which watches for the client leaving in tasks of its own) or the ingress's `EventStream`
     (which leaves that to Serve). With `keep_warm_ms` (0 included, for a like-for-like probe that sleeps), a plain
-    ASGI middleware keeps each replica's loop polling instead of sleeping for that long after each request
-    (`loop_spin.KeptWarm`, as `ingress.keep_warm_ms` keeps the ingress's)."""
+    ASGI middleware keeps each replica's loop polling instead of sleeping for that long after each request."""
     from fastapi import FastAPI
     from ray import serve
 
     app = FastAPI()
     if keep_warm_ms is not None:
-        app.add_middleware(_KeptWarmProbe, window_s=keep_warm_ms / 1000)
+        app.add_middleware(_AwakeProbe, window_s=keep_warm_ms / 1000)
 
     @app.get("/")
     async def ok() -> dict:

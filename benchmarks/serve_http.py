@@ -495,13 +495,6 @@ def main() -> None:
         "llm.ahead_spin_ms; 0: they sleep)",
     )
     p.add_argument(
-        "--keep-warm-ms",
-        type=float,
-        default=0.0,
-        help="ms the ingress's and the LLM replica's event loops poll instead of sleeping after each chat "
-        "(ingress.keep_warm_ms, llm.keep_warm_ms; 0: they sleep)",
-    )
-    p.add_argument(
         "--chat-transport",
         choices=["auto", "channel", "serve"],
         default="auto",
@@ -569,7 +562,6 @@ def main() -> None:
         ingress_replicas=args.ingress_replicas,
         chat_transport=args.chat_transport,
         spin_ms=args.spin_ms,
-        keep_warm_ms=args.keep_warm_ms,
         engine_kwargs={"block_size": args.block_size} if args.block_size else None,
         llm_args={"loop_lag_probe_ms": args.loop_lag_ms},
         ingress_apps=2 if args.ab_ingress else 1,
@@ -596,7 +588,6 @@ def main() -> None:
         "ingress_replicas": app_args["ingress"].get("num_replicas", 1),
         "chat_transport": app_args["ingress"]["chat_transport"],
         "spin_ms": app_args["ingress"]["embed_spin_ms"],
-        "keep_warm_ms": app_args["ingress"]["keep_warm_ms"],
         "block_size": served_block_size(app_args, cuda),
         "engine_sm_percent": args.engine_sm_percent,
         "model": str(args.config) if args.config else "SmolLM2-135M",

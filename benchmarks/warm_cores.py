@@ -1,14 +1,16 @@
-"""What a core that idled costs the HTTP path, and what keeping it awake buys, without an engine.
+"""What host code run after an idle gap costs, and what keeping a core awake buys, without an engine.
 
-On the GPU hosts the same host calls ran at about a third of their speed when the core had idled 30 ms between
-questions (H100, 2026-12-07): a virtual machine's idle core is handed back to the host, caches and all. A chat's
-way in crosses HAProxy's thread and the ingress replica's event loop, each asleep in its poll between chats.
-This deploys two copies of a trivial FastAPI app behind Ray Serve's HAProxy (`proxy_floor.deploy_probe`, one
-replica each): one whose loop sleeps, one kept awake for a second after each request (`loop_spin.KeptWarm`, as
-`ingress.keep_warm_ms` keeps the ingress), and times a GET of each, interleaved, back to back and `--gap-ms`
-apart (as sequential chats arrive). It does so twice, each in a cluster of its own (a child process: Ray reads
-HAProxy's config as it starts), without and with HAProxy's `busy-polling` (`serve.haproxy_busy_polling`).
-Targets: each way of keeping a core awake against none, `--gap-ms` apart.
+On the GPU hosts a question's tokenization and launch ran at 1.5-3x their back-to-back time when questions came
+30 ms apart. Two parts, each timed back to back and `--gap-ms` apart:
+- `http`: two copies of a trivial FastAPI app behind Ray Serve's HAProxy (`proxy_floor.deploy_probe`, one
+  replica each), one whose event loop sleeps between requests and one kept polling for a second after each; a GET
+  of each, interleaved; twice, each in a cluster of its own (a child process: Ray starts HAProxy with the config it
+  renders at start), without and with HAProxy's `busy-polling` (`serve.haproxy_busy_polling`).
+- `tokenize`: the query embedder's tokenization of one question (`MiniLMEmbedder.token_ids`, as the ingress calls
+  it) after a gap spent asleep, spinning (the core kept running, the tokenizer's data untouched) or rehearsing
+  (another question tokenized every 1 ms), interleaved. If spinning is as slow as sleeping and rehearsing is fast,
+  what a gap costs is the code's data pushed out of the caches, not a core that slept.
+Targets: each way of keeping things awake against none, `--gap-ms` apart.
 """
 
 from __future__ import annotations
@@ -60,6 +62,37 @@ def child(busy_polling: bool, calls: int, gap_ms: float) -> dict:
     return out
 
 
+def tokenize_after_gaps(calls: int, gap_ms: float) -> dict:
+    """p50 and p99 (µs) of one question's tokenization after each kind of gap, interleaved (`tokenize`)."""
+    from models.minilm import MiniLMEmbedder
+
+    embedder = MiniLMEmbedder()
+    gap_s = gap_ms / 1000
+
+    def spin() -> None:
+        until = time.perf_counter() + gap_s
+        while time.perf_counter() < until:
+            pass
+
+    def rehearse() -> None:
+        until = time.perf_counter() + gap_s
+        while time.perf_counter() < until:
+            embedder.token_ids(["a question rehearsed while the ingress waits"])
+            time.sleep(0.001)
+
+    gaps = {"back_to_back": lambda: None, "asleep": lambda: time.sleep(gap_s), "spinning": spin, "rehearsed": rehearse}
+    times: dict[str, list[float]] = {name: [] for name in gaps}
+    for i in range(calls + 5):
+        order = list(gaps)[i % len(gaps) :] + list(gaps)[: i % len(gaps)]
+        for name in order:
+            gaps[name]()
+            started = time.perf_counter()
+            embedder.token_ids([f"What does box {i} hold, and where is it? ({name} {i})"])
+            if i >= 5:
+                times[name].append((time.perf_counter() - started) * 1e6)
+    return {name: _p50_p99(values) for name, values in times.items()}
+
+
 def _p50_p99(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {"p50": round(statistics.median(ordered), 4), "p99": round(ordered[int(0.99 * (len(ordered) - 1))], 4)}
@@ -76,6 +109,7 @@ def main() -> None:
         print("RESULT " + json.dumps(child(args.child == "on", calls, args.gap_ms)), flush=True)
         return
     report: dict = {"gap_ms": args.gap_ms, "calls": calls, "haproxy_busy_polling": {}}
+    report["tokenize_us"] = tokenize_after_gaps(min(calls, 300), args.gap_ms)
     for busy in ("off", "on"):
         done = subprocess.run(
             [sys.executable, __file__, "--child", busy, "--calls", str(calls), "--gap-ms", str(args.gap_ms)]
@@ -94,7 +128,18 @@ def main() -> None:
         busy: {app: round(spaced[busy][app]["p50"] / runs[busy]["back_to_back"][app]["p50"], 4) for app in APPS}
         for busy in runs
     }
+    tokenize = report["tokenize_us"]
     report["targets"] = [
+        target(
+            f"tokenizing a question {args.gap_ms:g} ms after the last: the core kept spinning / asleep (p50)",
+            tokenize["spinning"]["p50"] / tokenize["asleep"]["p50"],
+            "<= 0.8",
+        ),
+        target(
+            f"tokenizing a question {args.gap_ms:g} ms after the last: one rehearsed every 1 ms / asleep (p50)",
+            tokenize["rehearsed"]["p50"] / tokenize["asleep"]["p50"],
+            "<= 0.5",
+        ),
         target(
             f"GET p50 {args.gap_ms:g} ms apart through HAProxy: the app's loop kept awake / asleep",
             spaced["off"]["kept_warm"]["p50"] / spaced["off"]["asleep"]["p50"],

@@ -56,14 +56,6 @@ class LLMArgs(Strict):
         description="After a note sent ahead of a chat, how long the replica's loop polls instead of sleeping until "
         "the chat arrives; 0: it sleeps. CPU time bounded by each chat.",
     )
-    keep_warm_ms: float = Field(
-        0.0,
-        ge=0,
-        le=5000,
-        description="How long the replica's event loop keeps polling instead of sleeping after a chat, its note or its "
-        "end arrives over the chat channel (`ingress.keep_warm_ms` says why); a core while chats come within it; 0: "
-        "the loop sleeps.",
-    )
     loop_lag_probe_ms: float = Field(
         0.0,
         ge=0,
@@ -147,14 +139,6 @@ class IngressArgs(Strict):
         "for the question instead of sleeping (and again after each answer), and how long the ingress's loop does "
         "not sleep while a question is embedded; 0: both sleep. CPU time bounded by each request; a spin longer "
         "than the gap between chats keeps the process's core awake while chats keep coming (a core per replica).",
-    )
-    keep_warm_ms: float = Field(
-        0.0,
-        ge=0,
-        le=5000,
-        description="How long the ingress's event loop keeps polling instead of sleeping after a chat arrives or ends, "
-        "so the next chat is served by a core that kept running (on a GPU host a core that idled ran the same host "
-        "calls at a third of their speed); a core per replica while chats come within it; 0: the loop sleeps.",
     )
     retrieval_ahead: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -98,14 +98,11 @@ class ChannelServer:
         max_ongoing: int = 64,
         ahead: Ahead | None = None,
         ahead_spin_s: float = 0.0,
-        keep_warm_s: float = 0.0,
     ) -> None:
         """`max_ongoing`: chats the handler runs at once; later ones wait here (as Serve queues beyond the
         deployment's `max_ongoing_requests`); `ahead`: called on the loop with each note sent ahead of a chat;
-        `ahead_spin_s`: how long the loop polls instead of sleeping after a note, until a chat arrives;
-        `keep_warm_s`: how long it polls after each note, chat and chat's end (`loop_spin.KeptWarm`)."""
+        `ahead_spin_s`: how long the loop polls instead of sleeping after a note, until a chat arrives."""
         self._handler, self._host, self._ahead, self._ahead_spin_s = handler, host, ahead, ahead_spin_s
-        self.warm = loop_spin.KeptWarm(keep_warm_s)
         self._tasks_seen = 0  # chats arrived, over every connection (a spin after a note ends at the next)
         self._token = secrets.token_bytes(32)
         self._server: asyncio.Server | None = None
@@ -157,14 +154,12 @@ class ChannelServer:
                     writer.write(_frame(request_id, REFUSED))
                 elif kind == TASK and request_id not in chats:
                     self._tasks_seen += 1
-                    self.warm.touch()
                     chat = asyncio.create_task(self._run(request_id, pickle.loads(payload), writer))
                     chats[request_id] = chat
                     chat.add_done_callback(lambda _, rid=request_id: chats.pop(rid, None))
                 elif kind == CANCEL and request_id in chats:
                     chats[request_id].cancel()
                 elif kind == AHEAD and self._ahead is not None and not self._draining:
-                    self.warm.touch()
                     self._note(payload)
                     if self._ahead_spin_s > 0:  # awake until a chat arrives
                         seen, until = self._tasks_seen, time.perf_counter() + self._ahead_spin_s
@@ -212,7 +207,6 @@ class ChannelServer:
             writer.write(_frame(request_id, END))
         finally:
             self.ongoing -= 1
-            self.warm.touch()
 
 
 class _End:

@@ -25,7 +25,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.embed_forwarders import EmbedderProcessError
 from deployments.event_stream import DONE, EventStream
 from deployments.gateway import Gateway, PreparedChat
-from deployments.loop_spin import KeptWarm
 from deployments.mem0_api import mem0_router
 from deployments.query_batcher import Embedded
 from deployments.retrieval_ahead import AUTHENTICATED, EARLY, RetrievalAhead
@@ -143,8 +142,6 @@ class LimitsAndMetrics:
             if gateway.args.retrieval_ahead_on
             else None
         )
-        self._warm = KeptWarm(gateway.args.keep_warm_ms / 1000)
-        gateway.metrics.loop_kept_awake.set_function(lambda: self._warm.spun_s)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -159,9 +156,7 @@ class LimitsAndMetrics:
             return
         status, marks = 500, scope.setdefault("state", {})
         marks[ARRIVED] = time.perf_counter()  # the request's way through FastAPI to its handler starts here
-        chat = scope["method"] == "POST" and scope["path"] in CHAT_PATHS
-        if chat:
-            self._warm.touch()
+        if scope["method"] == "POST" and scope["path"] in CHAT_PATHS:
             self._gateway.queries.wake()  # the question's embedder gets ready while the request is read
             if self._ahead is not None:
                 receive = await self._ahead.begin(scope, receive)
@@ -179,8 +174,6 @@ class LimitsAndMetrics:
         finally:
             RetrievalAhead.end(scope)
             self._count(scope, status)
-            if chat:
-                self._warm.touch()
 
     def _count(self, scope: dict, status: int) -> None:
         # the route's template (`/v1/jobs/{job_id}`), never the path: ids would make labels unbounded and name

@@ -79,11 +79,6 @@ class Metrics:
             "each question's forward",
             registry=self.registry,
         )
-        self.loop_kept_awake = Gauge(
-            "inferscale_loop_kept_awake_seconds",
-            "Time this replica's event loop polled instead of sleeping between chats (ingress.keep_warm_ms)",
-            registry=self.registry,
-        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -90,7 +90,6 @@ class LLMServer(ReportsChannelLoad):
             self.args.llm.max_ongoing_requests,
             ahead=self.engine.prepare,
             ahead_spin_s=self.args.llm.ahead_spin_ms / 1000,
-            keep_warm_s=self.args.llm.keep_warm_ms / 1000,
         )
         await self._channel.start()
         self._loop_lag = LoopLag(self.args.llm.loop_lag_probe_ms / 1000) if self.args.llm.loop_lag_probe_ms else None

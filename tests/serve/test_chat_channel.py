@@ -479,25 +479,3 @@ def test_a_task_crosses_by_pickle_whole_with_its_facts_as_columns():
 
     tagged = _Tagged("t", 3, (("user", "q"),), facts[:2], tag="x")
     assert pickle.loads(pickle.dumps(tagged, protocol=5)) == tagged
-
-
-@pytest.mark.parametrize("keep_warm_s", [0.0, 0.04])
-def test_the_replicas_loop_stays_awake_for_its_window_after_a_chat_ends_and_then_sleeps(keep_warm_s):
-    async def main() -> tuple[bool, bool, float]:
-        server = ChannelServer(_echo, "127.0.0.1", keep_warm_s=keep_warm_s)
-        client = ChannelPool().client(await server.start())
-        await _collect(client.chat(_task("t", "q")))
-        await asyncio.sleep(0.01)
-        awake_after_end = server.warm.spinning
-        await asyncio.sleep(0.1)
-        asleep_later = not server.warm.spinning
-        client.close()
-        server.close()
-        return awake_after_end, asleep_later, server.warm.spun_s
-
-    awake, asleep, spun_s = asyncio.run(main())
-    if keep_warm_s:
-        # from the chat's arrival to 40 ms past its end (the chat itself takes ~5 ms here)
-        assert awake and asleep and 0.04 <= spun_s <= 0.09
-    else:
-        assert not awake and asleep and spun_s == 0.0

@@ -18,42 +18,29 @@ class _Counter:
         pass
 
 
-class _Gauge:
-    def set_function(self, read):
-        self.read = read
-
-
-def _metrics() -> SimpleNamespace:
-    return SimpleNamespace(requests=_Counter(), errors=_Counter(), loop_kept_awake=_Gauge())
-
-
-async def _request(middleware: LimitsAndMetrics, method: str, path: str) -> None:
-    async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message):
-        pass
-
-    await middleware({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
-
-
-async def _answer(scope, receive, send):
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": b"{}"})
-
-
 def test_a_chat_wakes_the_query_embedder_and_other_requests_do_not():
     woken: list[str] = []
     gateway = SimpleNamespace(
-        args=SimpleNamespace(max_body_bytes=1 << 20, retrieval_ahead_on=False, keep_warm_ms=0.0),
+        args=SimpleNamespace(max_body_bytes=1 << 20, retrieval_ahead_on=False),
         queries=SimpleNamespace(wake=lambda: woken.append("wake")),
-        metrics=_metrics(),
+        metrics=SimpleNamespace(requests=_Counter(), errors=_Counter()),
     )
     reached: list[str] = []
 
     async def app(scope, receive, send):
         reached.append(scope["path"])
-        await _answer(scope, receive, send)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def call(method: str, path: str) -> None:
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            pass
+
+        scope = {"type": "http", "method": method, "path": path, "headers": []}
+        await LimitsAndMetrics(app, gateway)(scope, receive, send)
 
     for method, path in (
         ("POST", "/v1/chat/completions"),
@@ -62,29 +49,8 @@ def test_a_chat_wakes_the_query_embedder_and_other_requests_do_not():
         ("POST", "/v1/memories"),
         ("GET", "/v1/chat/completions"),
     ):
-        asyncio.run(_request(LimitsAndMetrics(app, gateway), method, path))
+        asyncio.run(call(method, path))
     assert woken == ["wake", "wake"] and len(reached) == 5  # the two chats only; every request went on
-
-
-def test_a_chat_keeps_the_loop_awake_for_the_window_and_other_requests_do_not():
-    gateway = SimpleNamespace(
-        args=SimpleNamespace(max_body_bytes=1 << 20, retrieval_ahead_on=False, keep_warm_ms=30.0),
-        queries=SimpleNamespace(wake=lambda: None),
-        metrics=_metrics(),
-    )
-
-    async def main() -> tuple[float, float]:
-        middleware = LimitsAndMetrics(_answer, gateway)
-        await _request(middleware, "GET", "/v1/models")
-        await _request(middleware, "POST", "/v1/memories")
-        await asyncio.sleep(0.05)
-        after_others = gateway.metrics.loop_kept_awake.read()
-        await _request(middleware, "POST", "/v1/chat/completions")
-        await asyncio.sleep(0.08)
-        return after_others, gateway.metrics.loop_kept_awake.read()
-
-    after_others, after_chat = asyncio.run(main())
-    assert after_others == 0.0 and 0.028 <= after_chat <= 0.075  # 30 ms from the chat's end, then asleep
 
 
 class _Gateway:
