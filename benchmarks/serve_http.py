@@ -204,6 +204,7 @@ def sample_rounds(
                     "ingress_ms": usage.get("ingress_ms", {}),
                     "embed_legs_ms": usage.get("retrieval_embed_legs_ms", {}),
                     "retrieval_legs_ms": usage.get("retrieval_legs_ms", {}),
+                    "launch_legs_ms": usage.get("retrieval_launch_legs_ms", {}),
                     "retrieval_in_copy": bool(usage.get("retrieval_in_copy")),
                     "cpu_ms": usage.get("cpu_ms", {}),
                     "engine_phases_ms": usage.get("engine_phases_ms", {}),
@@ -779,6 +780,11 @@ def inject_figures(inject: list[dict]) -> dict:
                 f"step_{leg}_p50": statistics.median(s["retrieval_legs_ms"][leg] for s in inject)
                 for leg in ("launch", "note", "to_wait", "embed", "search", "facts")
                 if all(leg in s.get("retrieval_legs_ms", {}) for s in inject)
+            },
+            **{  # the launch's host time by piece: the copy's updates chosen, the tokenizer, the launches
+                f"step_launch_{leg}_p50": statistics.median(s["launch_legs_ms"][leg] for s in inject)
+                for leg in ("prepare", "tokenize", "forward", "search", "read_back")
+                if all(leg in s.get("launch_legs_ms", {}) for s in inject)
             },
             "searched_in_copy_share": round(sum(s.get("retrieval_in_copy", False) for s in inject) / len(inject), 3),
         },

@@ -32,8 +32,8 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -68,6 +68,8 @@ class Answer:
     vectors: torch.Tensor
     hits: Hits
     copy_failed: bool = False
+    # the launch's host time by piece (ms: tokenize, forward, search, read_back), where it ran in this process
+    launch_legs_ms: dict[str, float] = field(default_factory=dict)
 
 
 # (answer or failure, started, ended, the forward's CPU time in its thread, s)
@@ -118,13 +120,21 @@ def _run_batch(embedder: TensorEmbedder, copy: MirrorIndexes, batch: EmbedBatch)
 
 
 def _start_batch(
-    forward: Callable[[Sequence[str]], torch.Tensor], copy: MirrorIndexes, batch: EmbedBatch
+    forward: Callable[[Sequence[str]], torch.Tensor],
+    copy: MirrorIndexes,
+    batch: EmbedBatch,
+    tokenize: Callable[[Sequence[str]], Any] | None = None,
 ) -> tuple[Callable[[], Answer], torch.cuda.Event | None]:
     """The forward, the copy's updates and searches, and the read-back of vectors and hits, launched: the call
     returned makes the answer (waiting for the device if it has not finished), and the event (None on the host)
     tells when it has. A failure of the copy (out of device memory for a tenant sent whole) leaves the questions
-    their vectors."""
-    vectors = forward(batch.texts)
+    their vectors. With `tokenize`, `forward` takes what it returns (token ids) instead of the texts, and the
+    answer's `launch_legs_ms` times the two apart."""
+    marks = [time.perf_counter()]
+    inputs = tokenize(batch.texts) if tokenize is not None else batch.texts
+    marks.append(time.perf_counter())
+    vectors = forward(inputs)
+    marks.append(time.perf_counter())
     copy_failed = False
     try:
         copy.apply(batch.updates)
@@ -134,17 +144,25 @@ def _start_batch(
         copy.clear()
         copy_failed, unsearched = True, [None] * len(batch.texts)
         hits = lambda: unsearched  # noqa: E731
+    marks.append(time.perf_counter())
     on_host = vectors.device.type == "cpu"
     host_vectors = vectors.float().to("cpu", non_blocking=not on_host)  # pinned where non-blocking
     landed = None
     if not on_host:
         landed = torch.cuda.Event()
         landed.record(torch.cuda.current_stream(vectors.device))
+    marks.append(time.perf_counter())
+    legs = {
+        leg: round((end - begin) * 1000, 4)
+        for leg, begin, end in zip(("tokenize", "forward", "search", "read_back"), marks, marks[1:])
+    }
+    if tokenize is None:  # the forward tokenized: its leg holds both
+        del legs["tokenize"]
 
     def answer() -> Answer:
         if landed is not None:
             landed.synchronize()
-        return Answer(host_vectors, hits(), copy_failed)
+        return Answer(host_vectors, hits(), copy_failed, legs)
 
     return answer, landed
 
@@ -200,6 +218,9 @@ class InlineForwarder:
         # on the loop only what replays captured graphs: a bucket to capture first (a long question) runs once in
         # a thread of its own, since a capture takes tens of ms that the loop would stall for
         self._on_loop = getattr(embedder, "embed_tensor_captured", embedder.embed_tensor)
+        self._tokenize = None  # with an embedder that takes token ids, the launch times its tokenizer apart
+        if hasattr(embedder, "token_ids") and hasattr(embedder, "embed_ids_captured"):
+            self._tokenize, self._on_loop = embedder.token_ids, embedder.embed_ids_captured
         self._pool: ThreadPoolExecutor | None = None
         self._spin_s, self._poll_s = spin_s, poll_s
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -218,7 +239,7 @@ class InlineForwarder:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             with self._on_stream():
-                answer, landed = _start_batch(self._on_loop, self._copy, batch)
+                answer, landed = _start_batch(self._on_loop, self._copy, batch, self._tokenize)
         except GraphNotCaptured:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed-capture")

@@ -458,6 +458,11 @@ def _embed_legs(embedded: Embedded | None) -> dict[str, float]:
     }
 
 
+def _launch_legs(embedded: Embedded | None) -> dict[str, float]:
+    """The host time of the question's batch's launch by piece (`Embedded.launch_legs_ms`)."""
+    return {} if embedded is None else {leg: round(ms, 3) for leg, ms in embedded.launch_legs_ms.items()}
+
+
 def _usage(
     final: dict[str, Any] | None, prepared: PreparedChat, ttft_ms: float, tiers: dict[str, int], received: float
 ) -> dict[str, Any]:
@@ -482,6 +487,7 @@ def _usage(
         "retrieval_embed_ms": round(prepared.embed_ms, 3),
         "retrieval_embed_legs_ms": _embed_legs(prepared.embedded),
         "retrieval_legs_ms": prepared.legs_ms or {},
+        "retrieval_launch_legs_ms": _launch_legs(prepared.embedded),
         "retrieval_in_copy": prepared.searched_in_copy,
         "ttft_ms": round(ttft_ms, 3),
         "engine_ttft_ms": engine.get("engine_ttft_ms", 0.0),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -46,6 +46,9 @@ class Embedded:
     resume_ms: float
     forward_cpu_ms: float = 0.0  # of forward_ms, the forward thread's own CPU time (the rest: waiting)
     found: Found | None = None  # the search the question asked for, where the copy ran it
+    # the host time of its batch's launch by piece (ms): the copy's updates chosen (`prepare`), then where the
+    # forward ran in this process, its tokenizer, forward, search and read-back launched (`Answer.launch_legs_ms`)
+    launch_legs_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_ms(self) -> float:
@@ -81,7 +84,7 @@ class EmbedTicket:
         self._waiting, self.launched = waiting, launched
 
     async def result(self) -> Embedded:
-        vector, found, started, ended, cpu = await self._waiting.future
+        vector, found, started, ended, cpu, launch_legs = await self._waiting.future
         resumed = time.perf_counter()
         return Embedded(
             vector,
@@ -90,6 +93,7 @@ class EmbedTicket:
             (resumed - ended) * 1000,
             cpu * 1000,
             found,
+            launch_legs,
         )
 
     def abandon(self) -> None:
@@ -189,10 +193,15 @@ class QueryBatcher:
         self.batches += 1
         try:
             self.watch()  # a process that died while idle is replaced now, before the copy's updates are chosen
+            preparing = time.perf_counter()
+            embed_batch = self._batch(batch)
+            prepare_ms = round((time.perf_counter() - preparing) * 1000, 4)
             self._forwarder.submit(
                 loop,
-                self._batch(batch),
-                lambda outcome, started, ended, cpu: self._finish(loop, batch, outcome, started, ended, cpu),
+                embed_batch,
+                lambda outcome, started, ended, cpu: self._finish(
+                    loop, batch, outcome, started, ended, cpu, prepare_ms
+                ),
             )
         except Exception as exc:  # noqa: BLE001 - its callers get it; the batcher goes on with the next batch
             now = time.perf_counter()
@@ -231,6 +240,7 @@ class QueryBatcher:
         started: float,
         ended: float,
         cpu: float,
+        prepare_ms: float = 0.0,
     ) -> None:
         """On the loop: resolve the batch's callers, then start the batch that gathered meanwhile."""
         if isinstance(outcome, BaseException):
@@ -251,5 +261,6 @@ class QueryBatcher:
                 found = Found(hit[0], hit[1], waiting.generation)
             elif waiting.ask is not None and waiting.generation is not None:  # the copy lacked it: send it whole
                 self._ledger.forget(waiting.ask.tenant_id)
-            waiting.future.set_result((outcome.vectors[i], found, started, ended, cpu))
+            legs = {"prepare": prepare_ms, **outcome.launch_legs_ms}
+            waiting.future.set_result((outcome.vectors[i], found, started, ended, cpu, legs))
         self._start_next(loop)

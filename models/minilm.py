@@ -225,19 +225,27 @@ class MiniLMEmbedder:
         device work) where one is not, so a caller that must not stall (an event loop) can run it elsewhere once."""
         return self._embed(texts, capture=False)
 
-    def _embed(self, texts: Sequence[str], capture: bool) -> torch.Tensor:
-        out = []
+    @torch.inference_mode()
+    def embed_ids_captured(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """`embed_tensor_captured` of texts tokenized already (`token_ids`), so a caller can time the two apart."""
         with self._lock:
-            batches = [
-                self.token_ids(texts[first : first + self._batch]) for first in range(0, len(texts), self._batch)
-            ]
-            if not capture and self._graphs is not None:
-                missing = [self._bucket(rows) for rows in batches if self._bucket(rows) not in self._graphs]
-                if missing:
-                    raise GraphNotCaptured(f"the query embedder has no CUDA graph yet for buckets {missing}")
-            for rows in batches:
-                graph = self._graph_for(rows)
-                out.append(graph.run(rows) if graph is not None else self._eager(rows))
+            return self._embed_rows(rows, capture=False)
+
+    def _embed(self, texts: Sequence[str], capture: bool) -> torch.Tensor:
+        with self._lock:
+            return self._embed_rows(self.token_ids(texts), capture)
+
+    def _embed_rows(self, ids: Sequence[Sequence[int]], capture: bool) -> torch.Tensor:
+        """Under the lock: the rows' vectors, a batch of at most `batch_size` at a time."""
+        batches = [ids[first : first + self._batch] for first in range(0, len(ids), self._batch)]
+        if not capture and self._graphs is not None:
+            missing = [self._bucket(rows) for rows in batches if self._bucket(rows) not in self._graphs]
+            if missing:
+                raise GraphNotCaptured(f"the query embedder has no CUDA graph yet for buckets {missing}")
+        out = []
+        for rows in batches:
+            graph = self._graph_for(rows)
+            out.append(graph.run(rows) if graph is not None else self._eager(rows))
         if not out:
             return torch.empty((0, self.dim), device=self.device)
         return out[0] if len(out) == 1 else torch.cat(out)

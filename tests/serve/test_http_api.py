@@ -159,6 +159,10 @@ def test_inject_prefills_only_the_query_and_prompt_mode_prefills_everything(clus
         hand_over = steps["launch"] + steps["note"]
         assert hand_over + steps["to_wait"] + steps["embed"] >= usage["retrieval_embed_ms"] - 0.01, usage
         assert abs(sum(steps.values()) - usage["retrieval_ms"]) < 0.01, usage
+        # the launch's host time by piece; on the CPU the forward runs in the embedder's process, so only the
+        # search copy's updates chosen on the loop are timed here
+        launch = usage["retrieval_launch_legs_ms"]
+        assert set(launch) == {"prepare"} and 0 <= launch["prepare"] <= steps["launch"] + 0.01, usage
         assert usage["retrieval_in_copy"] is True, usage  # searched beside the question's forward
         hop = usage["hop_ms"]  # the legs between the ingress and the engine, each inside the request's own TTFT
         assert set(hop) == {"to_replica", "layout", "first_token_back"} and all(v >= 0 for v in hop.values())

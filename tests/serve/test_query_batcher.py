@@ -5,6 +5,7 @@ import asyncio
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -549,7 +550,7 @@ def test_an_inline_forward_is_answered_between_other_callbacks(monkeypatch, spin
     order: list[str] = []
     events: list[_Landing] = []
 
-    def started(forward, copy, batch):
+    def started(forward, copy, batch, tokenize=None):
         order.append(f"launch {batch.texts}")
         events.append(_Landing(polls=20))
         vectors = forward(batch.texts)
@@ -604,7 +605,7 @@ def test_an_inline_forward_whose_device_fails_fails_its_waiters_and_the_next_bat
     def answer_raising() -> embed_forwarders.Answer:
         raise RuntimeError("device lost")
 
-    def started(forward, copy, batch):
+    def started(forward, copy, batch, tokenize=None):
         if batch.texts == ["first"]:
             return answer_raising, _Broken()
         vectors = forward(batch.texts)
@@ -701,3 +702,40 @@ def test_the_query_embedder_searches_its_copy_on_the_gpu(where):
         scores, ids = source.index.search(embedded.vector, 50)
         assert embedded.found is not None and embedded.found.ids.tolist() == ids.tolist()
         assert np.allclose(embedded.found.scores, scores, atol=1e-5)
+
+
+class _SlowTokenizer:
+    """Takes token ids (as MiniLM does), its tokenizer 20 ms a call and its forward 10 ms."""
+
+    def token_ids(self, texts):
+        time.sleep(0.02)
+        return [[len(t)] for t in texts]
+
+    def embed_ids_captured(self, rows):
+        time.sleep(0.01)
+        return torch.tensor([[float(r[0]), 0.0] for r in rows])
+
+    def embed_tensor(self, texts):
+        return self.embed_ids_captured(self.token_ids(texts))
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_an_inline_launch_reports_its_host_time_by_piece(apart):
+    """The launch's legs name where its host time went: with an embedder that takes token ids, the tokenizer and
+    the forward apart; with one that tokenizes inside, the forward holds both."""
+    embedder = _SlowTokenizer()
+    if not apart:
+        embedder = SimpleNamespace(embed_tensor=embedder.embed_tensor)
+
+    async def main():
+        return await QueryBatcher(InlineForwarder(embedder), max_batch=8).embed("four")
+
+    embedded = asyncio.run(main())
+    legs = embedded.launch_legs_ms
+    assert embedded.vector[0].item() == 4.0
+    assert set(legs) == ({"prepare", "tokenize", "forward", "search", "read_back"} - (set() if apart else {"tokenize"}))
+    if apart:
+        assert 19 <= legs["tokenize"] < 200 and 9 <= legs["forward"] < 200
+    else:
+        assert 29 <= legs["forward"] < 300
+    assert all(ms >= 0 for ms in legs.values()) and legs["search"] < 20 and legs["read_back"] < 20

@@ -66,6 +66,10 @@ def test_cuda_graph_buckets_equal_the_eager_forward():
 def test_without_graphs_the_captured_only_forward_is_the_plain_one(minilm):
     texts = ["Where does Maya work?", "x " * 60]
     assert np.allclose(minilm.embed_tensor_captured(texts).numpy(), minilm.embed_tensor(texts).numpy())
+    # the same from token ids (the inline launch tokenizes apart, to time the two), over more than one batch
+    many = [f"What does box {i} hold?" for i in range(70)]
+    from_ids = minilm.embed_ids_captured(minilm.token_ids(many)).numpy()
+    assert from_ids.shape == (70, 384) and np.allclose(from_ids, minilm.embed_tensor(many).numpy(), atol=1e-6)
 
 
 @pytest.mark.gpu
@@ -83,6 +87,8 @@ def test_the_captured_only_forward_refuses_a_bucket_not_captured_before_any_devi
     assert torch.allclose(embedder.embed_tensor_captured(short), embedder.embed_tensor(short), atol=1e-6)
     with pytest.raises(GraphNotCaptured):
         embedder.embed_tensor_captured(long)
+    with pytest.raises(GraphNotCaptured):
+        embedder.embed_ids_captured(embedder.token_ids(long))
     assert embedder._graphs == captured  # nothing captured by the refusal
     plain = embedder.embed_tensor(long)
     assert torch.allclose(embedder.embed_tensor_captured(long), plain, atol=1e-6)
