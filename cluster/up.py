@@ -142,6 +142,12 @@ def run_serve(settings: Settings, config_path: Path) -> int:
     import yaml
 
     env = serve_env(settings.serve.proxy)
+    if settings.serve.haproxy_busy_polling:
+        print(
+            "inferscale: serve.haproxy_busy_polling applies to clusters `inferscale up` starts; this cluster's HAProxy "
+            "runs as its nodes started it",
+            file=sys.stderr,
+        )
     os.environ.update(env)  # before Ray Serve is imported: it reads the switches then
     from ray.serve.schema import ServeDeploySchema
 
