@@ -99,9 +99,13 @@ class MirrorIndexes:
         search or the copy does not hold its tenant; every top-k stays on the device until one read-back."""
         return self.search_started(vectors, asks)()
 
-    def search_started(self, vectors: torch.Tensor, asks: Sequence[SearchAsk | None]) -> "Callable[[], Hits]":
+    def search_started(
+        self, vectors: torch.Tensor, asks: Sequence[SearchAsk | None], caller_waits: bool = False
+    ) -> "Callable[[], Hits]":
         """`search` with its read-back started and not waited for: the call returned makes the hits once the
-        device's stream has reached this point (on a CUDA copy the host copies land in pinned memory)."""
+        device's stream has reached this point (on a CUDA copy the host copies land in pinned memory). With
+        `caller_waits`, no event of its own: the caller has the host wait for the stream past this point (an event
+        it records after its own copies) before it calls it, one event where there were two."""
         tops: list[tuple[ExactIndex, int] | None] = []
         values, rows = [], []
         for vector, ask in zip(vectors, asks):
@@ -136,7 +140,7 @@ class MirrorIndexes:
                 at += n
             return out
 
-        if on_host:
+        if on_host or caller_waits:
             return hits
         landed = torch.cuda.Event()
         landed.record(torch.cuda.current_stream(self.device))
