@@ -151,8 +151,11 @@ class _Graph:
         self.ids, self.mask = self.inputs[0], self.inputs[1]
         self.mask[:, 0] = 1  # padding rows attend to one token, so they stay finite
         self.staging = torch.zeros((2, batch, tokens), dtype=torch.long).pin_memory()
-        self._replayed: torch.cuda.Event | None = None  # the last replay's end: the staging buffer read
-        self._done: torch.cuda.Event | None = None  # the last call's output copied out, on whichever stream it ran
+        self._staging_rows = self.staging.numpy()  # the ids are written here on the host, every call
+        # two events recorded again at every call (each call one torch call fewer than a new event's creation):
+        # the last replay's end (the staging buffer read), the last call's output copied out, on whichever stream
+        self._replayed, self._done = torch.cuda.Event(), torch.cuda.Event()
+        self._called = False
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -170,26 +173,20 @@ class _Graph:
         each waits on the host for the last replay to end (it read the staging buffer) and on the device for the
         last call's output to be copied out, before it rewrites the graph's buffers."""
         stream = self._replay(rows)
-        self._replayed = _recorded(stream)
+        self._replayed.record(stream)
         out = self.out[: len(rows)].clone()
-        self._done = _recorded(stream)
+        self._done.record(stream)
+        self._called = True
         return out
 
     def _replay(self, rows: Sequence[Sequence[int]]) -> torch.cuda.Stream:
-        if self._replayed is not None:
-            self._replayed.synchronize()  # the previous replay has read the staging buffer
         stream = torch.cuda.current_stream(self.inputs.device)
-        if self._done is not None:
+        if self._called:
+            self._replayed.synchronize()  # the previous replay has read the staging buffer
             stream.wait_event(self._done)
-        padded(rows, self.staging.numpy())
+        padded(rows, self._staging_rows)
         self.graph.replay()
         return stream
-
-
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
 
 
 class GraphNotCaptured(RuntimeError):
