@@ -152,8 +152,8 @@ class _Graph:
         self.mask[:, 0] = 1  # padding rows attend to one token, so they stay finite
         self.staging = torch.zeros((2, batch, tokens), dtype=torch.long).pin_memory()
         self._staging_rows = self.staging.numpy()  # the ids are written here on the host, every call
-        # two events recorded again at every call (each call one torch call fewer than a new event's creation):
-        # the last replay's end (the staging buffer read), the last call's output copied out, on whichever stream
+        # two events made once and recorded again at every call (a new event a call was a torch call more, each
+        # cold after a gap): the last replay's end (the staging buffer read), the last call's output copied out
         self._replayed, self._done = torch.cuda.Event(), torch.cuda.Event()
         self._called = False
         side = torch.cuda.Stream(device)
