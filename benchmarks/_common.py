@@ -142,6 +142,13 @@ def phase_medians(phases: list[dict[str, float]]) -> dict[str, float]:
     return {n: round(statistics.median(s[n] for s in phases if n in s), 3) for n in names}
 
 
+def p50_p99(values: list[float], digits: int | None = None) -> dict[str, float]:
+    """The median and the 99th percentile (the value at that rank) of `values`, rounded to `digits` if given."""
+    ordered = sorted(values)
+    out = {"p50": statistics.median(ordered), "p99": ordered[int(0.99 * (len(ordered) - 1))]}
+    return out if digits is None else {k: round(v, digits) for k, v in out.items()}
+
+
 def target(name: str, value: float, goal: str) -> dict[str, Any]:
     """`goal` is '>= X' or '<= X'; `met` is computed here so nobody has to trust prose."""
     op, bound = goal.split()

@@ -32,10 +32,10 @@ def measure(base: str, key: str, calls: int, path: str = "/v1/models", body: dic
     import requests
 
     session, headers = requests.Session(), {"Authorization": f"Bearer {key}"}
-    if body is None:
-        return timed_ms(lambda: session.get(f"{base}{path}", headers=headers, timeout=60).raise_for_status(), calls)
+    method = "GET" if body is None else "POST"
     return timed_ms(
-        lambda: session.post(f"{base}{path}", json=body, headers=headers, timeout=60).raise_for_status(), calls
+        lambda: session.request(method, f"{base}{path}", json=body, headers=headers, timeout=60).raise_for_status(),
+        calls,
     )
 
 

@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, scratch_dir, sync, target, write_report  # noqa: E402
+from benchmarks._common import p50_p99, parser, scratch_dir, sync, target, write_report  # noqa: E402
 
 
 def timed(fn, repeats: int, device_sync: bool = True) -> dict[str, float]:
@@ -63,11 +63,6 @@ def timed(fn, repeats: int, device_sync: bool = True) -> dict[str, float]:
         wait()
         times.append((time.perf_counter() - started) * 1000)
     return p50_p99(times)
-
-
-def p50_p99(times: list[float]) -> dict[str, float]:
-    times = sorted(times)
-    return {"p50": statistics.median(times), "p99": times[int(0.99 * (len(times) - 1))]}
 
 
 def embed_pieces(embedder, query: str, events: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> dict[str, float]:
@@ -175,7 +170,7 @@ def _spaced_runs(embedder, query: str, repeats: int, gap: Callable[[], None], ev
     for _ in range(repeats):
         gap()
         runs.append(embed_pieces(embedder, query, events))
-    return {piece: {k: round(v, 4) for k, v in p50_p99([r[piece] for r in runs]).items()} for piece in runs[0]}
+    return {piece: p50_p99([r[piece] for r in runs], 4) for piece in runs[0]}
 
 
 def _extra(base: dict, spaced: dict) -> dict[str, float]:
@@ -420,7 +415,7 @@ def whole_step(served: dict, device: str, query: str, repeats: int, k: int = 50)
                 if i >= 5:
                     runs[way].append(run)
                 await asyncio.sleep(gap_ms / 1000)
-        out: dict = {way: _p50_p99([r[0] for r in done]) for way, done in runs.items()}
+        out: dict = {way: p50_p99([r[0] for r in done], 3) for way, done in runs.items()}
         out["copy_answered"] = sum(r[2] for r in runs["copy"]) / len(runs["copy"])
         out["inline_answered"] = sum(r[2] for r in runs["inline"]) / len(runs["inline"])
         out["same_facts"] = all(a[1] == b[1] == c[1] for a, b, c in zip(*runs.values()))
@@ -435,11 +430,6 @@ def whole_step(served: dict, device: str, query: str, repeats: int, k: int = 50)
         torch.set_num_threads(before)
         for batcher in batchers.values():
             batcher.close()
-
-
-def _p50_p99(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {"p50": round(statistics.median(ordered), 3), "p99": round(ordered[int(0.99 * (len(ordered) - 1))], 3)}
 
 
 def cpu_threads(query: str, repeats: int) -> dict[str, dict[str, float]]:

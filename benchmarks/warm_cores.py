@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import parser, target, write_report  # noqa: E402
+from benchmarks._common import p50_p99, parser, target, write_report  # noqa: E402
 
 APPS = {"asleep": 0.0, "kept_warm": 1000.0}  # probe app name: keep_warm_ms
 
@@ -56,7 +55,7 @@ def child(busy_polling: bool, calls: int, gap_ms: float) -> dict:
                     session.get(base + paths[app], timeout=60).raise_for_status()
                     if i >= 20:
                         times[app].append((time.perf_counter() - started) * 1000)
-            out[spacing] = {app: _p50_p99(values) for app, values in times.items()}
+            out[spacing] = {app: p50_p99(values, 4) for app, values in times.items()}
     finally:
         serve.shutdown()
     return out
@@ -90,12 +89,7 @@ def tokenize_after_gaps(calls: int, gap_ms: float) -> dict:
             embedder.token_ids([f"What does box {i} hold, and where is it? ({name} {i})"])
             if i >= 5:
                 times[name].append((time.perf_counter() - started) * 1e6)
-    return {name: _p50_p99(values) for name, values in times.items()}
-
-
-def _p50_p99(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {"p50": round(statistics.median(ordered), 4), "p99": round(ordered[int(0.99 * (len(ordered) - 1))], 4)}
+    return {name: p50_p99(values, 4) for name, values in times.items()}
 
 
 def main() -> None:
