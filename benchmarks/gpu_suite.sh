@@ -75,7 +75,7 @@ for step in "$@"; do
         repo=$PWD
         (cd /root/stash && bash "$repo/scripts/gpu/install.sh") >"$out/install.log" 2>&1
         echo "install: exit $?"; grep -E "^CHECK|^!!|UNEXPECTED|^no unexpected" "$out/install.log" | tail -6 ;;
-    gpu-tests) run gpu-tests 200 python3 -m pytest tests/core/test_gpu.py tests/kernels tests/tenants/test_minilm.py tests/tenants/test_index_mirror.py tests/serve/test_query_batcher.py tests/benchmarks/test_retrieval.py tests/model/test_query_pass.py tests/model/test_history_chooser.py -m gpu -q -p no:cacheprovider ;;
+    gpu-tests) run gpu-tests 200 python3 -m pytest tests/core/test_gpu.py tests/kernels tests/tenants/test_minilm.py tests/tenants/test_index_mirror.py tests/tenants/test_search_graphs.py tests/serve/test_query_batcher.py tests/benchmarks/test_retrieval.py tests/model/test_query_pass.py tests/model/test_history_chooser.py -m gpu -q -p no:cacheprovider ;;
     equivalence) run equivalence 200 python3 benchmarks/injection_equivalence.py --out "$out/equivalence.json" ;;
     ttft) sampled "ttft${BLOCK_SIZE:+-bs$BLOCK_SIZE}" 300 python3 benchmarks/ttft_vs_k.py --config "$SHAPE" ${TTFT_PROFILE:+--profile} ${PROFILE_STACK:+--profile-stack} \
             ${BLOCK_SIZE:+--block-size "$BLOCK_SIZE"} --out "$out/ttft${BLOCK_SIZE:+-bs$BLOCK_SIZE}.json" ;;

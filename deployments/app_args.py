@@ -148,6 +148,12 @@ class IngressArgs(Strict):
         "off on the CPU, where the forward is the host's own work (two cores' torch threads) and FastAPI's work "
         "beside it only slowed both (HTTP - engine 21.3 against 20.7 ms, `serve_http.py --quick`, 2026-12-07).",
     )
+    search_graphs: bool = Field(
+        True,
+        description="On a GPU, capture each tenant's search in the query embedder's copy as a CUDA graph, replayed "
+        "after the question's own (one host call where the search and its read-backs were ~10, each slow on a core "
+        "the gap between chats left cold: `tenants/search_graphs.py`); off: launched call by call.",
+    )
     search_copy_bytes: int = Field(
         1 << 30,
         ge=0,

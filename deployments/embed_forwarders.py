@@ -33,7 +33,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -113,9 +113,22 @@ class Forwarder(Protocol):
     def close(self) -> None: ...
 
 
+class Replaying(Protocol):
+    """An embedder whose captured forward leaves a batch's vectors in one buffer (`models/minilm.py`), so the
+    copy's searches, captured too, can read them there (`MirrorIndexes.replay_plan`)."""
+
+    def replay_buffer(self, rows: Sequence[Sequence[int]]) -> torch.Tensor | None: ...
+
+    def replayed(self, rows: Sequence[Sequence[int]]) -> ContextManager[None]: ...
+
+
 def _run_batch(embedder: TensorEmbedder, copy: MirrorIndexes, batch: EmbedBatch) -> Answer:
     """The forward, the copy's updates and searches, the vectors on the host: one device wait, off the loop."""
-    answer, _ = _start_batch(embedder.embed_tensor, copy, batch)
+    if all(hasattr(embedder, name) for name in ("token_ids", "embed_ids", "replayed")):
+        ids_first = embedder.token_ids, embedder  # type: ignore[attr-defined]
+        answer, _ = _start_batch(embedder.embed_ids, copy, batch, *ids_first)  # type: ignore[attr-defined]
+    else:
+        answer, _ = _start_batch(embedder.embed_tensor, copy, batch)
     return answer()
 
 
@@ -124,26 +137,54 @@ def _start_batch(
     copy: MirrorIndexes,
     batch: EmbedBatch,
     tokenize: Callable[[Sequence[str]], Any] | None = None,
+    replaying: Replaying | None = None,
 ) -> tuple[Callable[[], Answer], torch.cuda.Event | None]:
-    """The forward, the copy's updates and searches, and the read-back of vectors and hits, launched: the call
+    """The copy's updates, the forward, the searches, and the read-back of vectors and hits, launched: the call
     returned makes the answer (waiting for the device if it has not finished), and the event (None on the host)
     tells when it has. A failure of the copy (out of device memory for a tenant sent whole) leaves the questions
     their vectors. With `tokenize`, `forward` takes what it returns (token ids) instead of the texts, and the
-    answer's `launch_legs_ms` times the two apart."""
+    answer's `launch_legs_ms` times the two apart. With `replaying` too, a batch whose every question the copy can
+    search as a captured graph is the forward's replay and theirs (`MirrorIndexes.replay_plan`): a few host calls."""
     marks = [time.perf_counter()]
     inputs = tokenize(batch.texts) if tokenize is not None else batch.texts
     marks.append(time.perf_counter())
-    vectors = forward(inputs)
-    marks.append(time.perf_counter())
-    copy_failed = False
+    copy_failed, launch = False, None
     try:
         copy.apply(batch.updates)
-        hits = copy.search_started(vectors, batch.asks, caller_waits=True)  # `answer` waits for `landed` first
+        if replaying is not None and tokenize is not None:
+            launch = copy.replay_plan(replaying.replay_buffer(inputs), batch.asks)
     except Exception:  # noqa: BLE001 - the owner searches these itself
         log.exception("the search copy failed; its questions are searched by the ingress")
         copy.clear()
-        copy_failed, unsearched = True, [None] * len(batch.texts)
-        hits = lambda: unsearched  # noqa: E731
+        copy_failed = True
+    marks.append(time.perf_counter())
+    if launch is not None:
+        with replaying.replayed(inputs):  # type: ignore[union-attr]
+            marks.append(time.perf_counter())
+            read = launch()
+        marks.append(time.perf_counter())
+        landed = torch.cuda.Event()
+        landed.record(torch.cuda.current_stream(copy.device))
+        marks.append(time.perf_counter())
+        legs = _launch_legs(marks, tokenize is not None)
+
+        def replayed_answer() -> Answer:
+            landed.synchronize()
+            vectors, hits = read()
+            return Answer(vectors, hits, False, legs)
+
+        return replayed_answer, landed
+    vectors = forward(inputs)
+    marks.append(time.perf_counter())
+    unsearched: Hits = [None] * len(batch.texts)
+    hits: Callable[[], Hits] = lambda: unsearched  # noqa: E731
+    if not copy_failed:
+        try:
+            hits = copy.search_started(vectors, batch.asks, caller_waits=True)  # `answer` waits for `landed` first
+        except Exception:  # noqa: BLE001 - the owner searches these itself
+            log.exception("the search copy failed; its questions are searched by the ingress")
+            copy.clear()
+            copy_failed = True
     marks.append(time.perf_counter())
     on_host = vectors.device.type == "cpu"
     # each torch call is a cold dispatch on a host whose caches a gap between questions emptied: none spared
@@ -154,12 +195,7 @@ def _start_batch(
         landed = torch.cuda.Event()
         landed.record(torch.cuda.current_stream(vectors.device))
     marks.append(time.perf_counter())
-    legs = {
-        leg: round((end - begin) * 1000, 4)
-        for leg, begin, end in zip(("tokenize", "forward", "search", "read_back"), marks, marks[1:])
-    }
-    if tokenize is None:  # the forward tokenized: its leg holds both
-        del legs["tokenize"]
+    legs = _launch_legs(marks, tokenize is not None)
 
     def answer() -> Answer:
         if landed is not None:
@@ -167,6 +203,17 @@ def _start_batch(
         return Answer(host_vectors, hits(), copy_failed, legs)
 
     return answer, landed
+
+
+def _launch_legs(marks: list[float], tokenized_apart: bool) -> dict[str, float]:
+    """The launch's host time by piece (ms) from its marks: started, tokenized, the copy's updates applied (and
+    its graphs planned), the forward launched, the searches launched, the read-back launched. Without a tokenizer
+    of its own, the forward's leg holds the tokenizer."""
+    ms = [(end - begin) * 1000 for begin, end in zip(marks, marks[1:])]
+    legs = {"tokenize": ms[0], "forward": ms[2], "search": ms[1] + ms[3], "read_back": ms[4]}
+    if not tokenized_apart:
+        legs["forward"] += legs.pop("tokenize")
+    return {leg: round(value, 4) for leg, value in legs.items()}
 
 
 def _answer_from_thread(run: Callable[[], Answer], loop: asyncio.AbstractEventLoop, done: Done) -> None:
@@ -186,8 +233,8 @@ def _device_of(embedder: TensorEmbedder) -> torch.device:
 class ThreadForwarder:
     """The forward in one thread of this process (its Python steps share this process's GIL)."""
 
-    def __init__(self, embedder: TensorEmbedder) -> None:
-        self._embedder, self._copy = embedder, MirrorIndexes(_device_of(embedder))
+    def __init__(self, embedder: TensorEmbedder, search_graphs: bool = True) -> None:
+        self._embedder, self._copy = embedder, MirrorIndexes(_device_of(embedder), search_graphs)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed")
 
     def submit(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
@@ -214,15 +261,21 @@ class InlineForwarder:
     only replays graphs captured already: a batch whose bucket has none yet (a question longer than the buckets
     captured at start) runs once in a thread, which captures it."""
 
-    def __init__(self, embedder: TensorEmbedder, spin_s: float = 0.02, poll_s: float = 0.0002) -> None:
+    def __init__(
+        self, embedder: TensorEmbedder, spin_s: float = 0.02, poll_s: float = 0.0002, search_graphs: bool = True
+    ) -> None:
+        """`search_graphs`: on a CUDA device, each tenant's search in the copy is captured as a CUDA graph and
+        replayed after the question's (`tenants/search_graphs.py`)."""
         device = _device_of(embedder)
-        self._embedder, self._copy = embedder, MirrorIndexes(device)
+        self._embedder, self._copy = embedder, MirrorIndexes(device, search_graphs)
         # on the loop only what replays captured graphs: a bucket to capture first (a long question) runs once in
         # a thread of its own, since a capture takes tens of ms that the loop would stall for
         self._on_loop = getattr(embedder, "embed_tensor_captured", embedder.embed_tensor)
         self._tokenize = None  # with an embedder that takes token ids, the launch times its tokenizer apart
         if hasattr(embedder, "token_ids") and hasattr(embedder, "embed_ids_captured"):
             self._tokenize, self._on_loop = embedder.token_ids, embedder.embed_ids_captured
+        # with a forward that leaves its vectors in one buffer, the copy's searches replay as captured graphs too
+        self._replaying = embedder if self._tokenize is not None and hasattr(embedder, "replayed") else None
         self._pool: ThreadPoolExecutor | None = None
         self._spin_s, self._poll_s = spin_s, poll_s
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -241,7 +294,7 @@ class InlineForwarder:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             with self._on_stream():
-                answer, landed = _start_batch(self._on_loop, self._copy, batch, self._tokenize)
+                answer, landed = _start_batch(self._on_loop, self._copy, batch, self._tokenize, self._replaying)
         except GraphNotCaptured:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed-capture")
@@ -316,12 +369,14 @@ class ProcessForwarder:
         start_timeout_s: float = 300.0,
         max_restarts: int = 3,
         spin_s: float = 0.0,
+        search_graphs: bool = True,
     ) -> None:
         """Spawns the process and returns: its start (loading the model, capturing graphs) overlaps the caller's
         own; `wait_ready` (or the first forward) waits for it. `spin_s`: how long the child and the loop poll
-        instead of sleeping around a question (module docstring); 0: they sleep."""
+        instead of sleeping around a question (module docstring); 0: they sleep. `search_graphs`: as
+        `InlineForwarder`'s."""
         self._factory, self._start_timeout_s, self._max_restarts = factory, start_timeout_s, max_restarts
-        self._spin_s = spin_s
+        self._spin_s, self._search_graphs = spin_s, search_graphs
         self._woken = float("-inf")  # when the last wake message was sent
         self._context = multiprocessing.get_context("spawn")
         self._done: Done | None = None
@@ -336,7 +391,10 @@ class ProcessForwarder:
         ours, child = socket_pair()
         try:
             self._process = self._context.Process(
-                target=_serve, args=(child, self._factory, self._spin_s), name="query-embed", daemon=True
+                target=_serve,
+                args=(child, self._factory, self._spin_s, self._search_graphs),
+                name="query-embed",
+                daemon=True,
             )
             self._process.start()
         except BaseException:
@@ -557,7 +615,9 @@ def _log_exit(process: multiprocessing.process.BaseProcess) -> None:
     )
 
 
-def _serve(sock: socket.socket, factory: Callable[[], TensorEmbedder], spin_s: float = 0.0) -> None:
+def _serve(
+    sock: socket.socket, factory: Callable[[], TensorEmbedder], spin_s: float = 0.0, search_graphs: bool = True
+) -> None:
     """The child: build the embedder, then answer each list of texts with their vectors (float32, host)."""
     faulthandler.enable()  # a crash in native code leaves its Python stack in the replica's log
     side = BlockingSide(sock)
@@ -568,14 +628,14 @@ def _serve(sock: socket.socket, factory: Callable[[], TensorEmbedder], spin_s: f
         return
     side.send(_READY)
     try:
-        _answer(side, embedder, spin_s)
+        _answer(side, embedder, spin_s, search_graphs)
     except BaseException:
         traceback.print_exc()  # whatever ends the process besides its socket closing
         raise
 
 
-def _answer(side: BlockingSide, embedder: TensorEmbedder, spin_s: float) -> None:
-    copy = MirrorIndexes(_device_of(embedder))
+def _answer(side: BlockingSide, embedder: TensorEmbedder, spin_s: float, search_graphs: bool) -> None:
+    copy = MirrorIndexes(_device_of(embedder), search_graphs)
     while True:
         try:
             message = side.recv()

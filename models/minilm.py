@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -168,25 +169,29 @@ class _Graph:
             self.out = encode(w, self.ids, self.mask)
 
     def run(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """The rows' vectors on the device (a copy), on the current stream. Calls come one at a time (the embedder's
-        lock) but may run on different streams (a history's turns on one, a question beside the pass on another):
-        each waits on the host for the last replay to end (it read the staging buffer) and on the device for the
-        last call's output to be copied out, before it rewrites the graph's buffers."""
-        stream = self._replay(rows)
-        self._replayed.record(stream)
-        out = self.out[: len(rows)].clone()
-        self._done.record(stream)
-        self._called = True
-        return out
+        """The rows' vectors on the device (a copy), on the current stream."""
+        with self.replayed(rows):
+            return self.out[: len(rows)].clone()
 
-    def _replay(self, rows: Sequence[Sequence[int]]) -> torch.cuda.Stream:
+    @contextmanager
+    def replayed(self, rows: Sequence[Sequence[int]]) -> Iterator[None]:
+        """The graph replayed for `rows` on the current stream, its output in `out` for the work the block launches
+        on that stream. Calls come one at a time (the embedder's lock) but may run on different streams (a history's
+        turns on one, a question beside the pass on another): each waits on the host for the last replay to end (it
+        read the staging buffer) and on the device for the last block's work (it read `out`), before it rewrites
+        the graph's buffers."""
         stream = torch.cuda.current_stream(self.inputs.device)
         if self._called:
             self._replayed.synchronize()  # the previous replay has read the staging buffer
             stream.wait_event(self._done)
         padded(rows, self._staging_rows)
         self.graph.replay()
-        return stream
+        self._replayed.record(stream)
+        try:
+            yield
+        finally:
+            self._done.record(stream)
+            self._called = True
 
 
 class GraphNotCaptured(RuntimeError):
@@ -227,6 +232,32 @@ class MiniLMEmbedder:
         """`embed_tensor_captured` of texts tokenized already (`token_ids`), so a caller can time the two apart."""
         with self._lock:
             return self._embed_rows(rows, capture=False)
+
+    @torch.inference_mode()
+    def embed_ids(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """`embed_tensor` of texts tokenized already, capturing the buckets it needs."""
+        with self._lock:
+            return self._embed_rows(rows, capture=True)
+
+    def replay_buffer(self, rows: Sequence[Sequence[int]]) -> torch.Tensor | None:
+        """`[len(rows), 384]` on the device: where `replayed` leaves these rows' vectors, the same buffer every call
+        (so a graph captured after it can read them), or None where their bucket has no graph captured yet."""
+        if self._graphs is None or not rows or len(rows) > self._batch:
+            return None
+        graph = self._graphs.get(self._bucket(rows))
+        return graph.out[: len(rows)] if graph is not None else None
+
+    @contextmanager
+    def replayed(self, rows: Sequence[Sequence[int]]) -> Iterator[None]:
+        """The rows' forward replayed (their bucket captured already: `replay_buffer`), their vectors left in
+        `replay_buffer(rows)` for the work the block launches on the current stream, before any later call
+        rewrites them."""
+        with self._lock, torch.inference_mode():
+            graph = self._graphs.get(self._bucket(rows)) if self._graphs is not None else None
+            if graph is None:
+                raise GraphNotCaptured(f"the query embedder has no CUDA graph for {len(rows)} rows of these lengths")
+            with graph.replayed(rows):
+                yield
 
     def _embed(self, texts: Sequence[str], capture: bool) -> torch.Tensor:
         with self._lock:

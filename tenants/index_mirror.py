@@ -15,6 +15,7 @@ matrix when the tenant changed meanwhile or the copy did not search (no room, a 
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,8 +24,10 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 import torch
 
+from tenants.search_graphs import SearchGraphs
 from tenants.vector_index import ExactIndex
 
+log = logging.getLogger(__name__)
 UpdateKind = Literal["snapshot", "upsert", "remove", "drop", "clear"]
 _COUNT = struct.Struct("<i")
 Hits = list["tuple[np.ndarray, np.ndarray] | None"]  # per question (scores, ids), None where it was not searched
@@ -63,17 +66,21 @@ class Found:
 
 
 class MirrorIndexes:
-    """The copy: one `ExactIndex` per tenant on `device`, changed by updates in their order, searched in batches."""
+    """The copy: one `ExactIndex` per tenant on `device`, changed by updates in their order, searched in batches.
+    `graphs`: on a CUDA device, each tenant's search is captured as a CUDA graph for `replay_plan`."""
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
+    def __init__(self, device: str | torch.device = "cpu", graphs: bool = True) -> None:
         self.device = torch.device(device)
         self._indexes: dict[str, ExactIndex] = {}
+        self._graphs = SearchGraphs(self.device) if graphs and self.device.type == "cuda" else None
 
     def __contains__(self, tenant_id: str) -> bool:
         return tenant_id in self._indexes
 
     def clear(self) -> None:
         self._indexes.clear()
+        if self._graphs is not None:
+            self._graphs.forget()
 
     def apply(self, updates: Sequence[IndexUpdate]) -> None:
         """Changes for a tenant the copy does not hold are skipped: its searches then answer None, and the owner
@@ -81,7 +88,10 @@ class MirrorIndexes:
         for update in updates:
             if update.kind == "clear":
                 self.clear()
-            elif update.kind == "drop":
+                continue
+            if update.kind in ("drop", "snapshot") and self._graphs is not None:
+                self._graphs.forget(update.tenant_id)
+            if update.kind == "drop":
                 self._indexes.pop(update.tenant_id, None)
             elif update.kind == "snapshot":
                 assert update.vectors is not None
@@ -93,6 +103,30 @@ class MirrorIndexes:
                     index.upsert(update.ids, update.vectors)
                 else:
                     index.remove(update.ids)
+
+    def replay_plan(
+        self, queries: torch.Tensor | None, asks: Sequence[SearchAsk | None]
+    ) -> "Callable[[], Callable[[], tuple[torch.Tensor, Hits]]] | None":
+        """Where every question asks for a tenant the copy holds, and `queries` (`[questions, dim]`, the captured
+        embedder's output buffer, at one address every call) is given: the launch of their searches as captured
+        graphs, each bringing its question's vector and hits to pinned memory (`SearchGraphs.plan`). None where
+        any question cannot, or the graphs are off; a capture the driver refuses turns them off, logged."""
+        if self._graphs is None or queries is None or not asks:
+            return None
+        indexes = []
+        for ask in asks:
+            index = self._indexes.get(ask.tenant_id) if ask is not None else None
+            if index is None:
+                return None
+            indexes.append((ask.tenant_id, index, ask.k))  # type: ignore[union-attr]
+        try:
+            return self._graphs.plan(indexes, queries)  # type: ignore[return-value]
+        except torch.OutOfMemoryError:
+            raise  # a full device, for now: the caller's copy fails, and is started over smaller
+        except Exception as exc:  # noqa: BLE001 - a capture refused: the searches are launched call by call
+            log.warning("capturing a tenant's search as a CUDA graph failed (%s); searching without graphs", exc)
+            self._graphs = None
+            return None
 
     def search(self, vectors: torch.Tensor, asks: Sequence[SearchAsk | None]) -> Hits:
         """Per question (row of `vectors`), (scores, ids) of its tenant's nearest, or None where it asked for no

@@ -32,6 +32,12 @@ class ExactIndex:
     def __len__(self) -> int:
         return len(self._row_of)
 
+    @property
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(vectors `[capacity, dim]`, floor `[capacity]`): written in place by upserts and removals, replaced
+        when the index grows (a search captured over them is then stale: `tenants/search_graphs.py`)."""
+        return self._vectors, self._floor
+
     def upsert(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         vectors = np.asarray(vectors, dtype=np.float32).reshape(len(ids), self.dim)

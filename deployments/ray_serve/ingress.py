@@ -26,7 +26,7 @@ from config.settings import load_settings
 from deployments.app_args import AppArgs
 from deployments.chat_channel import ChannelAddress, ChannelClosed, ChannelPool
 from deployments.chat_task import ChatAhead, ChatTask
-from deployments.embed_forwarders import Forwarder, InlineForwarder, ProcessForwarder
+from deployments.embed_forwarders import Forwarder, InlineForwarder, ProcessForwarder, ThreadForwarder
 from deployments.gateway import Gateway
 from deployments.http_api import create_app
 from deployments.job_queue import JobRunner
@@ -237,16 +237,19 @@ class Ingress:
         self.args = AppArgs(**args)
         settings = load_settings(**self.args.settings)
         device, way = self.args.ingress.embed_device, self.args.ingress.query_embedding_way
+        graphs = self.args.ingress.search_graphs
         if way == "process":  # it starts while this replica does the rest
-            forwarder: Forwarder | MiniLMEmbedder = ProcessForwarder(
-                partial(query_embedder, device, QUERY_BATCH), spin_s=self.args.ingress.embed_spin_ms / 1000
+            forwarder: Forwarder = ProcessForwarder(
+                partial(query_embedder, device, QUERY_BATCH),
+                spin_s=self.args.ingress.embed_spin_ms / 1000,
+                search_graphs=graphs,
             )
         embedder = MiniLMEmbedder(device=device)  # facts written through this replica
         if way == "thread":
             embedder.prepare(QUERY_BATCH)
-            forwarder = embedder
+            forwarder = ThreadForwarder(embedder, graphs)
         elif way == "inline":  # an embedder of its own: no lock shared with the writes' forwards
-            forwarder = InlineForwarder(query_embedder(device, QUERY_BATCH))
+            forwarder = InlineForwarder(query_embedder(device, QUERY_BATCH), search_graphs=graphs)
         queries = QueryBatcher(forwarder, QUERY_BATCH, copy_bytes=self.args.ingress.search_copy_bytes)
         service = connect_service(
             self.args.redis(settings),

@@ -550,7 +550,7 @@ def test_an_inline_forward_is_answered_between_other_callbacks(monkeypatch, spin
     order: list[str] = []
     events: list[_Landing] = []
 
-    def started(forward, copy, batch, tokenize=None):
+    def started(forward, copy, batch, tokenize=None, replaying=None):
         order.append(f"launch {batch.texts}")
         events.append(_Landing(polls=20))
         vectors = forward(batch.texts)
@@ -605,7 +605,7 @@ def test_an_inline_forward_whose_device_fails_fails_its_waiters_and_the_next_bat
     def answer_raising() -> embed_forwarders.Answer:
         raise RuntimeError("device lost")
 
-    def started(forward, copy, batch, tokenize=None):
+    def started(forward, copy, batch, tokenize=None, replaying=None):
         if batch.texts == ["first"]:
             return answer_raising, _Broken()
         vectors = forward(batch.texts)
@@ -670,9 +670,11 @@ def test_an_inline_forward_that_fails_fails_its_waiters_and_the_next_batch_runs(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("where", ["process", "inline"])
-def test_the_query_embedder_searches_its_copy_on_the_gpu(where):
-    """MiniLM and the copy on CUDA, in the child or launched from the loop: the answer is the host index's for the
-    vector it returned, and the vector is the host's MiniLM's."""
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_query_embedder_searches_its_copy_on_the_gpu(where, graphs):
+    """MiniLM and the copy on CUDA, in the child or launched from the loop, the copy's searches captured as CUDA
+    graphs or launched call by call: the answer is the host index's for the vector it returned, and the vector is
+    the host's MiniLM's, in batches together and one at a time (the captured graphs replayed again)."""
     from functools import partial
 
     from models.minilm import MiniLMEmbedder, query_embedder
@@ -683,25 +685,32 @@ def test_the_query_embedder_searches_its_copy_on_the_gpu(where):
     source.index = ExactIndex(384)
     source.index.upsert(np.arange(1000), vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
     if where == "process":
-        forwarder = ProcessForwarder(partial(query_embedder, "cuda", 8))
+        forwarder = ProcessForwarder(partial(query_embedder, "cuda", 8), search_graphs=graphs)
     else:
-        forwarder = InlineForwarder(query_embedder("cuda", 8))
+        forwarder = InlineForwarder(query_embedder("cuda", 8), search_graphs=graphs)
+    texts = [f"question {i}" for i in range(5)] + ["a longer question, of more than sixteen tokens, to search"] * 2
 
     async def main():
         batcher = QueryBatcher(forwarder)
         batcher.follow(source)
-        return await asyncio.gather(*(batcher.embed(f"question {i}", SearchAsk("t", 50)) for i in range(5)))
+        together = await asyncio.gather(*(batcher.embed(t, SearchAsk("t", 50)) for t in texts[:5]))
+        return list(together) + [await batcher.embed(t, SearchAsk("t", k)) for t, k in zip(texts[5:], (50, 7))]
 
     try:
         answers = asyncio.run(main())
     finally:
         forwarder.close()
-    on_host = MiniLMEmbedder().embed([f"question {i}" for i in range(5)])
+    on_host = MiniLMEmbedder().embed(texts)
     for i, embedded in enumerate(answers):
+        k = 7 if i == 6 else 50
         assert np.allclose(embedded.vector.numpy(), on_host[i], atol=1e-4)
-        scores, ids = source.index.search(embedded.vector, 50)
+        scores, ids = source.index.search(embedded.vector, k)
         assert embedded.found is not None and embedded.found.ids.tolist() == ids.tolist()
         assert np.allclose(embedded.found.scores, scores, atol=1e-5)
+        assert set(embedded.launch_legs_ms) >= {"prepare", "forward", "search", "read_back"}
+    if where == "inline":
+        captured = forwarder._copy._graphs
+        assert (captured is not None and len(captured._by_tenant["t"]) >= 3) == graphs  # 1 + 4, then 1 and 1 again
 
 
 class _SlowTokenizer:
