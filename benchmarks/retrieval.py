@@ -19,6 +19,9 @@ priority and held to a share of the SMs (`CUDA_MPS_CLIENT_PRIORITY=1`, `CUDA_MPS
 with the load's own rate of products beside each (`load_products_per_s`: what the share costs a compute-bound
 engine).
 
+A question's tokenization as `encode_batch` (the tokenizer's thread pool) against `encode` (the caller's thread), 2 ms
+and 30 ms apart (`tokenizer_us`).
+
 Whether the cost of queries coming apart is the host's or the device's (`embed_ms.spacing`): one query's
 embedding timed piece by piece (tokenize; launch, from the tokens to the forward enqueued, its one copy in
 included; wait, for the result on the host; the device's own time between CUDA events; total) 2 ms apart and 30 ms
@@ -125,6 +128,25 @@ class GpuTicker:
                     self._one.add_(1)
                     time.sleep(self._every)
             self._done.set()
+
+
+def tokenizer_calls(embedder, query: str, repeats: int) -> dict:
+    """One question's tokenization by the Rust tokenizer as `encode_batch` (its thread pool) and as `encode` (the
+    calling thread), interleaved, 2 ms and 30 ms apart: p50 and p99 (µs)."""
+    rust = embedder._rust
+    ways = {"encode_batch": lambda: rust.encode_batch([query]), "encode": lambda: rust.encode(query)}
+    report: dict = {}
+    for gap_ms in (2.0, 30.0):
+        runs: dict[str, list[float]] = {way: [] for way in ways}
+        for i in range(repeats + 5):
+            for way, call in ways.items():
+                time.sleep(gap_ms / 1000)
+                started = time.perf_counter()
+                call()
+                if i >= 5:
+                    runs[way].append((time.perf_counter() - started) * 1e6)
+        report[f"apart_{gap_ms:g}ms"] = {way: p50_p99(times, 1) for way, times in runs.items()}
+    return report
 
 
 def spin(seconds: float) -> None:
@@ -478,6 +500,7 @@ def main() -> None:
         "one": timed(lambda: embedder.embed_tensor([query]), repeats),
         "batch_of_8": timed(lambda: embedder.embed_tensor([query] * 8), repeats),
     }
+    report["tokenizer_us"] = tokenizer_calls(embedder, query, 50 if args.quick else 300)
     report["embed_ms"]["spacing"] = spacing_pieces(embedder, query, 20 if args.quick else min(repeats, 100))
     if device == "cuda":
         eager = MiniLMEmbedder(device=device, cuda_graphs=False)

@@ -32,6 +32,7 @@ from transformers import AutoModel, AutoTokenizer
 log = logging.getLogger(__name__)
 MAX_TOKENS = 256
 LENGTH_BUCKETS = (16, 32, 64, 128, 256)
+ONE_BY_ONE = 8  # texts up to this many are tokenized on the caller's thread, not the tokenizer's pool
 
 
 def minilm_path() -> Path:
@@ -279,7 +280,12 @@ class MiniLMEmbedder:
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def token_ids(self, texts: Sequence[str]) -> list[list[int]]:
-        """Each text's ids, special tokens included, truncated to `MAX_TOKENS` (as transformers' call gives them)."""
+        """Each text's ids, special tokens included, truncated to `MAX_TOKENS` (as transformers' call gives them).
+        A few texts (a batch of questions) are encoded one by one on the calling thread: `encode_batch` hands even
+        one text to the tokenizer's thread pool and waits for a worker to wake (`benchmarks/retrieval.py`'s
+        `tokenizer`); a fact batch is worth that pool."""
+        if len(texts) <= ONE_BY_ONE:
+            return [self._rust.encode(text).ids for text in texts]
         return [e.ids for e in self._rust.encode_batch(list(texts))]
 
     @torch.inference_mode()

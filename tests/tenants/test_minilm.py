@@ -137,11 +137,14 @@ def test_search_on_the_device_matches_the_cpu():
 def test_the_rust_tokenizer_gives_transformers_ids_and_padding_keeps_every_row_finite(minilm):
     """Questions are tokenized by the Rust tokenizer directly; its ids must be transformers' (special tokens,
     truncation at MAX_TOKENS, accents), and a bucket's padding rows attend to their first token."""
-    from models.minilm import MAX_TOKENS, padded
+    from models.minilm import MAX_TOKENS, ONE_BY_ONE, padded
 
     texts = ["Where does Maya work?", "Café déjà vu — naïve résumé!", "word " * 400, ""]
     reference = minilm._tokenizer(texts, truncation=True, max_length=MAX_TOKENS)["input_ids"]
     assert minilm.token_ids(texts) == reference and len(reference[2]) == MAX_TOKENS
+    assert len(texts) <= ONE_BY_ONE < len(texts) * 3
+    many = texts * 3  # more than ONE_BY_ONE: through the tokenizer's pool, the same ids
+    assert minilm.token_ids(many) == reference * 3
     out = padded([[101, 7, 102], [101, 102]], np.full((2, 4, 5), 9, dtype=np.int64))
     assert out[0].tolist() == [[101, 7, 102, 0, 0], [101, 102, 0, 0, 0], [0] * 5, [0] * 5]
     assert out[1].tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
