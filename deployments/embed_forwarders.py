@@ -149,8 +149,8 @@ def _start_batch(
     inputs = tokenize(batch.texts) if tokenize is not None else batch.texts
     marks.append(time.perf_counter())
     copy_failed, launch = False, None
-    try:
-        copy.apply(batch.updates)
+    try:  # before the forward, which may yet refuse (`GraphNotCaptured`: the batch runs again elsewhere, whole;
+        copy.apply(batch.updates)  # every update is idempotent, so the copy takes them twice unharmed)
         if replaying is not None and tokenize is not None:
             launch = copy.replay_plan(replaying.replay_buffer(inputs), batch.asks)
     except Exception:  # noqa: BLE001 - the owner searches these itself
