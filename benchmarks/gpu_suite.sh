@@ -6,7 +6,7 @@
 # Usage on the device:  bash benchmarks/gpu_suite.sh OUT_DIR STEP...   (steps run in the order given)
 # A device call runs at most 600 s: serve-http, locust, tenants-gpu and history-ttft (up to 590 s each) take a call of their own,
 # after the call that ends with `setup` (the machine stays warm 30 s between calls: send the next one at once).
-#   steps: setup gpu-tests inject-kernel chunk-bounds retrieval warm-cores chat-ahead injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
+#   steps: setup gpu-tests inject-kernel chunk-bounds retrieval retrieval-quick warm-cores chat-ahead injected-records equivalence ttft serve-hop serve-http locust encode-job encode-job-shape offload-tiers tenants-gpu
 #          profile-tiers (or profile-host, profile-disk) profile-tier-loads profile-encode quality record-precision history-quality history-ttft
 #          history-ttft-layers mps-on mps-off
 # QUERY_EMBEDDING=process (or thread) has serve-http's ingress embed questions in a process of its own (or a thread)
@@ -84,6 +84,7 @@ for step in "$@"; do
     chunk-bounds) run chunk-bounds 240 python3 benchmarks/chunk_bounds.py --out "$out/chunk_bounds.json"
         grep -E " ms$|difference|tilings" "$out/chunk-bounds.log" ;;
     retrieval) run retrieval 300 python3 benchmarks/retrieval.py --out "$out/retrieval.json" ;;
+    retrieval-quick) run retrieval-quick 200 python3 benchmarks/retrieval.py --quick --out "$out/retrieval-quick.json" ;;
     warm-cores) run warm-cores 240 python3 benchmarks/warm_cores.py --out "$out/warm_cores.json" ;;
     chat-ahead) run chat-ahead 120 python3 benchmarks/chat_ahead.py --out "$out/chat_ahead.json" ;;
     injected-records) sampled injected-records 300 python3 benchmarks/injected_records.py --config "$SHAPE" ${INJECTED_PROFILE:+--profile} \
