@@ -93,7 +93,7 @@ class SearchGraphs:
             n = min(k, len(index))
             if n <= 0:
                 return None
-            planned.append(_Planned(index, self._graph(tenant_id, index, queries[row], n), n))
+            planned.append(_Planned(index, self._graph(tenant_id, index, queries, row, n), n))
 
         def launch() -> Callable[[], tuple[torch.Tensor, list[tuple[np.ndarray, np.ndarray]]]]:
             for p in planned:
@@ -105,17 +105,19 @@ class SearchGraphs:
 
         return launch
 
-    def _graph(self, tenant_id: str, index: ExactIndex, query: torch.Tensor, n: int) -> SearchGraph:
-        """The tenant's graph for this query buffer and a top-k of at least `n` (a power of two, at most the
-        matrix's rows, so a few sizes serve every k)."""
+    def _graph(self, tenant_id: str, index: ExactIndex, queries: torch.Tensor, row: int, n: int) -> SearchGraph:
+        """The tenant's graph for row `row` of this query buffer and a top-k of at least `n` (a power of two, at most
+        the matrix's rows, so a few sizes serve every k). Found by the row's address, with no tensor made: on the
+        question's path each torch call counts."""
         rows = index.storage[0].shape[0]
         k = min(1 << (n - 1).bit_length(), rows)
         graphs = self._by_tenant.setdefault(tenant_id, {})
-        key = (query.data_ptr(), k)
+        key = (queries.data_ptr() + row * queries.stride(0) * queries.element_size(), k)
         graph = graphs.get(key)
         if graph is None or not graph.current(index):
             if graph is not None:  # grown: every graph of the tenant read the old matrix
                 graphs.clear()
+            query = queries[row]
             self._warm(index, query)
             graph = graphs[key] = SearchGraph(index, query, k, self._pool, self._stream)
             log.debug("captured a search graph (k %d over %d rows)", k, rows)
