@@ -399,10 +399,11 @@ def beside_busy_loop(
 def whole_step(served: dict, device: str, query: str, repeats: int, k: int = 50) -> dict:
     """The ingress's retrieval (change feed, facts) with the question embedded in a process of its own and searched
     in that process's copy (`copy`) or on the host after it (`host`), and embedded and searched from the event loop
-    with the copy's search captured as a CUDA graph (`inline`) or launched call by call (`inline_launched`),
+    with the copy's search launched call by call (`inline`, the app's default) or captured as a CUDA graph
+    (`inline_graphs`),
     interleaved, 2 ms and 30 ms apart: p50 and p99 of each (ms), and of the loop's ways the launch's host time
     (`launch_<way>`), the share of questions the copies answered, and whether every way found the same facts.
-    `served`: for each way of embedding ("process", "inline", "inline_launched"), a (service, tenant) pair of its
+    `served`: for each way of embedding ("process", "inline", "inline_graphs"), a (service, tenant) pair of its
     own, since one search copy follows one set of indexes."""
     import asyncio
     from functools import partial
@@ -417,7 +418,7 @@ def whole_step(served: dict, device: str, query: str, repeats: int, k: int = 50)
     batchers = {
         "process": QueryBatcher(process, 8),
         "inline": QueryBatcher(InlineForwarder(query_embedder(device, 8)), 8),
-        "inline_launched": QueryBatcher(InlineForwarder(query_embedder(device, 8), search_graphs=False), 8),
+        "inline_graphs": QueryBatcher(InlineForwarder(query_embedder(device, 8), search_graphs=True), 8),
     }
     for name, batcher in batchers.items():
         batcher.follow(served[name][0].indexes)
@@ -425,7 +426,7 @@ def whole_step(served: dict, device: str, query: str, repeats: int, k: int = 50)
         "copy": ("process", True),
         "host": ("process", False),
         "inline": ("inline", True),
-        "inline_launched": ("inline_launched", True),
+        "inline_graphs": ("inline_graphs", True),
     }
 
     async def one(way: str) -> tuple[float, list[str], bool, float]:
@@ -448,7 +449,7 @@ def whole_step(served: dict, device: str, query: str, repeats: int, k: int = 50)
                 await asyncio.sleep(gap_ms / 1000)
         out: dict = {way: p50_p99([r[0] for r in done], 3) for way, done in runs.items()}
         out["copy_answered"] = sum(r[2] for r in runs["copy"]) / len(runs["copy"])
-        for way in ("inline", "inline_launched"):
+        for way in ("inline", "inline_graphs"):
             out[f"{way}_answered"] = sum(r[2] for r in runs[way]) / len(runs[way])
             out[f"launch_{way}"] = p50_p99([r[3] for r in runs[way]], 3)
         out["same_facts"] = all(len({tuple(r[1]) for r in round_}) == 1 for round_ in zip(*runs.values()))
@@ -537,7 +538,7 @@ def main() -> None:
         service = connect_service(redis.url, state, embedder)  # a round trip to the change log each time
         ingress = connect_service(redis.url, state, embedder, cache_registry=True)  # as the ingress: a change feed
         inline = connect_service(redis.url, state, embedder, cache_registry=True)  # another, for a second copy
-        launched = connect_service(redis.url, state, embedder, cache_registry=True)  # and a third
+        graphed = connect_service(redis.url, state, embedder, cache_registry=True)  # and a third
         key = service.create_tenant(service.ensure_admin_key() or "", "bench")[1]
         tenant, served = service.authenticate(key), ingress.authenticate(key)
         texts = [f"Note {i}: the {['red', 'blue', 'green'][i % 3]} box holds item {i * 7}." for i in range(args.facts)]
@@ -546,7 +547,7 @@ def main() -> None:
         ways = {
             "process": (ingress, served),
             "inline": (inline, inline.authenticate(key)),
-            "inline_launched": (launched, launched.authenticate(key)),
+            "inline_graphs": (graphed, graphed.authenticate(key)),
         }
         report["retrieval_ms"] = whole_step(ways, device, query, 30 if args.quick else min(repeats, 300))
         report["sync_ms"] = {
@@ -586,8 +587,8 @@ def main() -> None:
         ),
         target(
             "retrieval p50 30 ms apart from the loop, the copy's search a captured CUDA graph / launched call by call",
-            report["retrieval_ms"]["spaced_30ms"]["inline"]["p50"]
-            / report["retrieval_ms"]["spaced_30ms"]["inline_launched"]["p50"],
+            report["retrieval_ms"]["spaced_30ms"]["inline_graphs"]["p50"]
+            / report["retrieval_ms"]["spaced_30ms"]["inline"]["p50"],
             "<= 0.85",
         ),
         target(

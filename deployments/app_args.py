@@ -149,10 +149,11 @@ class IngressArgs(Strict):
         "beside it only slowed both (HTTP - engine 21.3 against 20.7 ms, `serve_http.py --quick`, 2026-12-07).",
     )
     search_graphs: bool = Field(
-        True,
+        False,
         description="On a GPU, capture each tenant's search in the query embedder's copy as a CUDA graph, replayed "
         "after the question's own (one host call where the search and its read-backs were ~10, each slow on a core "
-        "the gap between chats left cold: `tenants/search_graphs.py`); off: launched call by call.",
+        "the gap between chats left cold: `tenants/search_graphs.py`); off: launched call by call. Off by default "
+        "until a GPU run has checked and timed it (built 2026-12-07 while no GPU was lent).",
     )
     search_copy_bytes: int = Field(
         1 << 30,

@@ -233,7 +233,7 @@ def _device_of(embedder: TensorEmbedder) -> torch.device:
 class ThreadForwarder:
     """The forward in one thread of this process (its Python steps share this process's GIL)."""
 
-    def __init__(self, embedder: TensorEmbedder, search_graphs: bool = True) -> None:
+    def __init__(self, embedder: TensorEmbedder, search_graphs: bool = False) -> None:
         self._embedder, self._copy = embedder, MirrorIndexes(_device_of(embedder), search_graphs)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed")
 
@@ -262,7 +262,7 @@ class InlineForwarder:
     captured at start) runs once in a thread, which captures it."""
 
     def __init__(
-        self, embedder: TensorEmbedder, spin_s: float = 0.02, poll_s: float = 0.0002, search_graphs: bool = True
+        self, embedder: TensorEmbedder, spin_s: float = 0.02, poll_s: float = 0.0002, search_graphs: bool = False
     ) -> None:
         """`search_graphs`: on a CUDA device, each tenant's search in the copy is captured as a CUDA graph and
         replayed after the question's (`tenants/search_graphs.py`)."""
@@ -369,7 +369,7 @@ class ProcessForwarder:
         start_timeout_s: float = 300.0,
         max_restarts: int = 3,
         spin_s: float = 0.0,
-        search_graphs: bool = True,
+        search_graphs: bool = False,
     ) -> None:
         """Spawns the process and returns: its start (loading the model, capturing graphs) overlaps the caller's
         own; `wait_ready` (or the first forward) waits for it. `spin_s`: how long the child and the loop poll
@@ -616,7 +616,7 @@ def _log_exit(process: multiprocessing.process.BaseProcess) -> None:
 
 
 def _serve(
-    sock: socket.socket, factory: Callable[[], TensorEmbedder], spin_s: float = 0.0, search_graphs: bool = True
+    sock: socket.socket, factory: Callable[[], TensorEmbedder], spin_s: float = 0.0, search_graphs: bool = False
 ) -> None:
     """The child: build the embedder, then answer each list of texts with their vectors (float32, host)."""
     faulthandler.enable()  # a crash in native code leaves its Python stack in the replica's log

@@ -69,7 +69,7 @@ class MirrorIndexes:
     """The copy: one `ExactIndex` per tenant on `device`, changed by updates in their order, searched in batches.
     `graphs`: on a CUDA device, each tenant's search is captured as a CUDA graph for `replay_plan`."""
 
-    def __init__(self, device: str | torch.device = "cpu", graphs: bool = True) -> None:
+    def __init__(self, device: str | torch.device = "cpu", graphs: bool = False) -> None:
         self.device = torch.device(device)
         self._indexes: dict[str, ExactIndex] = {}
         self._graphs = SearchGraphs(self.device) if graphs and self.device.type == "cuda" else None

@@ -2,6 +2,7 @@
 query's time is split into its legs."""
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -748,3 +749,90 @@ def test_an_inline_launch_reports_its_host_time_by_piece(apart):
     else:
         assert 29 <= legs["forward"] < 300
     assert all(ms >= 0 for ms in legs.values()) and legs["search"] < 20 and legs["read_back"] < 20
+
+
+class _ReplayingCopy:
+    """The copy's side of a batch it can search as captured graphs (`replay_plan`), or not (`can`)."""
+
+    def __init__(self, events: list, can: bool) -> None:
+        self.events, self.can, self.device = events, can, torch.device("cpu")
+
+    def apply(self, updates):
+        self.events.append(("apply", len(updates)))
+
+    def replay_plan(self, queries, asks):
+        self.events.append(("plan", None if queries is None else queries.shape[0]))
+        if not self.can:
+            return None
+
+        def launch():
+            self.events.append("searches replayed")
+            return lambda: (torch.ones(len(asks), 2), [(np.array([0.5]), np.array([7]))] * len(asks))
+
+        return launch
+
+    def search_started(self, vectors, asks, caller_waits=False):
+        self.events.append("searches launched")
+        return lambda: [None] * len(asks)
+
+
+class _ReplayingEmbedder:
+    """Takes token ids; its forward replays into one buffer (`replayed`) or runs as a call (`forward`)."""
+
+    def __init__(self, events: list) -> None:
+        self.events, self.buffer = events, torch.zeros(8, 2)
+
+    def token_ids(self, texts):
+        return [[len(t)] for t in texts]
+
+    def replay_buffer(self, rows):
+        return self.buffer[: len(rows)]
+
+    def forward(self, rows):
+        self.events.append("forward called")
+        return torch.tensor([[float(r[0]), 0.0] for r in rows])
+
+    @contextlib.contextmanager
+    def replayed(self, rows):
+        self.events.append("forward replayed")
+        yield
+        self.events.append("forward's buffer released")
+
+
+@pytest.mark.parametrize("can", [True, False])
+def test_a_batch_the_copy_can_replay_is_two_replays_and_one_event_and_the_rest_launch_call_by_call(monkeypatch, can):
+    """With an embedder that replays into one buffer, the copy's updates go first, then its plan; where it can
+    search every question as a captured graph, the forward's replay and the searches' are launched inside the
+    forward's block, one event after them, and the answer is what the graphs read back; where it cannot, the
+    forward and the searches are launched as before."""
+    events: list = []
+
+    class Event:  # a device's event, on a host with none
+        def record(self, stream=None):
+            events.append("event recorded")
+
+        def synchronize(self):
+            events.append("event waited for")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    embedder, copy = _ReplayingEmbedder(events), _ReplayingCopy(events, can)
+    batch = EmbedBatch(["ab", "abc"], [SearchAsk("t", 1)] * 2, [IndexUpdate("t", "drop", np.empty(0, np.int64))])
+    answer, landed = embed_forwarders._start_batch(embedder.forward, copy, batch, embedder.token_ids, embedder)
+    result = answer()
+    assert set(result.launch_legs_ms) == {"tokenize", "forward", "search", "read_back"}
+    if can:
+        assert events == [
+            ("apply", 1),
+            ("plan", 2),
+            "forward replayed",
+            "searches replayed",
+            "forward's buffer released",
+            "event recorded",
+            "event waited for",
+        ]
+        assert result.vectors.tolist() == [[1.0, 1.0]] * 2 and result.hits[1][1].tolist() == [7]
+        assert landed is not None
+    else:
+        assert events == [("apply", 1), ("plan", 2), "forward called", "searches launched"]
+        assert result.vectors.tolist() == [[2.0, 0.0], [3.0, 0.0]] and result.hits == [None, None]

@@ -29,8 +29,8 @@ def _graph_count(copy: MirrorIndexes) -> int:
     return sum(len(graphs) for graphs in copy._graphs._by_tenant.values())  # type: ignore[union-attr]
 
 
-def test_on_the_host_and_with_graphs_off_there_is_no_plan():
-    copy = MirrorIndexes("cpu")
+def test_on_the_host_there_is_no_plan():
+    copy = MirrorIndexes("cpu", graphs=True)
     copy.apply([IndexUpdate("t", "snapshot", np.arange(3), _unit(np.random.default_rng(0), 3, 8))])
     assert copy.replay_plan(torch.zeros(1, 8), [SearchAsk("t", 2)]) is None
 
@@ -38,7 +38,7 @@ def test_on_the_host_and_with_graphs_off_there_is_no_plan():
 @pytest.mark.gpu
 def test_a_captured_search_answers_as_the_launched_one_through_writes_and_growth():
     rng = np.random.default_rng(1)
-    owner, copy = ExactIndex(384), MirrorIndexes("cuda")
+    owner, copy = ExactIndex(384), MirrorIndexes("cuda", graphs=True)
     owner.upsert(np.arange(100), _unit(rng, 100))
     copy.apply([IndexUpdate("t", "snapshot", *owner.export())])  # built at 100 rows
     queries = torch.zeros((1, 384), device="cuda")  # the buffer the graphs read, as an embedder's output
@@ -81,7 +81,7 @@ def test_a_captured_search_answers_as_the_launched_one_through_writes_and_growth
 def test_each_question_of_a_batch_reads_its_own_row_and_tenant():
     rng = np.random.default_rng(2)
     owners = {name: ExactIndex(384) for name in ("a", "b")}
-    copy = MirrorIndexes("cuda")
+    copy = MirrorIndexes("cuda", graphs=True)
     for i, (name, owner) in enumerate(owners.items()):
         owner.upsert(np.arange(50 * (i + 1)), _unit(rng, 50 * (i + 1)))
         copy.apply([IndexUpdate(name, "snapshot", *owner.export())])
