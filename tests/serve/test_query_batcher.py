@@ -708,7 +708,9 @@ def test_the_query_embedder_searches_its_copy_on_the_gpu(where, graphs):
         scores, ids = source.index.search(embedded.vector, k)
         assert embedded.found is not None and embedded.found.ids.tolist() == ids.tolist()
         assert np.allclose(embedded.found.scores, scores, atol=1e-5)
-        assert set(embedded.launch_legs_ms) >= {"prepare", "forward", "search", "read_back"}
+        # the loop's launch is timed by piece; a child's launch is its own, and only the parent's part comes back
+        pieces = {"prepare", "forward", "search", "read_back"} if where == "inline" else {"prepare"}
+        assert set(embedded.launch_legs_ms) >= pieces
     if where == "inline":
         captured = forwarder._copy._graphs
         assert (captured is not None and len(captured._by_tenant["t"]) >= 3) == graphs  # 1 + 4, then 1 and 1 again
