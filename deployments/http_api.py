@@ -28,6 +28,7 @@ from deployments.gateway import Gateway, PreparedChat
 from deployments.mem0_api import mem0_router
 from deployments.query_batcher import Embedded
 from deployments.retrieval_ahead import AUTHENTICATED, EARLY, RetrievalAhead
+from deployments.route_path import route_path
 from deployments.schemas import (
     UNSUPPORTED,
     AddMemories,
@@ -156,7 +157,7 @@ class LimitsAndMetrics:
             return
         status, marks = 500, scope.setdefault("state", {})
         marks[ARRIVED] = time.perf_counter()  # the request's way through FastAPI to its handler starts here
-        if scope["method"] == "POST" and scope["path"] in CHAT_PATHS:
+        if scope["method"] == "POST" and route_path(scope) in CHAT_PATHS:
             self._gateway.queries.wake()  # the question's embedder gets ready while the request is read
             if self._ahead is not None:
                 receive = await self._ahead.begin(scope, receive)
@@ -210,7 +211,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TenantError)
     async def tenant_error(request: Request, exc: TenantError) -> JSONResponse:
         status = exc.http_status
-        if status == 422 and request.url.path in OPENAI_ROUTES:  # OpenAI's clients expect 400 for a bad request
+        if (
+            status == 422 and route_path(request.scope) in OPENAI_ROUTES
+        ):  # OpenAI's clients expect 400 for a bad request
             status = 400
         return error(status, str(exc))
 
@@ -220,7 +223,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         if any(p.get("type") == "json_invalid" for p in problems):
             return error(400, "the body is not valid JSON")
         text = "; ".join(f"{_where(p) + ': ' if _where(p) else ''}{p.get('msg')}" for p in problems[:5])
-        if request.url.path not in OPENAI_ROUTES:
+        if route_path(request.scope) not in OPENAI_ROUTES:
             return error(422, text or "invalid request")
         first = problems[0] if problems else {}
         named = (first.get("ctx") or {}).get("param") if first.get("type") == UNSUPPORTED else None

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Mapping
 from starlette.requests import Request
 
 from deployments.gateway import EarlyChat, Gateway
+from deployments.route_path import route_path
 from deployments.schemas import GenerationRequest
 from tenants.errors import TenantError
 
@@ -52,7 +53,7 @@ class RetrievalAhead:
         if whole is None or not _is_json(scope):
             return replay
         try:
-            body = self._models[scope["path"]].model_validate(json.loads(whole))
+            body = self._models[route_path(scope)].model_validate(json.loads(whole))
         except (ValueError, RecursionError):  # pydantic's ValidationError too; FastAPI answers it (422, or 400)
             return replay
         state = scope.setdefault("state", {})

@@ -18,7 +18,10 @@ class _Counter:
         pass
 
 
-def test_a_chat_wakes_the_query_embedder_and_other_requests_do_not():
+@pytest.mark.parametrize("prefix", ["", "/b"])
+def test_a_chat_wakes_the_query_embedder_and_other_requests_do_not(prefix):
+    """Also in an app served at a route prefix: Ray Serve mounts it by setting `root_path`, and the request's path
+    keeps the prefix (`replica.py` in Ray 2.60), so a second ingress app at `/b` saw no chat arrive."""
     woken: list[str] = []
     gateway = SimpleNamespace(
         args=SimpleNamespace(max_body_bytes=1 << 20, retrieval_ahead_on=False),
@@ -39,7 +42,7 @@ def test_a_chat_wakes_the_query_embedder_and_other_requests_do_not():
         async def send(message):
             pass
 
-        scope = {"type": "http", "method": method, "path": path, "headers": []}
+        scope = {"type": "http", "method": method, "path": prefix + path, "root_path": prefix, "headers": []}
         await LimitsAndMetrics(app, gateway)(scope, receive, send)
 
     for method, path in (
@@ -51,6 +54,7 @@ def test_a_chat_wakes_the_query_embedder_and_other_requests_do_not():
     ):
         asyncio.run(call(method, path))
     assert woken == ["wake", "wake"] and len(reached) == 5  # the two chats only; every request went on
+    assert reached[0] == prefix + "/v1/chat/completions"  # the app gets the path as it came
 
 
 class _Gateway:
@@ -94,16 +98,17 @@ def _ahead(gateway):
     return RetrievalAhead(gateway, {"/v1/chat/completions": ChatRequest}, _key)
 
 
-def _begin(gateway, pieces: list[bytes], headers: list[tuple[bytes, bytes]] | None = None):
-    """Run `begin` on a chat whose body arrives in `pieces`; what FastAPI would read through the returned
-    `receive`, the request's scope, and the calls the gateway saw before FastAPI read anything."""
+def _begin(gateway, pieces: list[bytes], headers: list[tuple[bytes, bytes]] | None = None, prefix: str = ""):
+    """Run `begin` on a chat whose body arrives in `pieces` (at an app served at `prefix`); what FastAPI would read
+    through the returned `receive`, the request's scope, and the calls the gateway saw before FastAPI read anything."""
     messages = [
         {"type": "http.request", "body": piece, "more_body": i < len(pieces) - 1} for i, piece in enumerate(pieces)
     ]
     scope = {
         "type": "http",
         "method": "POST",
-        "path": "/v1/chat/completions",
+        "path": prefix + "/v1/chat/completions",
+        "root_path": prefix,
         "headers": headers if headers is not None else [(b"authorization", b"Bearer sk-1")],
     }
 
@@ -124,14 +129,15 @@ def _begin(gateway, pieces: list[bytes], headers: list[tuple[bytes, bytes]] | No
     return read, scope, before
 
 
-def test_a_valid_chat_is_authenticated_once_planned_and_its_retrieval_started_before_fastapi_reads_it():
+@pytest.mark.parametrize("prefix", ["", "/b"])
+def test_a_valid_chat_is_authenticated_once_planned_and_its_retrieval_started_before_fastapi_reads_it(prefix):
     from starlette.requests import Request
 
     from deployments.http_api import _tenant_auth
     from deployments.retrieval_ahead import AUTHENTICATED, EARLY
 
     gateway = _Gateway()
-    read, scope, before = _begin(gateway, [CHAT[:20], CHAT[20:]])
+    read, scope, before = _begin(gateway, [CHAT[:20], CHAT[20:]], prefix=prefix)
     assert before == ["tenant sk-1", "plan t1 Where is the red box?", "start"]  # all before FastAPI's first read
     assert [m["body"] for m in read] == [CHAT[:20], CHAT[20:]] and read[-1]["more_body"] is False  # replayed as sent
     assert scope["state"][EARLY].plan == "plan" and scope["state"][AUTHENTICATED].id == "t1"
