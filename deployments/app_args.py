@@ -149,11 +149,12 @@ class IngressArgs(Strict):
         "beside it only slowed both (HTTP - engine 21.3 against 20.7 ms, `serve_http.py --quick`, 2026-12-07).",
     )
     search_graphs: bool = Field(
-        False,
+        True,
         description="On a GPU, capture each tenant's search in the query embedder's copy as a CUDA graph, replayed "
         "after the question's own (one host call where the search and its read-backs were ~10, each slow on a core "
-        "the gap between chats left cold: `tenants/search_graphs.py`); off: launched call by call. Off by default "
-        "until a GPU run has checked and timed it (built 2026-12-07 while no GPU was lent).",
+        "the gap between chats left cold: `tenants/search_graphs.py`); off: launched call by call. On an H100 "
+        "(2026-12-07) it took the launch's host time from 0.92-1.22 to 0.61-0.76 ms and retrieval's p50 to 0.79-0.86 "
+        "of the launched search's in two serving runs; nothing changes on the CPU.",
     )
     search_copy_bytes: int = Field(
         1 << 30,
