@@ -138,13 +138,16 @@ def _start_batch(
     batch: EmbedBatch,
     tokenize: Callable[[Sequence[str]], Any] | None = None,
     replaying: Replaying | None = None,
+    capture_searches: bool = True,
 ) -> tuple[Callable[[], Answer], torch.cuda.Event | None]:
     """The copy's updates, the forward, the searches, and the read-back of vectors and hits, launched: the call
     returned makes the answer (waiting for the device if it has not finished), and the event (None on the host)
     tells when it has. A failure of the copy (out of device memory for a tenant sent whole) leaves the questions
     their vectors. With `tokenize`, `forward` takes what it returns (token ids) instead of the texts, and the
     answer's `launch_legs_ms` times the two apart. With `replaying` too, a batch whose every question the copy can
-    search as a captured graph is the forward's replay and theirs (`MirrorIndexes.replay_plan`): a few host calls."""
+    search as a captured graph is the forward's replay and theirs (`MirrorIndexes.replay_plan`): a few host calls.
+    Without `capture_searches` (on an event loop) a search graph not captured yet sends the batch the launched way,
+    and is left for the copy's `capture_wanted`."""
     marks = [time.perf_counter()]
     inputs = tokenize(batch.texts) if tokenize is not None else batch.texts
     marks.append(time.perf_counter())
@@ -152,7 +155,7 @@ def _start_batch(
     try:  # before the forward, which may yet refuse (`GraphNotCaptured`: the batch runs again elsewhere, whole;
         copy.apply(batch.updates)  # every update is idempotent, so the copy takes them twice unharmed)
         if replaying is not None and tokenize is not None:
-            launch = copy.replay_plan(replaying.replay_buffer(inputs), batch.asks)
+            launch = copy.replay_plan(replaying.replay_buffer(inputs), batch.asks, capture_searches)
     except Exception:  # noqa: BLE001 - the owner searches these itself
         log.exception("the search copy failed; its questions are searched by the ingress")
         copy.clear()
@@ -259,7 +262,8 @@ class InlineForwarder:
     On the host (no device) the forward runs on the loop, whole, one callback after the caller's work. Queries get
     a stream of their own, so a fact batch embedded by another thread of this process does not queue them. The loop
     only replays graphs captured already: a batch whose bucket has none yet (a question longer than the buckets
-    captured at start) runs once in a thread, which captures it."""
+    captured at start) runs once in a thread, which captures it; a batch whose tenant's search has no graph yet
+    (its first questions, or its matrix grew) is searched call by call, and the thread captures that graph."""
 
     def __init__(
         self, embedder: TensorEmbedder, spin_s: float = 0.02, poll_s: float = 0.0002, search_graphs: bool = False
@@ -277,6 +281,7 @@ class InlineForwarder:
         # with a forward that leaves its vectors in one buffer, the copy's searches replay as captured graphs too
         self._replaying = embedder if self._tokenize is not None and hasattr(embedder, "replayed") else None
         self._pool: ThreadPoolExecutor | None = None
+        self._search_capture_queued = False
         self._spin_s, self._poll_s = spin_s, poll_s
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._on_stream = (lambda: torch.cuda.stream(stream)) if stream is not None else contextlib.nullcontext
@@ -294,16 +299,29 @@ class InlineForwarder:
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             with self._on_stream():
-                answer, landed = _start_batch(self._on_loop, self._copy, batch, self._tokenize, self._replaying)
+                answer, landed = _start_batch(
+                    self._on_loop, self._copy, batch, self._tokenize, self._replaying, capture_searches=False
+                )
         except GraphNotCaptured:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed-capture")
-            self._pool.submit(self._in_thread, loop, batch, done)
+            self._capturing().submit(self._in_thread, loop, batch, done)
             return
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
             done(exc, started, time.perf_counter(), time.thread_time() - cpu)
             return
+        if self._copy.wants_captures and not self._search_capture_queued:
+            self._search_capture_queued = True  # one job takes every graph noted until it runs
+            self._capturing().submit(self._capture_searches)
         self._check(loop, answer, landed, done, started, time.thread_time() - cpu, started + self._spin_s)
+
+    def _capturing(self) -> ThreadPoolExecutor:
+        """The one thread where captures run (the embedder's buckets, the copy's searches), made at its first use."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="query-embed-capture")
+        return self._pool
+
+    def _capture_searches(self) -> None:
+        self._search_capture_queued = False  # graphs noted from here on get a job of their own
+        self._copy.capture_wanted()
 
     def _in_thread(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
         """A batch whose graph is captured first, whole, off the loop (the next batches of its bucket replay it)."""

@@ -89,29 +89,37 @@ class MirrorIndexes:
             if update.kind == "clear":
                 self.clear()
                 continue
-            if update.kind in ("drop", "snapshot") and self._graphs is not None:
-                self._graphs.forget(update.tenant_id)
-            if update.kind == "drop":
-                self._indexes.pop(update.tenant_id, None)
-            elif update.kind == "snapshot":
-                assert update.vectors is not None
-                index = ExactIndex(update.vectors.shape[1], self.device, capacity=len(update.ids))
-                index.upsert(update.ids, update.vectors)
-                self._indexes[update.tenant_id] = index
+            if update.kind in ("drop", "snapshot"):
+                self._replace(update)
             elif (index := self._indexes.get(update.tenant_id)) is not None:
                 if update.kind == "upsert":
                     index.upsert(update.ids, update.vectors)
                 else:
                     index.remove(update.ids)
 
+    def _replace(self, update: IndexUpdate) -> None:
+        """A tenant's copy dropped or sent whole, then its graphs forgotten: in that order, a capture in another
+        thread keeps its graph only for the index held now (`SearchGraphs.capture_wanted`)."""
+        if update.kind == "drop":
+            self._indexes.pop(update.tenant_id, None)
+        else:
+            assert update.vectors is not None
+            index = ExactIndex(update.vectors.shape[1], self.device, capacity=len(update.ids))
+            index.upsert(update.ids, update.vectors)
+            self._indexes[update.tenant_id] = index
+        if self._graphs is not None:
+            self._graphs.forget(update.tenant_id)
+
     def replay_plan(
-        self, queries: torch.Tensor | None, asks: Sequence[SearchAsk | None]
+        self, queries: torch.Tensor | None, asks: Sequence[SearchAsk | None], capture: bool = True
     ) -> "Callable[[], Callable[[], tuple[torch.Tensor, Hits]]] | None":
         """Where every question asks for a tenant the copy holds, and `queries` (`[questions, dim]`, the captured
         embedder's output buffer, at one address every call) is given: the launch of their searches as captured
         graphs, each bringing its question's vector and hits to pinned memory (`SearchGraphs.plan`). None where
-        any question cannot, or the graphs are off; a capture the driver refuses turns them off, logged."""
-        if self._graphs is None or queries is None or not asks:
+        any question cannot, or the graphs are off; a capture the driver refuses turns them off, logged. Without
+        `capture` (an event loop's call), graphs not captured yet are left to `capture_wanted` and the plan is None."""
+        graphs = self._graphs
+        if graphs is None or queries is None or not asks:
             return None
         indexes = []
         for ask in asks:
@@ -120,13 +128,35 @@ class MirrorIndexes:
                 return None
             indexes.append((ask.tenant_id, index, ask.k))  # type: ignore[union-attr]
         try:
-            return self._graphs.plan(indexes, queries)  # type: ignore[return-value]
+            return graphs.plan(indexes, queries, capture)  # type: ignore[return-value]
         except torch.OutOfMemoryError:
             raise  # a full device, for now: the caller's copy fails, and is started over smaller
         except Exception as exc:  # noqa: BLE001 - a capture refused: the searches are launched call by call
-            log.warning("capturing a tenant's search as a CUDA graph failed (%s); searching without graphs", exc)
-            self._graphs = None
+            self._graphs_failed(exc)
             return None
+
+    @property
+    def wants_captures(self) -> bool:
+        """Whether plans made without capturing left graphs for `capture_wanted`."""
+        return self._graphs is not None and self._graphs.wanted
+
+    def capture_wanted(self) -> None:
+        """Capture the graphs that plans without capture found missing, here (a thread beside the event loop that
+        plans); one whose tenant's copy changed meanwhile is dropped. A full device skips them for now."""
+        graphs = self._graphs
+        if graphs is None:
+            return
+        try:
+            kept = graphs.capture_wanted(lambda tenant_id, index: self._indexes.get(tenant_id) is index)
+            log.debug("captured %d search graphs off the loop", kept)
+        except torch.OutOfMemoryError:
+            log.warning("no device memory to capture a tenant's search as a CUDA graph; searched call by call for now")
+        except Exception as exc:  # noqa: BLE001 - a capture refused: the searches are launched call by call
+            self._graphs_failed(exc)
+
+    def _graphs_failed(self, exc: Exception) -> None:
+        log.warning("capturing a tenant's search as a CUDA graph failed (%s); searching without graphs", exc)
+        self._graphs = None
 
     def search(self, vectors: torch.Tensor, asks: Sequence[SearchAsk | None]) -> Hits:
         """Per question (row of `vectors`), (scores, ids) of its tenant's nearest, or None where it asked for no

@@ -551,7 +551,7 @@ def test_an_inline_forward_is_answered_between_other_callbacks(monkeypatch, spin
     order: list[str] = []
     events: list[_Landing] = []
 
-    def started(forward, copy, batch, tokenize=None, replaying=None):
+    def started(forward, copy, batch, tokenize=None, replaying=None, capture_searches=True):
         order.append(f"launch {batch.texts}")
         events.append(_Landing(polls=20))
         vectors = forward(batch.texts)
@@ -606,7 +606,7 @@ def test_an_inline_forward_whose_device_fails_fails_its_waiters_and_the_next_bat
     def answer_raising() -> embed_forwarders.Answer:
         raise RuntimeError("device lost")
 
-    def started(forward, copy, batch, tokenize=None, replaying=None):
+    def started(forward, copy, batch, tokenize=None, replaying=None, capture_searches=True):
         if batch.texts == ["first"]:
             return answer_raising, _Broken()
         vectors = forward(batch.texts)
@@ -691,11 +691,27 @@ def test_the_query_embedder_searches_its_copy_on_the_gpu(where, graphs):
         forwarder = InlineForwarder(query_embedder("cuda", 8), search_graphs=graphs)
     texts = [f"question {i}" for i in range(5)] + ["a longer question, of more than sixteen tokens, to search"] * 2
 
+    ks = [50] * 6 + [7]
+    counts = []
+
+    def graph_count() -> int:
+        captured = forwarder._copy._graphs
+        return 0 if captured is None else sum(len(g) for g in captured._by_tenant.values())
+
     async def main():
         batcher = QueryBatcher(forwarder)
         batcher.follow(source)
         together = await asyncio.gather(*(batcher.embed(t, SearchAsk("t", 50)) for t in texts[:5]))
-        return list(together) + [await batcher.embed(t, SearchAsk("t", k)) for t, k in zip(texts[5:], (50, 7))]
+        first = list(together) + [await batcher.embed(t, SearchAsk("t", k)) for t, k in zip(texts[5:], ks[5:])]
+        if where == "inline":  # the loop left its searches' captures to the forwarder's thread: wait for them
+            await asyncio.wrap_future(forwarder._capturing().submit(lambda: None))
+            counts.append(graph_count())
+        # one at a time: the buckets and top-k sizes of the first questions, so the loop replays what it captured
+        again = [await batcher.embed(t, SearchAsk("t", k)) for t, k in zip(texts, ks)]
+        if where == "inline":
+            counts.append(graph_count())
+            assert not forwarder._copy.wants_captures  # every search of the second round had its graph
+        return first + again
 
     try:
         answers = asyncio.run(main())
@@ -703,17 +719,16 @@ def test_the_query_embedder_searches_its_copy_on_the_gpu(where, graphs):
         forwarder.close()
     on_host = MiniLMEmbedder().embed(texts)
     for i, embedded in enumerate(answers):
-        k = 7 if i == 6 else 50
-        assert np.allclose(embedded.vector.numpy(), on_host[i], atol=1e-4)
+        k = ks[i % len(texts)]
+        assert np.allclose(embedded.vector.numpy(), on_host[i % len(texts)], atol=1e-4)
         scores, ids = source.index.search(embedded.vector, k)
         assert embedded.found is not None and embedded.found.ids.tolist() == ids.tolist()
         assert np.allclose(embedded.found.scores, scores, atol=1e-5)
         # the loop's launch is timed by piece; a child's launch is its own, and only the parent's part comes back
         pieces = {"prepare", "forward", "search", "read_back"} if where == "inline" else {"prepare"}
         assert set(embedded.launch_legs_ms) >= pieces
-    if where == "inline":
-        captured = forwarder._copy._graphs
-        assert (captured is not None and len(captured._by_tenant["t"]) >= 3) == graphs  # 1 + 4, then 1 and 1 again
+    if where == "inline":  # 1 + 4 rows, then the long question at two top-k sizes; the second round adds none
+        assert (counts[0] >= 3 and counts[1] == counts[0]) == graphs and (counts == [0, 0]) != graphs
 
 
 class _SlowTokenizer:
@@ -762,8 +777,9 @@ class _ReplayingCopy:
     def apply(self, updates):
         self.events.append(("apply", len(updates)))
 
-    def replay_plan(self, queries, asks):
+    def replay_plan(self, queries, asks, capture=True):
         self.events.append(("plan", None if queries is None else queries.shape[0]))
+        self.planned_with_capture = capture
         if not self.can:
             return None
 
@@ -838,3 +854,50 @@ def test_a_batch_the_copy_can_replay_is_two_replays_and_one_event_and_the_rest_l
     else:
         assert events == [("apply", 1), ("plan", 2), "forward called", "searches launched"]
         assert result.vectors.tolist() == [[2.0, 0.0], [3.0, 0.0]] and result.hits == [None, None]
+
+
+def test_a_search_graph_the_loop_finds_missing_is_captured_in_the_forwarders_thread(monkeypatch):
+    """From the event loop a batch never waits for a search's capture (a millisecond or more, every other request
+    stalled behind it): the copy plans without capturing, the batch is searched call by call, and the graphs it
+    found missing are captured in the forwarder's capture thread, once for all of them."""
+    import threading
+
+    events: list = []
+    captured_on: list[str] = []
+
+    class Copy(_ReplayingCopy):
+        wants_captures = False
+
+        def replay_plan(self, queries, asks, capture=True):
+            plan = super().replay_plan(queries, asks, capture)
+            self.wants_captures = plan is None and not capture
+            return plan
+
+        def capture_wanted(self):
+            captured_on.append(threading.current_thread().name)
+            self.wants_captures = False
+
+    class Embedder(_ReplayingEmbedder):
+        def embed_ids_captured(self, rows):
+            return self.forward(rows)
+
+        def embed_tensor(self, texts):
+            return self.forward(self.token_ids(texts))
+
+    forwarder = InlineForwarder(Embedder(events))
+    copy = forwarder._copy = Copy(events, can=False)
+
+    async def main():
+        batcher = QueryBatcher(forwarder, max_batch=8)
+        return await asyncio.gather(*(batcher.embed(text) for text in ("ab", "abc", "abcd")))
+
+    try:
+        answers = asyncio.run(main())
+        forwarder._pool.shutdown(wait=True)  # the capture job, if one was submitted
+    finally:
+        forwarder.close()
+    assert [a.vector[0].item() for a in answers] == [2.0, 3.0, 4.0]  # answered the launched way
+    assert copy.planned_with_capture is False  # the loop's plan never captures
+    assert "forward called" in events and "searches launched" in events
+    assert captured_on and all(name.startswith("query-embed-capture") for name in captured_on)
+    assert len(captured_on) <= 2  # one job per batch at most, not one per question

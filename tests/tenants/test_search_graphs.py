@@ -95,3 +95,42 @@ def test_each_question_of_a_batch_reads_its_own_row_and_tenant():
     copy.apply([IndexUpdate("a", "drop", np.empty(0, np.int64))])
     assert copy.replay_plan(queries, asks) is None  # a tenant it no longer holds: searched the other way
     assert copy.replay_plan(queries[:1], [None]) is None  # a question with no search
+
+
+@pytest.mark.gpu
+def test_a_plan_that_must_not_capture_notes_its_graphs_and_another_thread_captures_them():
+    """An event loop plans without capturing: a missing graph is noted and the plan refused; a thread captures the
+    noted graphs, and the loop then replays them. A graph whose tenant's copy was replaced before its capture ended
+    is not kept."""
+    import threading
+
+    rng = np.random.default_rng(3)
+    owners = {name: ExactIndex(384) for name in ("a", "b")}
+    copy = MirrorIndexes("cuda", graphs=True)
+    for name, owner in owners.items():
+        owner.upsert(np.arange(80), _unit(rng, 80))
+        copy.apply([IndexUpdate(name, "snapshot", *owner.export())])
+    queries = torch.from_numpy(_unit(rng, 2)).cuda()
+    asks = [SearchAsk("a", 10), SearchAsk("b", 40)]
+    assert copy.replay_plan(queries, asks, capture=False) is None and copy.wants_captures
+    assert _graph_count(copy) == 0  # nothing captured on the planner's thread
+
+    worker = threading.Thread(target=copy.capture_wanted)
+    worker.start()
+    worker.join()
+    assert not copy.wants_captures and _graph_count(copy) == 2
+    launch = copy.replay_plan(queries, asks, capture=False)
+    assert launch is not None
+    read = launch()
+    torch.cuda.synchronize()
+    _, hits = read()
+    for row, ask in enumerate(asks):
+        want_scores, want_ids = owners[ask.tenant_id].search(queries[row].cpu(), ask.k)
+        assert hits[row][1].tolist() == want_ids.tolist() and np.allclose(hits[row][0], want_scores, atol=1e-5)
+
+    # "b" is noted, then replaced (a snapshot) before the thread captures: its graph for the old copy is dropped
+    assert copy.replay_plan(queries[:1], [SearchAsk("b", 3)], capture=False) is None
+    owners["b"].upsert(np.arange(80), _unit(rng, 80))
+    copy.apply([IndexUpdate("b", "snapshot", *owners["b"].export())])
+    copy.capture_wanted()
+    assert "b" not in copy._graphs._by_tenant and not copy.wants_captures  # type: ignore[union-attr]
