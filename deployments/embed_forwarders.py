@@ -308,10 +308,19 @@ class InlineForwarder:
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the failure
             done(exc, started, time.perf_counter(), time.thread_time() - cpu)
             return
-        if self._copy.wants_captures and not self._search_capture_queued:
-            self._search_capture_queued = True  # one job takes every graph noted until it runs
-            self._capturing().submit(self._capture_searches)
+        self._queue_search_captures()
         self._check(loop, answer, landed, done, started, time.thread_time() - cpu, started + self._spin_s)
+
+    def _queue_search_captures(self) -> None:
+        """The copy's searches this batch found without a graph, captured in the capture thread: one job takes
+        every graph noted until it runs."""
+        if not self._copy.wants_captures or self._search_capture_queued:
+            return
+        try:
+            self._capturing().submit(self._capture_searches)
+        except RuntimeError:  # closed: nothing more is captured
+            return
+        self._search_capture_queued = True
 
     def _capturing(self) -> ThreadPoolExecutor:
         """The one thread where captures run (the embedder's buckets, the copy's searches), made at its first use."""
@@ -321,7 +330,10 @@ class InlineForwarder:
 
     def _capture_searches(self) -> None:
         self._search_capture_queued = False  # graphs noted from here on get a job of their own
-        self._copy.capture_wanted()
+        try:
+            self._copy.capture_wanted()
+        except Exception:  # noqa: BLE001 - a job's failure would otherwise be lost with its future
+            log.exception("capturing the copy's searches failed")
 
     def _in_thread(self, loop: asyncio.AbstractEventLoop, batch: EmbedBatch, done: Done) -> None:
         """A batch whose graph is captured first, whole, off the loop (the next batches of its bucket replay it)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
@@ -30,6 +31,7 @@ from tenants.vector_index import ExactIndex
 log = logging.getLogger(__name__)
 UpdateKind = Literal["snapshot", "upsert", "remove", "drop", "clear"]
 _COUNT = struct.Struct("<i")
+CAPTURE_BACKOFF_S = 10.0  # after a capture found the device full, noted graphs wait this long
 Hits = list["tuple[np.ndarray, np.ndarray] | None"]  # per question (scores, ids), None where it was not searched
 
 
@@ -73,14 +75,16 @@ class MirrorIndexes:
         self.device = torch.device(device)
         self._indexes: dict[str, ExactIndex] = {}
         self._graphs = SearchGraphs(self.device) if graphs and self.device.type == "cuda" else None
+        self._capture_after = 0.0  # monotonic time before which noted graphs are not captured (a full device)
 
     def __contains__(self, tenant_id: str) -> bool:
         return tenant_id in self._indexes
 
     def clear(self) -> None:
         self._indexes.clear()
-        if self._graphs is not None:
-            self._graphs.forget()
+        graphs = self._graphs  # read once: the capture thread may turn them off meanwhile
+        if graphs is not None:
+            graphs.forget()
 
     def apply(self, updates: Sequence[IndexUpdate]) -> None:
         """Changes for a tenant the copy does not hold are skipped: its searches then answer None, and the owner
@@ -107,8 +111,9 @@ class MirrorIndexes:
             index = ExactIndex(update.vectors.shape[1], self.device, capacity=len(update.ids))
             index.upsert(update.ids, update.vectors)
             self._indexes[update.tenant_id] = index
-        if self._graphs is not None:
-            self._graphs.forget(update.tenant_id)
+        graphs = self._graphs
+        if graphs is not None:
+            graphs.forget(update.tenant_id)
 
     def replay_plan(
         self, queries: torch.Tensor | None, asks: Sequence[SearchAsk | None], capture: bool = True
@@ -137,12 +142,15 @@ class MirrorIndexes:
 
     @property
     def wants_captures(self) -> bool:
-        """Whether plans made without capturing left graphs for `capture_wanted`."""
-        return self._graphs is not None and self._graphs.wanted
+        """Whether plans made without capturing left graphs for `capture_wanted` (not for a while after a capture
+        found the device full)."""
+        graphs = self._graphs  # read once: the capture thread may turn them off meanwhile
+        return graphs is not None and graphs.wanted and time.monotonic() >= self._capture_after
 
     def capture_wanted(self) -> None:
         """Capture the graphs that plans without capture found missing, here (a thread beside the event loop that
-        plans); one whose tenant's copy changed meanwhile is dropped. A full device skips them for now."""
+        plans); one whose tenant's copy changed meanwhile is dropped. A full device leaves them for
+        `CAPTURE_BACKOFF_S`, searched call by call meanwhile."""
         graphs = self._graphs
         if graphs is None:
             return
@@ -150,7 +158,11 @@ class MirrorIndexes:
             kept = graphs.capture_wanted(lambda tenant_id, index: self._indexes.get(tenant_id) is index)
             log.debug("captured %d search graphs off the loop", kept)
         except torch.OutOfMemoryError:
-            log.warning("no device memory to capture a tenant's search as a CUDA graph; searched call by call for now")
+            self._capture_after = time.monotonic() + CAPTURE_BACKOFF_S
+            log.warning(
+                "no device memory to capture a tenant's search as a CUDA graph; searched call by call for %g s",
+                CAPTURE_BACKOFF_S,
+            )
         except Exception as exc:  # noqa: BLE001 - a capture refused: the searches are launched call by call
             self._graphs_failed(exc)
 

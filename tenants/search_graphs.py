@@ -13,7 +13,10 @@ share a memory pool, which is safe because they replay one after another on one 
 A caller that must not stall (an event loop: a capture takes ~1 ms or more, with its pinned buffers) plans without
 capturing: a missing graph is noted and the plan refused, the batch is searched call by call, and
 `capture_wanted` captures the noted graphs in another thread (thread-local capture leaves other threads free to
-launch and replay). A graph is kept only where its tenant's index is still the copy's when it is done.
+launch and replay). A graph is kept only where its tenant's index is still the copy's when it is done. One limit
+of capturing beside a working thread, as the query embedder's own captures already do: should that thread's
+allocation find the device full while a capture is under way, PyTorch's allocator cannot free its cache then and
+fails that allocation (the batch fails; the next one runs).
 """
 
 from __future__ import annotations
@@ -190,12 +193,12 @@ class SearchGraphs:
 
     def _warm(self, index: ExactIndex, query: torch.Tensor) -> None:
         """Once per copy: the product and top-k run eagerly on the capture stream first, so their libraries'
-        per-stream state (cuBLAS's handle and workspace) exists before a capture."""
+        per-stream state (cuBLAS's handle and workspace) exists before a capture. Its result is dropped, so it is
+        ordered after nothing: the matrix and the query may be mid-write on the stream that searches them."""
         if self._warmed:
             return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             matrix, floor = index.storage
             torch.topk(torch.addmv(floor, matrix, query), 1)
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._stream.synchronize()  # done before the capture that follows on this stream
         self._warmed = True

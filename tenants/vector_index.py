@@ -25,6 +25,7 @@ class ExactIndex:
         capacity = max(1, capacity)
         self._vectors = torch.zeros((capacity, dim), dtype=torch.float32, device=self.device)  # [capacity, dim]
         self._floor = torch.full((capacity,), float("-inf"), device=self.device)  # [capacity]: 0 live, -inf free
+        self._storage = (self._vectors, self._floor)  # one attribute: another thread reads the pair whole
         self._row_of: dict[int, int] = {}
         self._id_at: list[int | None] = [None] * capacity
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -35,8 +36,10 @@ class ExactIndex:
     @property
     def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(vectors `[capacity, dim]`, floor `[capacity]`): written in place by upserts and removals, replaced
-        when the index grows (a search captured over them is then stale: `tenants/search_graphs.py`)."""
-        return self._vectors, self._floor
+        when the index grows (a search captured over them is then stale: `tenants/search_graphs.py`). The pair is
+        read as one, so a thread capturing a search while the index grows never sees a new matrix with the old
+        floor."""
+        return self._storage
 
     def upsert(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -113,7 +116,9 @@ class ExactIndex:
 
     def _grow(self) -> None:
         old = self._vectors.shape[0]
-        self._vectors = torch.cat([self._vectors, torch.zeros_like(self._vectors)])
-        self._floor = torch.cat([self._floor, torch.full_like(self._floor, float("-inf"))])
+        vectors = torch.cat([self._vectors, torch.zeros_like(self._vectors)])
+        floor = torch.cat([self._floor, torch.full_like(self._floor, float("-inf"))])
+        self._vectors, self._floor = vectors, floor
+        self._storage = (vectors, floor)
         self._id_at += [None] * old
         self._free = list(range(2 * old - 1, old - 1, -1))

@@ -689,7 +689,9 @@ def test_the_query_embedder_searches_its_copy_on_the_gpu(where, graphs):
         forwarder = ProcessForwarder(partial(query_embedder, "cuda", 8), search_graphs=graphs)
     else:
         forwarder = InlineForwarder(query_embedder("cuda", 8), search_graphs=graphs)
-    texts = [f"question {i}" for i in range(5)] + ["a longer question, of more than sixteen tokens, to search"] * 2
+    long = "a longer question, of more than sixteen tokens, to search among this tenant's many facts today"
+    texts = [f"question {i}" for i in range(5)] + [long] * 2
+    assert len(MiniLMEmbedder().token_ids([long])[0]) > 16  # the second length bucket
 
     ks = [50] * 6 + [7]
     counts = []
@@ -697,6 +699,17 @@ def test_the_query_embedder_searches_its_copy_on_the_gpu(where, graphs):
     def graph_count() -> int:
         captured = forwarder._copy._graphs
         return 0 if captured is None else sum(len(g) for g in captured._by_tenant.values())
+
+    replayed: list[bool] = []  # each plan of the loop: whether it replays (a launch) or searches call by call
+    if where == "inline" and forwarder._copy._graphs is not None:
+        plan = forwarder._copy._graphs.plan
+
+        def recorded(*args, **kwargs):
+            launch = plan(*args, **kwargs)
+            replayed.append(launch is not None)
+            return launch
+
+        forwarder._copy._graphs.plan = recorded
 
     async def main():
         batcher = QueryBatcher(forwarder)
@@ -707,6 +720,7 @@ def test_the_query_embedder_searches_its_copy_on_the_gpu(where, graphs):
             await asyncio.wrap_future(forwarder._capturing().submit(lambda: None))
             counts.append(graph_count())
         # one at a time: the buckets and top-k sizes of the first questions, so the loop replays what it captured
+        replayed.clear()
         again = [await batcher.embed(t, SearchAsk("t", k)) for t, k in zip(texts, ks)]
         if where == "inline":
             counts.append(graph_count())
@@ -727,8 +741,9 @@ def test_the_query_embedder_searches_its_copy_on_the_gpu(where, graphs):
         # the loop's launch is timed by piece; a child's launch is its own, and only the parent's part comes back
         pieces = {"prepare", "forward", "search", "read_back"} if where == "inline" else {"prepare"}
         assert set(embedded.launch_legs_ms) >= pieces
-    if where == "inline":  # 1 + 4 rows, then the long question at two top-k sizes; the second round adds none
-        assert (counts[0] >= 3 and counts[1] == counts[0]) == graphs and (counts == [0, 0]) != graphs
+    if where == "inline":  # 1 + 4 rows of the short bucket, then the long one's at two top-k sizes; then none more
+        assert counts == ([7, 7] if graphs else [0, 0])
+        assert replayed == ([True] * len(texts) if graphs else [])  # the second round: every search replayed
 
 
 class _SlowTokenizer:

@@ -128,9 +128,19 @@ def test_a_plan_that_must_not_capture_notes_its_graphs_and_another_thread_captur
         want_scores, want_ids = owners[ask.tenant_id].search(queries[row].cpu(), ask.k)
         assert hits[row][1].tolist() == want_ids.tolist() and np.allclose(hits[row][0], want_scores, atol=1e-5)
 
-    # "b" is noted, then replaced (a snapshot) before the thread captures: its graph for the old copy is dropped
-    assert copy.replay_plan(queries[:1], [SearchAsk("b", 3)], capture=False) is None
-    owners["b"].upsert(np.arange(80), _unit(rng, 80))
-    copy.apply([IndexUpdate("b", "snapshot", *owners["b"].export())])
-    copy.capture_wanted()
-    assert "b" not in copy._graphs._by_tenant and not copy.wants_captures  # type: ignore[union-attr]
+    # "b" is noted, and replaced (a snapshot) while the thread captures its graph: the graph over the old copy is
+    # not kept, though the capture itself went through
+    graphs = copy._graphs
+    assert graphs is not None and copy.replay_plan(queries[:1], [SearchAsk("b", 3)], capture=False) is None
+    capture, captures = graphs._capture, []
+
+    def replaced_meanwhile(index, query, k):
+        graph = capture(index, query, k)
+        captures.append(k)
+        owners["b"].upsert(np.arange(80), _unit(rng, 80))
+        copy.apply([IndexUpdate("b", "snapshot", *owners["b"].export())])
+        return graph
+
+    graphs._capture = replaced_meanwhile  # type: ignore[method-assign]
+    assert graphs.capture_wanted(lambda tenant_id, index: copy._indexes.get(tenant_id) is index) == 0
+    assert captures == [4] and "b" not in graphs._by_tenant and not copy.wants_captures
