@@ -211,9 +211,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TenantError)
     async def tenant_error(request: Request, exc: TenantError) -> JSONResponse:
         status = exc.http_status
-        if (
-            status == 422 and route_path(request.scope) in OPENAI_ROUTES
-        ):  # OpenAI's clients expect 400 for a bad request
+        # OpenAI's clients expect 400 for a bad request
+        if status == 422 and route_path(request.scope) in OPENAI_ROUTES:
             status = 400
         return error(status, str(exc))
 
