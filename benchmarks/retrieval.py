@@ -399,8 +399,8 @@ def beside_busy_loop(
 def whole_step(served: dict, device: str, query: str, repeats: int, k: int = 50) -> dict:
     """The ingress's retrieval (change feed, facts) with the question embedded in a process of its own and searched
     in that process's copy (`copy`) or on the host after it (`host`), and embedded and searched from the event loop
-    with the copy's search launched call by call (`inline`, the app's default) or captured as a CUDA graph
-    (`inline_graphs`), interleaved, 2 ms and 30 ms apart: p50 and p99 of each (ms), and of the loop's ways the
+    with the copy's search launched call by call (`inline`) or captured as a CUDA graph (`inline_graphs`, the
+    app's default on a GPU), interleaved, 2 ms and 30 ms apart: p50 and p99 of each (ms), and of the loop's ways the
     launch's host time (`launch_<way>`), the share of questions the copies answered, and whether every way found
     the same facts.
     `served`: for each way of embedding ("process", "inline", "inline_graphs"), a (service, tenant) pair of its

@@ -125,8 +125,8 @@ class Replaying(Protocol):
 def _run_batch(embedder: TensorEmbedder, copy: MirrorIndexes, batch: EmbedBatch) -> Answer:
     """The forward, the copy's updates and searches, the vectors on the host: one device wait, off the loop."""
     if all(hasattr(embedder, name) for name in ("token_ids", "embed_ids", "replayed")):  # MiniLM: ids apart
-        ids = embedder.embed_ids, embedder.token_ids  # type: ignore[attr-defined]
-        answer, _ = _start_batch(ids[0], copy, batch, ids[1], embedder)  # type: ignore[arg-type]
+        forward, tokenize = embedder.embed_ids, embedder.token_ids  # type: ignore[attr-defined]
+        answer, _ = _start_batch(forward, copy, batch, tokenize, embedder)  # type: ignore[arg-type]
     else:
         answer, _ = _start_batch(embedder.embed_tensor, copy, batch)
     return answer()

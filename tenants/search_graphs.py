@@ -155,10 +155,7 @@ class SearchGraphs:
             graph = self._capture(wanted.index, wanted.query, wanted.key[1])
             with self._lock:
                 if still_held(wanted.tenant_id, wanted.index):
-                    graphs = self._by_tenant.setdefault(wanted.tenant_id, {})
-                    if any(not g.current(wanted.index) for g in graphs.values()):
-                        graphs.clear()  # grown: every graph of the tenant read the old matrix
-                    graphs[wanted.key] = graph
+                    self._store(wanted.tenant_id, wanted.index, wanted.key, graph)
                     kept += 1
 
     def _graph(
@@ -179,11 +176,16 @@ class SearchGraphs:
             with self._lock:
                 self._wanted[(tenant_id, key)] = _Wanted(tenant_id, index, queries[row], key)
             return None
-        graphs = self._by_tenant.setdefault(tenant_id, {})
-        if graph is not None:  # grown: every graph of the tenant read the old matrix
-            graphs.clear()
-        graph = graphs[key] = self._capture(index, queries[row], k)
+        graph = self._capture(index, queries[row], k)
+        self._store(tenant_id, index, key, graph)
         return graph
+
+    def _store(self, tenant_id: str, index: ExactIndex, key: tuple[int, int], graph: SearchGraph) -> None:
+        """Keep `graph` among the tenant's, whose graphs over an older matrix (the index grew since) go."""
+        graphs = self._by_tenant.setdefault(tenant_id, {})
+        if any(not g.current(index) for g in graphs.values()):
+            graphs.clear()
+        graphs[key] = graph
 
     def _capture(self, index: ExactIndex, query: torch.Tensor, k: int) -> SearchGraph:
         self._warm(index, query)
