@@ -47,8 +47,8 @@ from benchmarks._common import (  # noqa: E402
 )
 from benchmarks._http_load import LoadResult, closed_loop  # noqa: E402
 from benchmarks._process_cpu import PhaseCpu  # noqa: E402
-from benchmarks.proxy_floor import STREAMS, deploy_probe  # noqa: E402
-from benchmarks.proxy_floor import measure as floor_ms
+from benchmarks._proxy_floor import STREAMS, deploy_probe  # noqa: E402
+from benchmarks._proxy_floor import measure as floor_ms
 
 MODEL = "inferscale-smollm2"
 SESSION = requests.Session()  # keep-alive, as the clients users run (openai's) keep their connections
@@ -436,7 +436,7 @@ def proxy_floors(redis_url: str, state: Path, admin: str, key: str) -> dict:
         done = subprocess.run(
             [
                 sys.executable,
-                str(Path(__file__).with_name("proxy_floor.py")),
+                str(Path(__file__).with_name("_proxy_floor.py")),
                 "--proxy",
                 proxy,
                 "--redis-url",

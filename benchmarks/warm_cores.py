@@ -2,7 +2,7 @@
 
 On the GPU hosts a question's tokenization and launch ran at 1.5-3x their back-to-back time when questions came
 30 ms apart. Two parts, each timed back to back and `--gap-ms` apart:
-- `http`: two copies of a trivial FastAPI app behind Ray Serve's HAProxy (`proxy_floor.deploy_probe`, one
+- `http`: two copies of a trivial FastAPI app behind Ray Serve's HAProxy (`_proxy_floor.deploy_probe`, one
   replica each), one whose event loop sleeps between requests and one kept polling for a second after each; a GET
   of each, interleaved; twice, each in a cluster of its own (a child process: Ray starts HAProxy with the config it
   renders at start), without and with HAProxy's `busy-polling` (`serve.haproxy_busy_polling`).
@@ -35,7 +35,7 @@ def child(busy_polling: bool, calls: int, gap_ms: float) -> dict:
     import requests
 
     from benchmarks._cluster import start_local_serve
-    from benchmarks.proxy_floor import deploy_probe
+    from benchmarks._proxy_floor import deploy_probe
 
     port = start_local_serve("haproxy", num_cpus=4, busy_polling=busy_polling)
     from ray import serve
