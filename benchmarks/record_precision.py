@@ -7,7 +7,7 @@ encoded behind their w=5 context by an encoding job, and every question is asked
 (pure injection, and the serving default with the best-scored fact prefilled), one at a time (a batch's mix would
 change greedy answers by itself). Paired over the same questions: the candidate's F1 over float32's with a bootstrap
 interval, the share of identical answers with a Wilson interval, and the records' bytes in each store. `--quick`:
-the first conversation at k=10, the serving default only.
+the first conversation's first 12 questions at k=10, the serving default only.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from benchmarks.quality.locomo import load_samples  # noqa: E402
 from benchmarks.quality.run import Client, Plan, evaluate, paired_ratio  # noqa: E402
 
 REFERENCE = "float32"
+QUICK_QUESTIONS = 12  # of the first conversation's 36: a CPU run of both deployments in ~2 minutes
 
 
 def store_bytes(state_dir: Path) -> int:
@@ -95,6 +97,8 @@ def main() -> None:
     data = Path(scratch_dir(prefix="precision-data-")) / "devset.json"
     data.write_text(json.dumps(dataset(conversations)))
     samples = load_samples(data)
+    if args.quick:
+        samples = [replace(sample, questions=sample.questions[:QUICK_QUESTIONS]) for sample in samples]
     plan = Plan.parse(modes, ks)
     if any(not mode.startswith("inject") for mode in plan.modes):
         p.error("--modes: inject modes only (records are what is compared)")
