@@ -28,10 +28,16 @@ class RetrievedFact(NamedTuple):
 class ChatAhead:
     """What a chat's replica can know before retrieval ends: its tenant and conversation. Sent ahead, it lets the
     replica tokenize the question and wake its core and caches while the ingress retrieves (after ~30 ms of idleness
-    the replica's layout ran 3-5x slower than back to back, on this CPU and on the H200 host alike)."""
+    the replica's layout ran 3-5x slower than back to back, on this CPU and on the H200 host alike). A history-mode
+    chat's note also names its history and budget: the replica starts choosing the chunks before the task comes."""
 
     tenant_id: str
     messages: tuple[tuple[str, str], ...]
+    history_id: str | None = None
+    history_budget: int = 0
+
+    def question(self) -> str:
+        return last_user_message(self.messages)
 
     MAX_CHARS = 8192  # a longer conversation goes with its task alone (its note would cost more than it saves)
 
@@ -72,7 +78,11 @@ class ChatTask:
         """The text a question's own pass reads: the last user message (or a completion's prompt)."""
         if self.prompt is not None:
             return self.prompt
-        return next((content for role, content in reversed(self.messages) if role == "user"), "")
+        return last_user_message(self.messages)
+
+
+def last_user_message(messages: tuple[tuple[str, str], ...]) -> str:
+    return next((content for role, content in reversed(messages) if role == "user"), "")
 
 
 def message_dicts(messages: tuple[tuple[str, str], ...]) -> list[dict[str, str]]:

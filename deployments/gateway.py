@@ -189,14 +189,18 @@ class Gateway:
     def start_retrieval(self, plan: ChatPlan, body: GenerationRequest) -> RetrievalStarted:
         """On the loop, without waiting: hand the chat's question to the embedder (batched with concurrent ones;
         on a device its forward and search are launched from this call when the embedder is idle) and send the
-        LLM replica its note. Nothing in mode `off`, nor at k = 0."""
+        LLM replica its note. Nothing in mode `off`, nor at k = 0. A history-mode chat's note goes first, at any k:
+        the replica starts choosing the history's chunks with it."""
         started = time.perf_counter()
+        if plan.history_id is not None:
+            history_note = self._ahead(plan.memory, plan.conversation, plan.history_id, plan.budget)
+            if history_note is not None:
+                history_note()
         if body.memory.mode == "off" or plan.k == 0:
             return RetrievalStarted(started, None)
         query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
-        ticket = self.queries.start(
-            query, SearchAsk(plan.memory.id, plan.k), self._ahead(plan.memory, plan.conversation)
-        )
+        note = None if plan.history_id is not None else self._ahead(plan.memory, plan.conversation)
+        ticket = self.queries.start(query, SearchAsk(plan.memory.id, plan.k), note)
         return RetrievalStarted(started, ticket, time.perf_counter())
 
     async def prepare_chat(
@@ -304,13 +308,16 @@ class Gateway:
             retrieved.from_copy,
         )
 
-    def _ahead(self, tenant: Tenant, conversation: tuple[tuple[str, str], ...]) -> Callable[[], None] | None:
+    def _ahead(
+        self, tenant: Tenant, conversation: tuple[tuple[str, str], ...], history_id: str | None = None, budget: int = 0
+    ) -> Callable[[], None] | None:
         """The note that lets the chat's replica tokenize the conversation and wake up while the question is embedded,
         sent once the embedding is handed over (this loop then only waits: a replica woken on its core takes nothing
-        from the request)."""
+        from the request); with a history, the replica also starts choosing its chunks."""
         if not conversation or self.llm is None or not ChatAhead.fits(conversation):
             return None
-        return lambda: self.llm.ahead(ChatAhead(tenant.id, conversation))
+        note = ChatAhead(tenant.id, conversation, history_id, budget)
+        return lambda: self.llm.ahead(note)
 
     def _history_of(self, tenant: Tenant, body: GenerationRequest) -> tuple[str | None, int]:
         """History mode's history id and token budget for this chat (None, 0 in the other modes)."""

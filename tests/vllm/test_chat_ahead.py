@@ -1,11 +1,13 @@
 """A note sent ahead of a chat lets the replica tokenize the conversation and, when idle, lay the tenant's last chat
-out again: the chat then takes the tokens prepared for it and lays out exactly the prompt it would have without the
-note. The engine is a stand-in that records the prompt it was given (vLLM is not what is under test)."""
+out again, or for a history-mode chat start choosing its chunks: the chat then takes what was prepared for it and
+lays out exactly the prompt it would have without the note. The engine is a stand-in that records the prompt it was
+given (vLLM is not what is under test), and the history chooser one that records its calls."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -16,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 from factories import make_record  # noqa: E402
 
 from deployments.chat_task import ChatAhead, ChatTask, RetrievedFact  # noqa: E402
+from deployments.history_mode import Choice  # noqa: E402
+from deployments.memory_prompt import MemoryItem  # noqa: E402
 from deployments.vllm_adapter.async_engine import MemoryEngine  # noqa: E402
 from kvcore.store import LocalFactStore  # noqa: E402
 
@@ -64,7 +68,29 @@ def _replica(root: Path) -> tuple[MemoryEngine, _Frame, list]:
         _Engine(),
     )
     engine._splits, engine._last, engine._warm_ahead = OrderedDict(), OrderedDict(), True  # as on a GPU replica
+    engine._choices, engine._histories = OrderedDict(), _Chooser(store)
     return engine, frame, reads
+
+
+class _Chooser:
+    """History mode's chooser: the first `budget // 4` records (4 tokens each), its calls and their threads kept;
+    `fail` makes the next call raise, `hold` keeps calls from ending until it is set."""
+
+    def __init__(self, store: LocalFactStore) -> None:
+        self._store, self.calls, self.threads = store, [], []
+        self.fail, self.hold = False, threading.Event()
+        self.hold.set()
+
+    def choose(self, tenant_id: str, history_id: str, question: str, budget: int) -> Choice:
+        self.calls.append((tenant_id, history_id, question, budget))
+        self.threads.append(threading.current_thread())
+        self.hold.wait(10)
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("the device was busy")
+        ids = [f"fact-{i}" for i in range(budget // 4)]
+        items = [MemoryItem(r, self._store.info(tenant_id, r).token_ids, r) for r in ids]
+        return Choice(items, 0.01, 0.2, 0.1, 0.3, 0.1, 0.8)
 
 
 def _task(question: str) -> ChatTask:
@@ -144,3 +170,77 @@ def test_a_cpu_replica_only_tokenizes_ahead(tmp_path):
     before = len(reads)
     engine.prepare(ChatAhead("acme", (("user", "Where is it?"),)), idle=True)
     assert len(reads) == before and (("user", "Where is it?"),) in engine._splits
+
+
+def _history_task(question: str, budget: int = 12) -> ChatTask:
+    return ChatTask("acme", 3, (("user", question),), (), "history", 4, history_id="history-1", history_budget=budget)
+
+
+def _history_note(question: str, budget: int = 12) -> ChatAhead:
+    return ChatAhead("acme", (("user", question),), "history-1", budget)
+
+
+def _served(engine: MemoryEngine, task: ChatTask, *notes: ChatAhead, before_chat=None) -> tuple[list[int], dict]:
+    """The prompt the engine got and the chat's usage, its notes sent first on the same loop (as the channel does)."""
+
+    async def run() -> dict:
+        for note in notes:
+            engine.prepare(note, idle=False)
+        if before_chat is not None:
+            before_chat()
+        usage: dict = {}
+        async for event in engine.chat(task):
+            usage = event.get("usage", usage)
+        return usage
+
+    usage = asyncio.run(run())
+    return engine._engine.prompts[-1], usage
+
+
+def test_a_history_chat_takes_the_choice_its_note_began_and_lays_out_the_same_prompt(tmp_path):
+    plain, _, _ = _replica(tmp_path / "plain")
+    want, usage = _served(plain, _history_task("What is in the box?"))
+    assert usage["history_choose_ms"]["ahead"] == 0 and len(plain._histories.calls) == 1
+    engine, frame, _ = _replica(tmp_path / "ahead")
+    chooser = engine._histories
+    prompt, usage = _served(engine, _history_task("What is in the box?"), _history_note("What is in the box?"))
+    assert prompt == want and usage["history_chunks"] == 3
+    assert chooser.calls == [("acme", "history-1", "What is in the box?", 12)]  # chosen once, with the note
+    assert chooser.threads[0] is not threading.main_thread() and usage["history_choose_ms"]["ahead"] > 0
+    assert frame.tokenized == ["What is in the box?"] and not engine._choices  # the tokens too, and taken
+
+
+def test_a_chat_still_being_chosen_ahead_waits_for_that_choice(tmp_path):
+    engine, _, _ = _replica(tmp_path)
+    chooser = engine._histories
+    chooser.hold.clear()  # the choice is still running when the task comes
+    release = threading.Timer(0.2, chooser.hold.set)
+    _, usage = _served(engine, _history_task("Where is it?"), _history_note("Where is it?"), before_chat=release.start)
+    assert len(chooser.calls) == 1 and usage["history_chunks"] == 3
+    assert usage["history_choose_ms"]["call"] >= 100 and usage["history_choose_ms"]["ahead"] > 0  # waited for it
+
+
+def test_a_note_for_another_budget_or_question_is_left_and_a_failed_choice_is_made_again(tmp_path):
+    engine, _, _ = _replica(tmp_path)
+    chooser = engine._histories
+    _, usage = _served(engine, _history_task("Where is it?", budget=8), _history_note("Where is it?", budget=12))
+    assert usage["history_chunks"] == 2 and usage["history_choose_ms"]["ahead"] == 0
+    assert [c[3] for c in chooser.calls] == [12, 8] and ("acme", "history-1", "Where is it?", 12) in engine._choices
+    chooser.fail = True  # the note's choice fails; the chat chooses again and is served
+    _, usage = _served(engine, _history_task("Why?"), _history_note("Why?"))
+    assert usage["history_chunks"] == 3 and [c[2] for c in chooser.calls[2:]] == ["Why?", "Why?"]
+
+
+def test_history_notes_whose_chats_never_come_are_not_kept_for_ever(tmp_path):
+    engine, _, _ = _replica(tmp_path)
+    engine._histories.fail = True  # the first is dropped with its error read, not logged as never retrieved
+
+    async def send() -> None:
+        for i in range(100):
+            engine.prepare(_history_note(f"question {i}"), idle=False)
+        engine.prepare(_history_note("question 99"), idle=False)  # the same chat's note again: one choice
+        await asyncio.gather(*(future for _, future in engine._choices.values()))
+
+    asyncio.run(send())
+    assert len(engine._choices) == 64 and ("acme", "history-1", "question 99", 12) in engine._choices
+    assert len(engine._histories.calls) == 100
