@@ -36,14 +36,15 @@ class ChatAhead:
     history_id: str | None = None
     history_budget: int = 0
 
-    def question(self) -> str:
-        return last_user_message(self.messages)
-
     MAX_CHARS = 8192  # a longer conversation goes with its task alone (its note would cost more than it saves)
 
     @staticmethod
     def fits(messages: tuple[tuple[str, str], ...]) -> bool:
         return sum(len(content) for _, content in messages) <= ChatAhead.MAX_CHARS
+
+    def question(self) -> str:
+        """The text the history's choice reads, as its task's `question()` gives it."""
+        return last_user_message(self.messages)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class ChatTask:
 
 
 def last_user_message(messages: tuple[tuple[str, str], ...]) -> str:
+    """The conversation's last user message ("" where there is none)."""
     return next((content for role, content in reversed(messages) if role == "user"), "")
 
 

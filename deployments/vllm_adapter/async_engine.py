@@ -234,9 +234,9 @@ class MemoryEngine:
         """History mode's choice for `task`, and how long before its arrival it began (0: chosen now): the one begun
         ahead for the same question, history and budget where it succeeded, else chosen now in a worker thread."""
         key = (task.tenant_id, task.history_id, task.question(), task.history_budget)
-        arrived = time.perf_counter()
-        began, ahead = self._choices.pop(key, (arrived, None))  # type: ignore[arg-type]
-        if ahead is not None:
+        arrived, pending = time.perf_counter(), self._choices.pop(key, None)
+        if pending is not None:
+            began, ahead = pending
             try:
                 return await ahead, (arrived - began) * 1000
             except Exception:  # noqa: BLE001 - chosen again below, where the error (if it stays) reaches the chat
