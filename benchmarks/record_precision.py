@@ -30,7 +30,7 @@ from benchmarks.quality.locomo import load_samples  # noqa: E402
 from benchmarks.quality.run import Client, Plan, evaluate, paired_ratio  # noqa: E402
 
 REFERENCE = "float32"
-QUICK_QUESTIONS = 12  # of the first conversation's 36: a CPU run of both deployments in ~2 minutes
+QUICK_QUESTIONS = 12  # of the first conversation's 36: a CPU run's answering ~50 s a deployment (~4 min in all)
 
 
 def store_bytes(state_dir: Path) -> int:

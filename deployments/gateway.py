@@ -192,15 +192,16 @@ class Gateway:
         LLM replica its note. Nothing in mode `off`, nor at k = 0. A history-mode chat's note goes first, at any k:
         the replica starts choosing the history's chunks with it."""
         started = time.perf_counter()
-        if plan.history_id is not None:
-            history_note = self._ahead(plan.memory, plan.conversation, plan.history_id, plan.budget)
-            if history_note is not None:
-                history_note()
-        if body.memory.mode == "off" or plan.k == 0:
+        retrieves = body.memory.mode != "off" and plan.k > 0
+        note = self._note(plan) if retrieves or plan.history_id is not None else None
+        if note is not None and plan.history_id is not None:  # first, at any k: the replica starts choosing its chunks
+            self.llm.ahead(note)
+            note = None
+        if not retrieves:
             return RetrievalStarted(started, None)
         query = body.query_text()[-self.service.max_fact_chars :]  # the question's end is what retrieval needs
-        note = None if plan.history_id is not None else self._ahead(plan.memory, plan.conversation)
-        ticket = self.queries.start(query, SearchAsk(plan.memory.id, plan.k), note)
+        send = None if note is None else functools.partial(self.llm.ahead, note)
+        ticket = self.queries.start(query, SearchAsk(plan.memory.id, plan.k), send)
         return RetrievalStarted(started, ticket, time.perf_counter())
 
     async def prepare_chat(
@@ -308,16 +309,14 @@ class Gateway:
             retrieved.from_copy,
         )
 
-    def _ahead(
-        self, tenant: Tenant, conversation: tuple[tuple[str, str], ...], history_id: str | None = None, budget: int = 0
-    ) -> Callable[[], None] | None:
+    def _note(self, plan: ChatPlan) -> ChatAhead | None:
         """The note that lets the chat's replica tokenize the conversation and wake up while the question is embedded,
         sent once the embedding is handed over (this loop then only waits: a replica woken on its core takes nothing
-        from the request); with a history, the replica also starts choosing its chunks."""
-        if not conversation or self.llm is None or not ChatAhead.fits(conversation):
+        from the request); with a history, the replica also starts choosing its chunks. None where there is no
+        replica to tell or the conversation is too long to be worth it."""
+        if not plan.conversation or self.llm is None or not ChatAhead.fits(plan.conversation):
             return None
-        note = ChatAhead(tenant.id, conversation, history_id, budget)
-        return lambda: self.llm.ahead(note)
+        return ChatAhead(plan.memory.id, plan.conversation, plan.history_id, plan.budget)
 
     def _history_of(self, tenant: Tenant, body: GenerationRequest) -> tuple[str | None, int]:
         """History mode's history id and token budget for this chat (None, 0 in the other modes)."""

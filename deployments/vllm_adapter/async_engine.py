@@ -49,6 +49,10 @@ _KEPT_CHOICES = 64  # history chunks chosen ahead of their chats, waiting to be 
 ChoiceKey = tuple[str, str, str, int]  # (tenant, history, question, budget): what a choice depends on
 
 
+def _choice_key(chat: ChatAhead | ChatTask) -> ChoiceKey:
+    return chat.tenant_id, chat.history_id, chat.question(), chat.history_budget  # type: ignore[return-value]
+
+
 def _device() -> str:
     import torch
 
@@ -220,7 +224,7 @@ class MemoryEngine:
         """Choose a history chat's chunks in a worker thread from now, for its task to take (`_choice`): the choice
         (the question's pass, the bounds, the selection: ~1.9 ms on an H100 host, 2026-12-06) then runs while the
         ingress finishes the request and sends it, not after."""
-        key = (note.tenant_id, note.history_id, note.question(), note.history_budget)
+        key = _choice_key(note)
         if key in self._choices:
             return
         began = time.perf_counter()
@@ -233,7 +237,7 @@ class MemoryEngine:
     async def _choice(self, task: ChatTask) -> tuple[Choice, float]:
         """History mode's choice for `task`, and how long before its arrival it began (0: chosen now): the one begun
         ahead for the same question, history and budget where it succeeded, else chosen now in a worker thread."""
-        key = (task.tenant_id, task.history_id, task.question(), task.history_budget)
+        key = _choice_key(task)
         arrived, pending = time.perf_counter(), self._choices.pop(key, None)
         if pending is not None:
             began, ahead = pending

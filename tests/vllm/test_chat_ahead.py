@@ -99,12 +99,7 @@ def _task(question: str) -> ChatTask:
 
 
 def _chat(engine: MemoryEngine, task: ChatTask) -> list[int]:
-    async def run():
-        async for _ in engine.chat(task):
-            pass
-
-    asyncio.run(run())
-    return engine._engine.prompts[-1]
+    return _served(engine, task)[0]
 
 
 def test_the_chat_takes_the_tokens_prepared_ahead_and_lays_out_the_same_prompt(tmp_path):
